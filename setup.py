@@ -1,0 +1,11 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="training_utils",
+    version="0.1.0",
+    description="Shared helpers for readable diffusers training scripts: one pipeline load, side-effect-free "
+    "validation, and EMA of whatever is trained (LoRA adapters included).",
+    packages=find_packages(include=["training_utils", "training_utils.*"]),
+    python_requires=">=3.10",
+    install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
+)

@@ -1,0 +1,193 @@
+"""Command-line flags shared by every script, and the checks that run before any weights load.
+
+Flag names follow the diffusers example scripts so that their commands work here. A bad value
+stops the run with one line on stderr naming the flag, the value and what was expected::
+
+    error: --resolution=500: expected a multiple of 8
+"""
+
+import argparse
+import math
+import os
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+# A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class UsageError(Exception):
+    """A bad flag value or input, reported to the user as one line without a traceback."""
+
+    def __init__(self, flag, value, expected):
+        super().__init__(f"{flag}={value!r}: expected {expected}" if flag else expected)
+
+
+@contextmanager
+def exit_on_usage_error():
+    """Turn a `UsageError` raised inside the block into one line on stderr and exit status 2."""
+    try:
+        yield
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class TrainingArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, like the checks that follow parsing."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def training_parser(description, validation_inference_steps=30, resolution=512):
+    """A parser with every flag DESIGN.md lists as shared; scripts add their own on top."""
+    parser = TrainingArgumentParser(description=description)
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--pretrained_model_name_or_path", required=True, help="diffusers pipeline folder or hub id")
+    model.add_argument("--revision", default=None, help="hub revision of the pretrained pipeline")
+    model.add_argument("--variant", default=None, help="weights variant to load, e.g. fp16")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", default=None, help="a datasets hub name or a local dataset folder")
+    data.add_argument("--dataset_config_name", default=None)
+    data.add_argument("--train_data_dir", default=None, help="an imagefolder with metadata.jsonl")
+    data.add_argument("--image_column", default="image")
+    data.add_argument("--caption_column", default="text")
+    data.add_argument("--max_train_samples", type=int, default=None)
+    data.add_argument("--cache_dir", default=None)
+    data.add_argument("--resolution", type=int, default=resolution)
+    data.add_argument("--center_crop", action="store_true", help="crop the centre instead of a random square")
+    data.add_argument("--random_flip", action="store_true")
+    data.add_argument("--dataloader_num_workers", type=int, default=0)
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--output_dir", default="output")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--train_batch_size", type=int, default=1)
+    train.add_argument("--num_train_epochs", type=int, default=1)
+    train.add_argument("--max_train_steps", type=int, default=None, help="overrides --num_train_epochs")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--gradient_checkpointing", action="store_true")
+    train.add_argument("--learning_rate", type=float, default=1e-4)
+    train.add_argument("--scale_lr", action="store_true", help="multiply the lr by batch size, accumulation and processes")
+    train.add_argument("--lr_scheduler", default="constant",
+                       choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
+    train.add_argument("--lr_warmup_steps", type=int, default=0)
+    train.add_argument("--use_8bit_adam", action="store_true")
+    train.add_argument("--adam_beta1", type=float, default=0.9)
+    train.add_argument("--adam_beta2", type=float, default=0.999)
+    train.add_argument("--adam_weight_decay", type=float, default=1e-2)
+    train.add_argument("--adam_epsilon", type=float, default=1e-8)
+    train.add_argument("--max_grad_norm", type=float, default=1.0)
+    train.add_argument("--allow_tf32", action="store_true")
+    train.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
+
+    checkpoints = parser.add_argument_group("checkpoints")
+    checkpoints.add_argument("--checkpointing_steps", type=int, default=500)
+    checkpoints.add_argument("--checkpoints_total_limit", type=int, default=None)
+    checkpoints.add_argument("--resume_from_checkpoint", default=None,
+                             help='"latest", a checkpoint name under --output_dir, or a path')
+
+    logging = parser.add_argument_group("logging and hub")
+    logging.add_argument("--logging_dir", default="logs", help="tracker folder, relative to --output_dir")
+    logging.add_argument("--report_to", default="tensorboard", help='"tensorboard", "wandb", "all" or "none"')
+    logging.add_argument("--push_to_hub", action="store_true")
+    logging.add_argument("--hub_token", default=None)
+    logging.add_argument("--hub_model_id", default=None)
+
+    validation = parser.add_argument_group("validation")
+    validation.add_argument("--validation_prompt", nargs="+", default=None, help="one or more prompts")
+    validation.add_argument("--num_validation_images", type=int, default=4, help="images per prompt and variant")
+    validation.add_argument("--validation_steps", type=int, default=None,
+                            help="validate every N steps and at the final step (default: 100 unless --validation_epochs)")
+    validation.add_argument("--validation_epochs", type=int, default=None)
+    validation.add_argument("--validation_inference_steps", type=int, default=validation_inference_steps)
+
+    ema = parser.add_argument_group("EMA")
+    ema.add_argument("--use_ema", action="store_true", help="keep an EMA of the trained parameters")
+    ema.add_argument("--ema_decay", type=float, default=0.9999, help="maximum decay, in [0, 1)")
+    ema.add_argument("--ema_update_every", type=int, default=1, help="update every K optimizer steps")
+    ema.add_argument("--ema_device", default="accelerator", choices=["accelerator", "cpu"])
+    ema.add_argument("--ema_warmup", action="store_true", help="ramp the decay up as 1 - (1 + step/inv_gamma)^-power")
+    ema.add_argument("--ema_inv_gamma", type=float, default=1.0)
+    ema.add_argument("--ema_power", type=float, default=2 / 3)
+    return parser
+
+
+def add_lora_args(parser, train_text_encoder=False):
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--rank", type=int, default=4)
+    lora.add_argument("--lora_alpha", type=float, default=None, help="default: the rank (scale 1)")
+    lora.add_argument("--lora_dropout", type=float, default=0.0)
+    if train_text_encoder:
+        lora.add_argument("--train_text_encoder", action="store_true", help="also train LoRA on the text encoder(s)")
+
+
+def add_diffusion_loss_args(parser):
+    """The epsilon/v-prediction loss options of the UNet scripts."""
+    loss = parser.add_argument_group("loss")
+    loss.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction"],
+                      help="default: what the pipeline's scheduler was trained with")
+    loss.add_argument("--snr_gamma", type=float, default=None, help="min-SNR loss weighting gamma (5.0 is usual)")
+    loss.add_argument("--noise_offset", type=float, default=0.0)
+
+
+def require(condition, flag, value, expected):
+    if not condition:
+        raise UsageError(flag, value, expected)
+
+
+def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
+    path = Path(value).expanduser()
+    if path.exists():
+        require(path.is_dir() and (path / "model_index.json").is_file(), flag, value,
+                "a diffusers pipeline folder (with model_index.json) or a hub id")
+    else:
+        require(_HUB_ID.match(value) is not None and not value.startswith("."), flag, value,
+                "an existing diffusers pipeline folder or a hub id (owner/name)")
+
+
+def check_args(args):
+    """The checks every script shares. Call right after parsing, before anything loads."""
+    check_pretrained_path(args.pretrained_model_name_or_path)
+    require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution, "a positive multiple of 8")
+    for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",
+                 "num_validation_images", "validation_inference_steps", "ema_update_every"):
+        require(getattr(args, flag) > 0, f"--{flag}", getattr(args, flag), "a positive integer")
+    for flag in ("max_train_steps", "max_train_samples", "validation_steps", "validation_epochs",
+                 "checkpoints_total_limit"):
+        value = getattr(args, flag)
+        require(value is None or value > 0, f"--{flag}", value, "a positive integer")
+    require(args.lr_warmup_steps >= 0, "--lr_warmup_steps", args.lr_warmup_steps, "a non-negative integer")
+    require(args.dataloader_num_workers >= 0, "--dataloader_num_workers", args.dataloader_num_workers,
+            "a non-negative integer")
+    require(args.learning_rate > 0 and math.isfinite(args.learning_rate), "--learning_rate", args.learning_rate,
+            "a positive number")
+    require(0 <= args.ema_decay < 1, "--ema_decay", args.ema_decay, "a number in [0, 1)")
+    require(args.max_grad_norm > 0, "--max_grad_norm", args.max_grad_norm, "a positive number")
+    if getattr(args, "rank", None) is not None:
+        require(args.rank > 0, "--rank", args.rank, "a positive integer")
+        require(0 <= args.lora_dropout < 1, "--lora_dropout", args.lora_dropout, "a number in [0, 1)")
+    if getattr(args, "snr_gamma", None) is not None:
+        require(args.snr_gamma > 0, "--snr_gamma", args.snr_gamma, "a positive number")
+    require(args.mixed_precision != "fp16" or torch.cuda.is_available() and not os.environ.get("ACCELERATE_USE_CPU"),
+            "--mixed_precision", args.mixed_precision, "a CUDA device for fp16 (use bf16 or no on the CPU)")
+    if args.validation_steps is None and args.validation_epochs is None:
+        args.validation_steps = 100
+    if args.validation_prompt is not None:
+        require(all(prompt.strip() for prompt in args.validation_prompt), "--validation_prompt",
+                args.validation_prompt, "non-empty prompts")
+    if args.resume_from_checkpoint not in (None, "latest"):
+        from .checkpointing import resolve_checkpoint
+
+        resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    # A token in the tracker's logged config would leak it to whoever sees the run.
+    require(args.hub_token is None or args.report_to not in ("wandb", "all"), "--hub_token", "<hidden>",
+            "no --hub_token with --report_to wandb/all (log in with `hf auth login` instead)")

@@ -1,0 +1,150 @@
+"""Checkpoints that resume exactly: accelerate's state plus our trained tensors and EMA, atomically.
+
+A checkpoint folder holds what ``accelerator.save_state`` writes (optimizer, lr scheduler,
+sampler, RNG states) and, through its save hook, ``trained_parameters.safetensors`` (the trained
+tensors by name, so adapters cost megabytes, not a model), ``ema.safetensors`` and
+``training_state.json``. It is written under a temporary name and renamed when complete, so a
+folder named ``checkpoint-<step>`` is always whole.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .args import UsageError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+TRAINED_FILE = "trained_parameters.safetensors"
+EMA_FILE = "ema.safetensors"
+STATE_FILE = "training_state.json"
+
+
+def complete_checkpoints(output_dir):
+    """``[(step, path)]`` of the complete checkpoints under ``output_dir``, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for path in output_dir.iterdir():
+        match = CHECKPOINT_PATTERN.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resolve_checkpoint(value, output_dir):
+    """The checkpoint folder that ``--resume_from_checkpoint value`` means, or None to start fresh.
+
+    "latest" is the newest complete checkpoint under ``output_dir`` (None when there is none);
+    anything else is a path, or a name under ``output_dir``, and must exist.
+    """
+    if value is None:
+        return None
+    if value == "latest":
+        checkpoints = complete_checkpoints(output_dir)
+        return checkpoints[-1][1] if checkpoints else None
+    for candidate in (Path(value), Path(output_dir) / value):
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    raise UsageError("--resume_from_checkpoint", value,
+                     f'"latest", or a checkpoint folder (a path, or a name under {output_dir}) holding {STATE_FILE}')
+
+
+class Checkpointer:
+    """Saves and loads checkpoints of one run.
+
+    ``parameters`` are the trained tensors by name (``pipeline.trainable_parameters``); ``ema``
+    is the `EMA` over them or None. Registers accelerate hooks so ``save_state``/``load_state``
+    store these instead of whole models.
+    """
+
+    def __init__(self, accelerator, output_dir, parameters, ema=None, total_limit=None):
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.parameters = parameters
+        self.ema = ema
+        self.total_limit = total_limit
+        self._saving_step = None
+        self.loaded_step = None
+        accelerator.register_save_state_pre_hook(self._save_hook)
+        accelerator.register_load_state_pre_hook(self._load_hook)
+
+    def save(self, step):
+        """Write ``checkpoint-<step>`` atomically on all processes, then prune old ones. Returns its path."""
+        final = self.output_dir / f"checkpoint-{step}"
+        staging = self.output_dir / f".checkpoint-{step}.incomplete"
+        if self.accelerator.is_main_process and staging.exists():
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        self._saving_step = step
+        self.accelerator.save_state(str(staging))
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            self.prune()
+            logger.info(f"saved {final}")
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def prune(self):
+        """Keep the newest ``total_limit`` complete checkpoints; folders that vanish meanwhile are fine."""
+        if self.total_limit is None:
+            return
+        for _, path in complete_checkpoints(self.output_dir)[: -self.total_limit]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, path):
+        """Restore a checkpoint folder into the live run; returns its global step."""
+        self.accelerator.load_state(str(path))
+        return self.loaded_step
+
+    def _save_hook(self, models, weights, output_dir):
+        # Our files replace accelerate's whole-model weights: adapters stay adapter-sized.
+        weights.clear()
+        if not self.accelerator.is_main_process:
+            return
+        output_dir = Path(output_dir)
+        save_file({name: p.detach().cpu().contiguous() for name, p in self.parameters.items()},
+                  output_dir / TRAINED_FILE)
+        if self.ema is not None:
+            self.ema.save(output_dir / EMA_FILE)
+        (output_dir / STATE_FILE).write_text(json.dumps({"global_step": self._saving_step}))
+
+    def _load_hook(self, models, input_dir):
+        models.clear()
+        input_dir = Path(input_dir)
+        saved = load_file(input_dir / TRAINED_FILE)
+        missing, unexpected = self.parameters.keys() - saved.keys(), saved.keys() - self.parameters.keys()
+        if missing or unexpected:
+            raise UsageError("--resume_from_checkpoint", str(input_dir),
+                             f"a checkpoint of the same trained parameters (missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(unexpected)[:3]})")
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                if saved[name].shape != parameter.shape:
+                    raise UsageError("--resume_from_checkpoint", str(input_dir),
+                                     f"{name} of shape {tuple(parameter.shape)}, not {tuple(saved[name].shape)}")
+                parameter.copy_(saved[name])
+        has_ema = (input_dir / EMA_FILE).is_file()
+        if (self.ema is not None) != has_ema:
+            raise UsageError("--resume_from_checkpoint", str(input_dir),
+                             "a checkpoint made with the same --use_ema setting as this run")
+        if self.ema is not None:
+            self.ema.load(input_dir / EMA_FILE)
+        self.loaded_step = json.loads((input_dir / STATE_FILE).read_text())["global_step"]
+
+
+def resume_position(global_step, steps_per_epoch, gradient_accumulation_steps):
+    """``(epoch, batches to skip in it)`` where a run restored at ``global_step`` continues."""
+    epoch, step_in_epoch = divmod(global_step, steps_per_epoch)
+    return epoch, step_in_epoch * gradient_accumulation_steps

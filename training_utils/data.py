@@ -1,0 +1,151 @@
+"""Datasets, image transforms and data loaders, without torchvision.
+
+Randomness in preprocessing (crops, flips, caption choice) comes from a generator seeded by
+(seed, epoch, sample index), never from the global RNG: the loader prefetches ahead of the
+training step, so global draws would make a resumed run see different augmentations.
+"""
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .args import UsageError
+
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+def load_train_dataset(args, columns):
+    """The training split of ``--dataset_name`` or ``--train_data_dir``, checked to have ``columns``.
+
+    Reads metadata only, so it runs before any weights load and a wrong column fails in seconds.
+    """
+    from datasets import load_dataset
+
+    if (args.dataset_name is None) == (args.train_data_dir is None):
+        raise UsageError("--dataset_name/--train_data_dir", args.dataset_name or args.train_data_dir,
+                         "exactly one of the two")
+    if args.train_data_dir is not None:
+        data_dir = Path(args.train_data_dir)
+        if not data_dir.is_dir():
+            raise UsageError("--train_data_dir", args.train_data_dir, "an existing folder")
+        if not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in data_dir.rglob("*")):
+            raise UsageError("--train_data_dir", args.train_data_dir, "a folder holding images")
+        dataset = load_dataset("imagefolder", data_dir=str(data_dir), cache_dir=args.cache_dir)
+    else:
+        try:
+            dataset = load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
+        except (FileNotFoundError, ValueError, ConnectionError) as error:
+            raise UsageError("--dataset_name", args.dataset_name, f"a loadable dataset ({error})") from None
+    if "train" not in dataset:
+        raise UsageError("--dataset_name", args.dataset_name, f"a dataset with a train split, not {list(dataset)}")
+    dataset = dataset["train"]
+    for flag, column in columns.items():
+        if column not in dataset.column_names:
+            raise UsageError(flag, column, f"a column of the dataset: {', '.join(dataset.column_names)}")
+    if len(dataset) == 0:
+        raise UsageError("--train_data_dir", args.train_data_dir, "a dataset with at least one example")
+    if args.max_train_samples is not None:
+        dataset = dataset.select(range(min(args.max_train_samples, len(dataset))))
+    return dataset
+
+
+def sample_generator(seed, epoch, index):
+    """A generator private to one sample of one epoch."""
+    return torch.Generator().manual_seed(hash((seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class ImageTransform:
+    """Resize the short side, crop a square, maybe flip, and scale to [-1, 1] CHW float.
+
+    Returns the tensor with what SDXL-style micro-conditioning needs: the original (height,
+    width) and the crop's (top, left) in resized coordinates.
+    """
+
+    def __init__(self, resolution, center_crop=False, random_flip=False):
+        self.resolution = resolution
+        self.center_crop = center_crop
+        self.random_flip = random_flip
+
+    def __call__(self, image, generator):
+        image = image.convert("RGB")
+        original_size = (image.height, image.width)
+        scale = self.resolution / min(image.width, image.height)
+        width, height = max(self.resolution, round(image.width * scale)), max(self.resolution, round(image.height * scale))
+        image = image.resize((width, height), Image.BILINEAR)
+        if self.center_crop:
+            top, left = (height - self.resolution) // 2, (width - self.resolution) // 2
+        else:
+            top = int(torch.randint(0, height - self.resolution + 1, (1,), generator=generator))
+            left = int(torch.randint(0, width - self.resolution + 1, (1,), generator=generator))
+        image = image.crop((left, top, left + self.resolution, top + self.resolution))
+        if self.random_flip and torch.rand((), generator=generator) < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+            left = width - left - self.resolution
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+        return pixels.contiguous(), original_size, (top, left)
+
+
+def pick_caption(value, generator, flag="--caption_column"):
+    """A caption from a string or a list of strings (one drawn at random, as for multi-caption data)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        return value[int(torch.randint(0, len(value), (1,), generator=generator))]
+    raise UsageError(flag, value, "captions that are strings or lists of strings")
+
+
+def tokenize(tokenizer, texts):
+    """Token ids padded to the tokenizer's maximum length, as the text encoders were trained."""
+    return tokenizer(
+        texts, max_length=tokenizer.model_max_length, padding="max_length", truncation=True, return_tensors="pt"
+    ).input_ids
+
+
+class TrainDataset(torch.utils.data.Dataset):
+    """A map-style dataset that runs ``preprocess(example, generator)`` with a per-sample generator.
+
+    ``set_epoch`` is called by accelerate's loader at the start of each epoch.
+    """
+
+    def __init__(self, examples, preprocess, seed):
+        self.examples = examples
+        self.preprocess = preprocess
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, index):
+        return self.preprocess(self.examples[index], sample_generator(self.seed, self.epoch, index))
+
+
+def make_dataloader(dataset, batch_size, num_workers, collate_fn, shuffle=True):
+    """A plain loader; ``accelerate.prepare`` swaps in its seedable sampler so each epoch's order
+    depends on (seed, epoch) alone, which is what makes resuming mid-epoch exact."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, collate_fn=collate_fn,
+        worker_init_fn=_seed_worker, drop_last=False,
+    )
+
+
+def _seed_worker(worker_id):
+    # Workers never draw random numbers of their own, but libraries inside them might.
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def epoch_batches(accelerator, dataloader, epoch, skip_batches=0):
+    """The prepared loader for ``epoch``, skipping the first ``skip_batches`` (when resuming mid-epoch)."""
+    dataloader.set_epoch(epoch)
+    if skip_batches:
+        dataloader = accelerator.skip_first_batches(dataloader, skip_batches)
+        dataloader.set_epoch(epoch)
+    return dataloader

@@ -1,0 +1,49 @@
+"""The pieces of the denoising loss that every epsilon/v-prediction UNet script shares."""
+
+import torch
+import torch.nn.functional as F
+
+
+def sample_noise(latents, noise_offset=0.0):
+    """Gaussian noise like ``latents``; ``noise_offset`` adds a per-channel constant so the model
+    learns to change the image's mean brightness."""
+    noise = torch.randn_like(latents)
+    if noise_offset:
+        noise += noise_offset * torch.randn(latents.shape[:2] + (1,) * (latents.ndim - 2), device=latents.device,
+                                            dtype=latents.dtype)
+    return noise
+
+
+def sample_timesteps(noise_scheduler, batch_size, device):
+    return torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch_size,), device=device).long()
+
+
+def prediction_target(noise_scheduler, latents, noise, timesteps):
+    """What the model predicts: the noise (epsilon) or the velocity (v-prediction)."""
+    prediction_type = noise_scheduler.config.prediction_type
+    if prediction_type == "epsilon":
+        return noise
+    if prediction_type == "v_prediction":
+        return noise_scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"unsupported prediction type {prediction_type!r}")
+
+
+def snr(noise_scheduler, timesteps):
+    """Signal-to-noise ratio alpha_bar / (1 - alpha_bar) at ``timesteps``."""
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+    return alphas_cumprod / (1 - alphas_cumprod)
+
+
+def diffusion_loss(model_pred, target, noise_scheduler, timesteps, snr_gamma=None):
+    """Mean squared error, optionally with min-SNR-gamma weighting (Hang et al., 2023).
+
+    Per sample the weight is min(SNR, gamma) / SNR for epsilon and min(SNR, gamma) / (SNR + 1)
+    for v-prediction, which caps the weight of the easy, low-noise timesteps.
+    """
+    if snr_gamma is None:
+        return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    ratio = snr(noise_scheduler, timesteps)
+    weights = torch.clamp(ratio, max=snr_gamma)
+    weights = weights / (ratio + 1 if noise_scheduler.config.prediction_type == "v_prediction" else ratio)
+    per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=list(range(1, target.ndim)))
+    return (per_sample * weights).mean()

@@ -1,0 +1,236 @@
+"""Tiny offline fixtures: pipelines and datasets small enough to train on a CPU in seconds.
+
+Nothing here touches the network. Every fixture is built from random weights with a fixed seed
+and saved with ``save_pretrained``, so the scripts load it exactly as they load a hub model::
+
+    python -m training_utils.tiny --output_dir tiny          # builds every fixture
+    python -m training_utils.tiny --output_dir tiny sd shapes
+
+Each fixture is a function ``build_<name>(path)`` registered in ``FIXTURES``; new model families
+add theirs beside the SD 1.x ones from the shared building blocks (tokenizer, text encoder, VAE).
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 60),
+    "blue": (30, 60, 220),
+    "yellow": (235, 200, 20),
+    "purple": (140, 40, 170),
+    "orange": (240, 130, 20),
+}
+BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15), "gray": (128, 128, 128)}
+SHAPES = ("circle", "square", "triangle")
+# Every word a caption or a demo prompt uses gets a whole-word token, so distinct prompts
+# tokenize to distinct ids instead of collapsing into unknown tokens.
+EXTRA_WORDS = ("a", "an", "on", "of", "the", "background", "photo", "small", "big", "shape", "sks", "dog", "in")
+
+IMAGE_SIZE = 64
+SEED = 0
+
+
+def _bytes_to_unicode():
+    """The byte-to-printable-character table of GPT-2/CLIP byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in codes]
+
+
+def tiny_clip_tokenizer(words=None, model_max_length=77):
+    """A real byte-level BPE CLIP tokenizer whose vocabulary holds ``words`` as whole tokens.
+
+    Every byte has a token, so any text tokenizes; the listed words merge into single tokens.
+    """
+    from transformers import CLIPTokenizer
+
+    words = sorted(set(words if words is not None else _vocabulary()))
+    byte_chars = _bytes_to_unicode()
+    tokens = list(byte_chars) + [c + "</w>" for c in byte_chars]
+    merges = []
+    for word in words:
+        # Merge left to right: "red" -> "r e", "re d</w>" so each prefix is a vocabulary entry.
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        merged = pieces[0]
+        for piece in pieces[1:]:
+            rule = (merged, piece)
+            if rule not in merges:
+                merges.append(rule)
+            merged += piece
+            if merged not in tokens:
+                tokens.append(merged)
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def tiny_clip_text_encoder(vocab_size, with_projection=False, hidden_size=32, seed=SEED):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=hidden_size,
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+    )
+    model_class = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return model_class(config).eval()
+
+
+def tiny_vae(seed=SEED):
+    """A VAE that halves the resolution (real SD VAEs divide by 8), with SD's 4 latent channels."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        block_out_channels=(16, 32),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+
+
+def tiny_unet(cross_attention_dim=32, seed=SEED, **overrides):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    config = dict(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=(2, 4),
+        norm_num_groups=8,
+    )
+    config.update(overrides)
+    return UNet2DConditionModel(**config)
+
+
+def sd_inference_scheduler():
+    """The scheduler SD 1.x checkpoints ship (PNDM); it keeps state between steps, like many do."""
+    from diffusers import PNDMScheduler
+
+    return PNDMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        skip_prk_steps=True,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+
+
+def _vocabulary():
+    return list(COLORS) + list(BACKGROUNDS) + list(SHAPES) + list(EXTRA_WORDS)
+
+
+def build_sd(path):
+    """A Stable Diffusion 1.x pipeline: UNet, VAE, CLIP text encoder and tokenizer, PNDM scheduler."""
+    from diffusers import StableDiffusionPipeline
+
+    tokenizer = tiny_clip_tokenizer()
+    pipe = StableDiffusionPipeline(
+        unet=tiny_unet(),
+        vae=tiny_vae(),
+        text_encoder=tiny_clip_text_encoder(len(tokenizer)),
+        tokenizer=tokenizer,
+        scheduler=sd_inference_scheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(path)
+
+
+def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
+    """One synthetic picture: a coloured shape at a jittered position on a plain background."""
+    rng = rng or random.Random(SEED)
+    image = Image.new("RGB", (size, size), BACKGROUNDS[background])
+    draw = ImageDraw.Draw(image)
+    extent = rng.randint(size // 3, size // 2)
+    left = rng.randint(2, size - extent - 2)
+    top = rng.randint(2, size - extent - 2)
+    box = (left, top, left + extent, top + extent)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLORS[color])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLORS[color])
+    else:
+        draw.polygon([(left + extent // 2, top), (left, top + extent), (left + extent, top + extent)], fill=COLORS[color])
+    return image
+
+
+def build_shapes(path, num_images=36):
+    """An imagefolder dataset: ``metadata.jsonl`` with ``file_name`` and ``text`` captions that describe the image."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED)
+    combos = [(s, c, b) for s in SHAPES for c in COLORS for b in BACKGROUNDS if COLORS[c] != BACKGROUNDS[b]]
+    rng.shuffle(combos)
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index in range(num_images):
+            shape, color, background = combos[index % len(combos)]
+            file_name = f"{index:04d}.png"
+            draw_shape(shape, color, background, rng=rng).save(path / file_name)
+            caption = f"a {color} {shape} on a {background} background"
+            metadata.write(json.dumps({"file_name": file_name, "text": caption}) + "\n")
+
+
+FIXTURES = {
+    "sd": build_sd,
+    "shapes": build_shapes,
+}
+
+
+def build(output_dir, names=None):
+    """Build the named fixtures (all by default) under ``output_dir``; returns ``{name: path}``."""
+    paths = {}
+    for name in names or FIXTURES:
+        paths[name] = Path(output_dir) / name
+        FIXTURES[name](paths[name])
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default="tiny", help="where the fixtures go (default: ./tiny)")
+    parser.add_argument("names", nargs="*", help=f"fixtures to build, of {', '.join(FIXTURES)} (default: all)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(FIXTURES))
+    if unknown:
+        parser.error(f"unknown fixture {unknown[0]!r}; expected one of {', '.join(FIXTURES)}")
+    for name, path in build(args.output_dir, args.names).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The accelerator, optimizer, learning-rate schedule and step arithmetic every script sets up the same way."""
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from diffusers.optimization import get_scheduler
+
+from .args import UsageError
+
+
+def make_accelerator(args):
+    """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
+    so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG."""
+    output_dir = Path(args.output_dir)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / args.logging_dir)),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
+    set_seed(args.seed)
+    if args.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    return accelerator
+
+
+def make_optimizer(args, parameters, num_processes):
+    """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters``, with ``--scale_lr`` applied."""
+    learning_rate = args.learning_rate
+    if args.scale_lr:
+        learning_rate *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
+    optimizer_class = torch.optim.AdamW
+    if args.use_8bit_adam:
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise UsageError("--use_8bit_adam", True, "bitsandbytes installed (pip install bitsandbytes)") from None
+        optimizer_class = bitsandbytes.optim.AdamW8bit
+    return optimizer_class(
+        list(parameters), lr=learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
+    )
+
+
+def training_length(args, num_batches):
+    """``(max_train_steps, num_epochs, steps_per_epoch)`` from the flags and the loader's length per process.
+
+    ``--max_train_steps`` wins over ``--num_train_epochs``; an epoch's last, partial accumulation
+    still makes an optimizer step.
+    """
+    steps_per_epoch = math.ceil(num_batches / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    return max_train_steps, math.ceil(max_train_steps / steps_per_epoch), steps_per_epoch
+
+
+def make_lr_scheduler(args, optimizer, max_train_steps, num_processes):
+    # accelerate steps a prepared scheduler once per process per optimizer step.
+    return get_scheduler(
+        args.lr_scheduler, optimizer=optimizer,
+        num_warmup_steps=args.lr_warmup_steps * num_processes,
+        num_training_steps=max_train_steps * num_processes,
+    )
+
+
+def make_ema(args, parameters, accelerator):
+    """The `EMA` that ``--use_ema`` and its flags ask for, or None."""
+    if not args.use_ema:
+        return None
+    from .ema import EMA
+
+    return EMA(parameters, decay=args.ema_decay, update_every=args.ema_update_every, warmup=args.ema_warmup,
+               inv_gamma=args.ema_inv_gamma, power=args.ema_power,
+               device="cpu" if args.ema_device == "cpu" else accelerator.device)
+
+
+def tracker_config(args):
+    """The run's flags as trackers accept them (scalars only; lists become strings)."""
+    return {key: value if isinstance(value, (int, float, str, bool)) else str(value) for key, value in vars(args).items()}

@@ -1,0 +1,130 @@
+"""Validation from the live components, with no side effects on training.
+
+Rendering mutates scheduler state (timesteps, sigmas, multistep buffers), flips modules to eval
+and, unless told otherwise, draws noise from the global RNG. `Validator` snapshots and restores
+the schedulers, restores every module's train/eval mode, renders with seeded generators only
+inside a forked RNG, and swaps EMA weights in and out bitwise. A run with validation therefore
+ends with the same weights as the same run without it.
+"""
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .pipeline import modules_of
+
+VALIDATION_DIR = "validation"
+LOG_NAME = "log.jsonl"
+
+
+def validation_due(step, max_train_steps, validation_steps=None, validation_epochs=None, steps_per_epoch=None):
+    """Whether ``step`` (1-based optimizer step) is validated: every ``validation_steps``, at the end of every
+    ``validation_epochs``-th epoch, and at the final step. Asked once per step, so never twice."""
+    if step == max_train_steps:
+        return True
+    if validation_steps is not None and step % validation_steps == 0:
+        return True
+    return validation_epochs is not None and step % steps_per_epoch == 0 and (step // steps_per_epoch) % validation_epochs == 0
+
+
+@contextlib.contextmanager
+def preserved_state(schedulers, modules):
+    """Restore the schedulers' attributes and every submodule's train/eval mode on exit."""
+    saved_schedulers = [copy.deepcopy(vars(scheduler)) for scheduler in schedulers]
+    saved_modes = [(submodule, submodule.training) for module in modules for submodule in module.modules()]
+    try:
+        yield
+    finally:
+        for scheduler, saved in zip(schedulers, saved_schedulers):
+            vars(scheduler).clear()
+            vars(scheduler).update(saved)
+        for submodule, training in saved_modes:
+            submodule.training = training
+
+
+class Validator:
+    """Renders the validation prompts from a pipeline built on the live components.
+
+    ``schedulers`` are extra schedulers to protect besides ``pipe.scheduler`` (the training noise
+    scheduler). ``call_kwargs`` go to every pipeline call (e.g. height/width); ``prompt_kwargs``
+    holds one dict per prompt (e.g. a ControlNet's conditioning image). Images are written under
+    ``output_dir/validation`` and described in ``validation/log.jsonl``.
+    """
+
+    def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
+                 ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None):
+        self.pipe = pipe
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.prompts = list(prompts)
+        self.num_images = num_images
+        self.num_inference_steps = num_inference_steps
+        self.seed = seed
+        self.ema = ema
+        self.schedulers = list(schedulers)
+        self.weight_dtype = weight_dtype
+        self.call_kwargs = call_kwargs or {}
+        self.prompt_kwargs = prompt_kwargs or [{} for _ in self.prompts]
+        if len(self.prompt_kwargs) != len(self.prompts):
+            raise ValueError(f"{len(self.prompt_kwargs)} prompt_kwargs for {len(self.prompts)} prompts")
+
+    def __call__(self, step):
+        """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only)."""
+        rendered = []
+        if self.accelerator.is_main_process:
+            variants = [("raw", contextlib.nullcontext)]
+            if self.ema is not None:
+                variants.append(("ema", self.ema.swapped_in))
+            with preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()):
+                for variant, weights in variants:
+                    with weights():
+                        rendered += [self._render(step, variant, index) for index in range(len(self.prompts))]
+            self._log(step, rendered)
+        self.accelerator.wait_for_everyone()
+        return [record for record, _ in rendered]
+
+    def _render(self, step, variant, prompt_index):
+        # CPU generators give the same noise on every device; one per image keeps a batched call
+        # identical to rendering the images one at a time.
+        generators = [torch.Generator().manual_seed(self.seed + i) for i in range(self.num_images)]
+        device_type = self.accelerator.device.type
+        autocast = (torch.autocast(device_type, dtype=self.weight_dtype) if self.weight_dtype != torch.float32
+                    else contextlib.nullcontext())
+        fork_devices = [self.accelerator.device] if device_type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices), autocast, torch.no_grad():
+            images = self.pipe(
+                prompt=self.prompts[prompt_index],
+                num_images_per_prompt=self.num_images,
+                num_inference_steps=self.num_inference_steps,
+                generator=generators,
+                **self.call_kwargs,
+                **self.prompt_kwargs[prompt_index],
+            ).images
+        folder = self.output_dir / VALIDATION_DIR / f"step-{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for index, image in enumerate(images):
+            path = folder / f"{variant}-p{prompt_index:02d}-{index:02d}.png"
+            image.save(path)
+            paths.append(path.relative_to(self.output_dir).as_posix())
+        record = {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths}
+        return record, images
+
+    def _log(self, step, rendered):
+        with open(self.output_dir / VALIDATION_DIR / LOG_NAME, "a") as log:
+            for record, _ in rendered:
+                log.write(json.dumps(record) + "\n")
+        for tracker in self.accelerator.trackers:
+            for position, (record, images) in enumerate(rendered):
+                tag = f"validation/{record['variant']}/p{position % len(self.prompts):02d}"
+                if tracker.name == "tensorboard":
+                    tracker.writer.add_images(tag, np.stack([np.asarray(image) for image in images]), step,
+                                              dataformats="NHWC")
+                elif tracker.name == "wandb":
+                    import wandb
+
+                    tracker.log({tag: [wandb.Image(image, caption=record["prompt"]) for image in images]}, step=step)
