@@ -126,12 +126,17 @@ class TrainDataset(torch.utils.data.Dataset):
         return self.preprocess(self.examples[index], sample_generator(self.seed, self.epoch, index))
 
 
-def make_dataloader(dataset, batch_size, num_workers, collate_fn, shuffle=True):
+def make_dataloader(dataset, batch_size, num_workers, collate_fn, seed, shuffle=True):
     """A plain loader; ``accelerate.prepare`` swaps in its seedable sampler so each epoch's order
-    depends on (seed, epoch) alone, which is what makes resuming mid-epoch exact."""
+    depends on (seed, epoch) alone, which is what makes resuming mid-epoch exact.
+
+    The loader gets its own generator: without one, every new iterator (each epoch, and once
+    more after resuming) draws a worker base seed from the global RNG and shifts the noise that
+    training draws from it.
+    """
     return torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, collate_fn=collate_fn,
-        worker_init_fn=_seed_worker, drop_last=False,
+        worker_init_fn=_seed_worker, drop_last=False, generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -78,7 +78,7 @@ def main(args):
         return {key: torch.stack([example[key] for example in examples]) for key in examples[0]}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers, collate))
+        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers, collate, args.seed))
     max_train_steps, num_epochs, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)

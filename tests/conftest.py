@@ -1,0 +1,55 @@
+"""Shared fixtures: the tiny offline models and datasets, built once per test session."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+# Quiet, deterministic, offline subprocesses.
+SUBPROCESS_ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """``{fixture name: path}`` of every tiny fixture of ``training_utils.tiny``."""
+    from training_utils.tiny import build
+
+    return build(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sd_pipe(tiny):
+    """The tiny SD pipeline, loaded once. Tests must not change it (load their own to mutate)."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def launch(script, *args, processes=1, check=True, quiet=False):
+    """Run ``examples/<script>`` with ``accelerate launch`` on the CPU; returns the CompletedProcess."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--num_processes", str(processes)]
+    if processes > 1:
+        command += ["--multi_gpu"]
+    if quiet:
+        command += ["--quiet"]
+    command += [str(EXAMPLES / script), *map(str, args)]
+    env = {**SUBPROCESS_ENV, "ACCELERATE_USE_CPU": "1"} if processes > 1 else SUBPROCESS_ENV
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result

@@ -1,0 +1,226 @@
+"""Exponential moving average (EMA) of named trained tensors, kept as fp32 shadows.
+
+The EMA tracks a mapping ``name -> live Parameter`` (PEFT LoRA adapter tensors, or every
+parameter of a module). Each update blends the live weights into fp32 shadow copies:
+
+    shadow = beta * shadow + (1 - beta) * weight
+
+When the EMA is updated only every K optimizer steps, ``beta`` is the product of the K
+single-step decays ("interval correction"). A fixed per-update decay combined with an update
+interval would make the EMA K times slower than intended, leaving it close to the initial weights.
+"""
+
+import contextlib
+import os
+from collections import defaultdict
+from typing import Dict, Iterator, List, Mapping, Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+EMA_FORMAT = "training_utils.ema"
+
+
+def _few(names: List[str], limit: int = 5) -> str:
+    """Lists at most `limit` names, so error messages stay readable for large models."""
+    listed = ", ".join(names[:limit])
+    if len(names) > limit:
+        listed += f", ... ({len(names) - limit} more)"
+    return listed
+
+
+class EMA:
+    """Exponential moving average of named parameters, with one fp32 shadow per parameter.
+
+    Args:
+        parameters: name -> live parameter. Kept by reference: these are the tensors that get
+            averaged in `update` and overwritten in `swapped_in`.
+        decay: decay of one optimizer step (0 <= decay < 1).
+        update_every: the intended update interval in optimizer steps; see `is_due`.
+        warmup: if True, ramp the per-step decay up as ``1 - (1 + step / inv_gamma) ** -power``,
+            capped at `decay`.
+        inv_gamma: warm-up inverse multiplicative factor (> 0).
+        power: warm-up exponential factor (> 0).
+        device: where to keep the shadows (e.g. "cpu" to keep accelerator memory free). Defaults to
+            each parameter's own device.
+    """
+
+    def __init__(
+        self,
+        parameters: Mapping[str, torch.nn.Parameter],
+        decay: float = 0.9999,
+        update_every: int = 1,
+        warmup: bool = False,
+        inv_gamma: float = 1.0,
+        power: float = 2 / 3,
+        device: Optional[Union[str, torch.device]] = None,
+    ):
+        if len(parameters) == 0:
+            raise ValueError("EMA needs at least one parameter")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must satisfy 0 <= decay < 1, got {decay}")
+        if update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {update_every}")
+        if inv_gamma <= 0:
+            raise ValueError(f"inv_gamma must be > 0, got {inv_gamma}")
+        if power <= 0:
+            raise ValueError(f"power must be > 0, got {power}")
+
+        self.parameters: Dict[str, torch.nn.Parameter] = dict(parameters)
+        self.decay = decay
+        self.update_every = update_every
+        self.warmup = warmup
+        self.inv_gamma = inv_gamma
+        self.power = power
+
+        shadow_device = torch.device(device) if device is not None else None
+        # contiguous so the shadows can be written to safetensors as they are
+        self.shadows: Dict[str, torch.Tensor] = {
+            name: param.detach().to(
+                device=shadow_device or param.device,
+                dtype=torch.float32,
+                memory_format=torch.contiguous_format,
+                copy=True,
+            )
+            for name, param in self.parameters.items()
+        }
+        self.step = 0
+        self._backups: Optional[Dict[str, torch.Tensor]] = None
+
+    @property
+    def num_bytes(self) -> int:
+        """Total bytes held by the shadows."""
+        return sum(shadow.numel() * shadow.element_size() for shadow in self.shadows.values())
+
+    def step_decay(self, step: int) -> float:
+        """Decay of the single optimizer step `step` (1-based). Override for other schedules."""
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, max(0.0, 1 - (1 + step / self.inv_gamma) ** -self.power))
+
+    def decay_between(self, last_step: int, step: int) -> float:
+        """Decay accumulated over steps last_step + 1 .. step: the product of their single-step decays."""
+        beta = 1.0
+        for s in range(last_step + 1, step + 1):
+            beta *= self.step_decay(s)
+        return beta
+
+    def is_due(self, step: int) -> bool:
+        """Whether optimizer step `step` falls on the update interval."""
+        return step % self.update_every == 0
+
+    @torch.no_grad()
+    def update(self, step: int):
+        """Blends the live weights into the shadows as of optimizer step `step`.
+
+        The first update copies the weights. Later ones apply the decay of every optimizer step
+        since the previous update, so calling this off the interval (e.g. at the final step) is exact.
+        """
+        if step <= self.step:
+            raise ValueError(f"EMA update step must increase: got {step} after {self.step}")
+        beta = 0.0 if self.step == 0 else self.decay_between(self.step, step)
+
+        # foreach ops need lists that share device and dtype: (shadow device, weight dtype) -> (shadows, weights)
+        groups = defaultdict(lambda: ([], []))
+        for name, shadow in self.shadows.items():
+            weight = self.parameters[name].detach()
+            shadows, weights = groups[(shadow.device, weight.dtype)]
+            shadows.append(shadow)
+            weights.append(weight)
+
+        for (shadow_device, _), (shadows, weights) in groups.items():
+            # .to() returns the tensor itself when it already is fp32 on the shadow's device
+            weights = [weight.to(device=shadow_device, dtype=torch.float32) for weight in weights]
+            if beta == 0.0:
+                # a copy, so the EMA is exactly the weights rather than within rounding of them
+                torch._foreach_copy_(shadows, weights)
+            else:
+                torch._foreach_lerp_(shadows, weights, 1.0 - beta)
+
+        self.step = step
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Context manager that puts the EMA weights into the live parameters.
+
+        On exit, also when the body raises, the live parameters are restored bitwise. Parameter
+        identity, dtype, device, requires_grad and .grad are left untouched. The backup of the
+        live weights is kept on the shadows' device, so a CPU EMA adds no accelerator memory.
+        """
+        if self._backups is not None:
+            raise RuntimeError("EMA weights are already swapped in; swapped_in cannot be nested")
+
+        # no_grad only around the copies: the body keeps the caller's grad mode
+        with torch.no_grad():
+            self._backups = {
+                name: param.detach().to(device=self.shadows[name].device, copy=True)
+                for name, param in self.parameters.items()
+            }
+        try:
+            with torch.no_grad():
+                for name, param in self.parameters.items():
+                    param.copy_(self.shadows[name])
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self.parameters.items():
+                    param.copy_(self._backups[name])
+            self._backups = None
+
+    def state_dict(self) -> dict:
+        """Returns {"shadows": {name: tensor}, "step": int}. The shadows are references, not copies."""
+        return {"shadows": dict(self.shadows), "step": self.step}
+
+    def load_state_dict(self, state: Mapping):
+        """Copies a `state_dict` into the existing shadows (keeping their device) and restores the step.
+
+        Strict: missing names, unexpected names and shape mismatches raise ValueError.
+        """
+        shadows = state["shadows"]
+        step = int(state["step"])
+
+        missing = sorted(self.shadows.keys() - shadows.keys())
+        unexpected = sorted(shadows.keys() - self.shadows.keys())
+        mismatched = sorted(
+            f"{name} (got {tuple(shadows[name].shape)}, expected {tuple(shadow.shape)})"
+            for name, shadow in self.shadows.items()
+            if name in shadows and shadows[name].shape != shadow.shape
+        )
+        problems = []
+        if missing:
+            problems.append(f"missing keys: {_few(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys: {_few(unexpected)}")
+        if mismatched:
+            problems.append(f"shape mismatch: {_few(mismatched)}")
+        if step < 0:
+            problems.append(f"step must be >= 0, got {step}")
+        if problems:
+            raise ValueError("EMA state does not match this EMA: " + "; ".join(problems))
+
+        with torch.no_grad():
+            for name, shadow in self.shadows.items():
+                shadow.copy_(shadows[name])
+        self.step = step
+
+    def save(self, path: Union[str, os.PathLike]):
+        """Writes the shadows and step to a safetensors file, atomically."""
+        path = os.fspath(path)
+        # same folder, so os.replace is an atomic rename: a crash never leaves a truncated file at `path`
+        temporary_path = f"{path}.tmp{os.getpid()}"
+        try:
+            save_file(self.shadows, temporary_path, metadata={"step": str(self.step), "format": EMA_FORMAT})
+            os.replace(temporary_path, path)
+        finally:
+            if os.path.exists(temporary_path):
+                os.remove(temporary_path)
+
+    def load(self, path: Union[str, os.PathLike]):
+        """Loads a file written by `save`. Raises ValueError for other safetensors files."""
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as file:
+            metadata = file.metadata() or {}
+            if metadata.get("format") != EMA_FORMAT or "step" not in metadata:
+                raise ValueError(f"{path} is not an EMA file written by {EMA_FORMAT}")
+            shadows = {name: file.get_tensor(name) for name in file.keys()}
+        self.load_state_dict({"shadows": shadows, "step": int(metadata["step"])})
