@@ -152,7 +152,7 @@ def test_interval_correction_matches_updating_every_step():
                     param.add_(1.0)
         every_step.update(step)
         # the final step is not due, and is updated anyway, as a training script would
-        if every_interval.is_due(step) or step == final_step:
+        if every_interval.is_due(step, final_step):
             every_interval.update(step)
             buggy.update(step)
 
@@ -190,6 +190,7 @@ def test_decay_between_is_product_of_step_decays():
 def test_is_due():
     ema = EMA(make_parameters(), update_every=3)
     assert [step for step in range(1, 10) if ema.is_due(step)] == [3, 6, 9]
+    assert [step for step in range(1, 11) if ema.is_due(step, last_step=10)] == [3, 6, 9, 10]
 
 
 def test_update_rejects_non_increasing_step():

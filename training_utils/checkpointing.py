@@ -108,6 +108,17 @@ class Checkpointer:
         self.accelerator.load_state(str(path))
         return self.loaded_step
 
+    def resume(self, value):
+        """Restore what ``--resume_from_checkpoint value`` names; returns the global step to continue from (0 if none)."""
+        checkpoint = resolve_checkpoint(value, self.output_dir)
+        if checkpoint is None:
+            if value:
+                self.accelerator.print(f"no checkpoint in {self.output_dir}; starting a new run")
+            return 0
+        step = self.load(checkpoint)
+        self.accelerator.print(f"resumed from {checkpoint} at step {step}")
+        return step
+
     def _save_hook(self, models, weights, output_dir):
         # Our files replace accelerate's whole-model weights: adapters stay adapter-sized.
         weights.clear()

@@ -104,6 +104,11 @@ def tokenize(tokenizer, texts):
     ).input_ids
 
 
+def stack_collate(examples):
+    """Batch a list of ``{name: tensor}`` samples into ``{name: stacked tensor}``."""
+    return {key: torch.stack([example[key] for example in examples]) for key in examples[0]}
+
+
 class TrainDataset(torch.utils.data.Dataset):
     """A map-style dataset that runs ``preprocess(example, generator)`` with a per-sample generator.
 

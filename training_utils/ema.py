@@ -106,9 +106,10 @@ class EMA:
             beta *= self.step_decay(s)
         return beta
 
-    def is_due(self, step: int) -> bool:
-        """Whether optimizer step `step` falls on the update interval."""
-        return step % self.update_every == 0
+    def is_due(self, step: int, last_step: Optional[int] = None) -> bool:
+        """Whether optimizer step `step` falls on the update interval, or is the run's `last_step`
+        (so the EMA saved at the end includes the final weights; the interval correction keeps it exact)."""
+        return step % self.update_every == 0 or step == last_step
 
     @torch.no_grad()
     def update(self, step: int):

@@ -5,14 +5,13 @@ of ``save_lora_weights`` are derived from the components that were trained.
 """
 
 import inspect
-import os
-import tempfile
 from pathlib import Path
 
-import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
+
+from .export import verify_saved_tensors, write_atomically
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 
@@ -67,16 +66,14 @@ def save_lora(pipeline_class, directory, trained):
     for name in trained:
         if f"{name}_lora_layers" not in accepted:
             raise ValueError(f"{pipeline_class.__name__}.save_lora_weights cannot save a LoRA for component {name!r}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".incomplete-") as staging:
-        pipeline_class.save_lora_weights(staging, weight_name=LORA_WEIGHTS_NAME, **kwargs)
-        os.replace(Path(staging) / LORA_WEIGHTS_NAME, directory / LORA_WEIGHTS_NAME)
+    path = Path(directory) / LORA_WEIGHTS_NAME
+    write_atomically(directory, lambda staging: pipeline_class.save_lora_weights(
+        staging, weight_name=LORA_WEIGHTS_NAME, **kwargs))
     expected = {
         f"{name}.{key}": tensor for name in trained for key, tensor in kwargs[f"{name}_lora_layers"].items()
     }
-    verify_saved_tensors(directory / LORA_WEIGHTS_NAME, expected)
-    return directory / LORA_WEIGHTS_NAME
+    verify_saved_tensors(load_file(path), expected, path)
+    return path
 
 
 def save_lora_with_ema(pipeline_class, output_dir, trained, ema=None):
@@ -91,20 +88,3 @@ def save_lora_with_ema(pipeline_class, output_dir, trained, ema=None):
             paths["ema"] = save_lora(pipeline_class, Path(output_dir) / "ema", trained)
     return paths
 
-
-def verify_saved_tensors(path, expected):
-    """Fail loudly unless the safetensors file at ``path`` holds exactly ``expected`` (keys and values).
-
-    This is the export check that replaces reloading and re-rendering after training.
-    """
-    saved = load_file(path)
-    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
-    different = [
-        key for key in expected.keys() & saved.keys()
-        if not torch.equal(saved[key], expected[key].detach().to("cpu", saved[key].dtype))
-    ]
-    if missing or unexpected or different:
-        raise RuntimeError(
-            f"{path} does not match the weights in memory: missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}, different {sorted(different)[:3]}"
-        )

@@ -171,43 +171,83 @@ def build_sd(path):
     pipe.save_pretrained(path)
 
 
+def build_controlnet(path):
+    """A ControlNet initialised from the tiny UNet; its conditioning embedding halves the
+    resolution, as the tiny VAE does (real ones divide by 8 with four embedding blocks)."""
+    from diffusers import ControlNetModel
+
+    ControlNetModel.from_unet(tiny_unet(), conditioning_embedding_out_channels=(16, 32)).save_pretrained(path)
+
+
 def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
-    """One synthetic picture: a coloured shape at a jittered position on a plain background."""
+    """One synthetic picture and its mask: a coloured shape at a jittered position on a plain background.
+
+    Returns ``(image, mask)``; the mask is white where the shape is, black elsewhere.
+    """
     rng = rng or random.Random(SEED)
     image = Image.new("RGB", (size, size), BACKGROUNDS[background])
-    draw = ImageDraw.Draw(image)
+    mask = Image.new("RGB", (size, size), (0, 0, 0))
     extent = rng.randint(size // 3, size // 2)
     left = rng.randint(2, size - extent - 2)
     top = rng.randint(2, size - extent - 2)
     box = (left, top, left + extent, top + extent)
-    if shape == "circle":
-        draw.ellipse(box, fill=COLORS[color])
-    elif shape == "square":
-        draw.rectangle(box, fill=COLORS[color])
-    else:
-        draw.polygon([(left + extent // 2, top), (left, top + extent), (left + extent, top + extent)], fill=COLORS[color])
-    return image
+    for canvas, fill in ((image, COLORS[color]), (mask, (255, 255, 255))):
+        draw = ImageDraw.Draw(canvas)
+        if shape == "circle":
+            draw.ellipse(box, fill=fill)
+        elif shape == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(left + extent // 2, top), (left, top + extent), (left + extent, top + extent)], fill=fill)
+    return image, mask
 
 
-def build_shapes(path, num_images=36):
-    """An imagefolder dataset: ``metadata.jsonl`` with ``file_name`` and ``text`` captions that describe the image."""
+def build_shapes(path, num_images=36, with_conditioning=False):
+    """An imagefolder dataset: ``metadata.jsonl`` with ``file_name`` and ``text`` captions that describe the image.
+
+    ``with_conditioning`` adds a ``conditioning_image`` column (ControlNet layout): the shape's mask.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    (path / "conditioning").mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
-    combos = [(s, c, b) for s in SHAPES for c in COLORS for b in BACKGROUNDS if COLORS[c] != BACKGROUNDS[b]]
+    combos = [(s, c, b) for s in SHAPES for c in COLORS for b in BACKGROUNDS]
     rng.shuffle(combos)
     with open(path / "metadata.jsonl", "w") as metadata:
         for index in range(num_images):
             shape, color, background = combos[index % len(combos)]
-            file_name = f"{index:04d}.png"
-            draw_shape(shape, color, background, rng=rng).save(path / file_name)
-            caption = f"a {color} {shape} on a {background} background"
-            metadata.write(json.dumps({"file_name": file_name, "text": caption}) + "\n")
+            row = {"file_name": f"{index:04d}.png"}
+            image, mask = draw_shape(shape, color, background, rng=rng)
+            image.save(path / row["file_name"])
+            if with_conditioning:
+                row["conditioning_image_file_name"] = f"conditioning/{index:04d}.png"
+                mask.save(path / row["conditioning_image_file_name"])
+            row["text"] = f"a {color} {shape} on a {background} background"
+            metadata.write(json.dumps(row) + "\n")
+    if not with_conditioning:
+        (path / "conditioning").rmdir()
+
+
+def build_shapes_controlnet(path):
+    """The shapes dataset with ``image``, ``conditioning_image`` (the shape's mask) and ``text``."""
+    build_shapes(path, with_conditioning=True)
+
+
+def build_instance(path, num_images=6):
+    """A DreamBooth instance folder: a few pictures of one subject (a purple triangle), no captions."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED + 1)
+    for index in range(num_images):
+        image, _ = draw_shape("triangle", "purple", rng.choice(list(BACKGROUNDS)), rng=rng)
+        image.save(path / f"{index:04d}.png")
 
 
 FIXTURES = {
     "sd": build_sd,
+    "controlnet": build_controlnet,
     "shapes": build_shapes,
+    "shapes_controlnet": build_shapes_controlnet,
+    "instance": build_instance,
 }
 
 

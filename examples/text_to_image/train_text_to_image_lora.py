@@ -11,14 +11,13 @@ Writes ``pytorch_lora_weights.safetensors`` (and ``ema/pytorch_lora_weights.safe
 checkpoints to resume from, and a model card.
 """
 
-import torch
 from diffusers import StableDiffusionPipeline
 from tqdm.auto import tqdm
 
 from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
-from training_utils.checkpointing import Checkpointer, resolve_checkpoint, resume_position
+from training_utils.checkpointing import Checkpointer, resume_position
 from training_utils.data import (ImageTransform, TrainDataset, epoch_batches, load_train_dataset, make_dataloader,
-                                 pick_caption, tokenize)
+                                 pick_caption, stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.hub import push_to_hub, write_model_card
 from training_utils.lora import UNET_TARGET_MODULES, add_lora, save_lora_with_ema
@@ -74,24 +73,15 @@ def main(args):
         caption = pick_caption(example[args.caption_column], generator)
         return {"pixel_values": pixel_values, "input_ids": tokenize(tokenizer, caption)[0]}
 
-    def collate(examples):
-        return {key: torch.stack([example[key] for example in examples]) for key in examples[0]}
-
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers, collate, args.seed))
+        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, num_epochs, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
-    global_step = 0
-    checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    if checkpoint is not None:
-        global_step = checkpointer.load(checkpoint)
-        accelerator.print(f"resumed from {checkpoint} at step {global_step}")
-    elif args.resume_from_checkpoint:
-        accelerator.print(f"no checkpoint in {args.output_dir}; starting a new run")
+    global_step = checkpointer.resume(args.resume_from_checkpoint)
     first_epoch, batches_to_skip = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
 
     validator = None
@@ -138,7 +128,7 @@ def main(args):
             accelerator.log({"train_loss": train_loss, "lr": lr_scheduler.get_last_lr()[0]}, step=global_step)
             progress.set_postfix(loss=train_loss)
             train_loss = 0.0
-            if ema is not None and (ema.is_due(global_step) or global_step == max_train_steps):
+            if ema is not None and ema.is_due(global_step, max_train_steps):
                 ema.update(global_step)
             if global_step % args.checkpointing_steps == 0:
                 checkpointer.save(global_step)

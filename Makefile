@@ -1,0 +1,25 @@
+PYTHON ?= python3
+LAUNCH = $(PYTHON) -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
+DEMO_DIR ?= demo-output
+
+.PHONY: install demo test
+
+# torch first: where none is installed, pin the release whose CPU build this project is tested with
+# (an unpinned requirement would pull a multi-GB CUDA build on machines without a GPU).
+install:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install -e ".[test]"
+
+# A real LoRA training run, with EMA and validation, on the embedded tiny model and dataset.
+demo: install
+	$(PYTHON) -m training_utils.tiny --output_dir tiny
+	rm -rf $(DEMO_DIR)
+	$(LAUNCH) examples/text_to_image/train_text_to_image_lora.py \
+	  --pretrained_model_name_or_path tiny/sd --train_data_dir tiny/shapes --output_dir $(DEMO_DIR) \
+	  --resolution 32 --train_batch_size 4 --max_train_steps 200 --learning_rate 1e-3 --random_flip \
+	  --rank 8 --use_ema --ema_decay 0.99 --checkpointing_steps 100 --checkpoints_total_limit 1 \
+	  --validation_prompt "a red circle on a white background" "a blue square on a black background" \
+	  --num_validation_images 4 --validation_inference_steps 20 --validation_steps 50
+
+test: install
+	$(PYTHON) -m pytest

@@ -1,0 +1,68 @@
+"""Write the trained weights atomically, and check the files against the weights in memory.
+
+The check replaces the upstream scripts' reload-and-render "final validation": the last
+in-loop validation rendered the weights in memory, and reading the files back proves they
+hold exactly those weights, in milliseconds rather than a second pipeline load.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def write_atomically(directory, write):
+    """Call ``write(staging_folder)``, then move every file it wrote into ``directory`` by rename.
+
+    A crash mid-write leaves a ``.incomplete-*`` folder, never a truncated file under a final name.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".incomplete-") as staging:
+        write(staging)
+        for path in sorted(Path(staging).rglob("*")):
+            if path.is_file():
+                target = directory / path.relative_to(staging)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+
+
+def saved_tensors(directory):
+    """Every tensor of every ``*.safetensors`` file directly in ``directory`` (shards merged)."""
+    tensors = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def verify_saved_tensors(saved, expected, where):
+    """Fail loudly unless ``saved`` holds exactly ``expected``: the same keys and bitwise-equal values."""
+    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
+    different = [
+        key for key in expected.keys() & saved.keys()
+        if not torch.equal(saved[key], expected[key].detach().to("cpu", saved[key].dtype))
+    ]
+    if missing or unexpected or different:
+        raise RuntimeError(
+            f"{where} does not match the weights in memory: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}, different {sorted(different)[:3]}"
+        )
+
+
+def save_model(module, directory):
+    """``module.save_pretrained(directory)`` atomically, checked against ``module``'s state dict."""
+    write_atomically(directory, module.save_pretrained)
+    verify_saved_tensors(saved_tensors(directory), module.state_dict(), directory)
+    return Path(directory)
+
+
+def save_model_with_ema(module, directory, ema=None, ema_directory=None):
+    """The raw ``module`` into ``directory``; with an EMA, the EMA weights (swapped into the live
+    module) into ``ema_directory``. Returns ``{"raw": path, "ema": path}``."""
+    paths = {"raw": save_model(module, directory)}
+    if ema is not None:
+        with ema.swapped_in():
+            paths["ema"] = save_model(module, ema_directory)
+    return paths
