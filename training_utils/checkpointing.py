@@ -134,22 +134,22 @@ class Checkpointer:
     def _load_hook(self, models, input_dir):
         models.clear()
         input_dir = Path(input_dir)
+        if (self.ema is not None) != (input_dir / EMA_FILE).is_file():
+            raise UsageError("--resume_from_checkpoint", str(input_dir),
+                             "a checkpoint made with the same --use_ema setting as this run")
         saved = load_file(input_dir / TRAINED_FILE)
         missing, unexpected = self.parameters.keys() - saved.keys(), saved.keys() - self.parameters.keys()
         if missing or unexpected:
             raise UsageError("--resume_from_checkpoint", str(input_dir),
                              f"a checkpoint of the same trained parameters (missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]})")
+        for name, parameter in self.parameters.items():
+            if saved[name].shape != parameter.shape:
+                raise UsageError("--resume_from_checkpoint", str(input_dir),
+                                 f"{name} of shape {tuple(parameter.shape)}, not {tuple(saved[name].shape)}")
         with torch.no_grad():
             for name, parameter in self.parameters.items():
-                if saved[name].shape != parameter.shape:
-                    raise UsageError("--resume_from_checkpoint", str(input_dir),
-                                     f"{name} of shape {tuple(parameter.shape)}, not {tuple(saved[name].shape)}")
                 parameter.copy_(saved[name])
-        has_ema = (input_dir / EMA_FILE).is_file()
-        if (self.ema is not None) != has_ema:
-            raise UsageError("--resume_from_checkpoint", str(input_dir),
-                             "a checkpoint made with the same --use_ema setting as this run")
         if self.ema is not None:
             self.ema.load(input_dir / EMA_FILE)
         self.loaded_step = json.loads((input_dir / STATE_FILE).read_text())["global_step"]

@@ -48,16 +48,15 @@ def prepare_components(pipe, trained, device, weight_dtype):
     """
     trained_modules = {id(module) for module in trained.values()}
     for module in modules_of(pipe).values():
+        module.to(device)
         if id(module) not in trained_modules:
             module.requires_grad_(False)
             module.eval()
-        module.to(device)
-        if weight_dtype != torch.float32:
             module.to(dtype=weight_dtype)
-    for module in trained.values():
+            continue
+        # Cast tensor by tensor, so trained weights never pass through half precision.
         for parameter in module.parameters():
-            if parameter.requires_grad:
-                parameter.data = parameter.data.float()
+            parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(weight_dtype)
 
 
 def trainable_parameters(trained):

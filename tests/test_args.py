@@ -1,0 +1,312 @@
+"""Flags and fail-fast checks of training_utils.args: every bad value is one "error: " line, exit 2."""
+
+import pytest
+import torch
+
+from training_utils import args as args_module
+from training_utils.args import (
+    TrainingArgumentParser,
+    UsageError,
+    add_diffusion_loss_args,
+    add_lora_args,
+    check_args,
+    exit_on_usage_error,
+    training_parser,
+)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A folder that passes the pipeline check (only model_index.json is looked at)."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "model_index.json").write_text("{}")
+    return path
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Make the fp16 check see a machine without CUDA, whatever this machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def full_parser():
+    parser = training_parser("test")
+    add_lora_args(parser, train_text_encoder=True)
+    add_diffusion_loss_args(parser)
+    return parser
+
+
+def parse_and_check(argv):
+    parser = full_parser()
+    with exit_on_usage_error():
+        args = parser.parse_args(argv)
+        check_args(args)
+    return args
+
+
+# (id, extra argv, flag the message must name, text of the bad value the message must show or None)
+BAD_INPUTS = [
+    ("model-absolute-missing", ["--pretrained_model_name_or_path", "/nonexistent/model"],
+     "--pretrained_model_name_or_path", "/nonexistent/model"),
+    ("model-relative-missing", ["--pretrained_model_name_or_path", "./missing"],
+     "--pretrained_model_name_or_path", "./missing"),
+    ("model-no-model-index", ["--pretrained_model_name_or_path", "{empty_dir}"],
+     "--pretrained_model_name_or_path", "{empty_dir}"),
+    ("model-is-a-file", ["--pretrained_model_name_or_path", "{a_file}"],
+     "--pretrained_model_name_or_path", "{a_file}"),
+    ("resolution-not-multiple-of-8", ["--resolution", "500"], "--resolution", "500"),
+    ("resolution-zero", ["--resolution", "0"], "--resolution", "0"),
+    ("resolution-negative", ["--resolution=-8"], "--resolution", "-8"),
+    ("resolution-not-an-int", ["--resolution", "abc"], "--resolution", "abc"),
+    ("batch-size-zero", ["--train_batch_size", "0"], "--train_batch_size", "0"),
+    ("batch-size-negative", ["--train_batch_size=-2"], "--train_batch_size", "-2"),
+    ("epochs-zero", ["--num_train_epochs", "0"], "--num_train_epochs", "0"),
+    ("max-train-steps-zero", ["--max_train_steps", "0"], "--max_train_steps", "0"),
+    ("grad-accumulation-zero", ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps", "0"),
+    ("num-validation-images-zero", ["--num_validation_images", "0"], "--num_validation_images", "0"),
+    ("validation-steps-zero", ["--validation_steps", "0"], "--validation_steps", "0"),
+    ("validation-epochs-zero", ["--validation_epochs", "0"], "--validation_epochs", "0"),
+    ("validation-inference-steps-zero", ["--validation_inference_steps", "0"], "--validation_inference_steps", "0"),
+    ("checkpointing-steps-zero", ["--checkpointing_steps", "0"], "--checkpointing_steps", "0"),
+    ("ema-decay-one", ["--ema_decay", "1.0"], "--ema_decay", "1.0"),
+    ("ema-decay-negative", ["--ema_decay=-0.1"], "--ema_decay", "-0.1"),
+    ("ema-decay-nan", ["--ema_decay", "nan"], "--ema_decay", "nan"),
+    ("ema-update-every-zero", ["--ema_update_every", "0"], "--ema_update_every", "0"),
+    ("checkpoints-total-limit-zero", ["--checkpoints_total_limit", "0"], "--checkpoints_total_limit", "0"),
+    ("learning-rate-zero", ["--learning_rate", "0"], "--learning_rate", "0"),
+    ("learning-rate-nan", ["--learning_rate", "nan"], "--learning_rate", "nan"),
+    ("max-grad-norm-zero", ["--max_grad_norm", "0"], "--max_grad_norm", "0"),
+    ("lr-warmup-negative", ["--lr_warmup_steps=-1"], "--lr_warmup_steps", "-1"),
+    ("max-train-samples-zero", ["--max_train_samples", "0"], "--max_train_samples", "0"),
+    ("rank-zero", ["--rank", "0"], "--rank", "0"),
+    ("lora-dropout-one", ["--lora_dropout", "1.0"], "--lora_dropout", "1.0"),
+    ("snr-gamma-zero", ["--snr_gamma", "0"], "--snr_gamma", "0"),
+    ("resume-missing", ["--resume_from_checkpoint", "checkpoint-123"], "--resume_from_checkpoint", "checkpoint-123"),
+    ("resume-missing-absolute", ["--resume_from_checkpoint", "/nonexistent/checkpoint-5"],
+     "--resume_from_checkpoint", "/nonexistent/checkpoint-5"),
+    ("fp16-without-cuda", ["--mixed_precision", "fp16"], "--mixed_precision", "fp16"),
+    ("mixed-precision-unknown", ["--mixed_precision", "fp8"], "--mixed_precision", "fp8"),
+    ("lr-scheduler-unknown", ["--lr_scheduler", "sometimes"], "--lr_scheduler", "sometimes"),
+    ("empty-validation-prompt", ["--validation_prompt", ""], "--validation_prompt", None),
+    ("blank-second-validation-prompt", ["--validation_prompt", "a red circle", "   "], "--validation_prompt", None),
+    ("hub-token-with-wandb", ["--hub_token", "hf_secret123", "--report_to", "wandb"], "--hub_token", None),
+    ("hub-token-with-all", ["--hub_token", "hf_secret123", "--report_to", "all"], "--hub_token", None),
+    ("missing-required-model", None, "--pretrained_model_name_or_path", None),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(case, model_dir, tmp_path, capsys, no_cuda, monkeypatch):
+    _, extra, flag, value = case
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    a_file = tmp_path / "model_index.json"
+    a_file.write_text("{}")
+    monkeypatch.chdir(tmp_path)  # relative paths (./missing, checkpoint-123) resolve in an empty place
+
+    def fill(text):
+        return text.format(empty_dir=empty_dir, a_file=a_file)
+
+    if extra is None:
+        argv = []
+    else:
+        argv = ["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out")]
+        argv += [fill(item) for item in extra]
+    with pytest.raises(SystemExit) as exited:
+        parse_and_check(argv)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    line = lines[0]
+    assert line.startswith("error: ")
+    assert flag in line
+    assert "Traceback" not in captured.err
+    if value is not None:
+        assert fill(value) in line
+    assert "hf_secret123" not in captured.err  # a token never reaches the terminal or logs
+
+
+def test_hub_token_message_hides_the_token(model_dir, capsys):
+    with pytest.raises(SystemExit):
+        parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--hub_token", "hf_abcdef",
+                         "--report_to", "wandb"])
+    err = capsys.readouterr().err
+    assert "hf_abcdef" not in err
+    assert "<hidden>" in err
+
+
+def test_argparse_error_is_one_line_without_usage(capsys):
+    parser = TrainingArgumentParser(description="x")
+    parser.add_argument("--count", type=int)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--count", "many"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: argument --count: invalid int value: 'many'"]
+
+
+def test_parser_error_method_directly(capsys):
+    parser = TrainingArgumentParser()
+    with pytest.raises(SystemExit) as exited:
+        parser.error("something is off")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: something is off\n"
+
+
+def test_exit_on_usage_error_passes_other_exceptions_through(capsys):
+    with pytest.raises(ValueError, match="not mine"):
+        with exit_on_usage_error():
+            raise ValueError("not mine")
+    assert capsys.readouterr().err == ""
+
+
+def test_exit_on_usage_error_formats_flag_value_expected(capsys):
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_usage_error():
+            raise UsageError("--thing", 3, "an even number")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: --thing=3: expected an even number\n"
+
+
+def test_usage_error_without_flag_is_just_the_expectation():
+    assert str(UsageError(None, None, "something else")) == "something else"
+
+
+def test_exit_on_usage_error_no_error_no_exit(capsys):
+    with exit_on_usage_error():
+        value = 41 + 1
+    assert value == 42
+    assert capsys.readouterr().err == ""
+
+
+GOOD_INPUTS = [
+    [],
+    ["--resolution", "8"],
+    ["--resolution", "64", "--center_crop", "--random_flip"],
+    ["--ema_decay", "0"],
+    ["--ema_decay", "0.999", "--use_ema", "--ema_update_every", "10", "--ema_device", "cpu"],
+    ["--rank", "1", "--lora_dropout", "0.0", "--lora_alpha", "8", "--train_text_encoder"],
+    ["--snr_gamma", "5.0", "--prediction_type", "v_prediction", "--noise_offset", "0.1"],
+    ["--mixed_precision", "bf16"],
+    ["--mixed_precision", "no"],
+    ["--validation_prompt", "a red circle", "a blue square", "--num_validation_images", "1"],
+    ["--resume_from_checkpoint", "latest"],
+    ["--hub_token", "hf_x", "--report_to", "tensorboard"],
+    ["--report_to", "wandb"],
+    ["--max_train_steps", "3", "--checkpoints_total_limit", "1", "--max_train_samples", "2"],
+    ["--lr_warmup_steps", "0", "--dataloader_num_workers", "0", "--learning_rate", "1e-6", "--scale_lr"],
+]
+
+
+@pytest.mark.parametrize("extra", GOOD_INPUTS, ids=lambda extra: " ".join(extra) or "defaults")
+def test_good_inputs_pass(extra, model_dir, tmp_path, capsys, no_cuda):
+    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path)]
+                           + extra)
+    assert args.pretrained_model_name_or_path == str(model_dir)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("model", ["runwayml/stable-diffusion-v1-5", "stabilityai/sdxl-turbo", "gpt2"])
+def test_hub_ids_pass_without_network(model, capsys):
+    args = parse_and_check(["--pretrained_model_name_or_path", model])
+    assert args.pretrained_model_name_or_path == model
+
+
+def test_resume_from_existing_checkpoint_passes(model_dir, tmp_path):
+    checkpoint = tmp_path / "out" / "checkpoint-7"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "training_state.json").write_text('{"global_step": 7}')
+    for value in ("checkpoint-7", str(checkpoint)):
+        args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir),
+                                "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", value])
+        assert args.resume_from_checkpoint == value
+
+
+def test_fp16_is_accepted_when_cuda_is_there(model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "fp16"])
+    assert args.mixed_precision == "fp16"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    with pytest.raises(SystemExit):
+        parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "fp16"])
+
+
+@pytest.mark.parametrize(
+    "extra, expected_steps, expected_epochs",
+    [
+        ([], 100, None),
+        (["--validation_steps", "7"], 7, None),
+        (["--validation_epochs", "2"], None, 2),
+        (["--validation_steps", "5", "--validation_epochs", "3"], 5, 3),
+    ],
+)
+def test_validation_steps_default(extra, expected_steps, expected_epochs, model_dir):
+    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir)] + extra)
+    assert args.validation_steps == expected_steps
+    assert args.validation_epochs == expected_epochs
+
+
+def test_parse_alone_leaves_validation_steps_unset(model_dir):
+    args = training_parser("x").parse_args(["--pretrained_model_name_or_path", str(model_dir)])
+    assert args.validation_steps is None
+
+
+def test_defaults_and_parser_options():
+    args = training_parser("x", validation_inference_steps=12, resolution=1024).parse_args(
+        ["--pretrained_model_name_or_path", "a/b"])
+    assert args.validation_inference_steps == 12
+    assert args.resolution == 1024
+    assert args.ema_decay == 0.9999
+    assert args.ema_update_every == 1
+    assert args.ema_device == "accelerator"
+    assert args.use_ema is False
+    assert args.validation_prompt is None
+    assert args.checkpoints_total_limit is None
+    assert args.image_column == "image" and args.caption_column == "text"
+    assert not hasattr(args, "rank")
+    assert not hasattr(args, "snr_gamma")
+
+
+def test_validation_prompt_takes_several():
+    args = training_parser("x").parse_args(["--pretrained_model_name_or_path", "a/b",
+                                            "--validation_prompt", "one prompt", "two"])
+    assert args.validation_prompt == ["one prompt", "two"]
+
+
+def test_lora_and_loss_groups():
+    parser = training_parser("x")
+    add_lora_args(parser)
+    add_diffusion_loss_args(parser)
+    args = parser.parse_args(["--pretrained_model_name_or_path", "a/b"])
+    assert (args.rank, args.lora_alpha, args.lora_dropout) == (4, None, 0.0)
+    assert not hasattr(args, "train_text_encoder")
+    assert (args.prediction_type, args.snr_gamma, args.noise_offset) == (None, None, 0.0)
+    parser = training_parser("x")
+    add_lora_args(parser, train_text_encoder=True)
+    args = parser.parse_args(["--pretrained_model_name_or_path", "a/b", "--train_text_encoder", "--rank", "16"])
+    assert args.train_text_encoder is True and args.rank == 16
+
+
+def test_every_design_flag_exists():
+    flags = """--pretrained_model_name_or_path --revision --variant --output_dir --seed --resolution
+    --train_batch_size --num_train_epochs --max_train_steps --checkpointing_steps --checkpoints_total_limit
+    --resume_from_checkpoint --gradient_accumulation_steps --gradient_checkpointing --learning_rate --scale_lr
+    --lr_scheduler --lr_warmup_steps --use_8bit_adam --dataloader_num_workers --adam_beta1 --adam_beta2
+    --adam_weight_decay --adam_epsilon --max_grad_norm --push_to_hub --hub_token --hub_model_id --logging_dir
+    --allow_tf32 --report_to --mixed_precision --dataset_name --dataset_config_name --train_data_dir
+    --image_column --caption_column --max_train_samples --cache_dir --center_crop --random_flip
+    --validation_prompt --num_validation_images --validation_steps --validation_inference_steps
+    --validation_epochs --use_ema --ema_decay --ema_update_every --ema_device""".split()
+    known = set(training_parser("x")._option_string_actions)
+    assert [flag for flag in flags if flag not in known] == []
+
+
+def test_module_exports_usage_error_used_elsewhere():
+    from training_utils import checkpointing, data
+
+    assert data.UsageError is args_module.UsageError
+    assert checkpointing.UsageError is args_module.UsageError

@@ -1,0 +1,368 @@
+"""Checkpoints of training_utils.checkpointing: naming, resolving, pruning and an exact save/load round trip.
+
+accelerate's AcceleratorState is a process-wide singleton, so this module makes one
+``Accelerator(cpu=True)`` and every test leaves it as it found it: no registered hooks and no
+prepared objects (see the ``acc`` fixture).
+"""
+
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from training_utils import checkpointing
+from training_utils.args import UsageError
+from training_utils.checkpointing import (
+    EMA_FILE,
+    STATE_FILE,
+    TRAINED_FILE,
+    Checkpointer,
+    complete_checkpoints,
+    resolve_checkpoint,
+    resume_position,
+)
+from training_utils.ema import EMA
+
+
+@pytest.fixture(scope="module")
+def module_accelerator():
+    return Accelerator(cpu=True)
+
+
+def reset(accelerator):
+    """Forget every Checkpointer's hooks and every prepared object."""
+    accelerator._save_model_state_pre_hook.clear()
+    accelerator._load_model_state_pre_hook.clear()
+    accelerator.free_memory()
+
+
+@pytest.fixture
+def acc(module_accelerator):
+    reset(module_accelerator)
+    yield module_accelerator
+    reset(module_accelerator)
+
+
+def make_checkpoint(output_dir, step, complete=True):
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / STATE_FILE).write_text(json.dumps({"global_step": step}))
+    return path
+
+
+def bits(tensor):
+    return tensor.detach().contiguous().view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# finding checkpoints
+
+
+def test_complete_checkpoints_sorted_numerically_and_filtered(tmp_path):
+    for step in (9, 10, 2, 100):
+        make_checkpoint(tmp_path, step)
+    (tmp_path / ".checkpoint-200.incomplete").mkdir()
+    (tmp_path / "checkpoint-abc").mkdir()
+    (tmp_path / "checkpoint-5-old").mkdir()
+    (tmp_path / "mycheckpoint-7").mkdir()
+    (tmp_path / "checkpoint-300").write_text("a file, not a folder")
+    (tmp_path / "logs").mkdir()
+    found = complete_checkpoints(tmp_path)
+    assert found == [(2, tmp_path / "checkpoint-2"), (9, tmp_path / "checkpoint-9"),
+                     (10, tmp_path / "checkpoint-10"), (100, tmp_path / "checkpoint-100")]
+
+
+def test_complete_checkpoints_of_missing_or_empty_dir(tmp_path):
+    assert complete_checkpoints(tmp_path / "nope") == []
+    assert complete_checkpoints(tmp_path) == []
+    assert complete_checkpoints(str(tmp_path)) == []
+
+
+def test_resolve_none_is_a_fresh_start(tmp_path):
+    make_checkpoint(tmp_path, 3)
+    assert resolve_checkpoint(None, tmp_path) is None
+
+
+def test_resolve_latest(tmp_path):
+    assert resolve_checkpoint("latest", tmp_path) is None
+    assert resolve_checkpoint("latest", tmp_path / "not_yet_created") is None
+    make_checkpoint(tmp_path, 9)
+    make_checkpoint(tmp_path, 10)
+    (tmp_path / ".checkpoint-11.incomplete").mkdir()
+    assert resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-10"
+
+
+def test_resolve_latest_ignores_only_incomplete(tmp_path):
+    (tmp_path / ".checkpoint-4.incomplete").mkdir()
+    assert resolve_checkpoint("latest", tmp_path) is None
+
+
+def test_resolve_name_under_output_dir(tmp_path, monkeypatch):
+    output_dir = tmp_path / "out"
+    make_checkpoint(output_dir, 4)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert resolve_checkpoint("checkpoint-4", output_dir) == output_dir / "checkpoint-4"
+
+
+def test_resolve_absolute_path(tmp_path):
+    path = make_checkpoint(tmp_path / "other_run", 8)
+    assert resolve_checkpoint(str(path), tmp_path / "out") == path
+
+
+@pytest.mark.parametrize("value", ["checkpoint-5", "/nonexistent/checkpoint-5", "checkpoint-incomplete"])
+def test_resolve_missing_raises_usage_error(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    make_checkpoint(tmp_path, 3)
+    make_checkpoint(tmp_path / "out", 6)
+    make_checkpoint(tmp_path / "out", 5, complete=False)  # a folder without training_state.json is not one
+    (tmp_path / "out" / "checkpoint-incomplete").mkdir()
+    with pytest.raises(UsageError) as raised:
+        resolve_checkpoint(value, tmp_path / "out")
+    assert str(raised.value).startswith(f"--resume_from_checkpoint={value!r}")
+
+
+@pytest.mark.parametrize(
+    "global_step, steps_per_epoch, accumulation, expected",
+    [
+        (0, 5, 1, (0, 0)),
+        (4, 5, 1, (0, 4)),
+        (5, 5, 1, (1, 0)),
+        (7, 3, 2, (2, 2)),
+        (12, 4, 4, (3, 0)),
+        (13, 4, 4, (3, 4)),
+    ],
+)
+def test_resume_position(global_step, steps_per_epoch, accumulation, expected):
+    assert resume_position(global_step, steps_per_epoch, accumulation) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# pruning
+
+
+def small_parameters(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return {"linear.weight": torch.nn.Parameter(torch.randn(3, 4, generator=generator)),
+            "linear.bias": torch.nn.Parameter(torch.randn(3, generator=generator))}
+
+
+def test_prune_keeps_newest_total_limit(tmp_path, acc):
+    for step in (1, 2, 3, 9, 10):
+        make_checkpoint(tmp_path, step)
+    staging = tmp_path / ".checkpoint-11.incomplete"
+    staging.mkdir()
+    Checkpointer(acc, tmp_path, small_parameters(), total_limit=2).prune()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [9, 10]
+    assert staging.is_dir()
+
+
+def test_prune_without_limit_keeps_all(tmp_path, acc):
+    for step in (1, 2, 3):
+        make_checkpoint(tmp_path, step)
+    Checkpointer(acc, tmp_path, small_parameters()).prune()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [1, 2, 3]
+
+
+def test_prune_limit_one(tmp_path, acc):
+    for step in (5, 50, 500):
+        make_checkpoint(tmp_path, step)
+    Checkpointer(acc, tmp_path, small_parameters(), total_limit=1).prune()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [500]
+
+
+def test_prune_tolerates_a_vanished_folder(tmp_path, acc, monkeypatch):
+    for step in (2, 3, 4):
+        make_checkpoint(tmp_path, step)
+    listed = complete_checkpoints(tmp_path)
+    vanished = tmp_path / "checkpoint-1"  # listed, but deleted by someone else before prune reaches it
+    monkeypatch.setattr(checkpointing, "complete_checkpoints", lambda output_dir: [(1, vanished)] + listed)
+    Checkpointer(acc, tmp_path, small_parameters(), total_limit=2).prune()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load round trip
+
+
+class Run:
+    """A tiny training run: nn.Linear, AdamW prepared by accelerate, optionally an EMA."""
+
+    def __init__(self, accelerator, output_dir, use_ema=True, total_limit=None, seed=0):
+        torch.manual_seed(seed)
+        self.accelerator = accelerator
+        self.model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.05)
+        self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
+        self.parameters = {f"linear.{name}": p for name, p in self.model.named_parameters()}
+        self.ema = EMA(self.parameters, decay=0.9) if use_ema else None
+        self.checkpointer = Checkpointer(accelerator, output_dir, self.parameters, ema=self.ema,
+                                         total_limit=total_limit)
+        self.generator = torch.Generator().manual_seed(seed + 1)
+        self.step = 0
+
+    def train(self, steps):
+        for _ in range(steps):
+            inputs = torch.randn(8, 4, generator=self.generator)
+            loss = (self.model(inputs) - 1).pow(2).mean()
+            self.accelerator.backward(loss)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.step += 1
+            if self.ema is not None:
+                self.ema.update(self.step)
+
+    def snapshot(self):
+        state = {
+            "parameters": {name: p.detach().clone() for name, p in self.parameters.items()},
+            "optimizer": {
+                (index, key): value.clone()
+                for index, per_param in self.optimizer.state_dict()["state"].items()
+                for key, value in per_param.items()
+            },
+        }
+        if self.ema is not None:
+            state["shadows"] = {name: s.clone() for name, s in self.ema.shadows.items()}
+            state["ema_step"] = self.ema.step
+        return state
+
+
+def assert_same_state(actual, expected):
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected["parameters"].items():
+        assert torch.equal(bits(actual["parameters"][name]), bits(tensor)), name
+    assert actual["optimizer"].keys() == expected["optimizer"].keys()
+    for key, tensor in expected["optimizer"].items():
+        assert torch.equal(actual["optimizer"][key], tensor), key
+    if "shadows" in expected:
+        for name, tensor in expected["shadows"].items():
+            assert torch.equal(bits(actual["shadows"][name]), bits(tensor)), name
+        assert actual["ema_step"] == expected["ema_step"]
+
+
+def test_save_load_round_trip_is_bitwise(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.train(3)
+    saved = run.snapshot()
+    path = run.checkpointer.save(3)
+    rng_after_save = torch.rand(4)
+
+    assert path == tmp_path / "checkpoint-3"
+    assert (path / TRAINED_FILE).is_file() and (path / EMA_FILE).is_file()
+    assert json.loads((path / STATE_FILE).read_text()) == {"global_step": 3}
+    assert not (tmp_path / ".checkpoint-3.incomplete").exists()
+    # the hook replaces accelerate's whole-model weights by the trained tensors
+    assert not list(path.glob("model*.safetensors")) and not list(path.glob("pytorch_model*.bin"))
+
+    run.train(2)  # perturb everything: weights, optimizer moments, EMA shadows and step
+    moved = run.snapshot()
+    assert not torch.equal(moved["parameters"]["linear.weight"], saved["parameters"]["linear.weight"])
+    assert not torch.equal(moved["shadows"]["linear.weight"], saved["shadows"]["linear.weight"])
+    assert moved["ema_step"] == 5
+
+    parameter_objects = dict(run.parameters)
+    assert run.checkpointer.load(path) == 3
+    assert_same_state(run.snapshot(), saved)
+    # restored in place: the optimizer and EMA still hold the very same tensors
+    assert all(run.parameters[name] is parameter_objects[name] for name in parameter_objects)
+    assert all(p is q for p, q in zip(run.model.parameters(), run.parameters.values()))
+    # the RNG states come back too, so the run continues exactly
+    assert torch.equal(torch.rand(4), rng_after_save)
+
+
+def test_round_trip_continues_like_an_uninterrupted_run(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.train(2)
+    path = run.checkpointer.save(2)
+    generator_state = run.generator.get_state()
+    run.train(3)
+    uninterrupted = run.snapshot()
+
+    run.checkpointer.load(path)
+    run.step = 2
+    run.generator.set_state(generator_state)
+    run.train(3)
+    assert_same_state(run.snapshot(), uninterrupted)
+
+
+def test_save_without_ema_and_load(tmp_path, acc):
+    run = Run(acc, tmp_path, use_ema=False)
+    run.train(2)
+    saved = run.snapshot()
+    path = run.checkpointer.save(2)
+    assert not (path / EMA_FILE).exists()
+    run.train(1)
+    assert run.checkpointer.load(path) == 2
+    assert_same_state(run.snapshot(), saved)
+
+
+def test_saving_prunes_to_total_limit(tmp_path, acc):
+    run = Run(acc, tmp_path, total_limit=2)
+    for step in (1, 2, 3):
+        run.train(1)
+        run.checkpointer.save(step)
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [2, 3]
+    assert not list(tmp_path.glob(".checkpoint-*"))
+
+
+def test_save_replaces_stale_staging_and_existing_checkpoint(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.train(1)
+    stale = tmp_path / ".checkpoint-4.incomplete"
+    stale.mkdir()
+    (stale / "junk.txt").write_text("left by a crash")
+    run.checkpointer.save(4)
+    assert not (tmp_path / "checkpoint-4" / "junk.txt").exists()
+    run.train(1)
+    second = run.snapshot()
+    run.checkpointer.save(4)  # the same step again: the newer state wins
+    run.train(1)
+    assert run.checkpointer.load(tmp_path / "checkpoint-4") == 4
+    assert_same_state(run.snapshot(), second)
+
+
+def save_one(acc, output_dir, use_ema=True):
+    run = Run(acc, output_dir, use_ema=use_ema)
+    run.train(1)
+    path = run.checkpointer.save(1)
+    reset(acc)
+    return path
+
+
+def test_load_with_different_parameter_names_raises(tmp_path, acc):
+    path = save_one(acc, tmp_path)
+    parameters = {"unet.other.weight": torch.nn.Parameter(torch.zeros(3, 4)),
+                  "linear.bias": torch.nn.Parameter(torch.zeros(3))}
+    checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
+    with pytest.raises(UsageError) as raised:
+        checkpointer.load(path)
+    message = str(raised.value)
+    assert message.startswith("--resume_from_checkpoint=")
+    assert "unet.other.weight" in message and "linear.weight" in message
+
+
+def test_load_with_different_shapes_raises(tmp_path, acc):
+    path = save_one(acc, tmp_path)
+    parameters = {"linear.weight": torch.nn.Parameter(torch.zeros(5, 4)),
+                  "linear.bias": torch.nn.Parameter(torch.zeros(3))}
+    checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
+    with pytest.raises(UsageError, match="linear.weight"):
+        checkpointer.load(path)
+
+
+def test_load_ema_checkpoint_into_run_without_ema_raises(tmp_path, acc):
+    path = save_one(acc, tmp_path, use_ema=True)
+    checkpointer = Checkpointer(acc, tmp_path, small_parameters(), ema=None)
+    with pytest.raises(UsageError, match="--use_ema"):
+        checkpointer.load(path)
+
+
+def test_load_checkpoint_without_ema_into_run_with_ema_raises(tmp_path, acc):
+    path = save_one(acc, tmp_path, use_ema=False)
+    parameters = small_parameters()
+    checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
+    with pytest.raises(UsageError, match="--use_ema"):
+        checkpointer.load(path)

@@ -1,0 +1,86 @@
+"""The model card of training_utils.hub.write_model_card."""
+
+import re
+
+import pytest
+
+from training_utils.hub import write_model_card
+
+HOW_TO_LOAD = """
+from diffusers import StableDiffusionPipeline
+
+pipe = StableDiffusionPipeline.from_pretrained("base/model")
+pipe.load_lora_weights("out")
+"""
+
+
+@pytest.fixture
+def records(tmp_path):
+    records = []
+    for variant in ("raw", "ema"):
+        images = []
+        for index in range(2):
+            relative = f"validation/step-000010/{variant}-0-{index}.png"
+            (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / relative).write_bytes(b"png")
+            images.append(relative)
+        records.append({"step": 10, "variant": variant, "prompt": "a red circle", "images": images})
+    return records
+
+
+def front_matter(text):
+    match = re.match(r"---\n(.*?)\n---\n", text, re.S)
+    assert match, text[:200]
+    return dict(line.split(": ", 1) for line in match.group(1).splitlines())
+
+
+def test_front_matter_names_the_base_model(tmp_path):
+    path = write_model_card(tmp_path, "owner/base-model", "My LoRA", HOW_TO_LOAD)
+    assert path == tmp_path / "README.md"
+    meta = front_matter(path.read_text())
+    assert meta["base_model"] == "owner/base-model"
+    assert meta["library_name"] == "diffusers"
+    assert "diffusers" in meta["tags"]
+
+
+def test_title_and_how_to_load_block(tmp_path):
+    text = write_model_card(tmp_path, "owner/base-model", "My LoRA", HOW_TO_LOAD).read_text()
+    assert "\n# My LoRA\n" in text
+    assert "`owner/base-model`" in text
+    block = re.search(r"## How to load\n\n```python\n(.*?)\n```", text, re.S)
+    assert block, text
+    assert block.group(1) == HOW_TO_LOAD.strip()
+    compile(block.group(1), "card", "exec")  # the snippet is valid Python
+
+
+def test_without_records_no_validation_section(tmp_path):
+    text = write_model_card(tmp_path, "b/m", "t", "x = 1").read_text()
+    assert "Validation" not in text
+    assert "![" not in text
+
+
+def test_image_links_are_relative_to_output_dir(tmp_path, records):
+    text = write_model_card(tmp_path, "owner/base-model", "My LoRA", HOW_TO_LOAD, records).read_text()
+    links = re.findall(r"!\[(\w+)\]\(([^)]+)\)", text)
+    assert [path for _, path in links] == [path for record in records for path in record["images"]]
+    assert [variant for variant, _ in links] == ["raw", "raw", "ema", "ema"]
+    for _, path in links:
+        assert not path.startswith("/") and str(tmp_path) not in path
+        assert (tmp_path / path).is_file()  # resolves from the card's folder
+    assert "## Validation at step 10" in text
+    assert text.count("*a red circle*") == 2
+    assert "**raw**" in text and "**ema**" in text
+
+
+def test_heading_takes_the_last_records_step(tmp_path, records):
+    later = dict(records[-1], step=20)
+    text = write_model_card(tmp_path, "b/m", "t", "x = 1", records[:1] + [later]).read_text()
+    assert "## Validation at step 20" in text
+
+
+def test_overwrites_existing_card(tmp_path):
+    (tmp_path / "README.md").write_text("old card")
+    write_model_card(tmp_path, "b/m", "New title", "x = 1")
+    text = (tmp_path / "README.md").read_text()
+    assert "old card" not in text and "# New title" in text
+    assert text.endswith("\n")

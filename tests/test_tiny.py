@@ -1,0 +1,153 @@
+"""The offline fixtures of training_utils.tiny: a usable tokenizer, a pipeline that renders, a truthful dataset."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training_utils import tiny as tiny_module
+from training_utils.tiny import BACKGROUNDS, COLORS, SHAPES, main, tiny_clip_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("a red circle", "a blue circle"),
+        ("a red circle", "a red square"),
+        ("a green triangle on a white background", "a green triangle on a black background"),
+        ("a photo of sks dog", "a photo of a dog"),
+        ("a purple square", "a orange square"),
+        ("a yellow circle", "a gray circle"),
+    ],
+)
+def test_distinct_prompts_tokenize_to_distinct_ids(tiny_sd_pipe, first, second):
+    tokenizer = tiny_sd_pipe.tokenizer
+    first_ids, second_ids = tokenizer(first).input_ids, tokenizer(second).input_ids
+    assert first_ids != second_ids
+    assert len(first_ids) == len(first.split()) + 2  # every word one token, plus start and end
+    assert len(second_ids) == len(second.split()) + 2
+    # CLIP's unknown token is its end token: it may only close the sequence
+    assert tokenizer.unk_token_id not in first_ids[1:-1] + second_ids[1:-1]
+
+
+def test_vocabulary_words_are_single_tokens(tiny_sd_pipe):
+    tokenizer = tiny_sd_pipe.tokenizer
+    words = list(COLORS) + list(BACKGROUNDS) + list(SHAPES) + ["sks", "dog", "background"]
+    for word in words:
+        ids = tokenizer(word, add_special_tokens=False).input_ids
+        assert len(ids) == 1, word
+    ids = [tokenizer(word, add_special_tokens=False).input_ids[0] for word in words]
+    assert len(set(ids)) == len(ids)
+
+
+def test_tokenizer_round_trips_unknown_text(tiny_sd_pipe):
+    tokenizer = tiny_sd_pipe.tokenizer
+    text = "zebra purple"
+    ids = tokenizer(text).input_ids
+    assert tokenizer.decode(ids, skip_special_tokens=True).strip() == text
+
+
+def test_model_max_length(tiny_sd_pipe):
+    assert tiny_sd_pipe.tokenizer.model_max_length == 77
+    assert tiny_clip_tokenizer(["red"]).model_max_length == 77
+    assert tiny_sd_pipe.text_encoder.config.max_position_embeddings == 77
+    assert tiny_sd_pipe.text_encoder.config.vocab_size == len(tiny_sd_pipe.tokenizer)
+
+
+def test_pipeline_renders_32x32(tiny):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    pipe.set_progress_bar_config(disable=True)
+
+    def render(seed, prompt="a red circle"):
+        return pipe(prompt, height=32, width=32, num_inference_steps=2, guidance_scale=1.0,
+                    generator=torch.Generator().manual_seed(seed), output_type="np").images
+
+    images = render(0)
+    assert images.shape == (1, 32, 32, 3)
+    assert np.isfinite(images).all()
+    assert images.min() >= 0.0 and images.max() <= 1.0
+    assert images.std() > 0
+    assert np.array_equal(render(0), images)
+    assert not np.array_equal(render(1), images)
+
+
+def test_pipeline_components(tiny_sd_pipe):
+    assert type(tiny_sd_pipe.scheduler).__name__ == "PNDMScheduler"
+    assert tiny_sd_pipe.vae.config.latent_channels == tiny_sd_pipe.unet.config.in_channels == 4
+    assert tiny_sd_pipe.unet.config.cross_attention_dim == tiny_sd_pipe.text_encoder.config.hidden_size
+    assert tiny_sd_pipe.safety_checker is None
+
+
+def caption_words(caption):
+    words = caption.split()
+    color = [w for w in words if w in COLORS]
+    shape = [w for w in words if w in SHAPES]
+    background = [w for w in words if w in BACKGROUNDS]
+    return color, shape, background
+
+
+def test_shapes_dataset_captions_describe_the_images(tiny):
+    folder = Path(tiny["shapes"])
+    records = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+    assert len(records) >= 24
+    assert len({record["file_name"] for record in records}) == len(records)
+    fill_ratios = {shape: [] for shape in SHAPES}
+    for record in records:
+        color, shape, background = caption_words(record["text"])
+        assert len(color) == 1 and len(shape) == 1 and len(background) == 1, record["text"]
+        pixels = np.asarray(Image.open(folder / record["file_name"]).convert("RGB"))
+        assert pixels.shape == (64, 64, 3)
+        corners = [tuple(pixels[y, x]) for y, x in ((0, 0), (0, -1), (-1, 0), (-1, -1))]
+        assert all(corner == BACKGROUNDS[background[0]] for corner in corners), record
+        mask = np.all(pixels == COLORS[color[0]], axis=-1)
+        assert mask.sum() > 64, record  # the named colour is really there
+        ys, xs = np.nonzero(mask)
+        box = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
+        fill_ratios[shape[0]].append(mask.sum() / box)
+    # a square fills its bounding box, a circle about pi/4 of it, a triangle about half
+    assert all(ratio > 0.97 for ratio in fill_ratios["square"])
+    assert all(0.70 < ratio < 0.85 for ratio in fill_ratios["circle"])
+    assert all(0.40 < ratio < 0.62 for ratio in fill_ratios["triangle"])
+    assert all(fill_ratios[shape] for shape in SHAPES)
+    assert len({caption_words(record["text"])[0][0] for record in records}) == len(COLORS)
+
+
+def test_build_is_deterministic(tmp_path):
+    first = tiny_module.build(tmp_path / "a", ["shapes"])
+    second = tiny_module.build(tmp_path / "b", ["shapes"])
+    assert set(first) == {"shapes"}
+    names = sorted(p.name for p in first["shapes"].iterdir())
+    assert names == sorted(p.name for p in second["shapes"].iterdir())
+    for name in names:
+        assert (first["shapes"] / name).read_bytes() == (second["shapes"] / name).read_bytes(), name
+
+
+def test_main_unknown_name_exits_non_zero(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--output_dir", str(tmp_path), "sd", "no_such_fixture"])
+    assert exited.value.code != 0
+    assert "no_such_fixture" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing built before the name was checked
+
+
+def test_main_builds_named_fixture(tmp_path, capsys):
+    main(["--output_dir", str(tmp_path), "shapes"])
+    assert capsys.readouterr().out.strip() == f"shapes: {tmp_path / 'shapes'}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]
+    assert (tmp_path / "shapes" / "metadata.jsonl").is_file()
+
+
+def test_module_cli_unknown_name(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "training_utils.tiny", "--output_dir", str(tmp_path), "bogus"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode != 0
+    assert "bogus" in result.stderr
