@@ -14,6 +14,16 @@ def sample_noise(latents, noise_offset=0.0):
     return noise
 
 
+def perturbed_noise(noise, input_perturbation=0.0):
+    """The noise to add to the latents under input perturbation (Ning et al., 2023): ``noise`` plus
+    ``input_perturbation`` times fresh Gaussian noise. The loss target stays ``noise``, so the model
+    learns to undo a slightly wrong input, as it must at inference. ``0`` returns ``noise`` itself and
+    draws nothing from the RNG."""
+    if not input_perturbation:
+        return noise
+    return noise + input_perturbation * torch.randn_like(noise)
+
+
 def sample_timesteps(noise_scheduler, batch_size, device):
     return torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch_size,), device=device).long()
 

@@ -58,6 +58,16 @@ def save_model(module, directory):
     return Path(directory)
 
 
+def save_pipeline(pipe, directory):
+    """``pipe.save_pretrained(directory)`` atomically, each module's files checked against the module in memory."""
+    from .pipeline import modules_of
+
+    write_atomically(directory, pipe.save_pretrained)
+    for name, module in modules_of(pipe).items():
+        verify_saved_tensors(saved_tensors(Path(directory) / name), module.state_dict(), Path(directory) / name)
+    return Path(directory)
+
+
 def save_model_with_ema(module, directory, ema=None, ema_directory=None):
     """The raw ``module`` into ``directory``; with an EMA, the EMA weights (swapped into the live
     module) into ``ema_directory``. Returns ``{"raw": path, "ema": path}``."""

@@ -52,7 +52,8 @@ def prepare_components(pipe, trained, device, weight_dtype):
         if id(module) not in trained_modules:
             module.requires_grad_(False)
             module.eval()
-            module.to(dtype=weight_dtype)
+            if weight_dtype != torch.float32:
+                module.to(dtype=weight_dtype)
             continue
         # Cast tensor by tensor, so trained weights never pass through half precision.
         for parameter in module.parameters():

@@ -97,12 +97,32 @@ def tiny_clip_text_encoder(vocab_size, with_projection=False, hidden_size=32, se
     return model_class(config).eval()
 
 
-def tiny_vae(seed=SEED):
+def tiny_t5_tokenizer(words=None):
+    """A real T5 (Unigram) tokenizer: whole-word pieces for ``words``, single letters for the rest."""
+    from transformers import T5Tokenizer
+
+    words = sorted(set(words if words is not None else _vocabulary()))
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + word, -1.0) for word in words]
+    pieces += [(chr(c), -5.0) for c in range(ord("a"), ord("z") + 1)]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=256)
+
+
+def tiny_t5_encoder(vocab_size, d_model=64, seed=SEED):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                      relative_attention_num_buckets=8, decoder_start_token_id=0)
+    return T5EncoderModel(config).eval()
+
+
+def tiny_vae(seed=SEED, **overrides):
     """A VAE that halves the resolution (real SD VAEs divide by 8), with SD's 4 latent channels."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(
+    config = dict(
         block_out_channels=(16, 32),
         in_channels=3,
         out_channels=3,
@@ -112,6 +132,8 @@ def tiny_vae(seed=SEED):
         norm_num_groups=8,
         sample_size=32,
     )
+    config.update(overrides)
+    return AutoencoderKL(**config)
 
 
 def tiny_unet(cross_attention_dim=32, seed=SEED, **overrides):
@@ -167,6 +189,66 @@ def build_sd(path):
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
+    )
+    pipe.save_pretrained(path)
+
+
+def tiny_sdxl_unet(seed=SEED):
+    """An SDXL-style UNet: cross-attention over both encoders' hidden states (32 + 32) and the
+    "text_time" addition embedding (pooled text embeds 32 + six size/crop ids of 8 each)."""
+    return tiny_unet(
+        cross_attention_dim=64, seed=seed, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=32 + 6 * 8, use_linear_projection=True,
+        transformer_layers_per_block=(1, 2),
+    )
+
+
+def build_sdxl(path):
+    """A Stable Diffusion XL pipeline: two CLIP encoders (the second with projection), Euler scheduler."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    tokenizer = tiny_clip_tokenizer()
+    pipe = StableDiffusionXLPipeline(
+        unet=tiny_sdxl_unet(),
+        vae=tiny_vae(),
+        text_encoder=tiny_clip_text_encoder(len(tokenizer)),
+        text_encoder_2=tiny_clip_text_encoder(len(tokenizer), with_projection=True, seed=SEED + 1),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                         timestep_spacing="leading", steps_offset=1),
+    )
+    pipe.save_pretrained(path)
+
+
+def build_sdxl_controlnet(path):
+    """A ControlNet initialised from the tiny SDXL UNet (text_time embedding included)."""
+    from diffusers import ControlNetModel
+
+    ControlNetModel.from_unet(tiny_sdxl_unet(), conditioning_embedding_out_channels=(16, 32)).save_pretrained(path)
+
+
+def build_sd3(path):
+    """A Stable Diffusion 3 pipeline: an MMDiT transformer, two CLIP encoders with projection,
+    a T5 encoder with a real T5 tokenizer, and the flow-matching Euler scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    torch.manual_seed(SEED)
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        vae=tiny_vae(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=tiny_clip_text_encoder(len(clip_tokenizer), with_projection=True),
+        text_encoder_2=tiny_clip_text_encoder(len(clip_tokenizer), with_projection=True, seed=SEED + 1),
+        text_encoder_3=tiny_t5_encoder(len(t5_tokenizer)),
+        tokenizer=clip_tokenizer,
+        tokenizer_2=clip_tokenizer,
+        tokenizer_3=t5_tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
     pipe.save_pretrained(path)
 
@@ -245,6 +327,9 @@ def build_instance(path, num_images=6):
 FIXTURES = {
     "sd": build_sd,
     "controlnet": build_controlnet,
+    "sdxl": build_sdxl,
+    "sdxl_controlnet": build_sdxl_controlnet,
+    "sd3": build_sd3,
     "shapes": build_shapes,
     "shapes_controlnet": build_shapes_controlnet,
     "instance": build_instance,
