@@ -27,14 +27,26 @@ class UsageError(Exception):
         super().__init__(f"{flag}={value!r}: expected {expected}" if flag else expected)
 
 
+class RunStopped(Exception):
+    """The run stopped on purpose (preemption, a non-finite loss); ``exit_code`` tells the scheduler why."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 @contextmanager
 def exit_on_usage_error():
-    """Turn a `UsageError` raised inside the block into one line on stderr and exit status 2."""
+    """Turn a `UsageError` raised inside the block into one line on stderr and exit status 2, and a
+    `RunStopped` into one line and its own exit code."""
     try:
         yield
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RunStopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
 
 
 class TrainingArgumentParser(argparse.ArgumentParser):

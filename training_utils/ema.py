@@ -225,3 +225,53 @@ class EMA:
                 raise ValueError(f"{path} is not an EMA file written by {EMA_FORMAT}")
             shadows = {name: file.get_tensor(name) for name in file.keys()}
         self.load_state_dict({"shadows": shadows, "step": int(metadata["step"])})
+
+
+class PowerEMA(EMA):
+    """Power-function EMA (EDM2's post-hoc EMA profile): the single-step decay of step t is
+    ``beta(t) = (1 - 1/t) ** (gamma + 1)``, t counted in optimizer steps from 1 (so beta(1) = 0).
+
+    Only `step_decay` differs from `EMA`; the base class's interval correction makes the decay
+    between updates at steps s < t the product of single-step decays, which telescopes to
+    ``(s / t) ** (gamma + 1)``. What the shadow is, exactly (up to fp32 rounding):
+
+        shadow(T) = integral over tau in [0, T] of p_T(tau) * w(tau) d tau,
+        p_T(tau) = (gamma + 1) * tau ** gamma / T ** (gamma + 1),
+
+    where T is the step of the last update and w is the piecewise-constant weight trajectory
+    that the updates sampled: for update steps u_1 < u_2 < ..., w(tau) = weights at u_j for
+    tau in (u_{j-1}, u_j] (u_0 = 0). The time axis is exact training time, whatever the update
+    interval K, also for off-interval updates (e.g. the final step) and across resumes.
+
+    Consequences:
+      * K = 1 (as in EDM2's implementation, which updates every step): the shadow is the exact
+        power-function average of the per-step weights: weight of step t is
+        ``(t**(gamma+1) - (t-1)**(gamma+1)) / T**(gamma+1)``.
+      * K > 1: each update's weights stand for the K steps before it (the weights are assumed
+        constant between updates). Exact when they are; otherwise off by at most the weights'
+        change within an interval.
+      * The first update copies (base class). A copy at step s > 1 is exactly the power function
+        applied to weights held at their step-s value over [0, s]: the mass (s/T)**(gamma+1)
+        of the steps 1..s goes to the step-s weights. This is the same assumption as between
+        updates, and its share of the average vanishes as (s/T)**(gamma+1).
+
+    Args:
+        parameters: name -> live parameter (as for `EMA`).
+        gamma: the power-function exponent (> -1; EDM2's sigma_rel < 1/sqrt(12) means gamma > 0).
+        update_every: the intended update interval K in optimizer steps.
+        device: where the fp32 shadows live.
+    """
+
+    def __init__(self, parameters, gamma: float, update_every: int = 1,
+                 device: Optional[Union[str, torch.device]] = None):
+        gamma = float(gamma)
+        if not gamma > -1.0:
+            raise ValueError(f"gamma must be > -1, got {gamma}")
+        # decay=0.0: unused, every decay comes from step_decay
+        super().__init__(parameters, decay=0.0, update_every=update_every, device=device)
+        self.gamma = gamma
+
+    def step_decay(self, step: int) -> float:
+        if step < 1:
+            raise ValueError(f"optimizer steps count from 1, got {step}")
+        return (1.0 - 1.0 / step) ** (self.gamma + 1.0)

@@ -52,14 +52,13 @@ def make_optimizer(args, parameters, num_processes):
 
 
 def training_length(args, num_batches):
-    """``(max_train_steps, num_epochs, steps_per_epoch)`` from the flags and the loader's length per process.
+    """``(max_train_steps, steps_per_epoch)`` from the flags and the loader's length per process.
 
     ``--max_train_steps`` wins over ``--num_train_epochs``; an epoch's last, partial accumulation
     still makes an optimizer step.
     """
     steps_per_epoch = math.ceil(num_batches / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    return max_train_steps, math.ceil(max_train_steps / steps_per_epoch), steps_per_epoch
+    return args.max_train_steps or args.num_train_epochs * steps_per_epoch, steps_per_epoch
 
 
 def make_lr_scheduler(args, optimizer, max_train_steps, num_processes):

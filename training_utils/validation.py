@@ -46,6 +46,15 @@ def preserved_state(schedulers, modules):
             submodule.training = training
 
 
+def make_validator(args, pipe, accelerator, **kwargs):
+    """The `Validator` for ``--validation_prompt`` and its flags, or None without prompts.
+    ``kwargs`` are the script's own: ``ema``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``."""
+    if not args.validation_prompt:
+        return None
+    return Validator(pipe, accelerator, args.output_dir, args.validation_prompt, args.num_validation_images,
+                     args.validation_inference_steps, args.seed, **kwargs)
+
+
 class Validator:
     """Renders the validation prompts from a pipeline built on the live components.
 
@@ -53,10 +62,16 @@ class Validator:
     scheduler). ``call_kwargs`` go to every pipeline call (e.g. height/width); ``prompt_kwargs``
     holds one dict per prompt (e.g. a ControlNet's conditioning image). Images are written under
     ``output_dir/validation`` and described in ``validation/log.jsonl``.
+
+    ``conditioning_images`` (one PIL image or None per prompt) are the inputs shown beside each
+    prompt's samples: each distinct image is saved once, as ``validation/conditioning-pNN.png``
+    (``conditioning_paths``), logged to the trackers with every validation, and put into the model
+    card by `card_records`. The log records keep their schema.
     """
 
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
-                 ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None):
+                 ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
+                 conditioning_images=None):
         self.pipe = pipe
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -71,6 +86,32 @@ class Validator:
         self.prompt_kwargs = prompt_kwargs or [{} for _ in self.prompts]
         if len(self.prompt_kwargs) != len(self.prompts):
             raise ValueError(f"{len(self.prompt_kwargs)} prompt_kwargs for {len(self.prompts)} prompts")
+        self.conditioning_images = list(conditioning_images or [None] * len(self.prompts))
+        if len(self.conditioning_images) != len(self.prompts):
+            raise ValueError(f"{len(self.conditioning_images)} conditioning_images for {len(self.prompts)} prompts")
+        self.conditioning_paths = self._save_conditioning_images()
+
+    def _save_conditioning_images(self):
+        """Each distinct conditioning image once (main process); returns each prompt's path, or None."""
+        saved = {}
+        paths = []
+        for index, image in enumerate(self.conditioning_images):
+            if image is not None and id(image) not in saved:
+                saved[id(image)] = f"{VALIDATION_DIR}/conditioning-p{index:02d}.png"
+                if self.accelerator.is_main_process:
+                    (self.output_dir / VALIDATION_DIR).mkdir(parents=True, exist_ok=True)
+                    image.save(self.output_dir / saved[id(image)])
+            paths.append(saved.get(id(image)))
+        return paths
+
+    def card_records(self, records):
+        """``records`` for the model card, led by each prompt's conditioning image (variant "conditioning")."""
+        if not records:
+            return []
+        step = records[-1]["step"]
+        shown = [{"step": step, "variant": "conditioning", "prompt": prompt, "images": [path]}
+                 for prompt, path in zip(self.prompts, self.conditioning_paths) if path is not None]
+        return shown + list(records)
 
     def __call__(self, step):
         """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only)."""
@@ -118,13 +159,17 @@ class Validator:
         with open(self.output_dir / VALIDATION_DIR / LOG_NAME, "a") as log:
             for record, _ in rendered:
                 log.write(json.dumps(record) + "\n")
+        shown = [(f"validation/{record['variant']}/p{position % len(self.prompts):02d}", record["prompt"], images)
+                 for position, (record, images) in enumerate(rendered)]
+        shown += [(f"validation/conditioning/p{index:02d}", prompt, [image])
+                  for index, (prompt, image) in enumerate(zip(self.prompts, self.conditioning_images))
+                  if image is not None]
         for tracker in self.accelerator.trackers:
-            for position, (record, images) in enumerate(rendered):
-                tag = f"validation/{record['variant']}/p{position % len(self.prompts):02d}"
+            for tag, prompt, images in shown:
                 if tracker.name == "tensorboard":
-                    tracker.writer.add_images(tag, np.stack([np.asarray(image) for image in images]), step,
-                                              dataformats="NHWC")
+                    tracker.writer.add_images(tag, np.stack([np.asarray(image.convert("RGB")) for image in images]),
+                                              step, dataformats="NHWC")
                 elif tracker.name == "wandb":
                     import wandb
 
-                    tracker.log({tag: [wandb.Image(image, caption=record["prompt"]) for image in images]}, step=step)
+                    tracker.log({tag: [wandb.Image(image, caption=prompt) for image in images]}, step=step)

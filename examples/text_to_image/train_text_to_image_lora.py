@@ -12,20 +12,20 @@ checkpoints to resume from, and a model card.
 """
 
 from diffusers import StableDiffusionPipeline
-from tqdm.auto import tqdm
 
 from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
-from training_utils.checkpointing import Checkpointer, resume_position
-from training_utils.data import (ImageTransform, TrainDataset, epoch_batches, load_train_dataset, make_dataloader,
-                                 pick_caption, stack_collate, tokenize)
+from training_utils.checkpointing import Checkpointer
+from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
+                                 stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.hub import push_to_hub, write_model_card
+from training_utils.loop import TrainingLoop
 from training_utils.lora import UNET_TARGET_MODULES, add_lora, save_lora_with_ema
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
                                      training_length)
-from training_utils.validation import Validator, validation_due
+from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
 from diffusers import StableDiffusionPipeline
@@ -74,68 +74,43 @@ def main(args):
         return {"pixel_values": pixel_values, "input_ids": tokenize(tokenizer, caption)[0]}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers, stack_collate, args.seed))
-    max_train_steps, num_epochs, steps_per_epoch = training_length(args, len(dataloader))
+        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        stack_collate, args.seed))
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
-    global_step = checkpointer.resume(args.resume_from_checkpoint)
-    first_epoch, batches_to_skip = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
-
-    validator = None
-    if args.validation_prompt:
-        validator = Validator(
-            pipe, accelerator, args.output_dir, args.validation_prompt, args.num_validation_images,
-            args.validation_inference_steps, args.seed, ema=ema, schedulers=[noise_scheduler],
-            weight_dtype=weight_dtype, call_kwargs={"height": args.resolution, "width": args.resolution},
-        )
-    records = []
+    validator = make_validator(args, pipe, accelerator, ema=ema, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+                               call_kwargs={"height": args.resolution, "width": args.resolution})
+    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
+                        validator=validator, lr_scheduler=lr_scheduler,
+                        start_step=checkpointer.resume(args.resume_from_checkpoint))
     accelerator.init_trackers("text-to-image-lora", config=tracker_config(args))
 
-    # 5. The loop: step, EMA, checkpoint, validation (the final step included, once).
-    progress = tqdm(total=max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process)
+    # 5. The loop: the denoising loss; after each optimizer step the loop updates the EMA,
+    # checkpoints and validates when due (the final step included, once).
     unet.train()
-    for epoch in range(first_epoch, num_epochs):
-        train_loss = 0.0
-        for batch in epoch_batches(accelerator, dataloader, epoch, batches_to_skip if epoch == first_epoch else 0):
-            if global_step >= max_train_steps:
-                break
-            with accelerator.accumulate(unet):
-                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-                latents = latents * vae.config.scaling_factor
-                noise = sample_noise(latents, args.noise_offset)
-                timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-                noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-                encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
-                model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
-                target = prediction_target(noise_scheduler, latents, noise, timesteps)
-                loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
+    for batch in loop:
+        with accelerator.accumulate(unet):
+            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            latents = latents * vae.config.scaling_factor
+            noise = sample_noise(latents, args.noise_offset)
+            timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
+            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+            encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
+            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+            target = prediction_target(noise_scheduler, latents, noise, timesteps)
+            loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad()
-            train_loss += loss.detach().item() / args.gradient_accumulation_steps
-            if not accelerator.sync_gradients:
-                continue
-
-            global_step += 1
-            progress.update(1)
-            accelerator.log({"train_loss": train_loss, "lr": lr_scheduler.get_last_lr()[0]}, step=global_step)
-            progress.set_postfix(loss=train_loss)
-            train_loss = 0.0
-            if ema is not None and ema.is_due(global_step, max_train_steps):
-                ema.update(global_step)
-            if global_step % args.checkpointing_steps == 0:
-                checkpointer.save(global_step)
-            if validator is not None and validation_due(global_step, max_train_steps, args.validation_steps,
-                                                        args.validation_epochs, steps_per_epoch):
-                records = validator(global_step)
-    progress.close()
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        loop.end_micro_batch(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
@@ -144,12 +119,12 @@ def main(args):
         how_to_load = HOW_TO_LOAD.format(base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
                                          prompt=prompt)
         write_model_card(args.output_dir, args.pretrained_model_name_or_path, "Text-to-image LoRA", how_to_load,
-                         records)
+                         loop.records)
         if args.push_to_hub:
             push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
         for variant, path in paths.items():
             print(f"{variant} LoRA: {path}")
-        if records:
+        if loop.records:
             print(f"validation images: {args.output_dir}/validation (log.jsonl lists them)")
     accelerator.end_training()
 

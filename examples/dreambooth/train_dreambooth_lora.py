@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Teach Stable Diffusion 1.x a subject from a few images (DreamBooth) with a LoRA, optionally with prior preservation.
+
+    accelerate launch train_dreambooth_lora.py \\
+      --pretrained_model_name_or_path=stable-diffusion-v1-5/stable-diffusion-v1-5 \\
+      --instance_data_dir=dog --instance_prompt="a photo of sks dog" --output_dir=out \\
+      --with_prior_preservation --class_data_dir=dogs --class_prompt="a photo of a dog" \\
+      --train_text_encoder --validation_prompt "a photo of sks dog in a bucket"
+
+Writes ``pytorch_lora_weights.safetensors`` (UNet and, with ``--train_text_encoder``, text-encoder
+adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
+``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
+checkpoints to resume from, and a model card. Missing class images are generated into
+``--class_data_dir`` by the pipeline that trains, before training starts.
+"""
+
+import torch
+from diffusers import StableDiffusionPipeline
+
+from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
+from training_utils.checkpointing import Checkpointer
+from training_utils.data import ImageTransform, make_dataloader, tokenize
+from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
+                                       generate_class_images, list_images, paired_collate)
+from training_utils.hub import push_to_hub, write_model_card
+from training_utils.loop import TrainingLoop
+from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
+                                     training_length)
+from training_utils.validation import make_validator
+
+HOW_TO_LOAD = """
+from diffusers import StableDiffusionPipeline
+
+pipe = StableDiffusionPipeline.from_pretrained("{base_model}")
+pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
+image = pipe("{prompt}").images[0]
+"""
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0])
+    add_lora_args(parser, train_text_encoder=True)
+    add_diffusion_loss_args(parser)
+    add_dreambooth_args(parser)
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def main(args):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    instance_images = check_dreambooth_args(args)
+    accelerator = make_accelerator(args)
+
+    # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
+    pipe = load_pipeline(StableDiffusionPipeline, args)
+    unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
+    noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+
+    # 3. LoRA adapters on the UNet's (and maybe the text encoder's) attention; the EMA tracks them all.
+    add_lora(unet, args.rank, UNET_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+    trained = {"unet": unet}
+    if args.train_text_encoder:
+        add_lora(text_encoder, args.rank, TEXT_ENCODER_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+        trained["text_encoder"] = text_encoder
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    if args.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        if args.train_text_encoder:
+            text_encoder.gradient_checkpointing_enable()
+    parameters = trainable_parameters(trained)
+    ema = make_ema(args, parameters, accelerator)
+
+    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet), data,
+    #    optimizer and schedule; then accelerate, and resume if asked.
+    class_images = None
+    if args.with_prior_preservation:
+        generate_class_images(
+            pipe, args.class_prompt, args.class_data_dir, args.num_class_images, accelerator, args.seed,
+            args.sample_batch_size, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+            num_inference_steps=args.class_inference_steps,
+            call_kwargs={"height": args.resolution, "width": args.resolution},
+        )
+        class_images = list_images(args.class_data_dir)[: args.num_class_images]
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    dataloader = accelerator.prepare(make_dataloader(
+        dreambooth_dataset(instance_images, transform, args.seed, class_images), args.train_batch_size,
+        args.dataloader_num_workers, paired_collate, args.seed))
+
+    # Each batch holds the instance images, then as many class images: one prompt per half.
+    prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
+    prompt_ids = tokenize(tokenizer, prompts).to(accelerator.device)
+
+    def encode_prompts():
+        return text_encoder(prompt_ids, return_dict=False)[0]
+
+    frozen_prompt_embeds = None
+    if not args.train_text_encoder:  # a frozen text encoder always gives the same embeddings: compute them once
+        with torch.no_grad():
+            frozen_prompt_embeds = encode_prompts()
+
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    if args.train_text_encoder:
+        unet, text_encoder, optimizer, lr_scheduler = accelerator.prepare(unet, text_encoder, optimizer, lr_scheduler)
+    else:
+        unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+
+    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
+    validator = make_validator(args, pipe, accelerator, ema=ema, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype, call_kwargs={"height": args.resolution, "width": args.resolution})
+    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
+                        validator=validator, lr_scheduler=lr_scheduler,
+                        start_step=checkpointer.resume(args.resume_from_checkpoint))
+    accelerator.init_trackers("dreambooth-lora", config=tracker_config(args))
+
+    # 5. The loop: DreamBooth's loss; after each optimizer step the loop updates the EMA,
+    # checkpoints and validates when due (the final step included, once).
+    for module in trained.values():
+        module.train()
+    for batch in loop:
+        with accelerator.accumulate(unet, text_encoder):
+            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            latents = latents * vae.config.scaling_factor
+            noise = sample_noise(latents, args.noise_offset)
+            timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
+            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+            prompt_embeds = encode_prompts() if args.train_text_encoder else frozen_prompt_embeds
+            encoder_hidden_states = prompt_embeds.repeat_interleave(latents.shape[0] // len(prompts), dim=0)
+            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+            target = prediction_target(noise_scheduler, latents, noise, timesteps)
+            # The instance half's loss, plus the weighted class half's (prior preservation).
+            predictions, targets, steps = (x.chunk(len(prompts)) for x in (model_pred, target, timesteps))
+            loss = diffusion_loss(predictions[0], targets[0], noise_scheduler, steps[0], args.snr_gamma)
+            if args.with_prior_preservation:
+                prior_loss = diffusion_loss(predictions[1], targets[1], noise_scheduler, steps[1], args.snr_gamma)
+                loss = loss + args.prior_loss_weight * prior_loss
+
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        loop.end_micro_batch(loss)
+
+    # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        paths = save_lora_with_ema(StableDiffusionPipeline, args.output_dir, trained, ema)
+        prompt = args.validation_prompt[0] if args.validation_prompt else args.instance_prompt
+        how_to_load = HOW_TO_LOAD.format(base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
+                                         prompt=prompt)
+        write_model_card(args.output_dir, args.pretrained_model_name_or_path, "DreamBooth LoRA", how_to_load,
+                         loop.records)
+        if args.push_to_hub:
+            push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
+        for variant, path in paths.items():
+            print(f"{variant} LoRA: {path}")
+        if loop.records:
+            print(f"validation images: {args.output_dir}/validation (log.jsonl lists them)")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    with exit_on_usage_error():
+        main(parse_args())

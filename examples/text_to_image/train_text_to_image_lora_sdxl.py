@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Train a LoRA on a Stable Diffusion XL UNet (and optionally both text encoders) from image-caption pairs.
+
+    accelerate launch train_text_to_image_lora_sdxl.py \\
+      --pretrained_model_name_or_path=stabilityai/stable-diffusion-xl-base-1.0 \\
+      --pretrained_vae_model_name_or_path=madebyollin/sdxl-vae-fp16-fix \\
+      --train_data_dir=my_images --output_dir=out --resolution=1024 --use_ema \\
+      --validation_prompt "a red circle" --validation_steps=100
+
+The frozen VAE runs in the mixed-precision dtype; SDXL's own VAE overflows in fp16, so with
+``--mixed_precision fp16`` pass an fp16-safe one (as above) with ``--pretrained_vae_model_name_or_path``,
+or train in bf16. That VAE replaces the pipeline's, for training and validation alike.
+
+Writes ``pytorch_lora_weights.safetensors`` (UNet and, with ``--train_text_encoder``, both text-encoder
+adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
+``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
+checkpoints to resume from, and a model card.
+"""
+
+from diffusers import StableDiffusionXLPipeline
+
+from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
+from training_utils.checkpointing import Checkpointer
+from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
+                                 stack_collate)
+from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
+from training_utils.hub import push_to_hub, write_model_card
+from training_utils.loop import TrainingLoop
+from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.sdxl import (add_vae_args, added_conditions, check_vae_path, encode_prompt, time_ids,
+                                 tokenize_prompt, vae_components)
+from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
+                                     training_length)
+from training_utils.validation import make_validator
+
+HOW_TO_LOAD = """
+from diffusers import {classes}
+
+pipe = StableDiffusionXLPipeline.from_pretrained("{base_model}"{vae})
+pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
+image = pipe("{prompt}").images[0]
+"""
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0], resolution=1024)
+    add_vae_args(parser)
+    add_lora_args(parser, train_text_encoder=True)
+    add_diffusion_loss_args(parser)
+    args = parser.parse_args(argv)
+    check_args(args)
+    check_vae_path(args.pretrained_vae_model_name_or_path)
+    return args
+
+
+def main(args):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    dataset = load_train_dataset(args, {"--image_column": args.image_column, "--caption_column": args.caption_column})
+    accelerator = make_accelerator(args)
+
+    # 2. The pipeline, once (with the replacement VAE, if any). Its modules train and render validation images.
+    pipe = load_pipeline(StableDiffusionXLPipeline, args, **vae_components(args.pretrained_vae_model_name_or_path))
+    if args.pretrained_vae_model_name_or_path:
+        accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
+    unet, vae = pipe.unet, pipe.vae
+    text_encoders, tokenizers = [pipe.text_encoder, pipe.text_encoder_2], [pipe.tokenizer, pipe.tokenizer_2]
+    noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+
+    # 3. LoRA adapters on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
+    add_lora(unet, args.rank, UNET_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+    trained = {"unet": unet}
+    if args.train_text_encoder:
+        for name, text_encoder in zip(("text_encoder", "text_encoder_2"), text_encoders):
+            add_lora(text_encoder, args.rank, TEXT_ENCODER_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+            trained[name] = text_encoder
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    if args.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        if args.train_text_encoder:
+            for text_encoder in text_encoders:
+                text_encoder.gradient_checkpointing_enable()
+    parameters = trainable_parameters(trained)
+    ema = make_ema(args, parameters, accelerator)
+
+    # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+
+    def preprocess(example, generator):
+        # SDXL is told each image's original size and where it was cropped (after any flip).
+        pixel_values, original_size, crop_top_left = transform(example[args.image_column], generator)
+        caption = pick_caption(example[args.caption_column], generator)
+        input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
+        return {"pixel_values": pixel_values, "input_ids": input_ids[0], "input_ids_2": input_ids_2[0],
+                "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
+
+    dataloader = accelerator.prepare(make_dataloader(
+        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        stack_collate, args.seed))
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    if args.train_text_encoder:
+        unet, *text_encoders, optimizer, lr_scheduler = accelerator.prepare(unet, *text_encoders, optimizer,
+                                                                            lr_scheduler)
+    else:
+        unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+
+    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
+    validator = make_validator(args, pipe, accelerator, ema=ema, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+                               call_kwargs={"height": args.resolution, "width": args.resolution})
+    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
+                        validator=validator, lr_scheduler=lr_scheduler,
+                        start_step=checkpointer.resume(args.resume_from_checkpoint))
+    accelerator.init_trackers("text-to-image-lora-sdxl", config=tracker_config(args))
+
+    # 5. The loop: the denoising loss with SDXL's conditioning; after each optimizer step the loop
+    # updates the EMA, checkpoints and validates when due (the final step included, once).
+    for module in trained.values():
+        module.train()
+    for batch in loop:
+        with accelerator.accumulate(unet, *text_encoders):
+            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            latents = latents * vae.config.scaling_factor
+            noise = sample_noise(latents, args.noise_offset)
+            timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
+            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+            prompt_embeds, pooled = encode_prompt(text_encoders, [batch["input_ids"], batch["input_ids_2"]])
+            model_pred = unet(noisy_latents, timesteps, prompt_embeds, return_dict=False,
+                              added_cond_kwargs=added_conditions(pooled, batch["time_ids"]))[0]
+            target = prediction_target(noise_scheduler, latents, noise, timesteps)
+            loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
+
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        loop.end_micro_batch(loss)
+
+    # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        paths = save_lora_with_ema(StableDiffusionXLPipeline, args.output_dir, trained, ema)
+        prompt = args.validation_prompt[0] if args.validation_prompt else "a photo"
+        vae_path = args.pretrained_vae_model_name_or_path
+        how_to_load = HOW_TO_LOAD.format(
+            classes="AutoencoderKL, StableDiffusionXLPipeline" if vae_path else "StableDiffusionXLPipeline",
+            base_model=args.pretrained_model_name_or_path,
+            vae=f', vae=AutoencoderKL.from_pretrained("{vae_path}")' if vae_path else "",
+            output_dir=args.output_dir, prompt=prompt)
+        write_model_card(args.output_dir, args.pretrained_model_name_or_path, "Text-to-image LoRA for SDXL",
+                         how_to_load, loop.records)
+        if args.push_to_hub:
+            push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
+        for variant, path in paths.items():
+            print(f"{variant} LoRA: {path}")
+        if loop.records:
+            print(f"validation images: {args.output_dir}/validation (log.jsonl lists them)")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    with exit_on_usage_error():
+        main(parse_args())

@@ -1,0 +1,250 @@
+"""training_utils.dreambooth: checked inputs, paired instance/class data, side-effect-free class images."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training_utils.args import TrainingArgumentParser, UsageError
+from training_utils.data import ImageTransform
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
+                                       generate_class_images, list_images, paired_collate)
+
+
+def solid(path, value, size=(12, 8)):
+    Image.new("RGB", size, (value, value, value)).save(path)
+    return path
+
+
+def scaled(value):
+    """A uint8 pixel value as ImageTransform scales it, computed the same way (float32)."""
+    return float(np.float32(value) / np.float32(127.5) - np.float32(1.0))
+
+
+def parse(*argv):
+    parser = TrainingArgumentParser()
+    add_dreambooth_args(parser)
+    return parser.parse_args([str(arg) for arg in argv])
+
+
+@pytest.fixture
+def instance_dir(tmp_path):
+    folder = tmp_path / "instance"
+    folder.mkdir()
+    for index in range(3):
+        solid(folder / f"{index}.png", 10 * index)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def test_list_images_keeps_image_files_sorted_by_name(tmp_path):
+    for name in ("b.JPG", "a.png", "c.webp", "notes.txt", ".c.png.partial"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "sub.png").mkdir()
+    assert [path.name for path in list_images(tmp_path)] == ["a.png", "b.JPG", "c.webp"]
+    assert list_images(tmp_path / "missing") == []
+
+
+def test_check_returns_the_instance_images(instance_dir):
+    args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "a photo of sks dog")
+    assert [path.name for path in check_dreambooth_args(args)] == ["0.png", "1.png", "2.png"]
+    assert (args.num_class_images, args.prior_loss_weight, args.sample_batch_size) == (100, 1.0, 4)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--with_prior_preservation", "--class_prompt", "a dog"],
+         "--class_data_dir=None: expected a folder for the class images with --with_prior_preservation"),
+        (["--with_prior_preservation", "--class_data_dir", "{tmp}/class"],
+         "--class_prompt=None: expected a non-empty prompt with --with_prior_preservation"),
+        (["--with_prior_preservation", "--class_data_dir", "{tmp}/instance/0.png", "--class_prompt", "a dog"],
+         "--class_data_dir='{tmp}/instance/0.png': expected a folder"),
+        (["--num_class_images", "0"], "--num_class_images=0: expected a positive integer"),
+        (["--sample_batch_size", "0"], "--sample_batch_size=0: expected a positive integer"),
+        (["--class_inference_steps", "0"], "--class_inference_steps=0: expected a positive integer"),
+        (["--prior_loss_weight", "-1"], "--prior_loss_weight=-1.0: expected a non-negative number"),
+    ],
+)
+def test_check_rejects_bad_combinations(instance_dir, extra, message):
+    tmp = instance_dir.parent
+    args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "a photo of sks dog",
+                 *[value.format(tmp=tmp) for value in extra])
+    with pytest.raises(UsageError) as error:
+        check_dreambooth_args(args)
+    assert str(error.value).startswith(message.format(tmp=tmp))
+
+
+def test_check_rejects_a_missing_or_empty_instance_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("no images")
+    for folder, expected in (("missing", "an existing folder"), ("empty", "a folder holding images")):
+        args = parse("--instance_data_dir", tmp_path / folder, "--instance_prompt", "a dog")
+        with pytest.raises(UsageError, match=expected):
+            check_dreambooth_args(args)
+    args = parse("--instance_data_dir", tmp_path / "empty", "--instance_prompt", " ")
+    (tmp_path / "empty" / "0.png").write_bytes(b"")
+    with pytest.raises(UsageError, match="--instance_prompt=' ': expected a non-empty prompt"):
+        check_dreambooth_args(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset and collate
+
+
+def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path, instance_dir):
+    class_dir = tmp_path / "class"
+    class_dir.mkdir()
+    class_images = [solid(class_dir / f"{index}.png", 100 + 10 * index) for index in range(5)]
+    dataset = dreambooth_dataset(list_images(instance_dir), ImageTransform(8, center_crop=True), 0, class_images)
+    assert len(dataset) == 5
+    for index in range(5):
+        example = dataset[index]
+        assert example.keys() == {"instance_pixel_values", "class_pixel_values"}
+        assert example["instance_pixel_values"].shape == (3, 8, 8)
+        # Solid grey images: the pixel value says which file was read.
+        assert torch.all(example["instance_pixel_values"] == scaled(10 * (index % 3)))
+        assert torch.all(example["class_pixel_values"] == scaled(100 + 10 * index))
+
+
+def test_dataset_without_class_images_has_the_instance_images_only(instance_dir):
+    dataset = dreambooth_dataset(list_images(instance_dir), ImageTransform(8), 0)
+    assert len(dataset) == 3
+    assert dataset[1].keys() == {"instance_pixel_values"}
+
+
+def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
+    gradient = np.tile(np.arange(64, dtype=np.uint8)[None, :, None], (16, 1, 3))
+    Image.fromarray(gradient).save(tmp_path / "wide.png")
+    images = list_images(tmp_path)
+
+    def crops(seed, epoch):
+        dataset = dreambooth_dataset(images, ImageTransform(16), seed)
+        dataset.set_epoch(epoch)
+        return [dataset[0]["instance_pixel_values"] for _ in range(2)]
+
+    first, again = crops(0, 0)
+    assert torch.equal(first, again)
+    assert torch.equal(first, crops(0, 0)[0])
+    others = [crops(seed, epoch)[0] for seed, epoch in ((1, 0), (0, 1), (2, 0), (0, 2))]
+    assert any(not torch.equal(first, other) for other in others)
+
+
+def test_paired_collate_puts_the_instance_half_first():
+    examples = [{"instance_pixel_values": torch.full((3, 2, 2), float(i)),
+                 "class_pixel_values": torch.full((3, 2, 2), 10.0 + i)} for i in range(3)]
+    batch = paired_collate(examples)
+    assert batch.keys() == {"pixel_values"}
+    assert batch["pixel_values"][:, 0, 0, 0].tolist() == [0, 1, 2, 10, 11, 12]
+    instance_only = paired_collate([{"instance_pixel_values": e["instance_pixel_values"]} for e in examples])
+    assert instance_only["pixel_values"][:, 0, 0, 0].tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Class images
+
+
+class FakeAccelerator:
+    """What generate_class_images uses of an Accelerator, recording waits and messages."""
+
+    def __init__(self, is_main_process=True):
+        self.is_main_process = self.is_local_main_process = is_main_process
+        self.device = torch.device("cpu")
+        self.waits = 0
+        self.messages = []
+
+    def wait_for_everyone(self):
+        self.waits += 1
+
+    def print(self, message):
+        self.messages.append(message)
+
+
+def generate(pipe, class_dir, num_images, accelerator=None, batch_size=2, seed=7):
+    accelerator = accelerator or FakeAccelerator()
+    count = generate_class_images(pipe, "a photo of a triangle", class_dir, num_images, accelerator, seed,
+                                  batch_size, num_inference_steps=2,
+                                  call_kwargs={"height": 32, "width": 32})
+    return count, accelerator
+
+
+def snapshot(folder):
+    return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in list_images(folder)}
+
+
+@pytest.fixture(scope="module")
+def generated(tiny_sd_pipe, tmp_path_factory):
+    """3 class images generated into a folder that already held one image of its own, and what the
+    global RNG, the pipeline's scheduler and the UNet's train mode looked like before and after."""
+    class_dir = tmp_path_factory.mktemp("class")
+    solid(class_dir / "mine.png", 50, size=(32, 32))
+
+    def state():
+        return (torch.random.get_rng_state(), tiny_sd_pipe.unet.training,
+                {key: repr(value) for key, value in vars(tiny_sd_pipe.scheduler).items()})
+
+    tiny_sd_pipe.unet.train()  # generation renders in eval mode; it must hand the training mode back
+    try:
+        before = state()
+        count, accelerator = generate(tiny_sd_pipe, class_dir, 4)
+        after = state()
+    finally:
+        tiny_sd_pipe.unet.eval()
+    return class_dir, count, accelerator, before, after
+
+
+def test_generates_only_the_missing_class_images(generated):
+    class_dir, count, accelerator, _, _ = generated
+    assert count == 3
+    assert sorted(path.name for path in class_dir.iterdir()) == ["class-00000.png", "class-00001.png",
+                                                                 "class-00002.png", "mine.png"]
+    assert Image.open(class_dir / "class-00000.png").size == (32, 32)
+    assert any("generated 3 class images" in message for message in accelerator.messages)
+
+
+def test_a_full_folder_is_left_alone(tiny_sd_pipe, generated):
+    class_dir, *_ = generated
+    before = snapshot(class_dir)
+    count, accelerator = generate(tiny_sd_pipe, class_dir, 4)
+    assert count == 0 and snapshot(class_dir) == before
+    assert accelerator.messages == [f"{class_dir} holds 4 class images; none generated"]
+    assert generate(tiny_sd_pipe, class_dir, 2)[0] == 0
+
+
+def test_generation_is_seeded_by_the_image_position(tiny_sd_pipe, generated, tmp_path):
+    class_dir, *_ = generated
+    # The same folder state (one image already there) gives the same images, byte for byte.
+    shutil.copy(class_dir / "mine.png", tmp_path / "mine.png")
+    generate(tiny_sd_pipe, tmp_path, 3)
+    for name in ("class-00000.png", "class-00001.png"):
+        assert (tmp_path / name).read_bytes() == (class_dir / name).read_bytes()
+    # Adding one more image continues the sequence: it is drawn with the next seed, not the first again.
+    generate(tiny_sd_pipe, tmp_path, 4)
+    assert (tmp_path / "class-00002.png").read_bytes() == (class_dir / "class-00002.png").read_bytes()
+    assert (tmp_path / "class-00002.png").read_bytes() != (tmp_path / "class-00000.png").read_bytes()
+
+
+def test_names_never_overwrite_existing_files(tiny_sd_pipe, tmp_path):
+    solid(tmp_path / "class-00000.png", 50, size=(32, 32))
+    before = (tmp_path / "class-00000.png").read_bytes()
+    assert generate(tiny_sd_pipe, tmp_path, 2)[0] == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["class-00000.png", "class-00001.png"]
+    assert (tmp_path / "class-00000.png").read_bytes() == before
+
+
+def test_generation_leaves_rng_scheduler_and_modes_as_they_were(generated):
+    _, _, _, (rng, training, scheduler), (rng_after, training_after, scheduler_after) = generated
+    assert torch.equal(rng, rng_after)
+    assert training and training_after
+    assert scheduler == scheduler_after
+
+
+def test_other_processes_wait_and_write_nothing(tiny_sd_pipe, tmp_path):
+    count, accelerator = generate(tiny_sd_pipe, tmp_path / "class", 2, accelerator=FakeAccelerator(False))
+    assert count == 2 and not (tmp_path / "class").exists()
+    assert accelerator.waits == 2  # before counting, and until the main process has written

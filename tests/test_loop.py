@@ -1,0 +1,130 @@
+"""TrainingLoop on a toy regression: step bookkeeping, due work, preemption and a broken loss."""
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from training_utils.args import RunStopped
+from training_utils.checkpointing import Checkpointer
+from training_utils.data import TrainDataset, make_dataloader, stack_collate
+from training_utils.ema import EMA
+from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
+from training_utils.training import training_length
+
+NUM_SAMPLES, BATCH = 10, 2  # 5 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def module_accelerator():
+    return Accelerator(cpu=True)
+
+
+def reset(accelerator):
+    """Forget the previous run's checkpoint hooks and prepared objects (one Accelerator per process)."""
+    reset(accelerator)
+
+
+@pytest.fixture
+def accelerator(module_accelerator):
+    yield module_accelerator
+    reset(module_accelerator)
+
+
+class RecordingValidator:
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, step):
+        self.steps.append(step)
+        return [{"step": step}]
+
+
+def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3):
+    """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    parameters = {f"model.{name}": p for name, p in model.named_parameters()}
+    ema = EMA(parameters, decay=0.5)
+    inputs = torch.randn(NUM_SAMPLES, 3)
+    targets = inputs.sum(dim=1, keepdim=True)
+
+    def preprocess(index, generator):
+        return {"x": inputs[index], "y": targets[index] + 0.1 * torch.randn(1, generator=generator)}
+
+    dataloader = accelerator.prepare(make_dataloader(TrainDataset(list(range(NUM_SAMPLES)), preprocess, seed=0),
+                                                     BATCH, 0, stack_collate, seed=0))
+    args = SimpleNamespace(gradient_accumulation_steps=1, checkpointing_steps=4, validation_steps=validation_steps,
+                           validation_epochs=None, output_dir=str(output_dir), max_train_steps=max_train_steps,
+                           num_train_epochs=1)
+    max_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    checkpointer = Checkpointer(accelerator, output_dir, parameters, ema, total_limit=None)
+    validator = RecordingValidator()
+    loop = TrainingLoop(accelerator, dataloader, args, max_steps, steps_per_epoch, checkpointer, ema=ema,
+                        validator=validator, start_step=checkpointer.resume(resume))
+    for batch in loop:
+        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        if on_step is not None:
+            loss = on_step(loop.global_step + 1, loss)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        loop.end_micro_batch(loss)
+    state = {name: p.detach().clone() for name, p in parameters.items()}
+    return loop, validator, state, {name: s.clone() for name, s in ema.shadows.items()}
+
+
+def test_runs_to_max_steps_across_epochs_doing_due_work(accelerator, tmp_path):
+    loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7)
+    assert loop.global_step == 7
+    assert validator.steps == [3, 6, 7]
+    assert loop.records == [{"step": 7}]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(accelerator, tmp_path):
+    def preempt_during_step_3(step, loss):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunStopped) as stopped:
+        toy_run(accelerator, tmp_path / "a", max_train_steps=7, on_step=preempt_during_step_3)
+    assert stopped.value.exit_code == PREEMPTED_EXIT_CODE
+    assert "SIGTERM after step 3" in str(stopped.value)
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert (tmp_path / "a" / "checkpoint-3").is_dir()
+
+    reset(accelerator)
+    resumed, validator, state, ema = toy_run(accelerator, tmp_path / "a", max_train_steps=7, resume="latest")
+    assert resumed.global_step == 7 and validator.steps == [6, 7]
+
+    reset(accelerator)
+    _, _, expected_state, expected_ema = toy_run(accelerator, tmp_path / "b", max_train_steps=7)
+    assert all(torch.equal(state[name], expected_state[name]) for name in state)
+    assert all(torch.equal(ema[name], expected_ema[name]) for name in ema)
+
+
+def test_a_non_finite_loss_stops_before_anything_is_written(accelerator, tmp_path):
+    def break_step_5(step, loss):
+        return loss * float("nan") if step == 5 else loss
+
+    with pytest.raises(RunStopped) as stopped:
+        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=break_step_5)
+    assert stopped.value.exit_code == NON_FINITE_EXIT_CODE
+    assert "nan at step 5" in str(stopped.value)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_resuming_at_or_past_the_last_step_trains_nothing(accelerator, tmp_path):
+    toy_run(accelerator, tmp_path, max_train_steps=4)
+    reset(accelerator)
+    trained_steps = []
+    loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=3, resume="latest",
+                                    on_step=lambda step, loss: trained_steps.append(step) or loss)
+    assert loop.global_step == 4 and trained_steps == [] and validator.steps == []

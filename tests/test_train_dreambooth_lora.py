@@ -1,0 +1,183 @@
+"""Smoke tests: the DreamBooth LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from safetensors.torch import load_file
+
+from conftest import launch
+
+SCRIPT = "dreambooth/train_dreambooth_lora.py"
+LORA = "pytorch_lora_weights.safetensors"
+INSTANCE_PROMPT = "a photo of sks triangle"
+CLASS_PROMPT = "a photo of a triangle"
+
+
+def common(tiny, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
+            "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
+            "--rank", 4, "--seed", 3, *extra]
+
+
+def prior_flags(class_dir):
+    """Prior preservation and a text-encoder LoRA, with an EMA equal to the raw weights."""
+    return ["--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
+            "--num_class_images", 3, "--sample_batch_size", 2, "--class_inference_steps", 2,
+            "--train_text_encoder", "--ema_decay", 0, "--max_train_steps", 3, "--checkpointing_steps", 1000]
+
+
+def read_log(output_dir):
+    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
+
+
+def assert_same_files(a, b):
+    a, b = load_file(a), load_file(b)
+    assert a.keys() == b.keys()
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
+
+
+def snapshot(folder):
+    return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def four_images(tiny, tmp_path_factory):
+    """Flags for 4 instance images, one per batch: 4 steps an epoch, so step 6 falls mid-epoch."""
+    folder = tmp_path_factory.mktemp("four")
+    for path in sorted(tiny["instance"].iterdir())[:4]:
+        shutil.copy(path, folder / path.name)
+    return ["--instance_data_dir", folder, "--train_batch_size", 1]
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, four_images, tmp_path_factory):
+    """8 steps, validating every 3 steps and at the end, checkpointing every 3."""
+    output_dir = tmp_path_factory.mktemp("full")
+    result = launch(SCRIPT, *common(tiny, output_dir, *four_images, "--max_train_steps", 8,
+                                    "--validation_prompt", "a sks triangle",
+                                    "--num_validation_images", 1, "--validation_inference_steps", 2,
+                                    "--validation_steps", 3, "--checkpointing_steps", 3))
+    return output_dir, result
+
+
+@pytest.fixture(scope="module")
+def prior_runs(tiny, tmp_path_factory):
+    """Prior preservation twice with the same class folder: the first run fills it, the second finds it full."""
+    root = tmp_path_factory.mktemp("prior")
+    class_dir = root / "class"
+    first = launch(SCRIPT, *common(tiny, root / "first", *prior_flags(class_dir)))
+    after_first = snapshot(class_dir)
+    second = launch(SCRIPT, *common(tiny, root / "second", *prior_flags(class_dir)))
+    return root, class_dir, (first, second), after_first
+
+
+def test_writes_raw_and_ema_unet_lora_with_equal_keys_and_different_values(full_run):
+    output_dir, result = full_run
+    raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
+    assert raw.keys() == ema.keys() and len(raw) > 0
+    assert all(key.startswith("unet.") and "lora" in key for key in raw)
+    assert all(raw[key].shape == ema[key].shape and raw[key].dtype == torch.float32 for key in raw)
+    assert any(not torch.equal(raw[key], ema[key]) for key in raw)
+    assert f"raw LoRA: {output_dir / LORA}" in result.stdout
+    assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
+
+
+def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
+    output_dir, _ = full_run
+    log = read_log(output_dir)
+    assert [(r["step"], r["variant"]) for r in log] == [(3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"),
+                                                        (8, "raw"), (8, "ema")]
+    for record in log:
+        assert record["prompt"] == "a sks triangle"
+        assert len(record["images"]) == 1 and (output_dir / record["images"][0]).is_file()
+    assert len(list((output_dir / "validation").rglob("*.png"))) == 6
+    card = (output_dir / "README.md").read_text()
+    assert "DreamBooth LoRA" in card and "load_lora_weights" in card and log[-1]["images"][0] in card
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+
+
+def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, four_images, tmp_path, full_run):
+    flags = [*four_images, "--checkpointing_steps", 2, "--checkpoints_total_limit", 2]
+    launch(SCRIPT, *common(tiny, tmp_path, "--max_train_steps", 6, *flags))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    result = launch(SCRIPT, *common(tiny, tmp_path, "--max_train_steps", 8, "--resume_from_checkpoint", "latest",
+                                    *flags))
+    assert f"resumed from {tmp_path / 'checkpoint-6'} at step 6" in result.stdout
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    # Resumed mid-epoch, with random flips and crops: the uninterrupted run (which also validated and
+    # checkpointed on other steps), bit for bit.
+    assert_same_files(tmp_path / LORA, full_run[0] / LORA)
+    assert_same_files(tmp_path / "ema" / LORA, full_run[0] / "ema" / LORA)
+
+
+def test_prior_preservation_generates_the_class_images_once(prior_runs):
+    root, class_dir, (first, second), after_first = prior_runs
+    assert sorted(after_first) == ["class-00000.png", "class-00001.png", "class-00002.png"]
+    assert f"generated 3 class images into {class_dir}" in first.stdout
+    assert snapshot(class_dir) == after_first, "the second run touched the class images"
+    assert f"{class_dir} holds 3 class images; none generated" in second.stdout
+    assert "generated 3" not in second.stdout
+
+
+def test_class_image_generation_leaves_training_untouched(prior_runs):
+    # The first run generated before training, the second did not: the same weights, bit for bit.
+    root, *_ = prior_runs
+    assert_same_files(root / "first" / LORA, root / "second" / LORA)
+
+
+def test_text_encoder_lora_is_saved_with_the_unet_lora_and_ema_decay_zero_equals_raw(prior_runs):
+    root, *_ = prior_runs
+    raw = load_file(root / "first" / LORA)
+    assert all("lora" in key for key in raw)
+    assert {key.split(".")[0] for key in raw} == {"unet", "text_encoder"}
+    assert_same_files(root / "first" / LORA, root / "first" / "ema" / LORA)
+
+
+def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run, prior_runs):
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    pipe.set_progress_bar_config(disable=True)
+    input_ids = pipe.tokenizer(INSTANCE_PROMPT, padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                               return_tensors="pt").input_ids
+
+    def render():
+        with torch.no_grad():
+            embeddings = pipe.text_encoder(input_ids)[0]
+        images = pipe(INSTANCE_PROMPT, num_inference_steps=2, height=32, width=32, output_type="np",
+                      generator=torch.Generator().manual_seed(0)).images
+        return embeddings, images
+
+    base_embeddings, base = render()
+    pipe.load_lora_weights(full_run[0])
+    unet_embeddings, with_unet_lora = render()
+    assert torch.equal(unet_embeddings, base_embeddings)
+    assert not np.allclose(base, with_unet_lora, atol=1e-4)
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(prior_runs[0] / "first")
+    both_embeddings, with_both = render()
+    assert not torch.allclose(both_embeddings, base_embeddings, atol=1e-4)
+    assert not np.allclose(base, with_both, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--instance_data_dir", "{tmp}"], "error: --instance_data_dir='{tmp}': expected a folder holding images"),
+        (["--with_prior_preservation", "--class_data_dir", "{tmp}/class"],
+         "error: --class_prompt=None: expected a non-empty prompt with --with_prior_preservation"),
+    ],
+)
+def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, flags, message):
+    output_dir = tmp_path / "out"
+    flags = [str(flag).format(tmp=tmp_path) for flag in flags]
+    result = launch(SCRIPT, *common(tiny, output_dir, *flags), check=False, quiet=True)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [message.format(tmp=tmp_path)], result.stderr[-2000:]
+    assert not output_dir.exists() and not (tmp_path / "class").exists()

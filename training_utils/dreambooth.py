@@ -1,0 +1,148 @@
+"""DreamBooth data: a folder of one subject's images, an optional folder of its class, and class images made on demand.
+
+Prior preservation (Ruiz et al., 2023) trains on the subject and, in the same batch, on images that the
+model itself generated for the subject's class, so that fine-tuning on a few pictures does not make it
+forget what the class looks like. Nothing here names a model: the prompts' token ids or embeddings are
+the script's business, and class images come from whichever pipeline the script has already loaded.
+"""
+
+import contextlib
+import itertools
+import os
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tqdm.auto import tqdm
+
+from .args import require
+from .data import IMAGE_EXTENSIONS, TrainDataset, stack_collate
+from .pipeline import modules_of
+from .validation import preserved_state
+
+
+def add_dreambooth_args(parser):
+    """The DreamBooth flags of the diffusers scripts, with their names and meanings."""
+    group = parser.add_argument_group("DreamBooth")
+    group.add_argument("--instance_data_dir", required=True, help="a folder of images of the subject")
+    group.add_argument("--instance_prompt", required=True,
+                       help='the prompt naming the subject, e.g. "a photo of sks dog"')
+    group.add_argument("--class_data_dir", default=None,
+                       help="a folder of class images; with --with_prior_preservation, missing ones are generated")
+    group.add_argument("--class_prompt", default=None, help='the prompt naming the class, e.g. "a photo of a dog"')
+    group.add_argument("--with_prior_preservation", action="store_true", help="add the class images' loss")
+    group.add_argument("--prior_loss_weight", type=float, default=1.0, help="weight of the class images' loss")
+    group.add_argument("--num_class_images", type=int, default=100,
+                       help="class images to train with; the missing ones are generated")
+    group.add_argument("--sample_batch_size", type=int, default=4, help="batch size when generating class images")
+    group.add_argument("--class_inference_steps", type=int, default=None,
+                       help="denoising steps per generated class image (default: the pipeline's own)")
+
+
+def list_images(folder):
+    """The image files directly in ``folder``, sorted by name; none if it does not exist."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(path for path in folder.iterdir() if path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def check_dreambooth_args(args):
+    """Fail on bad DreamBooth inputs before any weights load; returns the instance images."""
+    instance_images = list_images(args.instance_data_dir)
+    require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir, "an existing folder")
+    require(instance_images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
+    require(args.instance_prompt.strip(), "--instance_prompt", args.instance_prompt, "a non-empty prompt")
+    require(args.num_class_images > 0, "--num_class_images", args.num_class_images, "a positive integer")
+    require(args.sample_batch_size > 0, "--sample_batch_size", args.sample_batch_size, "a positive integer")
+    require(args.class_inference_steps is None or args.class_inference_steps > 0, "--class_inference_steps",
+            args.class_inference_steps, "a positive integer")
+    require(args.prior_loss_weight >= 0, "--prior_loss_weight", args.prior_loss_weight, "a non-negative number")
+    if args.with_prior_preservation:
+        require(args.class_data_dir is not None, "--class_data_dir", None,
+                "a folder for the class images with --with_prior_preservation")
+        require(not Path(args.class_data_dir).exists() or Path(args.class_data_dir).is_dir(), "--class_data_dir",
+                args.class_data_dir, "a folder (it is created if missing)")
+        require(args.class_prompt is not None and args.class_prompt.strip(), "--class_prompt", args.class_prompt,
+                "a non-empty prompt with --with_prior_preservation")
+    return instance_images
+
+
+def dreambooth_dataset(instance_images, transform, seed, class_images=None):
+    """A `TrainDataset` of ``instance_pixel_values`` and, with ``class_images``, ``class_pixel_values``.
+
+    Its length is that of the longer list; the shorter one cycles. ``transform`` is an
+    `data.ImageTransform`, driven by the per-sample generator.
+    """
+    length = max(len(instance_images), len(class_images or ()))
+    examples = [{"instance": instance_images[index % len(instance_images)]} for index in range(length)]
+    if class_images:
+        for index, example in enumerate(examples):
+            example["class"] = class_images[index % len(class_images)]
+
+    def preprocess(example, generator):
+        pixels = {}
+        for kind, path in example.items():
+            with Image.open(path) as image:
+                pixels[f"{kind}_pixel_values"] = transform(image, generator)[0]
+        return pixels
+
+    return TrainDataset(examples, preprocess, seed)
+
+
+def paired_collate(examples):
+    """``{"pixel_values": instance images, then class images}``: the two halves line up, so ``chunk(2)``
+    splits predictions into the instance and the class part, and prompts repeat with ``repeat_interleave``."""
+    batch = stack_collate(examples)
+    return {"pixel_values": torch.cat([batch[key] for key in ("instance_pixel_values", "class_pixel_values")
+                                       if key in batch])}
+
+
+def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed, batch_size=4, schedulers=(),
+                          weight_dtype=torch.float32, num_inference_steps=None, call_kwargs=None):
+    """Render ``pipe(prompt)`` into ``class_dir`` until it holds ``num_images`` images; returns how many it made.
+
+    Only the main process renders; the others wait. The image that becomes the folder's i-th is drawn
+    from a generator seeded ``seed + i``, so the same folder state gives the same images. Rendering has
+    validation's protections: the global RNG is untouched, and ``pipe.scheduler``, ``schedulers`` (e.g.
+    the training noise scheduler) and every module's train/eval mode are restored afterwards.
+    """
+    class_dir = Path(class_dir)
+    accelerator.wait_for_everyone()  # every process counts before the main one starts writing
+    existing = len(list_images(class_dir))
+    missing = max(0, num_images - existing)
+    if missing == 0:
+        accelerator.print(f"{class_dir} holds {existing} class images; none generated")
+        return 0
+    if accelerator.is_main_process:
+        class_dir.mkdir(parents=True, exist_ok=True)
+        device_type = accelerator.device.type
+        autocast = (torch.autocast(device_type, dtype=weight_dtype) if weight_dtype != torch.float32
+                    else contextlib.nullcontext())
+        modules = modules_of(pipe).values()
+        steps = {} if num_inference_steps is None else {"num_inference_steps": num_inference_steps}
+        indices = list(range(existing, existing + missing))
+        batches = [indices[start:start + batch_size] for start in range(0, missing, batch_size)]
+        free_names = (name for name in (f"class-{n:05d}.png" for n in itertools.count())
+                      if not (class_dir / name).exists())
+        with (preserved_state([pipe.scheduler, *schedulers], modules),
+              torch.random.fork_rng(devices=[accelerator.device] if device_type == "cuda" else []),
+              autocast, torch.no_grad()):
+            for module in modules:
+                module.eval()
+            for batch in tqdm(batches, desc="class images", disable=not accelerator.is_local_main_process):
+                images = pipe(prompt=prompt, num_images_per_prompt=len(batch),
+                              generator=[torch.Generator().manual_seed(seed + index) for index in batch],
+                              **steps, **(call_kwargs or {})).images
+                for image in images:
+                    _save_atomically(image, class_dir / next(free_names))
+        accelerator.print(f"generated {missing} class images into {class_dir} ({existing} were there)")
+    accelerator.wait_for_everyone()
+    return missing
+
+
+def _save_atomically(image, path):
+    # Written under a name that list_images skips, then renamed: a crash never leaves a truncated image.
+    partial = path.with_name(f".{path.name}.partial")
+    image.save(partial, format="PNG")
+    os.replace(partial, path)
