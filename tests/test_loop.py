@@ -13,6 +13,7 @@ from training_utils.checkpointing import Checkpointer
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
 from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
+from training_utils.posthoc_ema import PostHocEMA, read_snapshots
 from training_utils.training import training_length
 
 NUM_SAMPLES, BATCH = 10, 2  # 5 steps per epoch
@@ -25,7 +26,9 @@ def module_accelerator():
 
 def reset(accelerator):
     """Forget the previous run's checkpoint hooks and prepared objects (one Accelerator per process)."""
-    reset(accelerator)
+    accelerator._save_model_state_pre_hook.clear()
+    accelerator._load_model_state_pre_hook.clear()
+    accelerator.free_memory()
 
 
 @pytest.fixture
@@ -37,18 +40,23 @@ def accelerator(module_accelerator):
 class RecordingValidator:
     def __init__(self):
         self.steps = []
+        self.final_steps = []
 
-    def __call__(self, step):
+    def __call__(self, step, final=False):
         self.steps.append(step)
+        if final:
+            self.final_steps.append(step)
         return [{"step": step}]
 
 
-def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3):
+def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3,
+            posthoc_sigma_rels=None):
     """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     parameters = {f"model.{name}": p for name, p in model.named_parameters()}
     ema = EMA(parameters, decay=0.5)
+    posthoc = PostHocEMA(parameters, posthoc_sigma_rels) if posthoc_sigma_rels else None
     inputs = torch.randn(NUM_SAMPLES, 3)
     targets = inputs.sum(dim=1, keepdim=True)
 
@@ -59,13 +67,13 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
                                                      BATCH, 0, stack_collate, seed=0))
     args = SimpleNamespace(gradient_accumulation_steps=1, checkpointing_steps=4, validation_steps=validation_steps,
                            validation_epochs=None, output_dir=str(output_dir), max_train_steps=max_train_steps,
-                           num_train_epochs=1)
+                           num_train_epochs=1, ema_posthoc_snapshot_steps=3)
     max_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-    checkpointer = Checkpointer(accelerator, output_dir, parameters, ema, total_limit=None)
+    checkpointer = Checkpointer(accelerator, output_dir, parameters, ema, total_limit=None, posthoc=posthoc)
     validator = RecordingValidator()
     loop = TrainingLoop(accelerator, dataloader, args, max_steps, steps_per_epoch, checkpointer, ema=ema,
-                        validator=validator, start_step=checkpointer.resume(resume))
+                        validator=validator, start_step=checkpointer.resume(resume), posthoc=posthoc)
     for batch in loop:
         loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
         if on_step is not None:
@@ -81,7 +89,7 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
 def test_runs_to_max_steps_across_epochs_doing_due_work(accelerator, tmp_path):
     loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7)
     assert loop.global_step == 7
-    assert validator.steps == [3, 6, 7]
+    assert validator.steps == [3, 6, 7] and validator.final_steps == [7]
     assert loop.records == [{"step": 7}]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
 
@@ -128,3 +136,13 @@ def test_resuming_at_or_past_the_last_step_trains_nothing(accelerator, tmp_path)
     loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=3, resume="latest",
                                     on_step=lambda step, loss: trained_steps.append(step) or loss)
     assert loop.global_step == 4 and trained_steps == [] and validator.steps == []
+
+
+def test_posthoc_snapshots_every_n_steps_and_at_the_end_and_resume(accelerator, tmp_path):
+    toy_run(accelerator, tmp_path, max_train_steps=5, posthoc_sigma_rels=[0.05, 0.1])
+    assert sorted({snapshot.step for snapshot in read_snapshots(tmp_path)}) == [3, 5]
+    assert len(read_snapshots(tmp_path)) == 4
+    reset(accelerator)
+    # Resuming from checkpoint-4 replaces the snapshots after step 4, then continues every 3 steps.
+    toy_run(accelerator, tmp_path, max_train_steps=7, resume="checkpoint-4", posthoc_sigma_rels=[0.05, 0.1])
+    assert sorted({snapshot.step for snapshot in read_snapshots(tmp_path)}) == [3, 6, 7]

@@ -183,3 +183,31 @@ def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, fla
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
     assert not output_dir.exists()
+
+
+def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    launch(SCRIPT, *common(tiny, output_dir, "--max_train_steps", 6, *validation_flags(3),
+                           "--ema_posthoc_sigma_rels", 0.05, 0.1, "--ema_posthoc_snapshot_steps", 2,
+                           "--validation_sigma_rels", 0.05, 0.08, "--checkpointing_steps", 1000))
+    snapshots = sorted(path.name for path in (output_dir / "posthoc_ema").glob("snapshot-*.safetensors"))
+    assert len(snapshots) == 3 * 2 and snapshots[0].startswith("snapshot-00000002-")
+    log = read_log(output_dir)
+    assert [(r["step"], r["variant"]) for r in log[::2]] == [
+        (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"), (6, "ema_sigma_rel-0.08")]
+    assert (output_dir / "validation" / "step-000006" / "grid-p00.png").is_file()
+    from PIL import Image
+
+    with Image.open(output_dir / "validation" / "step-000006" / "grid-p00.png") as grid:
+        assert grid.size == (32 * 2, 32 * 3)  # images per prompt x (raw + two sweep rows)
+
+    result = subprocess.run([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
+                             "--sigma_rel", "0.05", "0.08"], capture_output=True, text=True, env=SUBPROCESS_ENV,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    tracked = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.05" / LORA)
+    pipe.load_lora_weights(output_dir / "posthoc_ema" / "sigma_rel-0.08")
+    synthesized = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.08" / LORA)
+    assert tracked.keys() == synthesized.keys() == load_file(output_dir / LORA).keys()
+    assert any(not torch.equal(tracked[key], synthesized[key]) for key in tracked)

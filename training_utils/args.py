@@ -130,6 +130,13 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     ema.add_argument("--ema_warmup", action="store_true", help="ramp the decay up as 1 - (1 + step/inv_gamma)^-power")
     ema.add_argument("--ema_inv_gamma", type=float, default=1.0)
     ema.add_argument("--ema_power", type=float, default=2 / 3)
+    ema.add_argument("--ema_posthoc_sigma_rels", type=float, nargs="+", default=None,
+                     help="track power-function EMAs of these relative lengths (two or more, e.g. 0.05 0.10) "
+                          "and snapshot them, to choose the EMA length after training (EDM2 post-hoc EMA)")
+    ema.add_argument("--ema_posthoc_snapshot_steps", type=int, default=None,
+                     help="snapshot the post-hoc EMA profiles every N steps and at the end (default: 20 per run)")
+    validation.add_argument("--validation_sigma_rels", type=float, nargs="+", default=None,
+                            help="post-hoc EMA lengths to render at the final validation (default: the tracked ones)")
     return parser
 
 
@@ -166,6 +173,20 @@ def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
                 "an existing diffusers pipeline folder or a hub id (owner/name)")
 
 
+def check_posthoc_args(args):
+    max_sigma_rel = 12 ** -0.5  # the longest a power-function EMA can be
+    sigma_rels = args.ema_posthoc_sigma_rels
+    if sigma_rels is not None:
+        require(len(set(sigma_rels)) >= 2, "--ema_posthoc_sigma_rels", sigma_rels, "two or more distinct values")
+    for flag in ("ema_posthoc_sigma_rels", "validation_sigma_rels"):
+        for value in getattr(args, flag) or ():
+            require(0 < value < max_sigma_rel, f"--{flag}", value, f"relative EMA lengths in (0, {max_sigma_rel:.4f})")
+    require(args.validation_sigma_rels is None or sigma_rels is not None, "--validation_sigma_rels",
+            args.validation_sigma_rels, "--ema_posthoc_sigma_rels as well (the sweep is synthesized from its snapshots)")
+    require(args.ema_posthoc_snapshot_steps is None or args.ema_posthoc_snapshot_steps > 0,
+            "--ema_posthoc_snapshot_steps", args.ema_posthoc_snapshot_steps, "a positive integer")
+
+
 def check_args(args):
     """The checks every script shares. Call right after parsing, before anything loads."""
     check_pretrained_path(args.pretrained_model_name_or_path)
@@ -191,6 +212,9 @@ def check_args(args):
         require(args.snr_gamma > 0, "--snr_gamma", args.snr_gamma, "a positive number")
     require(args.mixed_precision != "fp16" or torch.cuda.is_available() and not os.environ.get("ACCELERATE_USE_CPU"),
             "--mixed_precision", args.mixed_precision, "a CUDA device for fp16 (use bf16 or no on the CPU)")
+    require(args.ema_inv_gamma > 0, "--ema_inv_gamma", args.ema_inv_gamma, "a positive number")
+    require(args.ema_power > 0, "--ema_power", args.ema_power, "a positive number")
+    check_posthoc_args(args)
     if args.validation_steps is None and args.validation_epochs is None:
         args.validation_steps = 100
     if args.validation_prompt is not None:

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 TRAINED_FILE = "trained_parameters.safetensors"
 EMA_FILE = "ema.safetensors"
+POSTHOC_FILE = "posthoc_ema.safetensors"
 STATE_FILE = "training_state.json"
 
 
@@ -62,15 +63,15 @@ class Checkpointer:
     """Saves and loads checkpoints of one run.
 
     ``parameters`` are the trained tensors by name (``pipeline.trainable_parameters``); ``ema``
-    is the `EMA` over them or None. Registers accelerate hooks so ``save_state``/``load_state``
-    store these instead of whole models.
+    is the `EMA` over them and ``posthoc`` the `PostHocEMA`, or None. Registers accelerate hooks
+    so ``save_state``/``load_state`` store these instead of whole models.
     """
 
-    def __init__(self, accelerator, output_dir, parameters, ema=None, total_limit=None):
+    def __init__(self, accelerator, output_dir, parameters, ema=None, total_limit=None, posthoc=None):
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.parameters = parameters
-        self.ema = ema
+        self.averages = {EMA_FILE: ema, POSTHOC_FILE: posthoc}
         self.total_limit = total_limit
         self._saving_step = None
         self.loaded_step = None
@@ -127,16 +128,19 @@ class Checkpointer:
         output_dir = Path(output_dir)
         save_file({name: p.detach().cpu().contiguous() for name, p in self.parameters.items()},
                   output_dir / TRAINED_FILE)
-        if self.ema is not None:
-            self.ema.save(output_dir / EMA_FILE)
+        for file_name, average in self.averages.items():
+            if average is not None:
+                average.save(output_dir / file_name)
         (output_dir / STATE_FILE).write_text(json.dumps({"global_step": self._saving_step}))
 
     def _load_hook(self, models, input_dir):
         models.clear()
         input_dir = Path(input_dir)
-        if (self.ema is not None) != (input_dir / EMA_FILE).is_file():
-            raise UsageError("--resume_from_checkpoint", str(input_dir),
-                             "a checkpoint made with the same --use_ema setting as this run")
+        for file_name, average in self.averages.items():
+            if (average is not None) != (input_dir / file_name).is_file():
+                raise UsageError("--resume_from_checkpoint", str(input_dir),
+                                 f"a checkpoint made with the same --use_ema/--ema_posthoc_sigma_rels as this run "
+                                 f"({file_name} {'missing' if average is not None else 'present'})")
         saved = load_file(input_dir / TRAINED_FILE)
         missing, unexpected = self.parameters.keys() - saved.keys(), saved.keys() - self.parameters.keys()
         if missing or unexpected:
@@ -150,8 +154,9 @@ class Checkpointer:
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 parameter.copy_(saved[name])
-        if self.ema is not None:
-            self.ema.load(input_dir / EMA_FILE)
+        for file_name, average in self.averages.items():
+            if average is not None:
+                average.load(input_dir / file_name)
         self.loaded_step = json.loads((input_dir / STATE_FILE).read_text())["global_step"]
 
 

@@ -30,6 +30,28 @@ def _few(names: List[str], limit: int = 5) -> str:
     return listed
 
 
+@contextlib.contextmanager
+def tensors_swapped_in(parameters: Mapping[str, torch.nn.Parameter], tensors: Mapping[str, torch.Tensor]):
+    """Copy ``tensors`` into the live ``parameters`` of the same names; restore them bitwise on exit,
+    also when the body raises. The backup of each parameter is kept on its tensor's device."""
+    if parameters.keys() != tensors.keys():
+        raise ValueError(f"tensors do not match the parameters: missing {_few(sorted(parameters.keys() - tensors.keys()))}, "
+                         f"unexpected {_few(sorted(tensors.keys() - parameters.keys()))}")
+    # no_grad only around the copies: the body keeps the caller's grad mode
+    with torch.no_grad():
+        backups = {name: param.detach().to(device=tensors[name].device, copy=True)
+                   for name, param in parameters.items()}
+    try:
+        with torch.no_grad():
+            for name, param in parameters.items():
+                param.copy_(tensors[name])
+        yield
+    finally:
+        with torch.no_grad():
+            for name, param in parameters.items():
+                param.copy_(backups[name])
+
+
 class EMA:
     """Exponential moving average of named parameters, with one fp32 shadow per parameter.
 
@@ -86,7 +108,7 @@ class EMA:
             for name, param in self.parameters.items()
         }
         self.step = 0
-        self._backups: Optional[Dict[str, torch.Tensor]] = None
+        self._swapped = False
 
     @property
     def num_bytes(self) -> int:
@@ -149,25 +171,14 @@ class EMA:
         identity, dtype, device, requires_grad and .grad are left untouched. The backup of the
         live weights is kept on the shadows' device, so a CPU EMA adds no accelerator memory.
         """
-        if self._backups is not None:
+        if self._swapped:
             raise RuntimeError("EMA weights are already swapped in; swapped_in cannot be nested")
-
-        # no_grad only around the copies: the body keeps the caller's grad mode
-        with torch.no_grad():
-            self._backups = {
-                name: param.detach().to(device=self.shadows[name].device, copy=True)
-                for name, param in self.parameters.items()
-            }
+        self._swapped = True
         try:
-            with torch.no_grad():
-                for name, param in self.parameters.items():
-                    param.copy_(self.shadows[name])
-            yield
+            with tensors_swapped_in(self.parameters, self.shadows):
+                yield
         finally:
-            with torch.no_grad():
-                for name, param in self.parameters.items():
-                    param.copy_(self._backups[name])
-            self._backups = None
+            self._swapped = False
 
     def state_dict(self) -> dict:
         """Returns {"shadows": {name: tensor}, "step": int}. The shadows are references, not copies."""

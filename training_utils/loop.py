@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from .args import RunStopped
 from .checkpointing import resume_position
 from .data import epoch_batches
+from .training import posthoc_snapshot_steps
 from .validation import validation_due
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
@@ -63,7 +64,7 @@ class TrainingLoop:
     """
 
     def __init__(self, accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=None,
-                 validator=None, lr_scheduler=None, start_step=0):
+                 validator=None, lr_scheduler=None, start_step=0, posthoc=None):
         self.accelerator = accelerator
         self.dataloader = dataloader
         self.args = args
@@ -73,6 +74,7 @@ class TrainingLoop:
         self.ema = ema
         self.validator = validator
         self.lr_scheduler = lr_scheduler
+        self.posthoc = posthoc
         self.global_step = start_step
         self.records = []
         self._loss = 0.0
@@ -85,6 +87,8 @@ class TrainingLoop:
         num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
         self._progress = tqdm(total=self.max_train_steps, initial=self.global_step,
                               disable=not self.accelerator.is_local_main_process)
+        if self.posthoc is not None:
+            self.posthoc.start(self.args.output_dir, self.global_step, write=self.accelerator.is_main_process)
         with self._signals:
             for epoch in range(first_epoch, num_epochs):
                 skip = batches_to_skip if epoch == first_epoch else 0
@@ -116,12 +120,16 @@ class TrainingLoop:
 
         if self.ema is not None and self.ema.is_due(step, self.max_train_steps):
             self.ema.update(step)
+        if self.posthoc is not None:
+            self.posthoc.on_step(step, self.max_train_steps, self.args.output_dir,
+                                 posthoc_snapshot_steps(self.args, self.max_train_steps),
+                                 write=self.accelerator.is_main_process)
         preempted = self._preemption_requested()
         if step % self.args.checkpointing_steps == 0 or (preempted and step < self.max_train_steps):
             self.checkpointer.save(step)
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
-            self.records = self.validator(step)
+            self.records = self.validator(step, final=step == self.max_train_steps)
         if preempted and step < self.max_train_steps:
             self.accelerator.end_training()
             raise RunStopped(f"stopped by {self._signals.received or 'a signal'} after step {step}; checkpoint saved, "

@@ -81,6 +81,23 @@ def make_ema(args, parameters, accelerator):
                device="cpu" if args.ema_device == "cpu" else accelerator.device)
 
 
+def make_posthoc_ema(args, parameters, accelerator, export_format):
+    """The `PostHocEMA` that ``--ema_posthoc_sigma_rels`` asks for, or None. ``export_format`` tells the
+    synthesis how to write its results (``posthoc_ema.lora_export_format`` / ``module_export_format``)."""
+    if not args.ema_posthoc_sigma_rels:
+        return None
+    from .posthoc_ema import PostHocEMA
+
+    return PostHocEMA(parameters, args.ema_posthoc_sigma_rels, update_every=args.ema_update_every,
+                      device="cpu" if args.ema_device == "cpu" else accelerator.device, export_format=export_format)
+
+
+def posthoc_snapshot_steps(args, max_train_steps):
+    """``--ema_posthoc_snapshot_steps``, or about 20 snapshots over the run: EDM2's least-squares fit
+    needs a couple dozen to reconstruct other lengths well."""
+    return args.ema_posthoc_snapshot_steps or max(1, max_train_steps // 20)
+
+
 def tracker_config(args):
     """The run's flags as trackers accept them (scalars only; lists become strings)."""
     return {key: value if isinstance(value, (int, float, str, bool)) else str(value) for key, value in vars(args).items()}

@@ -10,12 +10,16 @@ ends with the same weights as the same run without it.
 import contextlib
 import copy
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
+from .ema import tensors_swapped_in
 from .pipeline import modules_of
+from .posthoc_ema import synthesize
 
 VALIDATION_DIR = "validation"
 LOG_NAME = "log.jsonl"
@@ -48,11 +52,11 @@ def preserved_state(schedulers, modules):
 
 def make_validator(args, pipe, accelerator, **kwargs):
     """The `Validator` for ``--validation_prompt`` and its flags, or None without prompts.
-    ``kwargs`` are the script's own: ``ema``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``."""
+    ``kwargs`` are the script's own: ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ...."""
     if not args.validation_prompt:
         return None
     return Validator(pipe, accelerator, args.output_dir, args.validation_prompt, args.num_validation_images,
-                     args.validation_inference_steps, args.seed, **kwargs)
+                     args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels, **kwargs)
 
 
 class Validator:
@@ -71,7 +75,7 @@ class Validator:
 
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
                  ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
-                 conditioning_images=None):
+                 conditioning_images=None, posthoc=None, sigma_rels=None):
         self.pipe = pipe
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -90,6 +94,8 @@ class Validator:
         if len(self.conditioning_images) != len(self.prompts):
             raise ValueError(f"{len(self.conditioning_images)} conditioning_images for {len(self.prompts)} prompts")
         self.conditioning_paths = self._save_conditioning_images()
+        self.posthoc = posthoc
+        self.sigma_rels = list(sigma_rels or (posthoc.sigma_rels if posthoc is not None else ()))
 
     def _save_conditioning_images(self):
         """Each distinct conditioning image once (main process); returns each prompt's path, or None."""
@@ -113,20 +119,44 @@ class Validator:
                  for prompt, path in zip(self.prompts, self.conditioning_paths) if path is not None]
         return shown + list(records)
 
-    def __call__(self, step):
-        """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only)."""
+    def __call__(self, step, final=False):
+        """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only).
+
+        At the ``final`` step of a run with a post-hoc EMA, also render the EMA of each of
+        ``sigma_rels`` synthesized from the snapshots (variants ``ema_sigma_rel-<value>``) and write
+        one grid per prompt, a row per variant (raw, then the sweep), to choose the length by eye.
+        """
         rendered = []
         if self.accelerator.is_main_process:
             variants = [("raw", contextlib.nullcontext)]
             if self.ema is not None:
                 variants.append(("ema", self.ema.swapped_in))
+            sweep = final and self.posthoc is not None
+            if sweep:
+                for synthesis in synthesize(self.output_dir, self.sigma_rels, step):
+                    variants.append((f"ema_sigma_rel-{synthesis.sigma_rel:g}",
+                                     partial(tensors_swapped_in, self.posthoc.parameters, synthesis.tensors)))
             with preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()):
                 for variant, weights in variants:
                     with weights():
                         rendered += [self._render(step, variant, index) for index in range(len(self.prompts))]
             self._log(step, rendered)
+            if sweep:
+                self._write_grids(step, [(record, images) for record, images in rendered
+                                         if record["variant"] == "raw" or record["variant"].startswith("ema_sigma")])
         self.accelerator.wait_for_everyone()
         return [record for record, _ in rendered]
+
+    def _write_grids(self, step, rendered):
+        """``validation/step-<step>/grid-pNN.png`` per prompt: one row per variant, one column per image."""
+        for index in range(len(self.prompts)):
+            rows = [images for position, (_, images) in enumerate(rendered) if position % len(self.prompts) == index]
+            width, height = rows[0][0].size
+            grid = Image.new("RGB", (width * len(rows[0]), height * len(rows)))
+            for row, images in enumerate(rows):
+                for column, image in enumerate(images):
+                    grid.paste(image.convert("RGB"), (column * width, row * height))
+            grid.save(self.output_dir / VALIDATION_DIR / f"step-{step:06d}" / f"grid-p{index:02d}.png")
 
     def _render(self, step, variant, prompt_index):
         # CPU generators give the same noise on every device; one per image keeps a batched call

@@ -29,8 +29,9 @@ from training_utils.hub import push_to_hub, write_model_card
 from training_utils.loop import TrainingLoop
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
-                                     training_length)
+from training_utils.posthoc_ema import module_export_format
+from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
+                                     tracker_config, training_length)
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
@@ -75,6 +76,7 @@ def main(args):
         unet.enable_gradient_checkpointing()
     parameters = trainable_parameters(trained)
     ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
 
     # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
@@ -92,12 +94,13 @@ def main(args):
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
-    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
-    validator = make_validator(args, pipe, accelerator, ema=ema, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit, posthoc)
+    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
                         validator=validator, lr_scheduler=lr_scheduler,
-                        start_step=checkpointer.resume(args.resume_from_checkpoint))
+                        start_step=checkpointer.resume(args.resume_from_checkpoint), posthoc=posthoc)
     accelerator.init_trackers("text-to-image", config=tracker_config(args))
 
     # 5. The loop: the denoising loss; after each optimizer step the loop updates the EMA,
