@@ -29,8 +29,7 @@ from training_utils.loop import TrainingLoop
 from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.sdxl import (add_vae_args, added_conditions, check_vae_path, encode_prompt, time_ids,
-                                 tokenize_prompt, vae_components)
+from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
 from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
                                      training_length)
 from training_utils.validation import make_validator
@@ -128,8 +127,9 @@ def main(args):
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
             prompt_embeds, pooled = encode_prompt(text_encoders, [batch["input_ids"], batch["input_ids_2"]])
-            model_pred = unet(noisy_latents, timesteps, prompt_embeds, return_dict=False,
-                              added_cond_kwargs=added_conditions(pooled, batch["time_ids"]))[0]
+            added_cond_kwargs = {"text_embeds": pooled, "time_ids": batch["time_ids"]}
+            model_pred = unet(noisy_latents, timesteps, prompt_embeds, added_cond_kwargs=added_cond_kwargs,
+                              return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 

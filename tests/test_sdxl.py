@@ -1,0 +1,127 @@
+"""training_utils.sdxl: SDXL's conditioning equals what StableDiffusionXLPipeline computes; the VAE flag's check."""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from training_utils.args import UsageError, training_parser
+from training_utils.data import ImageTransform
+from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
+
+PROMPTS = ["a red circle on a white background", "a blue square"]
+
+
+@pytest.fixture(scope="module")
+def sdxl_pipe(tiny):
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def encode(pipe, prompts):
+    input_ids = tokenize_prompt([pipe.tokenizer, pipe.tokenizer_2], prompts)
+    with torch.no_grad():
+        return encode_prompt([pipe.text_encoder, pipe.text_encoder_2], input_ids)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS])
+def test_prompt_embeddings_equal_the_pipelines_encode_prompt(sdxl_pipe, prompts):
+    prompt_embeds, pooled = encode(sdxl_pipe, prompts)
+    with torch.no_grad():
+        expected, _, expected_pooled, _ = sdxl_pipe.encode_prompt(prompts, device="cpu", num_images_per_prompt=1,
+                                                                  do_classifier_free_guidance=False)
+    hidden_1 = sdxl_pipe.text_encoder.config.hidden_size
+    hidden_2 = sdxl_pipe.text_encoder_2.config.hidden_size
+    assert prompt_embeds.shape == (len(prompts), sdxl_pipe.tokenizer.model_max_length, hidden_1 + hidden_2)
+    assert pooled.shape == (len(prompts), sdxl_pipe.text_encoder_2.config.projection_dim)
+    assert torch.equal(prompt_embeds, expected)
+    assert torch.equal(pooled, expected_pooled)
+
+
+def test_prompt_embeddings_are_the_penultimate_layers_of_both_encoders_and_the_projection(sdxl_pipe):
+    prompt_embeds, pooled = encode(sdxl_pipe, PROMPTS)
+    ids_1, ids_2 = tokenize_prompt([sdxl_pipe.tokenizer, sdxl_pipe.tokenizer_2], PROMPTS)
+    with torch.no_grad():
+        first = sdxl_pipe.text_encoder(ids_1, output_hidden_states=True)
+        second = sdxl_pipe.text_encoder_2(ids_2, output_hidden_states=True)
+    hidden_1 = sdxl_pipe.text_encoder.config.hidden_size
+    assert torch.equal(prompt_embeds[..., :hidden_1], first.hidden_states[-2])
+    assert torch.equal(prompt_embeds[..., hidden_1:], second.hidden_states[-2])
+    assert not torch.equal(prompt_embeds[..., :hidden_1], first.last_hidden_state)
+    assert torch.equal(pooled, second.text_embeds)
+    assert not torch.equal(pooled, second.text_embeds.new_zeros(pooled.shape))
+
+
+def test_time_ids_of_a_known_crop_equal_the_pipelines():
+    # A 64 x 48 (w x h) image resized to 43 x 32 and centre-cropped to 32: top 0, left (43 - 32) // 2 = 5.
+    transform = ImageTransform(32, center_crop=True)
+    _, original_size, crop_top_left = transform(Image.new("RGB", (64, 48)), torch.Generator().manual_seed(0))
+    ids = time_ids(original_size, crop_top_left, (32, 32))
+    assert torch.equal(ids, torch.tensor([48.0, 64.0, 0.0, 5.0, 32.0, 32.0]))
+    assert ids.dtype == torch.float32
+
+
+def test_time_ids_match_the_pipelines_layout_and_fit_the_unet(sdxl_pipe):
+    ids = time_ids((48, 64), (0, 6), (32, 32))
+    expected = sdxl_pipe._get_add_time_ids((48, 64), (0, 6), (32, 32), torch.float32,
+                                           text_encoder_projection_dim=sdxl_pipe.text_encoder_2.config.projection_dim)
+    assert torch.equal(ids.unsqueeze(0), expected)
+
+
+def test_the_unet_accepts_the_conditioning(sdxl_pipe):
+    prompt_embeds, pooled = encode(sdxl_pipe, PROMPTS)
+    ids = torch.stack([time_ids((64, 64), (0, 0), (32, 32)), time_ids((48, 64), (0, 5), (32, 32))])
+    latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([10, 500])
+    with torch.no_grad():
+        prediction = sdxl_pipe.unet(latents, timesteps, prompt_embeds, return_dict=False,
+                                    added_cond_kwargs={"text_embeds": pooled, "time_ids": ids})[0]
+        same_size = sdxl_pipe.unet(latents, timesteps, prompt_embeds, return_dict=False,
+                                   added_cond_kwargs={"text_embeds": pooled, "time_ids": ids[[0, 0]]})[0]
+    assert prediction.shape == latents.shape
+    # The micro-conditioning reaches the UNet: the second sample's crop and size change its prediction.
+    assert torch.equal(prediction[0], same_size[0]) and not torch.equal(prediction[1], same_size[1])
+
+
+def test_vae_flag_defaults_to_the_pipelines_vae():
+    parser = training_parser("test")
+    add_vae_args(parser)
+    args = parser.parse_args(["--pretrained_model_name_or_path", "x"])
+    assert args.pretrained_vae_model_name_or_path is None
+    assert vae_components(None) == {}
+    check_vae_path(None)
+
+
+def test_vae_components_load_the_vae_folder(tiny):
+    from diffusers import AutoencoderKL
+
+    components = vae_components(str(tiny["sdxl"] / "vae"))
+    assert set(components) == {"vae"} and isinstance(components["vae"], AutoencoderKL)
+
+
+def test_accepts_a_vae_folder_and_a_hub_id(tiny):
+    check_vae_path(str(tiny["sdxl"] / "vae"))
+    check_vae_path("madebyollin/sdxl-vae-fp16-fix")
+
+
+@pytest.mark.parametrize("case", ["pipeline", "unet", "missing", "file", "bad_json"])
+def test_rejects_what_is_not_a_vae(tiny, tmp_path, case):
+    paths = {
+        "pipeline": tiny["sdxl"],
+        "unet": tiny["sdxl"] / "unet",
+        "missing": tmp_path / "nowhere",
+        "file": tiny["sdxl"] / "model_index.json",
+        "bad_json": tmp_path / "bad",
+    }
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(UsageError) as error:
+        check_vae_path(str(paths[case]))
+    message = str(error.value)
+    assert message.startswith(f"--pretrained_vae_model_name_or_path={str(paths[case])!r}: expected an AutoencoderKL")
+    if case == "unet":
+        assert json.loads((paths[case] / "config.json").read_text())["_class_name"] in message
