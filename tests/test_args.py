@@ -230,6 +230,9 @@ def test_fp16_is_accepted_when_cuda_is_there(model_dir, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "fp16"])
     assert args.mixed_precision == "fp16"
+    # accelerate launch sets ACCELERATE_USE_CPU=False on GPU machines: that is not the CPU.
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    assert parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "fp16"])
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
     with pytest.raises(SystemExit):
         parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "fp16"])

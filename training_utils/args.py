@@ -8,13 +8,13 @@ stops the run with one line on stderr naming the flag, the value and what was ex
 
 import argparse
 import math
-import os
 import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from accelerate.utils import parse_flag_from_env
 
 # A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -210,7 +210,9 @@ def check_args(args):
         require(0 <= args.lora_dropout < 1, "--lora_dropout", args.lora_dropout, "a number in [0, 1)")
     if getattr(args, "snr_gamma", None) is not None:
         require(args.snr_gamma > 0, "--snr_gamma", args.snr_gamma, "a positive number")
-    require(args.mixed_precision != "fp16" or torch.cuda.is_available() and not os.environ.get("ACCELERATE_USE_CPU"),
+    # accelerate launch always sets ACCELERATE_USE_CPU, to "False" unless --cpu: parse it, don't test presence.
+    on_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    require(args.mixed_precision != "fp16" or on_cuda,
             "--mixed_precision", args.mixed_precision, "a CUDA device for fp16 (use bf16 or no on the CPU)")
     require(args.ema_inv_gamma > 0, "--ema_inv_gamma", args.ema_inv_gamma, "a positive number")
     require(args.ema_power > 0, "--ema_power", args.ema_power, "a positive number")

@@ -7,6 +7,7 @@ training step, so global draws would make a resumed run see different augmentati
 
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -70,22 +71,65 @@ class ImageTransform:
         self.random_flip = random_flip
 
     def __call__(self, image, generator):
-        image = image.convert("RGB")
-        original_size = (image.height, image.width)
-        scale = self.resolution / min(image.width, image.height)
-        width, height = max(self.resolution, round(image.width * scale)), max(self.resolution, round(image.height * scale))
-        image = image.resize((width, height), Image.BILINEAR)
+        layout = self.draw_layout(image.width, image.height, generator)
+        pixels = _chw_tensor(self.apply_layout(image, layout) / 127.5 - 1.0)
+        return pixels, (image.height, image.width), layout.crop_top_left
+
+    def draw_layout(self, width, height, generator):
+        """The resize, crop and flip for an image of this size; all random draws happen here."""
+        scale = self.resolution / min(width, height)
+        width, height = max(self.resolution, round(width * scale)), max(self.resolution, round(height * scale))
         if self.center_crop:
             top, left = (height - self.resolution) // 2, (width - self.resolution) // 2
         else:
             top = int(torch.randint(0, height - self.resolution + 1, (1,), generator=generator))
             left = int(torch.randint(0, width - self.resolution + 1, (1,), generator=generator))
-        image = image.crop((left, top, left + self.resolution, top + self.resolution))
-        if self.random_flip and torch.rand((), generator=generator) < 0.5:
+        flip = bool(self.random_flip and torch.rand((), generator=generator) < 0.5)
+        return Layout((width, height), top, left, flip, self.resolution)
+
+    @staticmethod
+    def apply_layout(image, layout):
+        """``image`` resized, cropped and flipped as ``layout`` says, as HWC float32 in [0, 255]."""
+        image = image.convert("RGB").resize(layout.size, Image.BILINEAR)
+        image = image.crop((layout.left, layout.top, layout.left + layout.resolution, layout.top + layout.resolution))
+        if layout.flip:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
-            left = width - left - self.resolution
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
-        return pixels.contiguous(), original_size, (top, left)
+        return np.asarray(image, dtype=np.float32)
+
+
+class Layout(NamedTuple):
+    """Where a square crop of ``resolution`` comes from: resized (width, height), crop corner, flip."""
+
+    size: tuple
+    top: int
+    left: int
+    flip: bool
+    resolution: int
+
+    @property
+    def crop_top_left(self):
+        # After a flip the crop's left edge is measured in the mirrored image.
+        left = self.size[0] - self.left - self.resolution if self.flip else self.left
+        return self.top, left
+
+
+class PairedImageTransform(ImageTransform):
+    """`ImageTransform` for an image and its conditioning image (ControlNet-style): one resize, crop and flip for both.
+
+    The conditioning image is resized to the image's resized size (so one crop fits both, whatever
+    its own size) and scaled to [0, 1], the diffusers ControlNet convention; the image goes to
+    [-1, 1]. Returns ``(pixels, conditioning_pixels, original_size, crop_top_left)``.
+    """
+
+    def __call__(self, image, conditioning_image, generator):
+        layout = self.draw_layout(image.width, image.height, generator)
+        pixels = _chw_tensor(self.apply_layout(image, layout) / 127.5 - 1.0)
+        conditioning_pixels = _chw_tensor(self.apply_layout(conditioning_image, layout) / 255.0)
+        return pixels, conditioning_pixels, (image.height, image.width), layout.crop_top_left
+
+
+def _chw_tensor(hwc):
+    return torch.from_numpy(hwc).permute(2, 0, 1).contiguous()
 
 
 def pick_caption(value, generator, flag="--caption_column"):

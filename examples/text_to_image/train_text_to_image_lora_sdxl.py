@@ -30,8 +30,9 @@ from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
-                                     training_length)
+from training_utils.posthoc_ema import lora_export_format
+from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
+                                     tracker_config, training_length)
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
@@ -83,6 +84,7 @@ def main(args):
                 text_encoder.gradient_checkpointing_enable()
     parameters = trainable_parameters(trained)
     ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusionXLPipeline, trained))
 
     # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
@@ -107,12 +109,13 @@ def main(args):
     else:
         unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
-    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
-    validator = make_validator(args, pipe, accelerator, ema=ema, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit, posthoc)
+    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
                         validator=validator, lr_scheduler=lr_scheduler,
-                        start_step=checkpointer.resume(args.resume_from_checkpoint))
+                        start_step=checkpointer.resume(args.resume_from_checkpoint), posthoc=posthoc)
     accelerator.init_trackers("text-to-image-lora-sdxl", config=tracker_config(args))
 
     # 5. The loop: the denoising loss with SDXL's conditioning; after each optimizer step the loop
