@@ -9,7 +9,6 @@ import torch
 from accelerate import Accelerator
 
 from training_utils.args import RunStopped
-from training_utils.checkpointing import Checkpointer
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
 from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
@@ -67,21 +66,19 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
                                                      BATCH, 0, stack_collate, seed=0))
     args = SimpleNamespace(gradient_accumulation_steps=1, checkpointing_steps=4, validation_steps=validation_steps,
                            validation_epochs=None, output_dir=str(output_dir), max_train_steps=max_train_steps,
-                           num_train_epochs=1, ema_posthoc_snapshot_steps=3)
+                           num_train_epochs=1, ema_posthoc_snapshot_steps=3, resume_from_checkpoint=resume,
+                           checkpoints_total_limit=None, max_grad_norm=1.0)
     max_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-    checkpointer = Checkpointer(accelerator, output_dir, parameters, ema, total_limit=None, posthoc=posthoc)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer, lr_scheduler = accelerator.prepare(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
     validator = RecordingValidator()
-    loop = TrainingLoop(accelerator, dataloader, args, max_steps, steps_per_epoch, checkpointer, ema=ema,
-                        validator=validator, start_step=checkpointer.resume(resume), posthoc=posthoc)
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     for batch in loop:
         loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
         if on_step is not None:
             loss = on_step(loop.global_step + 1, loss)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        loop.end_micro_batch(loss)
+        loop.backward_and_step(loss)
     state = {name: p.detach().clone() for name, p in parameters.items()}
     return loop, validator, state, {name: s.clone() for name, s in ema.shadows.items()}
 

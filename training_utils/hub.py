@@ -46,3 +46,18 @@ def push_to_hub(output_dir, hub_model_id, hub_token=None):
     upload_folder(repo_id=repo_id, folder_path=output_dir, token=hub_token,
                   ignore_patterns=["checkpoint-*", ".checkpoint-*", "logs/*"])
     return repo_id
+
+
+def finish_run(args, title, how_to_load, records, saved):
+    """The end every script shares, on the main process: the model card, the upload if asked,
+    and where everything went. ``saved`` maps a description ("raw LoRA") to a written path."""
+    write_model_card(args.output_dir, args.pretrained_model_name_or_path, title, how_to_load, records)
+    if args.push_to_hub:
+        push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
+    for description, path in saved.items():
+        print(f"{description}: {path}")
+    if records:
+        print(f"validation images: {Path(args.output_dir) / 'validation'} (log.jsonl lists them)")
+    if args.ema_posthoc_sigma_rels:
+        print(f"post-hoc EMA snapshots: {Path(args.output_dir) / 'posthoc_ema'}; choose a length with "
+              f"python -m training_utils.posthoc_ema --output_dir {args.output_dir} --sigma_rel 0.08")

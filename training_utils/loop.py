@@ -3,14 +3,12 @@
 What a script computes in a step (its loss, its conditioning) stays in the script; what happens
 between steps is the same everywhere and lives here::
 
-    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer,
-                        ema=ema, validator=validator, lr_scheduler=lr_scheduler)
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)   # resumes if asked
     for batch in loop:                      # epochs, resuming mid-epoch, stops at max_train_steps
         with accelerator.accumulate(model):
             loss = ...                      # the script's own step
-            accelerator.backward(loss)
-            ...
-        loop.end_micro_batch(loss)          # when an optimizer step completes: EMA, checkpoint, validation
+            loop.backward_and_step(loss)    # then, when due: EMA, snapshots, checkpoint, validation
 
 Preemption (SIGTERM, or SIGINT as from Ctrl-C) lets the current step finish, writes a checkpoint
 and stops the run with `PREEMPTED_EXIT_CODE`; a non-finite loss stops it before anything is
@@ -24,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .args import RunStopped
-from .checkpointing import resume_position
+from .checkpointing import Checkpointer, resume_position
 from .data import epoch_batches
 from .training import posthoc_snapshot_steps
 from .validation import validation_due
@@ -57,29 +55,34 @@ class PreemptionSignals:
 
 
 class TrainingLoop:
-    """Iterates the batches of a run and does everything due after each optimizer step.
+    """Iterates the batches of a run, steps the optimizer, and does everything due after each step.
 
-    ``global_step`` is the number of completed optimizer steps; ``records`` holds the last
-    validation's log records (for the model card).
+    It owns the run's `Checkpointer` (the trained ``parameters``, ``ema`` and ``posthoc`` EMA are
+    what checkpoints hold besides accelerate's state) and resumes from ``--resume_from_checkpoint``
+    when made, so build it after ``accelerator.prepare``. ``global_step`` is the number of completed
+    optimizer steps; ``records`` holds the last validation's log records (for the model card).
     """
 
-    def __init__(self, accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=None,
-                 validator=None, lr_scheduler=None, start_step=0, posthoc=None):
+    def __init__(self, accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+                 steps_per_epoch, ema=None, posthoc=None, validator=None):
         self.accelerator = accelerator
-        self.dataloader = dataloader
         self.args = args
+        self.dataloader = dataloader
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.parameters = list(parameters.values())
         self.max_train_steps = max_train_steps
         self.steps_per_epoch = steps_per_epoch
-        self.checkpointer = checkpointer
         self.ema = ema
-        self.validator = validator
-        self.lr_scheduler = lr_scheduler
         self.posthoc = posthoc
-        self.global_step = start_step
+        self.validator = validator
         self.records = []
         self._loss = 0.0
         self._signals = PreemptionSignals()
         self._progress = None
+        self.checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit,
+                                         posthoc)
+        self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
 
     def __iter__(self):
         first_epoch, batches_to_skip = resume_position(self.global_step, self.steps_per_epoch,
@@ -98,22 +101,28 @@ class TrainingLoop:
                     yield batch
         self._progress.close()
 
-    def end_micro_batch(self, loss):
-        """Call after every micro-batch's optimizer call. Returns True when an optimizer step completed."""
+    def backward_and_step(self, loss):
+        """Backpropagate ``loss``, clip, step the optimizer and the lr schedule (accelerate holds the step
+        back while accumulating), and after a completed optimizer step do what is due: logging, EMA
+        updates, checkpoint, validation, preemption. Call inside ``accelerator.accumulate(...)``.
+        Returns True when an optimizer step completed."""
         if not torch.isfinite(loss.detach()).all():
             raise RunStopped(
                 f"the loss is {loss.item()} at step {self.global_step + 1}; stopped before writing anything from "
                 f"these weights (the last checkpoint in {self.args.output_dir} is intact)", NON_FINITE_EXIT_CODE)
+        self.accelerator.backward(loss)
+        if self.accelerator.sync_gradients:
+            self.accelerator.clip_grad_norm_(self.parameters, self.args.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad()
         self._loss += loss.detach().item() / self.args.gradient_accumulation_steps
         if not self.accelerator.sync_gradients:
             return False
 
         self.global_step += 1
         step = self.global_step
-        logs = {"train_loss": self._loss}
-        if self.lr_scheduler is not None:
-            logs["lr"] = self.lr_scheduler.get_last_lr()[0]
-        self.accelerator.log(logs, step=step)
+        self.accelerator.log({"train_loss": self._loss, "lr": self.lr_scheduler.get_last_lr()[0]}, step=step)
         self._progress.update(1)
         self._progress.set_postfix(loss=f"{self._loss:.4g}")
         self._loss = 0.0

@@ -50,12 +50,14 @@ def preserved_state(schedulers, modules):
             submodule.training = training
 
 
-def make_validator(args, pipe, accelerator, **kwargs):
-    """The `Validator` for ``--validation_prompt`` and its flags, or None without prompts.
-    ``kwargs`` are the script's own: ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ...."""
-    if not args.validation_prompt:
+def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
+    """The `Validator` for ``--validation_prompt`` (or ``prompts``, when a script pairs them with more
+    inputs) and the validation flags, or None without prompts. ``kwargs`` are the script's own:
+    ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``, ...."""
+    prompts = args.validation_prompt if prompts is None else prompts
+    if not prompts:
         return None
-    return Validator(pipe, accelerator, args.output_dir, args.validation_prompt, args.num_validation_images,
+    return Validator(pipe, accelerator, args.output_dir, prompts, args.num_validation_images,
                      args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels, **kwargs)
 
 

@@ -21,18 +21,18 @@ from PIL import Image, UnidentifiedImageError
 
 from training_utils.args import (UsageError, add_diffusion_loss_args, check_args, exit_on_usage_error, require,
                                  training_parser)
-from training_utils.checkpointing import Checkpointer
 from training_utils.data import (PairedImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.export import save_model_with_ema
-from training_utils.hub import push_to_hub, write_model_card
+from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, tracker_config,
-                                     training_length)
-from training_utils.validation import Validator
+from training_utils.posthoc_ema import module_export_format
+from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
+                                     tracker_config, training_length)
+from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
@@ -130,6 +130,7 @@ def main(args):
     unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
     parameters = trainable_parameters(trained)
     ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
 
     # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = PairedImageTransform(args.resolution, args.center_crop, args.random_flip)
@@ -151,18 +152,13 @@ def main(args):
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     controlnet, optimizer, lr_scheduler = accelerator.prepare(controlnet, optimizer, lr_scheduler)
 
-    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit)
-    validator = None
-    if validation_pairs:
-        prompts, conditioning_images = zip(*validation_pairs)
-        validator = Validator(
-            pipe, accelerator, args.output_dir, prompts, args.num_validation_images, args.validation_inference_steps,
-            args.seed, ema=ema, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
-            call_kwargs={"height": args.resolution, "width": args.resolution},
-            prompt_kwargs=[{"image": image} for image in conditioning_images], conditioning_images=conditioning_images)
-    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
-                        validator=validator, lr_scheduler=lr_scheduler,
-                        start_step=checkpointer.resume(args.resume_from_checkpoint))
+    prompts, conditioning_images = zip(*validation_pairs) if validation_pairs else ([], [])
+    validator = make_validator(
+        args, pipe, accelerator, prompts, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+        weight_dtype=weight_dtype, call_kwargs={"height": args.resolution, "width": args.resolution},
+        prompt_kwargs=[{"image": image} for image in conditioning_images], conditioning_images=conditioning_images)
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
     # 5. The loop: the denoising loss through the ControlNet-guided UNet; after each optimizer step the
@@ -186,30 +182,18 @@ def main(args):
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad()
-        loop.end_micro_batch(loss)
+            loop.backward_and_step(loss)
 
     # 6. Save the raw and EMA ControlNet from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         output_dir = Path(args.output_dir)
         paths = save_model_with_ema(trained["controlnet"], output_dir, ema, output_dir / "ema")
+        saved = {f"{variant} ControlNet": path for variant, path in paths.items()}
         how_to_load = HOW_TO_LOAD.format(
             base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
             prompt=args.validation_prompt[0] if args.validation_prompt else "a photo",
             conditioning_image=args.validation_image[0] if args.validation_image else "conditioning.png")
-        write_model_card(args.output_dir, args.pretrained_model_name_or_path, "ControlNet", how_to_load,
-                         validator.card_records(loop.records) if validator else [])
-        if args.push_to_hub:
-            push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
-        for variant, path in paths.items():
-            print(f"{variant} ControlNet: {path}")
-        if loop.records:
-            print(f"validation images: {args.output_dir}/validation (log.jsonl lists them)")
+        finish_run(args, "ControlNet", how_to_load, validator.card_records(loop.records) if validator else [], saved)
     accelerator.end_training()
 
 

@@ -19,13 +19,12 @@ from pathlib import Path
 from diffusers import StableDiffusionPipeline
 
 from training_utils.args import add_diffusion_loss_args, check_args, exit_on_usage_error, require, training_parser
-from training_utils.checkpointing import Checkpointer
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
 from training_utils.diffusion import (diffusion_loss, perturbed_noise, prediction_target, sample_noise,
                                       sample_timesteps)
 from training_utils.export import save_model, save_pipeline
-from training_utils.hub import push_to_hub, write_model_card
+from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
@@ -94,13 +93,11 @@ def main(args):
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
-    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit, posthoc)
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
-                        validator=validator, lr_scheduler=lr_scheduler,
-                        start_step=checkpointer.resume(args.resume_from_checkpoint), posthoc=posthoc)
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image", config=tracker_config(args))
 
     # 5. The loop: the denoising loss; after each optimizer step the loop updates the EMA,
@@ -120,30 +117,18 @@ def main(args):
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad()
-        loop.end_micro_batch(loss)
+            loop.backward_and_step(loss)
 
     # 6. Save the pipeline with the raw UNet and the EMA UNet from memory, check the files, write the model card.
     if accelerator.is_main_process:
-        save_pipeline(pipe, args.output_dir)
-        print(f"pipeline: {args.output_dir}")
+        saved = {"pipeline": save_pipeline(pipe, args.output_dir)}
         if ema is not None:
             with ema.swapped_in():
-                print(f"EMA UNet: {save_model(pipe.unet, Path(args.output_dir) / 'ema' / 'unet')}")
+                saved["EMA UNet"] = save_model(pipe.unet, Path(args.output_dir) / "ema" / "unet")
         prompt = args.validation_prompt[0] if args.validation_prompt else "a photo"
         swap_in_ema = SWAP_IN_EMA.format(output_dir=args.output_dir) if ema is not None else ""
         how_to_load = HOW_TO_LOAD.format(output_dir=args.output_dir, swap_in_ema=swap_in_ema, prompt=prompt)
-        write_model_card(args.output_dir, args.pretrained_model_name_or_path, "Text-to-image fine-tune", how_to_load,
-                         loop.records)
-        if args.push_to_hub:
-            push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
-        if loop.records:
-            print(f"validation images: {args.output_dir}/validation (log.jsonl lists them)")
+        finish_run(args, "Text-to-image fine-tune", how_to_load, loop.records, saved)
     accelerator.end_training()
 
 

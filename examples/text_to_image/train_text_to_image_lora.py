@@ -14,11 +14,10 @@ checkpoints to resume from, and a model card.
 from diffusers import StableDiffusionPipeline
 
 from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
-from training_utils.checkpointing import Checkpointer
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
-from training_utils.hub import push_to_hub, write_model_card
+from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.lora import UNET_TARGET_MODULES, add_lora, save_lora_with_ema
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
@@ -83,13 +82,11 @@ def main(args):
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
-    checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit, posthoc)
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, dataloader, args, max_train_steps, steps_per_epoch, checkpointer, ema=ema,
-                        validator=validator, lr_scheduler=lr_scheduler,
-                        start_step=checkpointer.resume(args.resume_from_checkpoint), posthoc=posthoc)
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora", config=tracker_config(args))
 
     # 5. The loop: the denoising loss; after each optimizer step the loop updates the EMA,
@@ -107,28 +104,16 @@ def main(args):
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(parameters.values(), args.max_grad_norm)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad()
-        loop.end_micro_batch(loss)
+            loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         paths = save_lora_with_ema(StableDiffusionPipeline, args.output_dir, trained, ema)
+        saved = {f"{variant} LoRA": path for variant, path in paths.items()}
         prompt = args.validation_prompt[0] if args.validation_prompt else "a photo"
         how_to_load = HOW_TO_LOAD.format(base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
                                          prompt=prompt)
-        write_model_card(args.output_dir, args.pretrained_model_name_or_path, "Text-to-image LoRA", how_to_load,
-                         loop.records)
-        if args.push_to_hub:
-            push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
-        for variant, path in paths.items():
-            print(f"{variant} LoRA: {path}")
-        if loop.records:
-            print(f"validation images: {args.output_dir}/validation (log.jsonl lists them)")
+        finish_run(args, "Text-to-image LoRA", how_to_load, loop.records, saved)
     accelerator.end_training()
 
 
