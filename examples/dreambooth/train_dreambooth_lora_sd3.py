@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Teach Stable Diffusion 3 a subject from a few images (DreamBooth) with a LoRA on its transformer, by flow matching.
+
+    accelerate launch train_dreambooth_lora_sd3.py \\
+      --pretrained_model_name_or_path=stabilityai/stable-diffusion-3.5-medium \\
+      --instance_data_dir=dog --instance_prompt="a photo of sks dog" --output_dir=out \\
+      --rank=128 --use_ema --mixed_precision=bf16 --resolution=1024 \\
+      --validation_prompt "a photo of sks dog in a bucket"
+
+Writes ``pytorch_lora_weights.safetensors`` (transformer and, with ``--train_text_encoder``, the two
+CLIP encoders' adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
+``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
+checkpoints to resume from, and a model card. With ``--with_prior_preservation``, missing class
+images are generated into ``--class_data_dir`` by the pipeline that trains, before training starts.
+"""
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.training_utils import compute_loss_weighting_for_sd3
+from PIL import Image
+
+from training_utils.args import add_lora_args, check_args, exit_on_usage_error, require, training_parser
+from training_utils.data import ImageTransform, TrainDataset, make_dataloader
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
+                                       generate_class_images, list_images, paired_collate)
+from training_utils.hub import finish_run
+from training_utils.loop import TrainingLoop
+from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.posthoc_ema import lora_export_format
+from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
+                                tokenize_prompt)
+from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
+                                     tracker_config, training_length)
+from training_utils.validation import make_validator
+
+HOW_TO_LOAD = """
+from diffusers import StableDiffusion3Pipeline
+
+pipe = StableDiffusion3Pipeline.from_pretrained("{base_model}")
+pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
+image = pipe("{prompt}").images[0]
+"""
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=28)
+    add_lora_args(parser, train_text_encoder=True)
+    add_dreambooth_args(parser)
+    add_sd3_args(parser)
+    parser.add_argument("--lora_layers", default=",".join(UNET_TARGET_MODULES),
+                        help="comma-separated names of the transformer's modules to adapt (last parts of their names)")
+    parser.add_argument("--lora_blocks", default=None,
+                        help="comma-separated transformer block indices to adapt, e.g. 0,12 (default: every block)")
+    parser.add_argument("--cache_latents", action="store_true",
+                        help="encode the images with the VAE once before training (needs --center_crop)")
+    args = parser.parse_args(argv)
+    check_args(args)
+    check_sd3_args(args)
+    require(all(split_names(args.lora_layers)), "--lora_layers", args.lora_layers, "comma-separated module names")
+    require(args.lora_blocks is None or all(name.isdigit() for name in split_names(args.lora_blocks)),
+            "--lora_blocks", args.lora_blocks, "comma-separated block indices, e.g. 0,12")
+    # A cached latent stands for one crop of its image; flips are cached both ways, random crops cannot be.
+    require(not args.cache_latents or args.center_crop, "--cache_latents", True,
+            "--center_crop with it (random crops change every epoch and cannot be cached)")
+    return args
+
+
+def split_names(value):
+    return [name.strip() for name in value.split(",")]
+
+
+def lora_target_modules(transformer, layers, blocks):
+    """The full names of the transformer's modules named by ``layers`` (name endings), inside ``blocks`` if given.
+
+    Block indices and module names belong to the loaded model, so these checks run after loading."""
+    names = [name for name, _ in transformer.named_modules()]
+    num_blocks = len(transformer.transformer_blocks)
+    for block in blocks or ():
+        require(block < num_blocks, "--lora_blocks", block,
+                f"a block index below {num_blocks} (the transformer has {num_blocks} blocks)")
+    prefixes = tuple(f"transformer_blocks.{block}." for block in blocks) if blocks else ("",)
+    targets = []
+    for layer in layers:
+        matches = [name for name in names
+                   if name.startswith(prefixes) and (name == layer or name.endswith(f".{layer}"))]
+        require(matches, "--lora_layers", layer, "a module name of the transformer (in --lora_blocks), e.g. to_q")
+        targets += matches
+    return targets
+
+
+def cached_latents_dataset(dataset, transform, vae, device, dtype, seed):
+    """``dataset`` (of `dreambooth_dataset`) with each image replaced by its VAE latent distribution's
+    parameters, encoded once. Both orientations are cached; each sample draws its flip as the image
+    transform would, from the same per-sample generator, so a cached run sees what an uncached one sees."""
+    unflipped = ImageTransform(transform.resolution, center_crop=True)
+    cache = {}
+    with torch.no_grad():
+        for path in {path for example in dataset.examples for path in example.values()}:
+            with Image.open(path) as image:
+                pixels = unflipped(image, torch.Generator())[0]
+                size = image.size
+            both = torch.stack([pixels, pixels.flip(-1)]).to(device, dtype)
+            cache[path] = size, vae.encode(both).latent_dist.parameters.cpu()
+
+    def preprocess(example, generator):
+        latents = {}
+        for kind, path in example.items():
+            size, parameters = cache[path]
+            latents[kind] = parameters[int(transform.draw_layout(*size, generator).flip)]
+        return latents
+
+    return TrainDataset(dataset.examples, preprocess, seed)
+
+
+def collate_latents(examples):
+    """Like `paired_collate`: the instance samples' latent parameters, then the class samples'."""
+    return {"latent_parameters": torch.cat([torch.stack([example[kind] for example in examples])
+                                            for kind in ("instance", "class") if kind in examples[0]])}
+
+
+def weighted_mse(prediction, target, weighting):
+    per_sample = (weighting.float() * (prediction.float() - target.float()) ** 2).flatten(1).mean(1)
+    return per_sample.mean()
+
+
+def main(args):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    instance_images = check_dreambooth_args(args)
+    accelerator = make_accelerator(args)
+
+    # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
+    pipe = load_pipeline(StableDiffusion3Pipeline, args)
+    transformer, vae = pipe.transformer, pipe.vae
+    text_encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
+    noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+
+    # 3. LoRA adapters on the transformer (and maybe the two CLIP encoders, never T5); the EMA tracks them all.
+    blocks = [int(block) for block in split_names(args.lora_blocks)] if args.lora_blocks else None
+    target_modules = lora_target_modules(transformer, split_names(args.lora_layers), blocks)
+    add_lora(transformer, args.rank, target_modules, args.lora_alpha, args.lora_dropout)
+    trained = {"transformer": transformer}
+    if args.train_text_encoder:
+        for name, text_encoder in (("text_encoder", pipe.text_encoder), ("text_encoder_2", pipe.text_encoder_2)):
+            add_lora(text_encoder, args.rank, TEXT_ENCODER_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+            trained[name] = text_encoder
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+        for name, module in trained.items():
+            if name != "transformer":
+                module.gradient_checkpointing_enable()
+    parameters = trainable_parameters(trained)
+    ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusion3Pipeline, trained))
+
+    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet), data,
+    #    optimizer and schedule; then accelerate, and resume if asked.
+    class_images = None
+    if args.with_prior_preservation:
+        generate_class_images(
+            pipe, args.class_prompt, args.class_data_dir, args.num_class_images, accelerator, args.seed,
+            args.sample_batch_size, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+            num_inference_steps=args.class_inference_steps,
+            call_kwargs={"height": args.resolution, "width": args.resolution},
+        )
+        class_images = list_images(args.class_data_dir)[: args.num_class_images]
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    dataset, collate = dreambooth_dataset(instance_images, transform, args.seed, class_images), paired_collate
+    if args.cache_latents:  # the VAE encodes each image once here, and never in the step
+        dataset = cached_latents_dataset(dataset, transform, vae, accelerator.device, weight_dtype, args.seed)
+        collate = collate_latents
+    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                     collate, args.seed))
+
+    # Each batch holds the instance images, then as many class images: one prompt per half.
+    prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
+    prompt_ids = [ids.to(accelerator.device) for ids in
+                  tokenize_prompt([pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3], prompts,
+                                  args.max_sequence_length)]
+    frozen_prompt_embeds = None
+    if not args.train_text_encoder:  # frozen encoders always give the same embeddings: compute them once
+        with torch.no_grad():
+            frozen_prompt_embeds = encode_prompt(text_encoders, prompt_ids)
+
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    if args.train_text_encoder:  # the step calls the wrapped encoders, so gradients sync across processes
+        transformer, text_encoders[0], text_encoders[1], optimizer, lr_scheduler = accelerator.prepare(
+            transformer, text_encoders[0], text_encoders[1], optimizer, lr_scheduler)
+    else:
+        transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+
+    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype,
+                               call_kwargs={"height": args.resolution, "width": args.resolution})
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+    accelerator.init_trackers("dreambooth-lora-sd3", config=tracker_config(args))
+
+    # 5. The loop: flow matching. Latents move on a straight line to noise, x_t = (1 - sigma) x_0 + sigma noise,
+    # and the transformer predicts the velocity noise - x_0. After each optimizer step the loop updates the EMA,
+    # checkpoints and validates when due (the final step included, once).
+    for module in trained.values():
+        module.train()
+    for batch in loop:
+        with accelerator.accumulate(transformer, *text_encoders[:2]):
+            if args.cache_latents:
+                latent_dist = DiagonalGaussianDistribution(batch["latent_parameters"])
+            else:
+                latent_dist = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist
+            latents = (latent_dist.sample() - vae.config.shift_factor) * vae.config.scaling_factor
+            noise = torch.randn_like(latents)
+            timesteps, sigmas = sample_flow_matching_timesteps(
+                noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
+            noisy_latents = (1.0 - sigmas) * latents + sigmas * noise
+            prompt_embeds, pooled_embeds = (encode_prompt(text_encoders, prompt_ids) if args.train_text_encoder
+                                            else frozen_prompt_embeds)
+            repeats = latents.shape[0] // len(prompts)
+            model_pred = transformer(hidden_states=noisy_latents, timestep=timesteps,
+                                     encoder_hidden_states=prompt_embeds.repeat_interleave(repeats, dim=0),
+                                     pooled_projections=pooled_embeds.repeat_interleave(repeats, dim=0),
+                                     return_dict=False)[0]
+            if args.precondition_outputs:  # the velocity turned into an estimate of x_0, which is regressed
+                model_pred, target = noisy_latents - sigmas * model_pred, latents
+            else:
+                target = noise - latents
+            weighting = compute_loss_weighting_for_sd3(args.weighting_scheme, sigmas)
+            # The instance half's loss, plus the weighted class half's (prior preservation).
+            predictions, targets, weightings = (x.chunk(len(prompts)) for x in (model_pred, target, weighting))
+            loss = weighted_mse(predictions[0], targets[0], weightings[0])
+            if args.with_prior_preservation:
+                loss = loss + args.prior_loss_weight * weighted_mse(predictions[1], targets[1], weightings[1])
+            loop.backward_and_step(loss)
+
+    # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        paths = save_lora_with_ema(StableDiffusion3Pipeline, args.output_dir, trained, ema)
+        saved = {f"{variant} LoRA": path for variant, path in paths.items()}
+        prompt = args.validation_prompt[0] if args.validation_prompt else args.instance_prompt
+        how_to_load = HOW_TO_LOAD.format(base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
+                                         prompt=prompt)
+        finish_run(args, "DreamBooth LoRA (SD3)", how_to_load, loop.records, saved)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    with exit_on_usage_error():
+        main(parse_args())
