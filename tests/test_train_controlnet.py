@@ -12,6 +12,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import EXAMPLES, launch
+from training_utils.args import UsageError
 
 SCRIPT = "controlnet/train_controlnet.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -244,7 +245,7 @@ def script():
 def test_bad_validation_and_controlnet_flags_are_usage_errors(tiny, tmp_path, script, flags, message):
     replacements = {"IMAGE": conditioning(tiny, 0), "SD": tiny["sd"]}
     flags = [str(replacements.get(flag, flag)) for flag in flags]
-    with pytest.raises(script.UsageError) as error:
+    with pytest.raises(UsageError) as error:
         script.load_validation_pairs(script.parse_args(list(map(str, common(tiny, tmp_path, *flags)))))
     assert message in str(error.value)
 

@@ -1,0 +1,254 @@
+"""training_utils.controlnet: flags, validation pairs, captions, the ControlNet pipeline built once, the residual
+cast, the validator and the end of the run, for any base model (tiny SD 1.x and SDXL here)."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline,
+                       StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
+from PIL import Image
+from safetensors.torch import load_file
+
+import training_utils.controlnet as controlnet_module
+from training_utils.args import UsageError, training_parser
+from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
+                                       controlnet_from_unet, dataset_columns, finish_controlnet_run,
+                                       load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator,
+                                       pick_training_caption)
+from training_utils.ema import EMA
+
+
+def parse(tiny, output_dir, *flags, base="sd"):
+    parser = training_parser("test")
+    add_controlnet_args(parser, tracker_project_name="test_project")
+    args = parser.parse_args(list(map(str, ["--pretrained_model_name_or_path", tiny[base], "--output_dir", output_dir,
+                                            *flags])))
+    check_controlnet_args(args)
+    return args
+
+
+def conditioning(tiny, index):
+    return tiny["shapes_controlnet"] / "conditioning" / f"{index:04d}.png"
+
+
+def test_flags_follow_diffusers_and_name_the_dataset_columns(tiny, tmp_path):
+    args = parse(tiny, tmp_path, "--conditioning_image_column", "hint")
+    assert args.controlnet_model_name_or_path is None and args.validation_image is None
+    assert args.proportion_empty_prompts == 0.0 and args.tracker_project_name == "test_project"
+    assert dataset_columns(args) == {"--image_column": "image", "--caption_column": "text",
+                                     "--conditioning_image_column": "hint"}
+    assert parse(tiny, tmp_path, "--controlnet_model_name_or_path", "owner/controlnet").controlnet_model_name_or_path
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--proportion_empty_prompts", "-0.1"], "--proportion_empty_prompts=-0.1: expected a number in [0, 1]"),
+    (["--controlnet_model_name_or_path", "SD"], "expected a ControlNetModel folder (with config.json)"),
+])
+def test_bad_flags_are_usage_errors(tiny, tmp_path, flags, message):
+    flags = [tiny["sd"] if flag == "SD" else flag for flag in flags]
+    with pytest.raises(UsageError) as error:
+        parse(tiny, tmp_path, *flags)
+    assert message in str(error.value)
+
+
+def test_validation_pairs_pair_one_to_one_or_share_one_side(tiny, tmp_path):
+    first, second = conditioning(tiny, 0), conditioning(tiny, 1)
+    sums = [np.asarray(Image.open(path).convert("RGB")).sum() for path in (first, second)]
+
+    def pairs(prompts, images):
+        args = parse(tiny, tmp_path, "--validation_prompt", *prompts, "--validation_image", *images)
+        return [(prompt, np.asarray(image).sum(), image.mode) for prompt, image in load_validation_pairs(args)]
+
+    assert pairs(["a", "b"], [first, second]) == [("a", sums[0], "RGB"), ("b", sums[1], "RGB")]
+    assert pairs(["a", "b"], [first]) == [("a", sums[0], "RGB"), ("b", sums[0], "RGB")]
+    assert pairs(["a"], [first, second]) == [("a", sums[0], "RGB"), ("a", sums[1], "RGB")]
+    assert load_validation_pairs(parse(tiny, tmp_path)) == []
+    # One image shared by all prompts is one PIL image, so the validator saves it once.
+    args = parse(tiny, tmp_path, "--validation_prompt", "a", "b", "--validation_image", first)
+    [(_, image_a), (_, image_b)] = load_validation_pairs(args)
+    assert image_a is image_b
+
+
+@pytest.mark.parametrize("prompts, images, message", [
+    (["a", "b", "c"], ["IMAGE", "IMAGE"], "one conditioning image per --validation_prompt (3)"),
+    (["a"], [], "one conditioning image per --validation_prompt (1)"),
+    ([], ["IMAGE"], "one conditioning image per --validation_prompt (0)"),
+    (["a"], ["missing.png"], "--validation_image='missing.png': expected an existing image file"),
+    (["a"], ["TEXT"], "expected an existing image file"),
+])
+def test_unpaired_or_unreadable_validation_images_are_usage_errors(tiny, tmp_path, prompts, images, message):
+    text = tmp_path / "not_an_image.png"
+    text.write_text("hello")
+    images = [{"IMAGE": conditioning(tiny, 0), "TEXT": text}.get(image, image) for image in images]
+    flags = (["--validation_prompt", *prompts] if prompts else []) + (["--validation_image", *images] if images else [])
+    with pytest.raises(UsageError) as error:
+        load_validation_pairs(parse(tiny, tmp_path, *flags))
+    assert message in str(error.value)
+
+
+def test_training_captions_are_emptied_in_the_given_proportion_and_reproducibly():
+    def captions(proportion, seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [pick_training_caption(["a", "b"], proportion, generator) for _ in range(200)]
+
+    assert "" not in captions(0.0, 0) and set(captions(0.0, 0)) == {"a", "b"}
+    assert set(captions(1.0, 0)) == {""}
+    emptied = captions(0.3, 0).count("")
+    assert 40 <= emptied <= 80
+    assert captions(0.3, 1) == captions(0.3, 1) and captions(0.3, 1) != captions(0.3, 2)
+
+
+@pytest.fixture(scope="module")
+def sd_pipe(tiny):
+    return StableDiffusionPipeline.from_pretrained(tiny["sd"])
+
+
+@pytest.mark.parametrize("vae_scale_factor, channels", [(2, [16, 32]), (8, [16, 32, 96, 256])])
+def test_controlnet_from_unet_copies_the_encoder_and_shrinks_like_the_vae(sd_pipe, vae_scale_factor, channels):
+    controlnet = controlnet_from_unet(sd_pipe.unet, vae_scale_factor)
+    assert list(controlnet.config.conditioning_embedding_out_channels) == channels
+    unet = sd_pipe.unet.state_dict()
+    copied = {key: value for key, value in controlnet.state_dict().items() if key in unet}
+    assert copied and all(torch.equal(value, unet[key]) for key, value in copied.items())
+    assert not torch.any(controlnet.controlnet_mid_block.weight)  # the zero convolutions start at zero
+    # Its residuals match the UNet's skip connections at the latent resolution.
+    latents = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        down, mid = controlnet(latents, 10, torch.randn(1, 77, 32), return_dict=False,
+                               controlnet_cond=torch.rand(1, 3, 8 * vae_scale_factor, 8 * vae_scale_factor))
+        sd_pipe.unet(latents, 10, torch.randn(1, 77, 32), down_block_additional_residuals=down,
+                     mid_block_additional_residual=mid)
+
+
+@pytest.fixture
+def counted_loads(monkeypatch):
+    """Count the pipeline loads ``load_controlnet_pipeline`` makes."""
+    loads = []
+    load = controlnet_module.load_pipeline
+
+    def counting(*args, **kwargs):
+        loads.append(args[0].__name__)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(controlnet_module, "load_pipeline", counting)
+    return loads
+
+
+@pytest.mark.parametrize("base, pipeline_class, base_class, option", [
+    ("sd", StableDiffusionControlNetPipeline, StableDiffusionPipeline, "requires_safety_checker"),
+    ("sdxl", StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, "force_zeros_for_empty_prompt"),
+])
+def test_pipeline_without_a_controlnet_path_is_built_on_one_load(tiny, tmp_path, counted_loads, base, pipeline_class,
+                                                                 base_class, option):
+    # The base model's option set against the ControlNet pipeline's default (True), to see it carried over.
+    model = tmp_path / "model"
+    shutil.copytree(tiny[base], model)
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, option: False}))
+    args = parse(tiny, tmp_path, base=base)
+    args.pretrained_model_name_or_path = str(model)
+    pipe = load_controlnet_pipeline(pipeline_class, base_class, args)
+    assert counted_loads == [base_class.__name__]
+    assert isinstance(pipe, pipeline_class) and isinstance(pipe.controlnet, ControlNetModel)
+    assert pipe.config[option] is False
+    assert list(pipe.controlnet.config.conditioning_embedding_out_channels) == [16, 32]
+    assert torch.equal(pipe.controlnet.conv_in.weight, pipe.unet.conv_in.weight)
+    assert pipe.controlnet.conv_in.weight is not pipe.unet.conv_in.weight
+    assert pipe._progress_bar_config == {"disable": True}
+
+
+def test_pipeline_with_a_controlnet_path_loads_it_as_a_component(tiny, tmp_path, counted_loads):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(tiny["sdxl"] / "vae")
+    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", tiny["sdxl_controlnet"], base="sdxl")
+    pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args, vae=vae)
+    assert counted_loads == ["StableDiffusionXLControlNetPipeline"]
+    assert pipe.vae is vae
+    saved = load_file(tiny["sdxl_controlnet"] / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(value, saved[key]) for key, value in pipe.controlnet.state_dict().items())
+
+
+class ResidualRecorder(torch.nn.Module):
+    """Stands in for a half-precision UNet: records the dtypes of the residuals it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+        self.seen = None
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
+
+    def forward(self, sample, down_block_additional_residuals=None, mid_block_additional_residual=None):
+        if mid_block_additional_residual is not None:
+            residuals = (*down_block_additional_residuals, mid_block_additional_residual)
+            self.seen = [residual.dtype for residual in residuals]
+        return sample
+
+
+def test_residuals_reach_the_unet_in_its_dtype():
+    unet = ResidualRecorder()
+    unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
+    unet(torch.ones(2))
+    assert unet.seen is None
+    down = [torch.full((2,), 0.5), torch.ones(2)]
+    unet(torch.ones(2), down_block_additional_residuals=down, mid_block_additional_residual=torch.ones(3))
+    assert unet.seen == [torch.bfloat16] * 3
+    assert [residual.dtype for residual in down] == [torch.float32] * 2  # the caller's tensors are untouched
+
+
+def run_args(tiny, output_dir, *flags):
+    args = parse(tiny, output_dir, "--seed", 0, "--num_validation_images", 1, "--validation_inference_steps", 2,
+                 *flags, base="sdxl")
+    args.validation_sigma_rels = None
+    return args
+
+
+def test_validator_renders_each_prompt_with_its_conditioning_image(tiny, tmp_path):
+    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(
+        tiny["sdxl"], controlnet=ControlNetModel.from_pretrained(tiny["sdxl_controlnet"]))
+    pipe.set_progress_bar_config(disable=True)
+    args = run_args(tiny, tmp_path, "--validation_prompt", "a", "b", "--validation_image", conditioning(tiny, 0),
+                    conditioning(tiny, 1))
+    accelerator = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), trackers=[],
+                                  wait_for_everyone=lambda: None)
+    assert make_controlnet_validator(run_args(tiny, tmp_path), pipe, accelerator, []) is None
+    pairs = load_validation_pairs(args)
+    validator = make_controlnet_validator(args, pipe, accelerator, pairs,
+                                          call_kwargs={"height": 32, "width": 32, "output_type": "pil"})
+    assert validator.prompts == ["a", "b"]
+    assert [kwargs["image"] for kwargs in validator.prompt_kwargs] == [image for _, image in pairs]
+    assert validator.conditioning_paths == ["validation/conditioning-p00.png", "validation/conditioning-p01.png"]
+    records = validator(1, final=True)
+    assert [(record["variant"], record["prompt"]) for record in records] == [("raw", "a"), ("raw", "b")]
+    first, second = (np.asarray(Image.open(tmp_path / record["images"][0])) for record in records)
+    assert not np.array_equal(first, second)  # the same seed, another conditioning image
+
+
+def test_finish_saves_raw_and_ema_controlnet_and_the_card(tiny, tmp_path, capsys):
+    controlnet = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"])
+    parameters = {f"controlnet.{name}": parameter for name, parameter in controlnet.named_parameters()}
+    ema = EMA(parameters, decay=0.5)
+    with torch.no_grad():
+        controlnet.controlnet_mid_block.weight += 1.0
+    args = run_args(tiny, tmp_path, "--validation_prompt", "a red circle", "--validation_image", "hint.png")
+    args.push_to_hub, args.ema_posthoc_sigma_rels = False, None
+    records = [{"step": 3, "variant": "raw", "prompt": "a red circle", "images": ["validation/x.png"]}]
+    validator = SimpleNamespace(card_records=lambda records: [{**records[0], "variant": "conditioning"}, *records])
+    finish_controlnet_run(args, "A title", "{base_model} {output_dir} {prompt} {conditioning_image} {extra}",
+                          controlnet, ema, validator, records, extra="EXTRA")
+    raw = ControlNetModel.from_pretrained(tmp_path).controlnet_mid_block.weight
+    saved_ema = ControlNetModel.from_pretrained(tmp_path / "ema").controlnet_mid_block.weight
+    assert torch.equal(raw, controlnet.controlnet_mid_block.weight) and torch.all(raw == 1)
+    assert not torch.any(saved_ema)  # never updated: still the initial zero convolution
+    card = (tmp_path / "README.md").read_text()
+    assert "# A title" in card and f"{tiny['sdxl']} {tmp_path} a red circle hint.png EXTRA" in card
+    assert "**conditioning**" in card and "validation/x.png" in card
+    out = capsys.readouterr().out
+    assert f"raw ControlNet: {tmp_path}" in out and f"ema ControlNet: {tmp_path / 'ema'}" in out

@@ -1,0 +1,255 @@
+"""Smoke tests: the SDXL ControlNet script end to end on the tiny fixtures, through ``accelerate launch``."""
+
+import importlib.util
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import EXAMPLES, launch
+from training_utils.args import UsageError
+
+SCRIPT = "controlnet/train_controlnet_sdxl.py"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
+
+
+def conditioning(tiny, index):
+    return tiny["shapes_controlnet"] / "conditioning" / f"{index:04d}.png"
+
+
+def common(tiny, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny["sdxl"], "--train_data_dir", tiny["shapes_controlnet"],
+            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
+            "--random_flip", "--use_ema", "--ema_decay", 0.9, "--seed", 3, "--proportion_empty_prompts", 0.3, *extra]
+
+
+def pretrained(tiny, output_dir, *extra):
+    """From tiny/sdxl_controlnet, checkpoints every 2 steps, the newest 2 kept."""
+    return common(tiny, output_dir, "--controlnet_model_name_or_path", tiny["sdxl_controlnet"],
+                  "--checkpointing_steps", 2, "--checkpoints_total_limit", 2, *extra)
+
+
+def validation_flags(tiny, steps, images=(0, 1)):
+    return ["--validation_prompt", *PROMPTS, "--validation_image", *[conditioning(tiny, i) for i in images],
+            "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", steps]
+
+
+def read_log(output_dir):
+    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
+
+
+def checkpoints(output_dir):
+    return sorted(path.name for path in output_dir.glob("checkpoint-*"))
+
+
+def assert_same_files(a, b):
+    a, b = load_file(a), load_file(b)
+    assert a.keys() == b.keys()
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
+
+
+def differing(a, b):
+    return [key for key in a if not torch.equal(a[key], b[key])]
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, tmp_path_factory):
+    """8 uninterrupted steps from tiny/sdxl_controlnet, validating every 3 steps (and at the final step)."""
+    output_dir = tmp_path_factory.mktemp("full")
+    result = launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 8, *validation_flags(tiny, 3)))
+    return output_dir, result
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tiny, tmp_path_factory):
+    """The same run without validation, stopped after 6 steps and resumed from the latest checkpoint to 8."""
+    output_dir = tmp_path_factory.mktemp("resumed")
+    launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 6))
+    after_six = checkpoints(output_dir)
+    result = launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 8, "--resume_from_checkpoint", "latest"))
+    return output_dir, after_six, result
+
+
+@pytest.fixture(scope="module")
+def from_unet_run(tiny, tmp_path_factory):
+    """No --controlnet_model_name_or_path (the ControlNet is made from the UNet), a replacement VAE, EMA decay 0,
+    one image for both prompts; the base model's and the VAE's folders are deleted as soon as the pipeline has
+    loaded."""
+    root = tmp_path_factory.mktemp("from_unet")
+    model, vae = root / "model", root / "vae"
+    shutil.copytree(tiny["sdxl"], model)
+    shutil.copytree(tiny["sdxl"] / "vae", vae)
+    wrapper = root / "train_then_delete_model.py"
+    wrapper.write_text(
+        "import runpy, shutil, sys\n"
+        "import training_utils.pipeline as pipeline\n"
+        "load = pipeline.load_pipeline\n"
+        "def load_then_delete(*args, **kwargs):\n"
+        "    pipe = load(*args, **kwargs)\n"
+        f"    shutil.rmtree({str(model)!r})\n"
+        f"    shutil.rmtree({str(vae)!r})\n"
+        "    return pipe\n"
+        "pipeline.load_pipeline = load_then_delete\n"
+        f"sys.argv[0] = {str(EXAMPLES / SCRIPT)!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    args = common(tiny, root / "out", "--max_train_steps", 4, *validation_flags(tiny, 2, images=(5,)),
+                  "--ema_decay", 0, "--checkpointing_steps", 1000, "--pretrained_vae_model_name_or_path", vae)
+    args[1] = model
+    result = launch(wrapper, *args)
+    return root / "out", model, vae, result
+
+
+def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, full_run):
+    output_dir, result = full_run
+    raw, ema = ControlNetModel.from_pretrained(output_dir), ControlNetModel.from_pretrained(output_dir / "ema")
+    initial = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"])
+    assert raw.config.addition_embed_type == "text_time"
+    raw, ema, initial = raw.state_dict(), ema.state_dict(), initial.state_dict()
+    assert raw.keys() == ema.keys() == initial.keys()
+    assert all(tensor.dtype == torch.float32 for tensor in raw.values())
+    # The zero convolutions, where a new ControlNet starts learning, and SDXL's added embedding both trained.
+    changed = differing(raw, initial)
+    assert any(key.startswith("controlnet_down_blocks") for key in changed)
+    assert any(key.startswith("add_embedding") for key in changed)
+    assert differing(ema, initial) and differing(raw, ema)
+    assert f"raw ControlNet: {output_dir}" in result.stdout
+    assert f"ema ControlNet: {output_dir / 'ema'}" in result.stdout
+
+
+def test_validates_at_the_due_steps_and_the_final_step_once(tiny, full_run):
+    output_dir, _ = full_run
+    log = read_log(output_dir)
+    assert [(r["step"], r["variant"], r["prompt"]) for r in log] == [
+        (step, variant, prompt) for step in (3, 6, 8) for variant in ("raw", "ema") for prompt in PROMPTS]
+    for record in log:
+        assert len(record["images"]) == 1
+        assert Image.open(output_dir / record["images"][0]).size == (32, 32)
+    assert len(list((output_dir / "validation").rglob("step-*/*.png"))) == 3 * 2 * 2
+
+
+def test_saves_the_conditioning_images_beside_the_samples_and_in_the_card(tiny, full_run):
+    output_dir, _ = full_run
+    saved = sorted(path.name for path in (output_dir / "validation").glob("*.png"))
+    assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
+    for index in (0, 1):
+        with Image.open(output_dir / "validation" / saved[index]) as image:
+            given = Image.open(conditioning(tiny, index)).convert("RGB")
+            assert np.array_equal(np.asarray(image), np.asarray(given))
+    card = (output_dir / "README.md").read_text()
+    assert "StableDiffusionXLControlNetPipeline.from_pretrained" in card and "ControlNetModel.from_pretrained" in card
+    assert "AutoencoderKL" not in card
+    assert "validation/conditioning-p00.png" in card and "validation/conditioning-p01.png" in card
+    assert read_log(output_dir)[-1]["images"][0] in card
+    assert list((output_dir / "logs" / "sd_xl_train_controlnet").rglob("events.out.tfevents.*"))
+
+
+def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(full_run, resumed_run):
+    output_dir, after_six, result = resumed_run
+    assert after_six == ["checkpoint-4", "checkpoint-6"]
+    assert f"resumed from {output_dir / 'checkpoint-6'} at step 6" in result.stdout
+    assert checkpoints(output_dir) == ["checkpoint-6", "checkpoint-8"]
+    assert checkpoints(full_run[0]) == ["checkpoint-6", "checkpoint-8"]
+    assert not list(output_dir.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
+    files = {path.name for path in (output_dir / "checkpoint-8").iterdir()}
+    assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
+    # The uninterrupted run validated at steps 3, 6 and 8, the resumed one never: resuming mid-epoch with
+    # random flips and empty prompts, and validating, both leave the weights bit for bit as they would be.
+    assert not (output_dir / "validation").exists()
+    assert_same_files(output_dir / WEIGHTS, full_run[0] / WEIGHTS)
+    assert_same_files(output_dir / "ema" / WEIGHTS, full_run[0] / "ema" / WEIGHTS)
+
+
+def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, full_run):
+    output_dir, _ = full_run
+    sdxl_pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
+    image = Image.open(conditioning(tiny, 0)).convert("RGB")
+
+    def render(controlnet):
+        pipe = StableDiffusionXLControlNetPipeline(**sdxl_pipe.components, controlnet=controlnet)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(PROMPTS[0], image=image, num_inference_steps=2, height=32, width=32, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    initial = render(ControlNetModel.from_pretrained(tiny["sdxl_controlnet"]))
+    trained = render(ControlNetModel.from_pretrained(output_dir))
+    assert not np.allclose(initial, trained, atol=1e-4)
+
+
+def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, from_unet_run):
+    output_dir, model, vae, result = from_unet_run
+    assert not model.exists() and not vae.exists()
+    unet = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"]).unet.state_dict()
+    raw = ControlNetModel.from_pretrained(output_dir)
+    assert list(raw.config.conditioning_embedding_out_channels) == [16, 32]  # halves, like the tiny VAE
+    assert raw.config.addition_embed_type == "text_time"
+    raw = raw.state_dict()
+    # Started as the UNet's encoder, SDXL's added embedding included, and moved away from it.
+    assert raw["add_embedding.linear_1.weight"].shape == unet["add_embedding.linear_1.weight"].shape
+    assert not torch.equal(raw["conv_in.weight"], unet["conv_in.weight"])
+    assert torch.any(raw["controlnet_mid_block.weight"] != 0)
+    # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts.
+    assert [(r["step"], r["variant"]) for r in read_log(output_dir)[::2]] == [(2, "raw"), (2, "ema"), (4, "raw"),
+                                                                             (4, "ema")]
+    assert sorted(p.name for p in (output_dir / "validation").glob("*.png")) == ["conditioning-p00.png"]
+    assert f"VAE: {vae}" in result.stdout
+    assert f'vae=AutoencoderKL.from_pretrained("{vae}")' in (output_dir / "README.md").read_text()
+
+
+def test_ema_decay_zero_equals_the_raw_weights(from_unet_run):
+    output_dir = from_unet_run[0]
+    assert_same_files(output_dir / WEIGHTS, output_dir / "ema" / WEIGHTS)
+
+
+def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    result = launch(SCRIPT, *common(tiny, output_dir, "--conditioning_image_column", "hint"), check=False, quiet=True)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "Loading pipeline components" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    expected = "error: --conditioning_image_column='hint': expected a column of the dataset"
+    assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+    assert not output_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_controlnet_sdxl", EXAMPLES / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flags_follow_the_upstream_script(tiny, tmp_path, script):
+    args = script.parse_args(list(map(str, common(tiny, tmp_path))))
+    assert args.resolution == 32 and args.tracker_project_name == "sd_xl_train_controlnet"
+    defaults = script.parse_args(["--pretrained_model_name_or_path", str(tiny["sdxl"])])
+    assert defaults.resolution == 512 and defaults.conditioning_image_column == "conditioning_image"
+    assert defaults.controlnet_model_name_or_path is None and defaults.pretrained_vae_model_name_or_path is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--validation_prompt", "a", "b", "c", "--validation_image", "IMAGE", "IMAGE"],
+         "expected one conditioning image per --validation_prompt (3), or one image for all prompts"),
+        (["--proportion_empty_prompts", 1.5], "--proportion_empty_prompts=1.5: expected a number in [0, 1]"),
+        (["--controlnet_model_name_or_path", "SDXL"], "expected a ControlNetModel folder (with config.json)"),
+        (["--pretrained_vae_model_name_or_path", "UNET"], "its config.json names 'UNet2DConditionModel'"),
+        (["--pretrained_vae_model_name_or_path", "./no_vae"], "--pretrained_vae_model_name_or_path='./no_vae': "
+                                                              "expected an AutoencoderKL folder"),
+    ],
+)
+def test_bad_flags_are_usage_errors(tiny, tmp_path, script, flags, message):
+    replacements = {"IMAGE": conditioning(tiny, 0), "SDXL": tiny["sdxl"], "UNET": tiny["sdxl"] / "unet"}
+    flags = [str(replacements.get(flag, flag)) for flag in flags]
+    with pytest.raises(UsageError) as error:
+        script.load_validation_pairs(script.parse_args(list(map(str, common(tiny, tmp_path, *flags)))))
+    assert message in str(error.value)

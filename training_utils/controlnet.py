@@ -1,0 +1,137 @@
+"""What every ControlNet script shares, whatever the base model (SD 1.x, SDXL): its flags, the validation
+(prompt, conditioning image) pairs, the ControlNet pipeline built once, the residual cast and the end of the run.
+
+The base model's own conditioning (text encoders, time ids, ...) stays in each script.
+"""
+
+import inspect
+import math
+from pathlib import Path
+
+import torch
+from diffusers import ControlNetModel
+from PIL import Image, UnidentifiedImageError
+
+from .args import UsageError, require
+from .data import pick_caption
+from .export import save_model_with_ema
+from .hub import finish_run
+from .pipeline import load_pipeline
+from .validation import make_validator
+
+# Channels of the conditioning embedding's blocks; each block after the first halves the resolution.
+CONDITIONING_EMBEDDING_CHANNELS = (16, 32, 96, 256)
+
+
+def add_controlnet_args(parser, tracker_project_name):
+    controlnet = parser.add_argument_group("ControlNet")
+    controlnet.add_argument("--controlnet_model_name_or_path", default=None,
+                            help="ControlNet to start from (default: a copy of the UNet's encoder)")
+    controlnet.add_argument("--conditioning_image_column", default="conditioning_image")
+    controlnet.add_argument("--validation_image", nargs="+", default=None,
+                            help="conditioning images: one per --validation_prompt, one for all prompts, "
+                                 "or several for one prompt")
+    controlnet.add_argument("--proportion_empty_prompts", type=float, default=0.0,
+                            help="fraction of captions replaced by the empty prompt")
+    controlnet.add_argument("--tracker_project_name", default=tracker_project_name)
+
+
+def check_controlnet_args(args):
+    require(0 <= args.proportion_empty_prompts <= 1, "--proportion_empty_prompts", args.proportion_empty_prompts,
+            "a number in [0, 1]")
+    path = args.controlnet_model_name_or_path
+    if path and Path(path).exists():
+        require((Path(path) / "config.json").is_file(), "--controlnet_model_name_or_path", path,
+                "a ControlNetModel folder (with config.json) or a hub id")
+
+
+def dataset_columns(args):
+    """The flags naming the columns a ControlNet dataset must have, for ``load_train_dataset``."""
+    return {"--image_column": args.image_column, "--caption_column": args.caption_column,
+            "--conditioning_image_column": args.conditioning_image_column}
+
+
+def load_validation_pairs(args):
+    """``[(prompt, conditioning image)]``: prompts and images paired one to one, or one of them shared by all."""
+    prompts, paths = args.validation_prompt or [], args.validation_image or []
+    paired = len(prompts) == len(paths) or 1 in (len(prompts), len(paths))
+    if not paired or bool(prompts) != bool(paths):
+        raise UsageError("--validation_image", paths, f"one conditioning image per --validation_prompt "
+                         f"({len(prompts)}), or one image for all prompts")
+    images = {}
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images[path] = image.convert("RGB")
+        except (FileNotFoundError, IsADirectoryError, UnidentifiedImageError):
+            raise UsageError("--validation_image", path, "an existing image file") from None
+    count = max(len(prompts), len(paths))
+    return [(prompts[i % len(prompts)], images[paths[i % len(paths)]]) for i in range(count)]
+
+
+def pick_training_caption(value, proportion_empty_prompts, generator):
+    """One of the example's captions, or, with probability ``--proportion_empty_prompts``, the empty prompt
+    (so the ControlNet also learns to follow the conditioning image alone)."""
+    caption = pick_caption(value, generator)
+    return "" if torch.rand((), generator=generator) < proportion_empty_prompts else caption
+
+
+def controlnet_from_unet(unet, vae_scale_factor):
+    """A ControlNet copying ``unet``'s encoder, whose conditioning embedding shrinks the conditioning image
+    as much as the VAE shrinks the image (8x for SD and SDXL: four blocks; 2x for the tiny test VAE: two)."""
+    blocks = int(math.log2(vae_scale_factor)) + 1
+    return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=CONDITIONING_EMBEDDING_CHANNELS[:blocks])
+
+
+def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, **components):
+    """The ControlNet pipeline, loaded once: with ``--controlnet_model_name_or_path`` that ControlNet is a
+    component of the one load; without it, the base pipeline loads and a ControlNet made from its UNet
+    joins its components. ``components`` replace loaded ones (e.g. a VAE)."""
+    if args.controlnet_model_name_or_path:
+        controlnet = ControlNetModel.from_pretrained(args.controlnet_model_name_or_path)
+        return load_pipeline(pipeline_class, args, controlnet=controlnet, **components)
+    base = load_pipeline(base_pipeline_class, args, **components)
+    controlnet = controlnet_from_unet(base.unet, base.vae_scale_factor)
+    # The base pipeline's options that the ControlNet pipeline shares (requires_safety_checker,
+    # force_zeros_for_empty_prompt, ...) carry over with its components.
+    accepted = inspect.signature(pipeline_class.__init__).parameters
+    options = {name: value for name, value in base.config.items() if name in accepted and name not in base.components}
+    pipe = pipeline_class(**base.components, controlnet=controlnet, **options)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def cast_residuals_to_unet_dtype(unet, args, kwargs):
+    """A UNet forward pre-hook: the ControlNet's residuals in the frozen UNet's dtype, in training and validation alike.
+
+    Under mixed precision the prepared ControlNet returns fp32 (accelerate's output wrapper); CUDA's
+    autocast copes with fp32 residuals in a half-precision UNet, the CPU's does not.
+    """
+    if kwargs.get("mid_block_additional_residual") is not None:
+        kwargs["mid_block_additional_residual"] = kwargs["mid_block_additional_residual"].to(unet.dtype)
+        kwargs["down_block_additional_residuals"] = [
+            residual.to(unet.dtype) for residual in kwargs["down_block_additional_residuals"]]
+    return args, kwargs
+
+
+def make_controlnet_validator(args, pipe, accelerator, validation_pairs, **kwargs):
+    """`make_validator` rendering each prompt with its conditioning image, which is shown beside the samples."""
+    prompts, conditioning_images = zip(*validation_pairs) if validation_pairs else ([], [])
+    prompt_kwargs = [{"image": image} for image in conditioning_images]
+    return make_validator(args, pipe, accelerator, prompts, prompt_kwargs=prompt_kwargs,
+                          conditioning_images=conditioning_images, **kwargs)
+
+
+def finish_controlnet_run(args, title, how_to_load, controlnet, ema, validator, records, **how_to_load_fields):
+    """Save the raw and EMA ControlNet from memory (checked against it) to ``output_dir`` and ``output_dir/ema``,
+    then the model card. ``how_to_load`` is formatted with ``base_model``, ``output_dir``, ``prompt``,
+    ``conditioning_image`` and ``how_to_load_fields``."""
+    output_dir = Path(args.output_dir)
+    paths = save_model_with_ema(controlnet, output_dir, ema, output_dir / "ema")
+    saved = {f"{variant} ControlNet": path for variant, path in paths.items()}
+    how_to_load = how_to_load.format(
+        base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
+        prompt=args.validation_prompt[0] if args.validation_prompt else "a photo",
+        conditioning_image=args.validation_image[0] if args.validation_image else "conditioning.png",
+        **how_to_load_fields)
+    finish_run(args, title, how_to_load, validator.card_records(records) if validator else [], saved)
