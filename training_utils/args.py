@@ -78,6 +78,9 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     data.add_argument("--center_crop", action="store_true", help="crop the centre instead of a random square")
     data.add_argument("--random_flip", action="store_true")
     data.add_argument("--dataloader_num_workers", type=int, default=0)
+    data.add_argument("--skip_corrupt_images", action="store_true",
+                      help="train on the next readable sample in place of an image that cannot be read (counted in "
+                           "the logs as skipped_images) instead of stopping the run after a checkpoint")
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default="output")

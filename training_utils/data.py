@@ -3,8 +3,16 @@
 Randomness in preprocessing (crops, flips, caption choice) comes from a generator seeded by
 (seed, epoch, sample index), never from the global RNG: the loader prefetches ahead of the
 training step, so global draws would make a resumed run see different augmentations.
+
+An image that cannot be read does not raise inside the loader (where the error would surface a
+batch early, in a worker, on one process only): `TrainDataset` names its file and puts the next
+readable sample in its place, and the batch comes out as a `BatchWithUnreadable` that the training
+loop either stops on or counts (``--skip_corrupt_images``). Which sample replaces which depends on
+the index and the files alone, so a resumed run skips exactly as the uninterrupted one did.
 """
 
+import io
+import os
 import random
 from pathlib import Path
 from typing import NamedTuple
@@ -16,6 +24,10 @@ from PIL import Image
 from .args import UsageError
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+# What PIL raises for missing, truncated or undecodable files (UnidentifiedImageError is an OSError).
+UNREADABLE_IMAGE_ERRORS = (OSError, SyntaxError, Image.DecompressionBombError)
+# How far past an unreadable sample to look for a readable one to take its place.
+SUBSTITUTE_SEARCH_LIMIT = 32
 
 
 def load_train_dataset(args, columns):
@@ -156,6 +168,9 @@ def stack_collate(examples):
 class TrainDataset(torch.utils.data.Dataset):
     """A map-style dataset that runs ``preprocess(example, generator)`` with a per-sample generator.
 
+    ``examples`` is a `datasets.Dataset` or a list of dicts (e.g. of image paths). A sample whose
+    image cannot be read comes back as an `UnreadableSample` naming its file(s) and carrying the
+    next readable sample; `make_dataloader`'s collate turns it into a `BatchWithUnreadable`.
     ``set_epoch`` is called by accelerate's loader at the start of each epoch.
     """
 
@@ -164,6 +179,7 @@ class TrainDataset(torch.utils.data.Dataset):
         self.preprocess = preprocess
         self.seed = seed
         self.epoch = 0
+        self._undecoded_examples = None
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -172,7 +188,97 @@ class TrainDataset(torch.utils.data.Dataset):
         return len(self.examples)
 
     def __getitem__(self, index):
+        try:
+            return self._load(index)
+        except UNREADABLE_IMAGE_ERRORS as error:
+            reason = f"{type(error).__name__}: {error}"
+        return UnreadableSample(self.source_of(index), reason, self._substitute(index))
+
+    def _load(self, index):
         return self.preprocess(self.examples[index], sample_generator(self.seed, self.epoch, index))
+
+    def _substitute(self, index):
+        """The next readable sample after ``index`` (wrapping around), or None within the search limit."""
+        for offset in range(1, min(len(self), SUBSTITUTE_SEARCH_LIMIT + 1)):
+            try:
+                return self._load((index + offset) % len(self))
+            except UNREADABLE_IMAGE_ERRORS:
+                continue
+        return None
+
+    def source_of(self, index):
+        """The image file(s) of sample ``index``: those that fail to open if that can be told, else all."""
+        row = self._undecoded()[index]
+        values = row.values() if isinstance(row, dict) else [row]
+        images = [value for value in values if _image_reference(value) is not None]
+        names = [_image_reference(value) or f"row {index}" for value in images]
+        unreadable = [name for name, value in zip(names, images) if not _opens(value)]
+        return ", ".join(unreadable or names) or f"sample {index}"
+
+    def _undecoded(self):
+        # datasets decodes images on row access; the same rows with decoding off give {"path", "bytes"}.
+        if self._undecoded_examples is None:
+            examples = self.examples
+            features = getattr(examples, "features", None) or {}
+            import datasets
+
+            for column, feature in features.items():
+                if isinstance(feature, datasets.Image):
+                    examples = examples.cast_column(column, datasets.Image(decode=False))
+            self._undecoded_examples = examples
+        return self._undecoded_examples
+
+
+def _image_reference(value):
+    """A printable name for a value that refers to an image (a path, or datasets' undecoded dict), else None."""
+    if isinstance(value, dict) and value.keys() >= {"path", "bytes"}:
+        return value["path"] or ""
+    if isinstance(value, (str, os.PathLike)) and Path(value).suffix.lower() in IMAGE_EXTENSIONS:
+        return str(value)
+    return None
+
+
+def _opens(value):
+    if isinstance(value, dict):
+        value = io.BytesIO(value["bytes"]) if value["bytes"] else value["path"]
+    try:
+        with Image.open(value) as image:
+            image.load()
+        return True
+    except UNREADABLE_IMAGE_ERRORS:
+        return False
+
+
+class UnreadableSample(NamedTuple):
+    """A sample whose image could not be read: its file(s), why, and the sample taking its place (or None)."""
+
+    source: str
+    reason: str
+    substitute: object
+
+
+class BatchWithUnreadable(NamedTuple):
+    """A batch in which unreadable samples were replaced (``batch`` is None when no substitute was found)."""
+
+    batch: object
+    unreadable: list
+
+
+class _CollateReplacingUnreadable:
+    """Wraps a collate function: unreadable samples give their place to their substitutes, and the
+    batch comes out wrapped so the training loop learns of them in order, on its own process."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, examples):
+        unreadable = [example for example in examples if isinstance(example, UnreadableSample)]
+        if not unreadable:
+            return self.collate_fn(examples)
+        if any(example.substitute is None for example in unreadable):
+            return BatchWithUnreadable(None, [(u.source, u.reason) for u in unreadable])
+        batch = self.collate_fn([e.substitute if isinstance(e, UnreadableSample) else e for e in examples])
+        return BatchWithUnreadable(batch, [(u.source, u.reason) for u in unreadable])
 
 
 def make_dataloader(dataset, batch_size, num_workers, collate_fn, seed, shuffle=True):
@@ -184,7 +290,8 @@ def make_dataloader(dataset, batch_size, num_workers, collate_fn, seed, shuffle=
     training draws from it.
     """
     return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, collate_fn=collate_fn,
+        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+        collate_fn=_CollateReplacingUnreadable(collate_fn),
         worker_init_fn=_seed_worker, drop_last=False, generator=torch.Generator().manual_seed(seed),
     )
 

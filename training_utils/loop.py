@@ -12,23 +12,31 @@ between steps is the same everywhere and lives here::
 
 Preemption (SIGTERM, or SIGINT as from Ctrl-C) lets the current step finish, writes a checkpoint
 and stops the run with `PREEMPTED_EXIT_CODE`; a non-finite loss stops it before anything is
-written from the broken weights, keeping the last good checkpoint.
+written from the broken weights, keeping the last good checkpoint. A batch holding an image that
+cannot be read stops the run with `UNREADABLE_EXIT_CODE` after checkpointing the last completed
+step (as it was when that step ended, also mid-accumulation), or with ``--skip_corrupt_images``
+trains on the readable sample put in its place and counts it (``skipped_images`` in the logs).
 """
 
 import math
+import random
 import signal
+import sys
 
+import numpy as np
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from .args import RunStopped
 from .checkpointing import Checkpointer, resume_position
-from .data import epoch_batches
+from .data import BatchWithUnreadable, epoch_batches
 from .training import posthoc_snapshot_steps
 from .validation import validation_due
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
 NON_FINITE_EXIT_CODE = 3
+UNREADABLE_EXIT_CODE = 65  # EX_DATAERR: the input data was incorrect
 
 
 class PreemptionSignals:
@@ -80,6 +88,11 @@ class TrainingLoop:
         self._loss = 0.0
         self._signals = PreemptionSignals()
         self._progress = None
+        self._skipped_images = 0
+        # The accumulation counter and RNG states when the current optimizer step began: a checkpoint
+        # taken mid-accumulation must hold them as they were, or a resumed run would draw other noise.
+        self._at_step_start = True
+        self._step_start = None
         self.checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit,
                                          posthoc)
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
@@ -98,6 +111,10 @@ class TrainingLoop:
                 for batch in epoch_batches(self.accelerator, self.dataloader, epoch, skip):
                     if self.global_step >= self.max_train_steps:
                         break
+                    if self._at_step_start:
+                        self._step_start = (self.accelerator.step, _rng_states())
+                    batch = self._readable(batch)
+                    self._at_step_start = False
                     yield batch
         self._progress.close()
 
@@ -121,8 +138,13 @@ class TrainingLoop:
             return False
 
         self.global_step += 1
+        self._at_step_start = True
         step = self.global_step
-        self.accelerator.log({"train_loss": self._loss, "lr": self.lr_scheduler.get_last_lr()[0]}, step=step)
+        preempted, skipped_images = self._shared_status()
+        logs = {"train_loss": self._loss, "lr": self.lr_scheduler.get_last_lr()[0]}
+        if skipped_images:
+            logs["skipped_images"] = skipped_images
+        self.accelerator.log(logs, step=step)
         self._progress.update(1)
         self._progress.set_postfix(loss=f"{self._loss:.4g}")
         self._loss = 0.0
@@ -133,7 +155,6 @@ class TrainingLoop:
             self.posthoc.on_step(step, self.max_train_steps, self.args.output_dir,
                                  posthoc_snapshot_steps(self.args, self.max_train_steps),
                                  write=self.accelerator.is_main_process)
-        preempted = self._preemption_requested()
         if step % self.args.checkpointing_steps == 0 or (preempted and step < self.max_train_steps):
             self.checkpointer.save(step)
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
@@ -145,10 +166,66 @@ class TrainingLoop:
                              f"resume with --resume_from_checkpoint latest", PREEMPTED_EXIT_CODE)
         return True
 
-    def _preemption_requested(self):
-        requested = self._signals.received is not None
+    def _shared_status(self):
+        """(whether any process got a preemption signal, images skipped on all processes so far)."""
+        preempted, skipped_images = self._signals.received is not None, self._skipped_images
         if self.accelerator.num_processes > 1:
             # Every process must stop at the same step, whichever of them got the signal.
-            flag = torch.tensor(float(requested), device=self.accelerator.device)
-            requested = bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
-        return requested
+            status = torch.tensor([float(preempted), float(skipped_images)], device=self.accelerator.device)
+            status = self.accelerator.reduce(status, reduction="sum")
+            preempted, skipped_images = bool(status[0].item() > 0), int(status[1].item())
+        return preempted, skipped_images
+
+    def _readable(self, batch):
+        """The batch to train on; stops the run on an unreadable image unless skipping, and counts skips."""
+        unreadable = batch.unreadable if isinstance(batch, BatchWithUnreadable) else []
+        stop = bool(unreadable) and (batch.batch is None or not self.args.skip_corrupt_images)
+        if self.accelerator.num_processes > 1:
+            # One process meeting a bad file must not leave the others waiting in the next collective.
+            flag = torch.tensor(float(stop), device=self.accelerator.device)
+            stop = bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+        if stop:
+            self._stop_on_unreadable(unreadable)
+        if not unreadable:
+            return batch
+        for source, reason in unreadable:
+            self._skipped_images += 1
+            tqdm.write(f"skipped unreadable image {source} ({reason}); {self._skipped_images} skipped so far",
+                       file=sys.stderr)
+        return batch.batch
+
+    def _stop_on_unreadable(self, unreadable):
+        if self.accelerator.num_processes > 1:
+            unreadable = gather_object(list(unreadable))
+        files = "; ".join(f"{source} ({reason})" for source, reason in unreadable)
+        step = self.global_step
+        if step > 0:
+            if not self._at_step_start:
+                accumulation_step, rng_states = self._step_start
+                self.accelerator.step = accumulation_step
+                _set_rng_states(rng_states)
+            self.checkpointer.save(step)
+            saved = f"checkpoint-{step} saved"
+        else:
+            saved = "nothing trained yet"
+        self.accelerator.end_training()
+        remedy = ("no readable sample was found to take its place" if self.args.skip_corrupt_images
+                  else "replace it and resume with --resume_from_checkpoint latest, or pass --skip_corrupt_images")
+        raise RunStopped(f"unreadable image {files} in the data for step {step + 1}; {saved}; {remedy}",
+                         UNREADABLE_EXIT_CODE)
+
+
+def _rng_states():
+    """The global RNG states that accelerate's checkpoints hold."""
+    states = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states):
+    random.setstate(states["random"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])

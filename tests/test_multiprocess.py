@@ -1,0 +1,113 @@
+"""The LoRA script on two CPU processes (gloo): no hang, one writer, a consistent EMA, exact resume."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLES, REPO, SUBPROCESS_ENV
+
+SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
+LORA = "pytorch_lora_weights.safetensors"
+DECAY = 0.9
+TIMEOUT_S = 240  # a hang at a barrier would otherwise block the suite forever
+
+
+def launch_two_processes(*args):
+    """``accelerate launch --multi_gpu --num_processes 2`` on the CPU, killed with its workers on a hang."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
+               *map(str, args)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env={**SUBPROCESS_ENV, "ACCELERATE_USE_CPU": "1"}, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"no result within {TIMEOUT_S} s (a hang?):\n{stderr[-4000:]}")
+    assert process.returncode == 0, f"failed ({process.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return stdout
+
+
+def flags(tiny, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
+            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--max_train_steps", 4,
+            "--checkpointing_steps", 1, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", DECAY,
+            "--seed", 3, "--report_to", "none", "--validation_prompt", "a red circle", "--num_validation_images", 1,
+            "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
+
+
+def log_records(output_dir):
+    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tiny, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("two_processes")
+    launch_two_processes(*flags(tiny, output_dir))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tiny, two_process_run, tmp_path_factory):
+    """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint."""
+    output_dir = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(two_process_run / "checkpoint-2", output_dir / "checkpoint-2")
+    stdout = launch_two_processes(*flags(tiny, output_dir, "--resume_from_checkpoint", "latest",
+                                         "--checkpoints_total_limit", 1))
+    return output_dir, stdout
+
+
+def test_only_the_main_process_writes_validation_and_outputs(two_process_run):
+    records = log_records(two_process_run)
+    assert [(r["step"], r["variant"]) for r in records] == [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")]
+    assert len(list((two_process_run / "validation").rglob("*.png"))) == 4
+    assert (two_process_run / LORA).is_file() and (two_process_run / "ema" / LORA).is_file()
+    assert (two_process_run / "README.md").read_text().count("a red circle") >= 1
+
+
+def test_every_process_checkpoints_at_every_step(two_process_run):
+    assert sorted(p.name for p in two_process_run.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in range(1, 5)]
+    assert not list(two_process_run.glob(".checkpoint-*"))
+    for step in range(1, 5):
+        files = {path.name for path in (two_process_run / f"checkpoint-{step}").iterdir()}
+        assert {"random_states_0.pkl", "random_states_1.pkl", "trained_parameters.safetensors"} <= files
+
+
+def test_the_ema_is_the_single_process_average_of_the_synchronized_weights(two_process_run):
+    expected = None
+    for step in range(1, 5):
+        weights = load_file(two_process_run / f"checkpoint-{step}" / "trained_parameters.safetensors")
+        if expected is None:
+            expected = {name: weight.float().clone() for name, weight in weights.items()}
+        else:
+            for name, weight in weights.items():
+                expected[name] = DECAY * expected[name] + (1 - DECAY) * weight.float()
+        saved = load_file(two_process_run / f"checkpoint-{step}" / "ema.safetensors")
+        assert saved.keys() == expected.keys()
+        for name in saved:
+            torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=0, msg=f"{name} at step {step}")
+    first, last = (load_file(two_process_run / f"checkpoint-{s}" / "trained_parameters.safetensors") for s in (1, 4))
+    assert any(not torch.equal(first[name], last[name]) for name in first), "the weights never changed"
+
+
+def test_resuming_on_two_processes_equals_the_uninterrupted_run(two_process_run, resumed_run):
+    output_dir, stdout = resumed_run
+    assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in stdout
+    for path in (LORA, f"ema/{LORA}"):
+        resumed, uninterrupted = load_file(output_dir / path), load_file(two_process_run / path)
+        assert resumed.keys() == uninterrupted.keys()
+        assert all(torch.equal(resumed[key], uninterrupted[key]) for key in resumed), path
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-4"]
+    records = log_records(output_dir)
+    assert [(r["step"], r["variant"]) for r in records] == [(4, "raw"), (4, "ema")]
+    for record, original in zip(records, log_records(two_process_run)[2:]):
+        for image, original_image in zip(record["images"], original["images"]):
+            assert (output_dir / image).read_bytes() == (two_process_run / original_image).read_bytes()

@@ -1,0 +1,233 @@
+"""End to end on the LoRA script: preemption, exact resume with gradient accumulation, incomplete
+checkpoints, resuming past the end, and unreadable images (stop with a checkpoint, or skip).
+
+The script runs under plain ``python`` (one process needs no ``accelerate launch``), so the test can
+signal it directly.
+"""
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLES, REPO, SUBPROCESS_ENV
+
+SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
+LORA = "pytorch_lora_weights.safetensors"
+TIMEOUT_S = 300
+# With --seed 3, --train_batch_size 2 and accumulation 2, sample 27 is in the second micro-batch of step 3.
+CORRUPT_IMAGE = "0027.png"
+
+
+def flags(tiny, output_dir, *extra, data_dir=None):
+    """10 steps of 2 micro-batches over 36 images (9 steps per epoch), a cosine lr schedule and an EMA.
+    A flag repeated in ``extra`` overrides (argparse keeps the last value)."""
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", data_dir or tiny["shapes"],
+            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2,
+            "--gradient_accumulation_steps", 2, "--max_train_steps", 10, "--checkpointing_steps", 2,
+            "--learning_rate", 1e-3, "--lr_scheduler", "cosine", "--lr_warmup_steps", 2, "--random_flip",
+            "--use_ema", "--ema_decay", 0.9, "--seed", 3, "--report_to", "none", *extra]
+
+
+def run(*args, check=True):
+    result = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                            env=SUBPROCESS_ENV, cwd=REPO, timeout=TIMEOUT_S)
+    if check and result.returncode != 0:
+        raise AssertionError(f"failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+def stopped_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("stopped:")]
+
+
+def assert_same_state(a, b, where):
+    """Recursive equality of loaded state: tensors bitwise, everything else with ==."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_checkpoint(a, b):
+    """Trained tensors, EMA, optimizer state and lr schedule (incl. the current lr) are bitwise equal."""
+    for name in ("trained_parameters.safetensors", "ema.safetensors"):
+        assert_same_state(load_file(a / name), load_file(b / name), name)
+    for name in ("optimizer.bin", "scheduler.bin"):
+        assert_same_state(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
+    assert torch.load(a / "scheduler.bin", weights_only=False)["_last_lr"]
+
+
+def assert_same_outputs(a, b):
+    for path in (LORA, f"ema/{LORA}"):
+        assert_same_state(load_file(a / path), load_file(b / path), path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    run(*flags(tiny, output_dir))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def preempted(tiny, tmp_path_factory):
+    """The same run, sent SIGTERM from outside as soon as its first checkpoint appears."""
+    output_dir = tmp_path_factory.mktemp("preempted")
+    stdout, stderr = output_dir.parent / "preempted.out", output_dir.parent / "preempted.err"
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        process = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, flags(tiny, output_dir))], stdout=out,
+                                   stderr=err, env=SUBPROCESS_ENV, cwd=REPO)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (output_dir / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=TIMEOUT_S)
+    return output_dir, returncode, stderr.read_text()
+
+
+@pytest.fixture(scope="module")
+def resumed(tiny, preempted):
+    """The preempted run resumed, after planting what a kill during a later save would leave behind."""
+    output_dir, returncode, stderr = preempted
+    assert returncode == 75, stderr[-3000:]
+    stopped_at = max(int(path.name.split("-")[1]) for path in output_dir.glob("checkpoint-*"))
+    next_save = (stopped_at // 2 + 1) * 2
+    half_written = output_dir / f".checkpoint-{next_save}.incomplete"
+    half_written.mkdir()
+    (half_written / "trained_parameters.safetensors").write_bytes(b"\x00" * 100)
+    (half_written / "left_by_a_killed_save").write_text("")
+    (output_dir / ".checkpoint-99.incomplete").mkdir()
+    result = run(*flags(tiny, output_dir, "--resume_from_checkpoint", "latest"))
+    return output_dir, stopped_at, next_save, result
+
+
+def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(preempted):
+    output_dir, returncode, stderr = preempted
+    assert returncode == 75, stderr[-3000:]
+    stopped = stopped_lines(stderr)
+    assert len(stopped) == 1 and "SIGTERM" in stopped[0], stderr[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert 2 < step < 10, "the run should stop early: the signal came right after checkpoint-2"
+    assert (output_dir / f"checkpoint-{step}" / "training_state.json").read_text() == f'{{"global_step": {step}}}'
+    assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
+
+
+def test_resumed_run_equals_the_uninterrupted_one_in_weights_ema_optimizer_and_lr(uninterrupted, resumed):
+    output_dir, stopped_at, _, result = resumed
+    assert f"resumed from {output_dir / f'checkpoint-{stopped_at}'} at step {stopped_at}" in result.stdout
+    assert_same_checkpoint(output_dir / "checkpoint-10", uninterrupted / "checkpoint-10")
+    assert_same_outputs(output_dir, uninterrupted)
+
+
+def test_incomplete_checkpoints_are_ignored_and_a_later_save_replaces_them(resumed):
+    output_dir, _, next_save, _ = resumed
+    assert not (output_dir / f".checkpoint-{next_save}.incomplete").exists()
+    saved = output_dir / f"checkpoint-{next_save}"
+    assert not (saved / "left_by_a_killed_save").exists()
+    assert load_file(saved / "trained_parameters.safetensors")
+    # Never completed, never resumed from; a save at its step would replace it.
+    assert (output_dir / ".checkpoint-99.incomplete").is_dir()
+
+
+def test_resuming_at_or_past_max_train_steps_trains_nothing_and_writes_the_outputs(tiny, uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted / "checkpoint-10", tmp_path / "checkpoint-10")
+    result = run(*flags(tiny, tmp_path, "--resume_from_checkpoint", "latest", "--max_train_steps", 8))
+    assert f"resumed from {tmp_path / 'checkpoint-10'} at step 10" in result.stdout
+    assert_same_outputs(tmp_path, uninterrupted)
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-10"]
+    assert (tmp_path / "README.md").is_file()
+
+
+@pytest.fixture(scope="module")
+def corrupt_data(tiny, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("corrupt") / "shapes"
+    shutil.copytree(tiny["shapes"], data_dir)
+    image = data_dir / CORRUPT_IMAGE
+    image.write_bytes(image.read_bytes()[: image.stat().st_size // 2])  # truncated, as by an interrupted copy
+    return data_dir
+
+
+def corrupt_flags(tiny, output_dir, data_dir, *extra):
+    return flags(tiny, output_dir, "--max_train_steps", 5, "--checkpointing_steps", 1000, *extra, data_dir=data_dir)
+
+
+@pytest.fixture(scope="module")
+def corrupt_stopped(tiny, corrupt_data, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("corrupt_stopped")
+    return output_dir, run(*corrupt_flags(tiny, output_dir, corrupt_data), check=False)
+
+
+@pytest.fixture(scope="module")
+def corrupt_skipped(tiny, corrupt_data, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("corrupt_skipped")
+    return output_dir, run(*corrupt_flags(tiny, output_dir, corrupt_data, "--skip_corrupt_images",
+                                          "--report_to", "tensorboard"))
+
+
+def test_an_unreadable_image_stops_the_run_naming_it_after_a_checkpoint(corrupt_stopped, corrupt_data):
+    output_dir, result = corrupt_stopped
+    assert result.returncode == 65, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    stopped = stopped_lines(result.stderr)
+    assert len(stopped) == 1, result.stderr[-3000:]
+    assert str(corrupt_data / CORRUPT_IMAGE) in stopped[0] and "step 3" in stopped[0]
+    # Steps 1 and 2 were complete; step 3 was half accumulated when its second micro-batch failed.
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert not (output_dir / LORA).exists()
+
+
+def test_skip_corrupt_images_trains_on_counts_and_logs_the_skip(corrupt_skipped, corrupt_data):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    output_dir, result = corrupt_skipped
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped unreadable image")]
+    assert len(skipped) == 1 and str(corrupt_data / CORRUPT_IMAGE) in skipped[0], result.stderr[-3000:]
+    assert (output_dir / LORA).is_file()
+    # The scalars' folder; accelerate writes the run's hyperparameters into a subfolder of it.
+    events = min((path.parent for path in (output_dir / "logs").rglob("events.out.tfevents.*")), key=lambda p: len(p.parts))
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    logged = [(event.step, event.value) for event in accumulator.Scalars("skipped_images")]
+    assert logged == [(3, 1.0), (4, 1.0), (5, 1.0)]
+
+
+def test_resuming_the_stopped_run_with_skipping_equals_skipping_from_the_start(tiny, corrupt_data, corrupt_stopped,
+                                                                               corrupt_skipped):
+    """The stop's checkpoint holds step 2 as it ended (accumulation counter, RNG), though step 3 had begun."""
+    output_dir, _ = corrupt_stopped
+    result = run(*corrupt_flags(tiny, output_dir, corrupt_data, "--resume_from_checkpoint", "latest",
+                                "--skip_corrupt_images"))
+    assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in result.stdout
+    assert_same_outputs(output_dir, corrupt_skipped[0])
+
+
+def test_dreambooth_style_paths_are_named_and_replaced_also_through_loader_workers(tiny, tmp_path):
+    """The folder scripts' samples name their files directly; markers cross worker processes as batches."""
+    from training_utils.data import BatchWithUnreadable, ImageTransform, make_dataloader
+    from training_utils.dreambooth import dreambooth_dataset, list_images, paired_collate
+
+    images = list_images(tiny["instance"])
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    dataset = dreambooth_dataset([images[0], broken, images[1]], ImageTransform(32), seed=0)
+    sample = dataset[1]
+    assert sample.source == str(broken) and "UnidentifiedImageError" in sample.reason
+    assert torch.equal(sample.substitute["instance_pixel_values"], dataset[2]["instance_pixel_values"])
+    loader = make_dataloader(dataset, 3, 1, paired_collate, seed=0, shuffle=False)
+    (batch,) = list(loader)
+    assert isinstance(batch, BatchWithUnreadable) and batch.unreadable == [(sample.source, sample.reason)]
+    assert batch.batch["pixel_values"].shape == (3, 3, 32, 32)
