@@ -1,11 +1,14 @@
 """Shared fixtures: the tiny offline models and datasets, built once per test session."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -53,3 +56,21 @@ def launch(script, *args, processes=1, check=True, quiet=False):
     if check and result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+def read_log(output_dir):
+    """The records of ``output_dir/validation/log.jsonl``, in order."""
+    return [json.loads(line) for line in (Path(output_dir) / "validation" / "log.jsonl").read_text().splitlines()]
+
+
+def differing(a, b):
+    """Keys whose tensors are not bitwise equal in two state dicts with the same keys."""
+    return [key for key in a if not torch.equal(a[key], b[key])]
+
+
+def assert_same_files(a, b):
+    """Two safetensors files hold the same keys and bitwise-equal tensors."""
+    a, b = load_file(a), load_file(b)
+    assert a.keys() == b.keys()
+    different = differing(a, b)
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"

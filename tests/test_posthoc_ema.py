@@ -1,6 +1,5 @@
 import json
 import math
-import shutil
 
 import numpy as np
 import pytest

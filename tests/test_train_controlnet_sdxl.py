@@ -1,7 +1,6 @@
 """Smoke tests: the SDXL ControlNet script end to end on the tiny fixtures, through ``accelerate launch``."""
 
 import importlib.util
-import json
 import shutil
 
 import numpy as np
@@ -9,9 +8,8 @@ import pytest
 import torch
 from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 from PIL import Image
-from safetensors.torch import load_file
 
-from conftest import EXAMPLES, launch
+from conftest import EXAMPLES, assert_same_files, differing, launch, read_log
 from training_utils.args import UsageError
 
 SCRIPT = "controlnet/train_controlnet_sdxl.py"
@@ -40,23 +38,8 @@ def validation_flags(tiny, steps, images=(0, 1)):
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", steps]
 
 
-def read_log(output_dir):
-    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
-
-
 def checkpoints(output_dir):
     return sorted(path.name for path in output_dir.glob("checkpoint-*"))
-
-
-def assert_same_files(a, b):
-    a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
-
-
-def differing(a, b):
-    return [key for key in a if not torch.equal(a[key], b[key])]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Smoke tests: the DreamBooth LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-import json
 import shutil
 
 import numpy as np
@@ -9,7 +8,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import assert_same_files, launch, read_log
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -29,17 +28,6 @@ def prior_flags(class_dir):
     return ["--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
             "--num_class_images", 3, "--sample_batch_size", 2, "--class_inference_steps", 2,
             "--train_text_encoder", "--ema_decay", 0, "--max_train_steps", 3, "--checkpointing_steps", 1000]
-
-
-def read_log(output_dir):
-    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
-
-
-def assert_same_files(a, b):
-    a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
 
 
 def snapshot(folder):

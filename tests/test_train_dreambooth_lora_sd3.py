@@ -1,7 +1,6 @@
 """Smoke tests: the SD3 DreamBooth LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
 import importlib.util
-import json
 import shutil
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, launch
+from conftest import EXAMPLES, assert_same_files, launch, read_log
 from training_utils.args import UsageError
 
 SCRIPT = "dreambooth/train_dreambooth_lora_sd3.py"
@@ -24,17 +23,6 @@ def common(tiny, output_dir, *extra):
             "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip", "--use_ema",
             "--ema_decay", 0.9, "--rank", 4, "--seed", 3, *extra]
-
-
-def read_log(output_dir):
-    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
-
-
-def assert_same_files(a, b):
-    a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import launch, read_log
 
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -20,10 +19,6 @@ def common(tiny, output_dir, *extra):
     return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
             "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
             "--random_flip", "--use_ema", "--ema_decay", 0.9, "--seed", 3, *extra]
-
-
-def read_log(output_dir):
-    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
 
 
 def assert_same(a, b):

@@ -1,6 +1,5 @@
 """Smoke tests: the text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-import json
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, SUBPROCESS_ENV, launch
+from conftest import EXAMPLES, REPO, SUBPROCESS_ENV, assert_same_files, launch, read_log
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -26,17 +25,6 @@ def common(tiny, output_dir, *extra):
 def validation_flags(steps):
     return ["--validation_prompt", *PROMPTS, "--num_validation_images", 2, "--validation_inference_steps", 2,
             "--validation_steps", steps]
-
-
-def read_log(output_dir):
-    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
-
-
-def assert_same_files(a, b):
-    a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
 
 
 @pytest.fixture(scope="module")

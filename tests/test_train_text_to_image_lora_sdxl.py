@@ -1,6 +1,5 @@
 """Smoke tests: the SDXL text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-import json
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import assert_same_files, launch, read_log
 
 SCRIPT = "text_to_image/train_text_to_image_lora_sdxl.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -31,17 +30,6 @@ def validation_flags(steps, prompts=PROMPTS, num_images=2):
 def with_text_encoders(tiny, output_dir, *extra):
     return common(tiny, output_dir, "--train_text_encoder", "--checkpointing_steps", 2, "--checkpoints_total_limit", 2,
                   *extra)
-
-
-def read_log(output_dir):
-    return [json.loads(line) for line in (output_dir / "validation" / "log.jsonl").read_text().splitlines()]
-
-
-def assert_same_files(a, b):
-    a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
 
 
 def checkpoints(output_dir):

@@ -51,7 +51,6 @@ final step, and snapshots every N steps and at the final step. After training::
     python -m training_utils.posthoc_ema --output_dir out --sigma_rel 0.08 0.12 [--step S]
 """
 
-import argparse
 import dataclasses
 import enum
 import importlib
@@ -59,7 +58,6 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
