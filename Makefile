@@ -1,8 +1,9 @@
 PYTHON ?= python3
 LAUNCH = $(PYTHON) -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 DEMO_DIR ?= demo-output
+BENCH_DIR ?= build/bench
 
-.PHONY: install demo test
+.PHONY: install demo test bench
 
 # torch first: where none is installed, pin the release whose CPU build this project is tested with
 # (an unpinned requirement would pull a multi-GB CUDA build on machines without a GPU).
@@ -23,3 +24,11 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest
+
+# How close the LoRA script runs to the bare compute (step, validation, EMA, memory); not a test.
+# Figures go to $(BENCH_DIR)/*.json and *.md.
+bench:
+	mkdir -p $(BENCH_DIR)
+	$(PYTHON) -m tests.benchmarks.run --script text_to_image_lora --model tiny --json $(BENCH_DIR)/tiny.json
+	$(PYTHON) -m tests.benchmarks.run --script text_to_image_lora --model wide --resolution 64 --batch_size 2 \
+	  --steps 24 --validation_steps 8 --json $(BENCH_DIR)/wide.json

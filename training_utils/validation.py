@@ -10,7 +10,10 @@ ends with the same weights as the same run without it.
 import contextlib
 import copy
 import json
-from functools import partial
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache, partial
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -127,27 +130,77 @@ class Validator:
         At the ``final`` step of a run with a post-hoc EMA, also render the EMA of each of
         ``sigma_rels`` synthesized from the snapshots (variants ``ema_sigma_rel-<value>``) and write
         one grid per prompt, a row per variant (raw, then the sweep), to choose the length by eye.
+
+        Under several processes the pipeline calls (one per prompt and variant) are shared out
+        round-robin and the images gathered on the main process, which alone writes files and logs:
+        each call is the one a single process would make, so images and log are the same.
         """
-        rendered = []
-        if self.accelerator.is_main_process:
-            variants = [("raw", contextlib.nullcontext)]
-            if self.ema is not None:
-                variants.append(("ema", self.ema.swapped_in))
-            sweep = final and self.posthoc is not None
-            if sweep:
-                for synthesis in synthesize(self.output_dir, self.sigma_rels, step):
-                    variants.append((f"ema_sigma_rel-{synthesis.sigma_rel:g}",
-                                     partial(tensors_swapped_in, self.posthoc.parameters, synthesis.tensors)))
+        sweep = final and self.posthoc is not None
+        variants = self._variants(step, sweep)
+        work = [(variant, index) for variant in range(len(variants)) for index in range(len(self.prompts))]
+        rank, world = _process_share(self.accelerator)
+        is_main = self.accelerator.is_main_process
+        if is_main:
+            (self.output_dir / VALIDATION_DIR / f"step-{step:06d}").mkdir(parents=True, exist_ok=True)
+        rendered = {}
+        # PNG encoding and tracker logging release the GIL: writer threads overlap them with rendering
+        # (one per image for the files; one for the trackers, which take their calls in order).
+        with ThreadPoolExecutor(max_workers=4) as files, ThreadPoolExecutor(max_workers=1) as trackers:
+            pending = []
+
+            def write(item, images):
+                record = self._record(step, variants[item[0]][0], item[1], images)
+                pending.extend(files.submit(image.save, self.output_dir / path)
+                               for path, image in zip(record["images"], images))
+                pending.append(trackers.submit(self._show, f"validation/{record['variant']}/p{item[1]:02d}",
+                                               record["prompt"], images, step))
+
             with preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()):
-                for variant, weights in variants:
-                    with weights():
-                        rendered += [self._render(step, variant, index) for index in range(len(self.prompts))]
-            self._log(step, rendered)
-            if sweep:
-                self._write_grids(step, [(record, images) for record, images in rendered
-                                         if record["variant"] == "raw" or record["variant"].startswith("ema_sigma")])
+                for variant, items in groupby(work[rank::world], key=itemgetter(0)):
+                    with variants[variant][1]():
+                        for item in items:
+                            rendered[item] = self._render(item[1])
+                            if is_main:
+                                write(item, rendered[item])
+            if world > 1:
+                mine = set(rendered)
+                rendered = _gather_on_main(rendered, world, is_main)
+                for item in work:
+                    if is_main and item not in mine:
+                        write(item, rendered[item])
+            records = []
+            if is_main:
+                ordered = [(self._record(step, variants[item[0]][0], item[1], rendered[item]), rendered[item])
+                           for item in work]
+                pending.append(trackers.submit(self._log_conditioning_images, step))
+                self._log(ordered)
+                records = [record for record, _ in ordered]
+                if sweep:
+                    self._write_grids(step, [(record, images) for record, images in ordered
+                                             if record["variant"] != "ema"])
+            for future in pending:
+                future.result()
         self.accelerator.wait_for_everyone()
-        return [record for record, _ in rendered]
+        return records
+
+    def _variants(self, step, sweep):
+        """``[(variant name, context manager factory putting its weights in)]``: raw, EMA, then the sweep's."""
+        variants = [("raw", contextlib.nullcontext)]
+        if self.ema is not None:
+            variants.append(("ema", self.ema.swapped_in))
+        if sweep:
+            if _process_share(self.accelerator)[1] > 1:
+                self.accelerator.wait_for_everyone()  # the main process has written the last snapshot
+            syntheses = cache(lambda: synthesize(self.output_dir, self.sigma_rels, step))
+
+            @contextlib.contextmanager
+            def synthesized(position):
+                with tensors_swapped_in(self.posthoc.parameters, syntheses()[position].tensors):
+                    yield
+
+            variants += [(f"ema_sigma_rel-{float(sigma_rel):g}", partial(synthesized, position))
+                         for position, sigma_rel in enumerate(self.sigma_rels)]
+        return variants
 
     def _write_grids(self, step, rendered):
         """``validation/step-<step>/grid-pNN.png`` per prompt: one row per variant, one column per image."""
@@ -160,7 +213,7 @@ class Validator:
                     grid.paste(image.convert("RGB"), (column * width, row * height))
             grid.save(self.output_dir / VALIDATION_DIR / f"step-{step:06d}" / f"grid-p{index:02d}.png")
 
-    def _render(self, step, variant, prompt_index):
+    def _render(self, prompt_index):
         # CPU generators give the same noise on every device; one per image keeps a batched call
         # identical to rendering the images one at a time.
         generators = [torch.Generator().manual_seed(self.seed + i) for i in range(self.num_images)]
@@ -169,7 +222,7 @@ class Validator:
                     else contextlib.nullcontext())
         fork_devices = [self.accelerator.device] if device_type == "cuda" else []
         with torch.random.fork_rng(devices=fork_devices), autocast, torch.no_grad():
-            images = self.pipe(
+            return self.pipe(
                 prompt=self.prompts[prompt_index],
                 num_images_per_prompt=self.num_images,
                 num_inference_steps=self.num_inference_steps,
@@ -177,31 +230,40 @@ class Validator:
                 **self.call_kwargs,
                 **self.prompt_kwargs[prompt_index],
             ).images
-        folder = self.output_dir / VALIDATION_DIR / f"step-{step:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for index, image in enumerate(images):
-            path = folder / f"{variant}-p{prompt_index:02d}-{index:02d}.png"
-            image.save(path)
-            paths.append(path.relative_to(self.output_dir).as_posix())
-        record = {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths}
-        return record, images
 
-    def _log(self, step, rendered):
+    def _record(self, step, variant, prompt_index, images):
+        paths = [f"{VALIDATION_DIR}/step-{step:06d}/{variant}-p{prompt_index:02d}-{index:02d}.png"
+                 for index in range(len(images))]
+        return {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths}
+
+    def _log_conditioning_images(self, step):
+        for index, (prompt, image) in enumerate(zip(self.prompts, self.conditioning_images)):
+            if image is not None:
+                self._show(f"validation/conditioning/p{index:02d}", prompt, [image], step)
+
+    def _log(self, rendered):
         with open(self.output_dir / VALIDATION_DIR / LOG_NAME, "a") as log:
             for record, _ in rendered:
                 log.write(json.dumps(record) + "\n")
-        shown = [(f"validation/{record['variant']}/p{position % len(self.prompts):02d}", record["prompt"], images)
-                 for position, (record, images) in enumerate(rendered)]
-        shown += [(f"validation/conditioning/p{index:02d}", prompt, [image])
-                  for index, (prompt, image) in enumerate(zip(self.prompts, self.conditioning_images))
-                  if image is not None]
-        for tracker in self.accelerator.trackers:
-            for tag, prompt, images in shown:
-                if tracker.name == "tensorboard":
-                    tracker.writer.add_images(tag, np.stack([np.asarray(image.convert("RGB")) for image in images]),
-                                              step, dataformats="NHWC")
-                elif tracker.name == "wandb":
-                    import wandb
 
-                    tracker.log({tag: [wandb.Image(image, caption=prompt) for image in images]}, step=step)
+    def _show(self, tag, prompt, images, step):
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                tracker.writer.add_images(tag, np.stack([np.asarray(image.convert("RGB")) for image in images]),
+                                          step, dataformats="NHWC")
+            elif tracker.name == "wandb":
+                import wandb
+
+                tracker.log({tag: [wandb.Image(image, caption=prompt) for image in images]}, step=step)
+
+
+def _process_share(accelerator):
+    """``(process index, number of processes)``; a stand-in accelerator without them is one process."""
+    return getattr(accelerator, "process_index", 0), getattr(accelerator, "num_processes", 1)
+
+
+def _gather_on_main(rendered, world, is_main):
+    """Every process's ``{item: images}`` merged on the main process (rank 0); ``{}`` elsewhere."""
+    parts = [None] * world if is_main else None
+    torch.distributed.gather_object(rendered, parts, dst=0)
+    return {item: images for part in parts for item, images in part.items()} if is_main else {}

@@ -1,0 +1,42 @@
+"""A wider SD 1.x pipeline than the tiny test fixture, for a CPU figure closer to real workloads.
+
+Same VAE, text encoder and tokenizer as ``training_utils.tiny``; the UNet has SD's two-layer blocks
+and four times the channels (about 17M parameters instead of 0.4M).
+"""
+
+from pathlib import Path
+
+from training_utils import tiny
+
+MODELS = {"tiny": "sd", "wide": "sd-wide"}
+
+
+def build_wide_sd(path):
+    from diffusers import StableDiffusionPipeline
+
+    tokenizer = tiny.tiny_clip_tokenizer()
+    StableDiffusionPipeline(
+        unet=tiny.tiny_unet(block_out_channels=(128, 256), layers_per_block=2, attention_head_dim=(8, 8),
+                            norm_num_groups=32),
+        vae=tiny.tiny_vae(),
+        text_encoder=tiny.tiny_clip_text_encoder(len(tokenizer)),
+        tokenizer=tokenizer,
+        scheduler=tiny.sd_inference_scheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(path)
+
+
+def model_path(name, fixtures_dir):
+    """The pipeline folder for ``name`` ("tiny" or "wide", built under ``fixtures_dir`` if missing), or ``name``
+    itself when it is a path."""
+    if name not in MODELS:
+        return name
+    path = Path(fixtures_dir) / MODELS[name]
+    if not (path / "model_index.json").exists():
+        if name == "tiny":
+            tiny.build(fixtures_dir, ["sd"])
+        else:
+            build_wide_sd(path)
+    return str(path)
