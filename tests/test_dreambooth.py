@@ -1,6 +1,7 @@
 """training_utils.dreambooth: checked inputs, paired instance/class data, side-effect-free class images."""
 
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -248,3 +249,23 @@ def test_other_processes_wait_and_write_nothing(tiny_sd_pipe, tmp_path):
     count, accelerator = generate(tiny_sd_pipe, tmp_path / "class", 2, accelerator=FakeAccelerator(False))
     assert count == 2 and not (tmp_path / "class").exists()
     assert accelerator.waits == 2  # before counting, and until the main process has written
+
+
+def test_class_images_from_args_generates_only_with_prior_preservation(tmp_path, monkeypatch):
+    import training_utils.dreambooth as dreambooth
+
+    calls = []
+    monkeypatch.setattr(dreambooth, "generate_class_images", lambda *args, **kwargs: calls.append((args, kwargs)))
+    args = SimpleNamespace(with_prior_preservation=False)
+    assert dreambooth.class_images_from_args(args, "pipe", "accelerator") is None and not calls
+
+    for index in range(3):
+        (tmp_path / f"{index}.png").write_bytes(b"")
+    args = SimpleNamespace(with_prior_preservation=True, class_prompt="a triangle", class_data_dir=str(tmp_path),
+                           num_class_images=2, seed=5, sample_batch_size=1, class_inference_steps=3, resolution=32)
+    images = dreambooth.class_images_from_args(args, "pipe", "accelerator", ["scheduler"])
+    assert [path.name for path in images] == ["0.png", "1.png"]
+    (positional, keywords), = calls
+    assert positional == ("pipe", "a triangle", str(tmp_path), 2, "accelerator", 5, 1)
+    assert keywords["num_inference_steps"] == 3 and keywords["call_kwargs"] == {"height": 32, "width": 32}
+    assert keywords["schedulers"] == ["scheduler"]

@@ -146,3 +146,17 @@ def _save_atomically(image, path):
     partial = path.with_name(f".{path.name}.partial")
     image.save(partial, format="PNG")
     os.replace(partial, path)
+
+
+def class_images_from_args(args, pipe, accelerator, schedulers=(), weight_dtype=torch.float32):
+    """With ``--with_prior_preservation``: the ``--num_class_images`` class images, generated first by
+    ``pipe`` (the one that trains) where ``--class_data_dir`` lacks some; without it, None."""
+    if not args.with_prior_preservation:
+        return None
+    generate_class_images(
+        pipe, args.class_prompt, args.class_data_dir, args.num_class_images, accelerator, args.seed,
+        args.sample_batch_size, schedulers=schedulers, weight_dtype=weight_dtype,
+        num_inference_steps=args.class_inference_steps,
+        call_kwargs={"height": args.resolution, "width": args.resolution},
+    )
+    return list_images(args.class_data_dir)[: args.num_class_images]

@@ -20,8 +20,8 @@ from diffusers import StableDiffusionPipeline
 from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
 from training_utils.data import ImageTransform, make_dataloader, tokenize
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
-                                       generate_class_images, list_images, paired_collate)
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
+                                       dreambooth_dataset, paired_collate)
 from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
@@ -79,15 +79,7 @@ def main(args):
 
     # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet), data,
     #    optimizer and schedule; then accelerate, and resume if asked.
-    class_images = None
-    if args.with_prior_preservation:
-        generate_class_images(
-            pipe, args.class_prompt, args.class_data_dir, args.num_class_images, accelerator, args.seed,
-            args.sample_batch_size, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
-            num_inference_steps=args.class_inference_steps,
-            call_kwargs={"height": args.resolution, "width": args.resolution},
-        )
-        class_images = list_images(args.class_data_dir)[: args.num_class_images]
+    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype)
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     dataloader = accelerator.prepare(make_dataloader(
         dreambooth_dataset(instance_images, transform, args.seed, class_images), args.train_batch_size,
