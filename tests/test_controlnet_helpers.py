@@ -216,8 +216,8 @@ def test_validator_renders_each_prompt_with_its_conditioning_image(tiny, tmp_pat
     pipe.set_progress_bar_config(disable=True)
     args = run_args(tiny, tmp_path, "--validation_prompt", "a", "b", "--validation_image", conditioning(tiny, 0),
                     conditioning(tiny, 1))
-    accelerator = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), trackers=[],
-                                  wait_for_everyone=lambda: None)
+    accelerator = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1, device=torch.device("cpu"),
+                                  trackers=[], wait_for_everyone=lambda: None)
     assert make_controlnet_validator(run_args(tiny, tmp_path), pipe, accelerator, []) is None
     pairs = load_validation_pairs(args)
     validator = make_controlnet_validator(args, pipe, accelerator, pairs,

@@ -38,7 +38,7 @@ def controlnet_pipe(tiny):
 
 def stub_accelerator(is_main_process=True):
     """Enough of an Accelerator for constructing a Validator (which renders nothing)."""
-    return SimpleNamespace(is_main_process=is_main_process)
+    return SimpleNamespace(is_main_process=is_main_process, process_index=0 if is_main_process else 1, num_processes=2)
 
 
 def make_validator(pipe, accelerator, output_dir, images, prompts=PROMPTS):

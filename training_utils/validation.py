@@ -138,7 +138,7 @@ class Validator:
         sweep = final and self.posthoc is not None
         variants = self._variants(step, sweep)
         work = [(variant, index) for variant in range(len(variants)) for index in range(len(self.prompts))]
-        rank, world = _process_share(self.accelerator)
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
         is_main = self.accelerator.is_main_process
         if is_main:
             (self.output_dir / VALIDATION_DIR / f"step-{step:06d}").mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ class Validator:
         if self.ema is not None:
             variants.append(("ema", self.ema.swapped_in))
         if sweep:
-            if _process_share(self.accelerator)[1] > 1:
+            if self.accelerator.num_processes > 1:
                 self.accelerator.wait_for_everyone()  # the main process has written the last snapshot
             syntheses = cache(lambda: synthesize(self.output_dir, self.sigma_rels, step))
 
@@ -255,11 +255,6 @@ class Validator:
                 import wandb
 
                 tracker.log({tag: [wandb.Image(image, caption=prompt) for image in images]}, step=step)
-
-
-def _process_share(accelerator):
-    """``(process index, number of processes)``; a stand-in accelerator without them is one process."""
-    return getattr(accelerator, "process_index", 0), getattr(accelerator, "num_processes", 1)
 
 
 def _gather_on_main(rendered, world, is_main):
