@@ -91,9 +91,11 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
     train.add_argument("--gradient_checkpointing", action="store_true")
     train.add_argument("--learning_rate", type=float, default=1e-4)
-    train.add_argument("--scale_lr", action="store_true", help="multiply the lr by batch size, accumulation and processes")
+    train.add_argument("--scale_lr", action="store_true",
+                       help="multiply the lr by batch size, accumulation and processes")
     train.add_argument("--lr_scheduler", default="constant",
-                       choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
+                       choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                                "constant_with_warmup"])
     train.add_argument("--lr_warmup_steps", type=int, default=0)
     train.add_argument("--use_8bit_adam", action="store_true")
     train.add_argument("--adam_beta1", type=float, default=0.9)
@@ -121,7 +123,8 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     validation.add_argument("--validation_prompt", nargs="+", default=None, help="one or more prompts")
     validation.add_argument("--num_validation_images", type=int, default=4, help="images per prompt and variant")
     validation.add_argument("--validation_steps", type=int, default=None,
-                            help="validate every N steps and at the final step (default: 100 unless --validation_epochs)")
+                            help="validate every N steps and at the final step "
+                                 "(default: 100 unless --validation_epochs)")
     validation.add_argument("--validation_epochs", type=int, default=None)
     validation.add_argument("--validation_inference_steps", type=int, default=validation_inference_steps)
 
@@ -183,7 +186,8 @@ def check_posthoc_args(args):
         require(len(set(sigma_rels)) >= 2, "--ema_posthoc_sigma_rels", sigma_rels, "two or more distinct values")
     for flag in ("ema_posthoc_sigma_rels", "validation_sigma_rels"):
         for value in getattr(args, flag) or ():
-            require(0 < value < max_sigma_rel, f"--{flag}", value, f"relative EMA lengths in (0, {max_sigma_rel:.4f})")
+            require(0 < value < max_sigma_rel, f"--{flag}", value,
+                    f"relative EMA lengths in (0, {max_sigma_rel:.4f})")
     require(args.validation_sigma_rels is None or sigma_rels is not None, "--validation_sigma_rels",
             args.validation_sigma_rels, "--ema_posthoc_sigma_rels as well (the sweep is synthesized from its snapshots)")
     require(args.ema_posthoc_snapshot_steps is None or args.ema_posthoc_snapshot_steps > 0,
