@@ -24,6 +24,16 @@ SUBPROCESS_ENV = {
 }
 
 
+# Files whose tests launch whole training runs: `pytest -m "not slow"` is the quick subset (CI runs all).
+SLOW_FILES = ("test_train_", "test_resilience", "test_multiprocess", "test_parallel_validation")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name.startswith(SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """``{fixture name: path}`` of every tiny fixture of ``training_utils.tiny``."""

@@ -313,3 +313,15 @@ def test_module_exports_usage_error_used_elsewhere():
 
     assert data.UsageError is args_module.UsageError
     assert checkpointing.UsageError is args_module.UsageError
+
+
+def test_bf16_needs_a_gpu_that_supports_it(model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "bf16"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --mixed_precision='bf16': expected a GPU with bf16 support (use fp16 on this one)\n"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "bf16"])

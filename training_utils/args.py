@@ -221,6 +221,8 @@ def check_args(args):
     on_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
     require(args.mixed_precision != "fp16" or on_cuda,
             "--mixed_precision", args.mixed_precision, "a CUDA device for fp16 (use bf16 or no on the CPU)")
+    require(args.mixed_precision != "bf16" or not on_cuda or torch.cuda.is_bf16_supported(),
+            "--mixed_precision", args.mixed_precision, "a GPU with bf16 support (use fp16 on this one)")
     require(args.ema_inv_gamma > 0, "--ema_inv_gamma", args.ema_inv_gamma, "a positive number")
     require(args.ema_power > 0, "--ema_power", args.ema_power, "a positive number")
     check_posthoc_args(args)
