@@ -76,11 +76,14 @@ class Validator:
     prompt's samples: each distinct image is saved once, as ``validation/conditioning-pNN.png``
     (``conditioning_paths``), logged to the trackers with every validation, and put into the model
     card by `card_records`. The log records keep their schema.
+
+    ``render_context`` (a context manager factory) is entered around each validation's rendering,
+    e.g. to bring modules a script keeps off the accelerator (cached encoders) back to it.
     """
 
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
                  ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
-                 conditioning_images=None, posthoc=None, sigma_rels=None):
+                 conditioning_images=None, posthoc=None, sigma_rels=None, render_context=contextlib.nullcontext):
         self.pipe = pipe
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -101,6 +104,7 @@ class Validator:
         self.conditioning_paths = self._save_conditioning_images()
         self.posthoc = posthoc
         self.sigma_rels = list(sigma_rels or (posthoc.sigma_rels if posthoc is not None else ()))
+        self.render_context = render_context
 
     def _save_conditioning_images(self):
         """Each distinct conditioning image once (main process); returns each prompt's path, or None."""
@@ -155,7 +159,8 @@ class Validator:
                 pending.append(trackers.submit(self._show, f"validation/{record['variant']}/p{item[1]:02d}",
                                                record["prompt"], images, step))
 
-            with preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()):
+            with (preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()),
+                  self.render_context()):
                 for variant, items in groupby(work[rank::world], key=itemgetter(0)):
                     with variants[variant][1]():
                         for item in items:

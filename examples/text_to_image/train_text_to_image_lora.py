@@ -13,7 +13,10 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionPipeline
 
-from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
+from training_utils.args import (add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, require,
+                                 training_parser)
+from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
+                                  cached_latent_parameters, distinct_captions, indexed_rows, offload, sample_latents)
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
@@ -40,8 +43,12 @@ def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0])
     add_lora_args(parser)
     add_diffusion_loss_args(parser)
+    parser.add_argument("--cache_latents", action="store_true",
+                        help="encode the images with the VAE once before training (needs --center_crop)")
     args = parser.parse_args(argv)
     check_args(args)
+    require(not args.cache_latents or args.center_crop, "--cache_latents", True,
+            "--center_crop with it (random crops change every epoch and cannot be cached)")
     return args
 
 
@@ -66,16 +73,36 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusionPipeline, trained))
 
-    # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Frozen encoders run once, here, never in the step: the text encoder on each distinct caption
+    #    and, with --cache_latents, the VAE on each image (both flips); then they leave the accelerator
+    #    until validation. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    cache_batch_size = max(args.train_batch_size, 16)
+
+    def encode_text(captions):
+        return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
+
+    embeddings = cache_text_embeddings(distinct_captions(dataset[args.caption_column]), encode_text, cache_batch_size)
+    cached_encoders = [text_encoder]
+    examples = dataset
+    if args.cache_latents:
+        latents_cache = cache_latent_parameters(
+            ((index, lambda index=index: dataset[index][args.image_column]) for index in range(len(dataset))),
+            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        cached_encoders.append(vae)
+        examples = indexed_rows(dataset, args.image_column)
+    encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
-        pixel_values, _, _ = transform(example[args.image_column], generator)
-        caption = pick_caption(example[args.caption_column], generator)
-        return {"pixel_values": pixel_values, "input_ids": tokenize(tokenizer, caption)[0]}
+        if args.cache_latents:
+            image = {"latent_parameters": cached_latent_parameters(
+                latents_cache[example[CACHE_INDEX_COLUMN]], transform, generator)}
+        else:
+            image = {"pixel_values": transform(example[args.image_column], generator)[0]}
+        return {**image, "encoder_hidden_states": embeddings[pick_caption(example[args.caption_column], generator)]}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
         stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -83,7 +110,7 @@ def main(args):
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype,
+                               weight_dtype=weight_dtype, render_context=encoders_on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -94,13 +121,16 @@ def main(args):
     unet.train()
     for batch in loop:
         with accelerator.accumulate(unet):
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
+            else:
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = latents.contiguous() * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
-            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+            model_pred = unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 

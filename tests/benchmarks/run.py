@@ -40,6 +40,7 @@ from PIL import Image
 from training_utils import ema as ema_module
 from training_utils import loop as loop_module
 from training_utils import validation as validation_module
+from training_utils.cache import sample_latents
 from training_utils.pipeline import weight_dtype_for
 
 from .models import model_path
@@ -52,16 +53,20 @@ PROMPTS = ["a red circle on a white background", "a blue square on a black backg
 
 def text_to_image_lora_step(pipe, noise_scheduler, weight_dtype):
     """The compute of one step of train_text_to_image_lora.py, without anything around it."""
-    vae, text_encoder, unet = pipe.vae, pipe.text_encoder, pipe.unet
+    vae, unet = pipe.vae, pipe.unet
 
     def step(batch):
-        latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample() * vae.config.scaling_factor
+        # The script caches text embeddings (and, with --cache_latents, the VAE's output): so does this.
+        if "latent_parameters" in batch:
+            latents = sample_latents(batch["latent_parameters"])
+        else:
+            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+        latents = latents.contiguous() * vae.config.scaling_factor
         noise = torch.randn_like(latents)
         timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
                                   device=latents.device)
         noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-        encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
-        model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        model_pred = unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
         return F.mse_loss(model_pred.float(), noise.float())
 
     return step

@@ -1,0 +1,153 @@
+"""Cached encoder outputs (training_utils.cache) and the text-to-image LoRA script's --cache_latents."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import assert_same_files, launch, read_log
+from training_utils.cache import (cache_latent_parameters, cache_text_embeddings, cached_latent_parameters,
+                                  distinct_captions, offload, sample_latents)
+from training_utils.data import ImageTransform, sample_generator, tokenize
+
+SCRIPT = "text_to_image/train_text_to_image_lora.py"
+LORA = "pytorch_lora_weights.safetensors"
+
+
+def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_pipe):
+    vae = tiny_sd_pipe.vae
+    images = [Image.new("RGB", (48, 40), (200, 30, 30)), Image.new("RGB", (40, 56), (30, 30, 200))]
+    images[0].paste((0, 255, 0), (0, 0, 10, 40))  # asymmetric, so a flip changes the latents
+    images[1].paste((255, 255, 0), (0, 0, 12, 56))
+    transform = ImageTransform(32, center_crop=True, random_flip=True)
+    cache = cache_latent_parameters(((key, lambda image=image: image) for key, image in enumerate(images)),
+                                    transform, vae, "cpu", torch.float32, batch_size=1)
+    flips = set()
+    for epoch in range(6):
+        for key, image in enumerate(images):
+            pixels = transform(image, sample_generator(0, epoch, key))[0]
+            flips.add(transform.draw_layout(*image.size, sample_generator(0, epoch, key)).flip)
+            with torch.no_grad():
+                expected = vae.encode(pixels[None]).latent_dist.parameters[0]
+            cached = cached_latent_parameters(cache[key], transform, sample_generator(0, epoch, key))
+            torch.testing.assert_close(cached, expected, atol=1e-5, rtol=1e-5)
+    assert flips == {False, True}
+    assert not torch.allclose(cache[0].parameters[0], cache[0].parameters[1])
+
+
+def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):
+    def broken():
+        raise OSError("cannot identify image file 'bad.png'")
+
+    transform = ImageTransform(32, center_crop=True)
+    cache = cache_latent_parameters([("bad", broken)], transform, tiny_sd_pipe.vae, "cpu", torch.float32, 4)
+    with pytest.raises(OSError, match="bad.png"):
+        cached_latent_parameters(cache["bad"], transform, sample_generator(0, 0, 0))
+
+
+def test_caching_needs_center_crops(tiny_sd_pipe):
+    with pytest.raises(ValueError, match="center crops"):
+        cache_latent_parameters([], ImageTransform(32), tiny_sd_pipe.vae, "cpu", torch.float32, 4)
+
+
+def test_sampling_draws_from_the_global_rng_like_latent_dist_sample(tiny_sd_pipe):
+    with torch.no_grad():
+        latent_dist = tiny_sd_pipe.vae.encode(torch.rand(2, 3, 32, 32) * 2 - 1).latent_dist
+    torch.manual_seed(7)
+    expected = latent_dist.sample()
+    after_expected = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(sample_latents(latent_dist.parameters.clone()), expected)
+    assert torch.equal(torch.rand(3), after_expected)
+
+
+def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_pipe):
+    tokenizer, text_encoder = tiny_sd_pipe.tokenizer, tiny_sd_pipe.text_encoder
+    captions = distinct_captions(["a red circle", ["a blue square", "a red circle"], "a green triangle"])
+    assert captions == ["a red circle", "a blue square", "a green triangle"]
+
+    def encode(texts):
+        return text_encoder(tokenize(tokenizer, texts), return_dict=False)[0]
+
+    embeddings = cache_text_embeddings(captions, encode, batch_size=2)
+    assert list(embeddings) == captions
+    with torch.no_grad():
+        for caption in captions:
+            torch.testing.assert_close(embeddings[caption], encode([caption])[0], atol=1e-5, rtol=1e-5)
+
+
+def test_offload_keeps_modules_on_the_cpu_outside_the_context():
+    module = torch.nn.Linear(2, 2)
+    moves = []
+    module.to = lambda device: moves.append(str(device)) or module
+    on_device = offload([module], "cuda:0")
+    with on_device():
+        assert moves == ["cpu", "cuda:0"]
+    assert moves == ["cpu", "cuda:0", "cpu"]
+
+
+def flags(tiny, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
+            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
+            "--center_crop", "--rank", 4, "--seed", 3, "--max_train_steps", 4, "--checkpointing_steps", 2, *extra]
+
+
+VALIDATION = ["--validation_prompt", "a red circle", "--num_validation_images", 1,
+              "--validation_inference_steps", 2, "--validation_steps", 2]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    """``{(cache_latents, random_flip): output_dir}``: the same 4 steps, validating every 2."""
+    outputs = {}
+    for cache in (False, True):
+        for flip in (False, True):
+            output_dir = tmp_path_factory.mktemp(f"cache{int(cache)}-flip{int(flip)}")
+            extra = [*VALIDATION, *(["--cache_latents"] if cache else []), *(["--random_flip"] if flip else [])]
+            launch(SCRIPT, *flags(tiny, output_dir, *extra))
+            outputs[cache, flip] = output_dir
+    return outputs
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_cached_run_matches_the_uncached_one(runs, flip):
+    uncached, cached = load_file(runs[False, flip] / LORA), load_file(runs[True, flip] / LORA)
+    assert uncached.keys() == cached.keys() and len(cached) > 0
+    for key in cached:
+        assert torch.allclose(cached[key], uncached[key], atol=1e-5), key
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_validation_renders_with_the_offloaded_encoders_back(runs, flip):
+    logs = {cache: read_log(runs[cache, flip]) for cache in (False, True)}
+    assert [(r["step"], r["variant"]) for r in logs[True]] == [(2, "raw"), (4, "raw")]
+    for uncached, cached in zip(logs[False], logs[True]):
+        a = np.asarray(Image.open(runs[False, flip] / uncached["images"][0]), dtype=np.int16)
+        b = np.asarray(Image.open(runs[True, flip] / cached["images"][0]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 2
+
+
+def test_flips_change_the_cached_run(runs):
+    a, b = load_file(runs[True, False] / LORA), load_file(runs[True, True] / LORA)
+    assert any(not torch.equal(a[key], b[key]) for key in a)
+
+
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, runs):
+    shutil.copytree(runs[True, True] / "checkpoint-2", tmp_path / "checkpoint-2")
+    result = launch(SCRIPT, *flags(tiny, tmp_path, *VALIDATION, "--cache_latents", "--random_flip",
+                                   "--resume_from_checkpoint", "latest"))
+    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
+    assert_same_files(tmp_path / LORA, runs[True, True] / LORA)
+
+
+def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    args = [arg for arg in flags(tiny, output_dir, "--cache_latents") if arg != "--center_crop"]
+    result = launch(SCRIPT, *args, check=False, quiet=True)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: --cache_latents=True: expected --center_crop"), errors
+    assert not output_dir.exists()
