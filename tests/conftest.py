@@ -81,6 +81,25 @@ def differing(a, b):
 def assert_same_files(a, b):
     """Two safetensors files hold the same keys and bitwise-equal tensors."""
     a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and len(a) > 0
     different = differing(a, b)
     assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
+
+
+def checkpoint_names(output_dir):
+    return sorted(path.name for path in Path(output_dir).glob("checkpoint-*"))
+
+
+def assert_resume_is_exact(script, run_args, output_dir, reference_dir, weight_files, *extra):
+    """Train to step 6 with a checkpoint every 2 steps (keeping 2), then resume ``latest`` to step 8:
+    the checkpoints kept are 4 and 6, then 6 and 8, and ``weight_files`` equal, bit for bit, those of
+    the uninterrupted 8-step run in ``reference_dir``. ``run_args(output_dir, *flags)`` builds the
+    script's arguments."""
+    flags = [*extra, "--checkpointing_steps", 2, "--checkpoints_total_limit", 2]
+    launch(script, *run_args(output_dir, "--max_train_steps", 6, *flags))
+    assert checkpoint_names(output_dir) == ["checkpoint-4", "checkpoint-6"]
+    result = launch(script, *run_args(output_dir, "--max_train_steps", 8, "--resume_from_checkpoint", "latest", *flags))
+    assert f"resumed from {Path(output_dir) / 'checkpoint-6'} at step 6" in result.stdout
+    assert checkpoint_names(output_dir) == ["checkpoint-6", "checkpoint-8"]
+    for name in weight_files:
+        assert_same_files(Path(output_dir) / name, Path(reference_dir) / name)

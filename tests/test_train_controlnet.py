@@ -2,6 +2,7 @@
 
 import importlib.util
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from PIL import Image
 
-from conftest import EXAMPLES, assert_same_files, differing, launch, read_log
+from conftest import EXAMPLES, assert_resume_is_exact, assert_same_files, differing, launch, read_log
 from training_utils.args import UsageError
 
 SCRIPT = "controlnet/train_controlnet.py"
@@ -134,16 +135,8 @@ def test_validation_and_checkpointing_leave_the_weights_untouched(full_run, plai
 
 
 def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, tmp_path, full_run):
-    flags = ["--checkpointing_steps", 2, "--checkpoints_total_limit", 2]
-    launch(SCRIPT, *pretrained(tiny, tmp_path, "--max_train_steps", 6, *flags))
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
-    result = launch(SCRIPT, *pretrained(tiny, tmp_path, "--max_train_steps", 8, "--resume_from_checkpoint", "latest",
-                                        *flags))
-    assert f"resumed from {tmp_path / 'checkpoint-6'} at step 6" in result.stdout
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     # Mid-epoch, with random flips and empty prompts: the resumed run is the uninterrupted one, bit for bit.
-    assert_same_files(tmp_path / WEIGHTS, full_run[0] / WEIGHTS)
-    assert_same_files(tmp_path / "ema" / WEIGHTS, full_run[0] / "ema" / WEIGHTS)
+    assert_resume_is_exact(SCRIPT, partial(pretrained, tiny), tmp_path, full_run[0], [WEIGHTS, f"ema/{WEIGHTS}"])
 
 
 def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, full_run):

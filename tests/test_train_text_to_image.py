@@ -1,13 +1,14 @@
 """Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
 
 from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
-from conftest import launch, read_log
+from conftest import assert_resume_is_exact, launch, read_log
 
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -111,16 +112,8 @@ def test_validation_and_checkpointing_leave_the_weights_untouched(full_run, plai
 
 
 def test_resumed_run_prunes_and_ends_with_the_uninterrupted_weights(tiny, tmp_path, full_run):
-    flags = ["--checkpointing_steps", 2, "--checkpoints_total_limit", 2]
-    launch(SCRIPT, *common(tiny, tmp_path, "--max_train_steps", 6, *flags))
-    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
-    result = launch(SCRIPT, *common(tiny, tmp_path, "--max_train_steps", 8, "--resume_from_checkpoint", "latest",
-                                    *flags))
-    assert f"resumed from {tmp_path / 'checkpoint-6'} at step 6" in result.stdout
-    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     # Mid-epoch, with random flips and an optimizer state for every UNet parameter: bit for bit.
-    assert_same(load_file(tmp_path / UNET), load_file(full_run[0] / UNET))
-    assert_same(load_file(tmp_path / EMA_UNET), load_file(full_run[0] / EMA_UNET))
+    assert_resume_is_exact(SCRIPT, partial(common, tiny), tmp_path, full_run[0], [UNET, EMA_UNET])
 
 
 def test_ema_decay_zero_equals_the_raw_unet(decay_zero_run):
