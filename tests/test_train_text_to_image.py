@@ -1,7 +1,7 @@
 """Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
