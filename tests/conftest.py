@@ -1,11 +1,16 @@
 """Shared fixtures: the tiny offline models and datasets, built once per test session."""
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,7 +26,11 @@ SUBPROCESS_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONWARNINGS": "ignore",
     "OMP_NUM_THREADS": "1",
+    "PYTHONFAULTHANDLER": "1",  # SIGABRT then prints every thread's stack: see `run_bounded`
 }
+# Several processes (gloo) talk over loopback, whatever this machine's hostname resolves to.
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in dict(socket.if_nameindex()).values() else {}
+RUN_TIMEOUT_S = 300  # a whole tiny run takes seconds; this long means it hangs
 
 
 # Files whose tests launch whole training runs: `pytest -m "not slow"` is the quick subset (CI runs all).
@@ -52,17 +61,65 @@ def tiny_sd_pipe(tiny):
     return pipe
 
 
+def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S):
+    """``subprocess.run(command)`` from the repository root, output captured, that cannot hang the suite.
+
+    Output goes to files rather than pipes: a worker that outlives its launcher cannot block the
+    read. On timeout, every process of the tree gets SIGABRT (faulthandler prints its stacks) and
+    then SIGKILL; torchrun starts its workers in sessions of their own, so a process-group kill
+    would miss them. The stacks end the AssertionError.
+    """
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, cwd=REPO)
+        try:
+            process.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill_tree(process.pid)
+            process.wait()
+            timed_out = True
+        stdout.seek(0)
+        stderr.seek(0)
+        result = subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
+    if timed_out:
+        raise AssertionError(f"no result within {timeout} s (a hang?); the stacks of its processes:\n"
+                             f"{result.stderr[-12000:]}")
+    return result
+
+
+def _kill_tree(pid):
+    root = psutil.Process(pid)
+    tree = [*root.children(recursive=True), root]
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGABRT)
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def free_port():
+    """A TCP port nothing listens on now, for one multi-process run's rendezvous: sharing the default
+    port with another run (a leftover, or another job on this machine) could join the wrong one."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(script, *args, processes=1, check=True, quiet=False):
-    """Run ``examples/<script>`` with ``accelerate launch`` on the CPU; returns the CompletedProcess."""
+    """Run ``examples/<script>`` with ``accelerate launch`` on the CPU (``processes`` > 1: gloo);
+    returns the CompletedProcess. A hang fails the test within `RUN_TIMEOUT_S`."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--num_processes", str(processes)]
     if processes > 1:
-        command += ["--multi_gpu"]
+        command += ["--multi_gpu", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
     if quiet:
         command += ["--quiet"]
     command += [str(EXAMPLES / script), *map(str, args)]
-    env = {**SUBPROCESS_ENV, "ACCELERATE_USE_CPU": "1"} if processes > 1 else SUBPROCESS_ENV
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+    env = {**SUBPROCESS_ENV, "ACCELERATE_USE_CPU": "1", **LOOPBACK} if processes > 1 else SUBPROCESS_ENV
+    result = run_bounded(command, env)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result

@@ -1,39 +1,17 @@
 """The LoRA script on two CPU processes (gloo): no hang, one writer, a consistent EMA, exact resume."""
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, SUBPROCESS_ENV
+from conftest import launch
 
-SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
+SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
 DECAY = 0.9
-TIMEOUT_S = 240  # a hang at a barrier would otherwise block the suite forever
-
-
-def launch_two_processes(*args):
-    """``accelerate launch --multi_gpu --num_processes 2`` on the CPU, killed with its workers on a hang."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
-               *map(str, args)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               env={**SUBPROCESS_ENV, "ACCELERATE_USE_CPU": "1"}, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        raise AssertionError(f"no result within {TIMEOUT_S} s (a hang?):\n{stderr[-4000:]}")
-    assert process.returncode == 0, f"failed ({process.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
-    return stdout
 
 
 def flags(tiny, output_dir, *extra):
@@ -51,7 +29,7 @@ def log_records(output_dir):
 @pytest.fixture(scope="module")
 def two_process_run(tiny, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("two_processes")
-    launch_two_processes(*flags(tiny, output_dir))
+    launch(SCRIPT, *flags(tiny, output_dir), processes=2)
     return output_dir
 
 
@@ -60,8 +38,8 @@ def resumed_run(tiny, two_process_run, tmp_path_factory):
     """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint."""
     output_dir = tmp_path_factory.mktemp("resumed")
     shutil.copytree(two_process_run / "checkpoint-2", output_dir / "checkpoint-2")
-    stdout = launch_two_processes(*flags(tiny, output_dir, "--resume_from_checkpoint", "latest",
-                                         "--checkpoints_total_limit", 1))
+    stdout = launch(SCRIPT, *flags(tiny, output_dir, "--resume_from_checkpoint", "latest", "--checkpoints_total_limit", 1),
+                    processes=2).stdout
     return output_dir, stdout
 
 

@@ -15,11 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, SUBPROCESS_ENV
+from conftest import EXAMPLES, REPO, RUN_TIMEOUT_S, SUBPROCESS_ENV, run_bounded
 
 SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
-TIMEOUT_S = 300
 # With --seed 3, --train_batch_size 2 and accumulation 2, sample 27 is in the second micro-batch of step 3.
 CORRUPT_IMAGE = "0027.png"
 
@@ -35,8 +34,7 @@ def flags(tiny, output_dir, *extra, data_dir=None):
 
 
 def run(*args, check=True):
-    result = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                            env=SUBPROCESS_ENV, cwd=REPO, timeout=TIMEOUT_S)
+    result = run_bounded([sys.executable, str(SCRIPT), *map(str, args)])
     if check and result.returncode != 0:
         raise AssertionError(f"failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return result
@@ -91,11 +89,11 @@ def preempted(tiny, tmp_path_factory):
     with open(stdout, "w") as out, open(stderr, "w") as err:
         process = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, flags(tiny, output_dir))], stdout=out,
                                    stderr=err, env=SUBPROCESS_ENV, cwd=REPO)
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + RUN_TIMEOUT_S
         while not (output_dir / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=TIMEOUT_S)
+        returncode = process.wait(timeout=RUN_TIMEOUT_S)
     return output_dir, returncode, stderr.read_text()
 
 

@@ -1,6 +1,5 @@
 """Smoke tests: the text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-import subprocess
 import sys
 from functools import partial
 
@@ -10,7 +9,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, SUBPROCESS_ENV, assert_resume_is_exact, assert_same_files, launch, read_log
+from conftest import EXAMPLES, assert_resume_is_exact, assert_same_files, launch, read_log, run_bounded
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -138,8 +137,7 @@ def test_never_reads_the_base_model_after_start_up(tiny, tmp_path):
     output_dir = tmp_path / "out"
     args = common(tiny, output_dir, "--max_train_steps", 4, *validation_flags(2), "--checkpointing_steps", 2)
     args[1] = model
-    result = subprocess.run([sys.executable, "-c", wrapper, *map(str, args)], capture_output=True, text=True,
-                            env=SUBPROCESS_ENV, cwd=REPO)
+    result = run_bounded([sys.executable, "-c", wrapper, *map(str, args)])
     assert result.returncode == 0, result.stderr[-4000:]
     assert not model.exists()
     # The final step (4) is also a due step (every 2): validated once, raw and EMA.
@@ -182,9 +180,8 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, tmp_path):
     with Image.open(output_dir / "validation" / "step-000006" / "grid-p00.png") as grid:
         assert grid.size == (32 * 2, 32 * 3)  # images per prompt x (raw + two sweep rows)
 
-    result = subprocess.run([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
-                             "--sigma_rel", "0.05", "0.08"], capture_output=True, text=True, env=SUBPROCESS_ENV,
-                            cwd=REPO)
+    result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
+                          "--sigma_rel", "0.05", "0.08"])
     assert result.returncode == 0, result.stderr[-3000:]
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     tracked = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.05" / LORA)

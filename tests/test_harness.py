@@ -1,0 +1,36 @@
+"""The test harness itself: a hung run must fail its test, not stall the suite."""
+
+import sys
+
+import psutil
+import pytest
+
+from conftest import run_bounded
+
+# A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
+HUNG_LAUNCHER = """
+import subprocess, sys, time
+worker = '''
+import os, sys, time
+def waiting_at_a_barrier():
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    time.sleep(600)
+waiting_at_a_barrier()
+'''
+subprocess.Popen([sys.executable, "-c", worker, sys.argv[1]], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def test_a_hung_run_fails_with_the_stacks_of_its_workers_and_leaves_none_running(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    with pytest.raises(AssertionError, match="no result within 3 s") as failure:
+        run_bounded([sys.executable, "-c", HUNG_LAUNCHER, str(pid_file)], timeout=3)
+    assert "waiting_at_a_barrier" in str(failure.value)
+    worker = int(pid_file.read_text())
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_finished_run_returns_its_exit_code_and_output():
+    result = run_bounded([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
