@@ -27,6 +27,8 @@ SUBPROCESS_ENV = {
     "PYTHONWARNINGS": "ignore",
     "OMP_NUM_THREADS": "1",
     "PYTHONFAULTHANDLER": "1",  # SIGABRT then prints every thread's stack: see `run_bounded`
+    # The scripts import this checkout's training_utils, whatever else is installed.
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
 }
 # Several processes (gloo) talk over loopback, whatever this machine's hostname resolves to.
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in dict(socket.if_nameindex()).values() else {}

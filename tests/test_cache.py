@@ -28,12 +28,13 @@ def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_
     flips = set()
     for epoch in range(6):
         for key, image in enumerate(images):
-            pixels = transform(image, sample_generator(0, epoch, key))[0]
+            pixels, original_size, crop_top_left = transform(image, sample_generator(0, epoch, key))
             flips.add(transform.draw_layout(*image.size, sample_generator(0, epoch, key)).flip)
             with torch.no_grad():
                 expected = vae.encode(pixels[None]).latent_dist.parameters[0]
             cached = cached_latent_parameters(cache[key], transform, sample_generator(0, epoch, key))
-            torch.testing.assert_close(cached, expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cached[0], expected, atol=1e-5, rtol=1e-5)
+            assert cached[1:] == (original_size, crop_top_left)
     assert flips == {False, True}
     assert not torch.allclose(cache[0].parameters[0], cache[0].parameters[1])
 
@@ -151,3 +152,17 @@ def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: --cache_latents=True: expected --center_crop"), errors
     assert not output_dir.exists()
+
+
+def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption():
+    captions = ["a", "b", "c"]
+
+    def encode(texts):  # like SDXL's (hidden states, pooled): a batch of each
+        codes = torch.tensor([float(ord(text)) for text in texts])
+        return codes[:, None, None].expand(-1, 2, 3), codes[:, None] * 10
+
+    embeddings = cache_text_embeddings(captions, encode, batch_size=2)
+    for caption in captions:
+        hidden, pooled = embeddings[caption]
+        assert torch.equal(hidden, torch.full((2, 3), float(ord(caption))))
+        assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))

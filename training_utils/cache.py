@@ -65,10 +65,13 @@ def cache_latent_parameters(images, transform, vae, device, dtype, batch_size):
 
 
 def cached_latent_parameters(cached, transform, generator):
-    """The cached parameters for one draw of ``transform``'s layout: the flipped ones when the draw flips."""
+    """What ``transform(image, generator)`` returns, with the cached latent parameters in place of the
+    pixels: ``(parameters, (height, width), crop_top_left)``; the flipped parameters when the draw flips."""
     if isinstance(cached, BaseException):
         raise cached.with_traceback(None)
-    return cached.parameters[int(transform.draw_layout(*cached.size, generator).flip)]
+    width, height = cached.size
+    layout = transform.draw_layout(width, height, generator)
+    return cached.parameters[int(layout.flip)], (height, width), layout.crop_top_left
 
 
 def sample_latents(parameters):
@@ -95,12 +98,17 @@ def distinct_captions(values):
 
 
 def cache_text_embeddings(captions, encode, batch_size):
-    """``{caption: embedding}`` (on the CPU), ``encode(list of captions)`` called ``batch_size`` at a time."""
+    """``{caption: embedding}`` (on the CPU), ``encode(list of captions)`` called ``batch_size`` at a time.
+
+    ``encode`` returns a batch tensor, or a tuple of them (e.g. SDXL's hidden states and pooled
+    embeddings); then each caption maps to a tuple of its rows."""
     embeddings = {}
     with torch.no_grad():
         for start in range(0, len(captions), batch_size):
             chunk = captions[start:start + batch_size]
-            embeddings.update(zip(chunk, encode(chunk).cpu()))
+            encoded = encode(chunk)
+            rows = encoded.cpu() if isinstance(encoded, torch.Tensor) else zip(*(part.cpu() for part in encoded))
+            embeddings.update(zip(chunk, rows))
     return embeddings
 
 

@@ -96,7 +96,7 @@ def main(args):
     def preprocess(example, generator):
         if args.cache_latents:
             image = {"latent_parameters": cached_latent_parameters(
-                latents_cache[example[CACHE_INDEX_COLUMN]], transform, generator)}
+                latents_cache[example[CACHE_INDEX_COLUMN]], transform, generator)[0]}
         else:
             image = {"pixel_values": transform(example[args.image_column], generator)[0]}
         return {**image, "encoder_hidden_states": embeddings[pick_caption(example[args.caption_column], generator)]}
