@@ -80,6 +80,20 @@ def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_
             torch.testing.assert_close(embeddings[caption], encode([caption])[0], atol=1e-5, rtol=1e-5)
 
 
+def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption():
+    captions = ["a", "b", "c"]
+
+    def encode(texts):  # like SDXL's (hidden states, pooled): a batch of each
+        codes = torch.tensor([float(ord(text)) for text in texts])
+        return codes[:, None, None].expand(-1, 2, 3), codes[:, None] * 10
+
+    embeddings = cache_text_embeddings(captions, encode, batch_size=2)
+    for caption in captions:
+        hidden, pooled = embeddings[caption]
+        assert torch.equal(hidden, torch.full((2, 3), float(ord(caption))))
+        assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))
+
+
 def test_offload_keeps_modules_on_the_cpu_outside_the_context():
     module = torch.nn.Linear(2, 2)
     moves = []
@@ -153,16 +167,3 @@ def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):
     assert len(errors) == 1 and errors[0].startswith("error: --cache_latents=True: expected --center_crop"), errors
     assert not output_dir.exists()
 
-
-def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption():
-    captions = ["a", "b", "c"]
-
-    def encode(texts):  # like SDXL's (hidden states, pooled): a batch of each
-        codes = torch.tensor([float(ord(text)) for text in texts])
-        return codes[:, None, None].expand(-1, 2, 3), codes[:, None] * 10
-
-    embeddings = cache_text_embeddings(captions, encode, batch_size=2)
-    for caption in captions:
-        hidden, pooled = embeddings[caption]
-        assert torch.equal(hidden, torch.full((2, 3), float(ord(caption))))
-        assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))
