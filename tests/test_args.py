@@ -7,6 +7,7 @@ from training_utils import args as args_module
 from training_utils.args import (
     TrainingArgumentParser,
     UsageError,
+    add_cache_args,
     add_diffusion_loss_args,
     add_lora_args,
     check_args,
@@ -34,6 +35,7 @@ def full_parser():
     parser = training_parser("test")
     add_lora_args(parser, train_text_encoder=True)
     add_diffusion_loss_args(parser)
+    add_cache_args(parser)
     return parser
 
 
@@ -82,6 +84,7 @@ BAD_INPUTS = [
     ("rank-zero", ["--rank", "0"], "--rank", "0"),
     ("lora-dropout-one", ["--lora_dropout", "1.0"], "--lora_dropout", "1.0"),
     ("snr-gamma-zero", ["--snr_gamma", "0"], "--snr_gamma", "0"),
+    ("cache-latents-random-crop", ["--cache_latents"], "--cache_latents", "True"),
     ("resume-missing", ["--resume_from_checkpoint", "checkpoint-123"], "--resume_from_checkpoint", "checkpoint-123"),
     ("resume-missing-absolute", ["--resume_from_checkpoint", "/nonexistent/checkpoint-5"],
      "--resume_from_checkpoint", "/nonexistent/checkpoint-5"),
@@ -185,7 +188,7 @@ def test_exit_on_usage_error_no_error_no_exit(capsys):
 GOOD_INPUTS = [
     [],
     ["--resolution", "8"],
-    ["--resolution", "64", "--center_crop", "--random_flip"],
+    ["--resolution", "64", "--center_crop", "--random_flip", "--cache_latents"],
     ["--ema_decay", "0"],
     ["--ema_decay", "0.999", "--use_ema", "--ema_update_every", "10", "--ema_device", "cpu"],
     ["--rank", "1", "--lora_dropout", "0.0", "--lora_alpha", "8", "--train_text_encoder"],

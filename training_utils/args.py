@@ -164,6 +164,11 @@ def add_diffusion_loss_args(parser):
     loss.add_argument("--noise_offset", type=float, default=0.0)
 
 
+def add_cache_args(parser):
+    parser.add_argument("--cache_latents", action="store_true",
+                        help="encode the images with the VAE once before training (needs --center_crop)")
+
+
 def require(condition, flag, value, expected):
     if not condition:
         raise UsageError(flag, value, expected)
@@ -217,6 +222,9 @@ def check_args(args):
         require(0 <= args.lora_dropout < 1, "--lora_dropout", args.lora_dropout, "a number in [0, 1)")
     if getattr(args, "snr_gamma", None) is not None:
         require(args.snr_gamma > 0, "--snr_gamma", args.snr_gamma, "a positive number")
+    # A cached latent stands for one crop of its image; flips are cached both ways, random crops cannot be.
+    require(not getattr(args, "cache_latents", False) or args.center_crop, "--cache_latents", True,
+            "--center_crop with it (random crops change every epoch and cannot be cached)")
     # accelerate launch always sets ACCELERATE_USE_CPU, to "False" unless --cpu: parse it, don't test presence.
     on_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
     require(args.mixed_precision != "fp16" or on_cuda,

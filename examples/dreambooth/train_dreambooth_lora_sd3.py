@@ -20,7 +20,7 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 from PIL import Image
 
-from training_utils.args import add_lora_args, check_args, exit_on_usage_error, require, training_parser
+from training_utils.args import add_cache_args, add_lora_args, check_args, exit_on_usage_error, require, training_parser
 from training_utils.data import ImageTransform, TrainDataset, make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
                                        dreambooth_dataset, paired_collate)
@@ -54,17 +54,13 @@ def parse_args(argv=None):
                         help="comma-separated names of the transformer's modules to adapt (last parts of their names)")
     parser.add_argument("--lora_blocks", default=None,
                         help="comma-separated transformer block indices to adapt, e.g. 0,12 (default: every block)")
-    parser.add_argument("--cache_latents", action="store_true",
-                        help="encode the images with the VAE once before training (needs --center_crop)")
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     check_sd3_args(args)
     require(all(split_names(args.lora_layers)), "--lora_layers", args.lora_layers, "comma-separated module names")
     require(args.lora_blocks is None or all(name.isdigit() for name in split_names(args.lora_blocks)),
             "--lora_blocks", args.lora_blocks, "comma-separated block indices, e.g. 0,12")
-    # A cached latent stands for one crop of its image; flips are cached both ways, random crops cannot be.
-    require(not args.cache_latents or args.center_crop, "--cache_latents", True,
-            "--center_crop with it (random crops change every epoch and cannot be cached)")
     return args
 
 

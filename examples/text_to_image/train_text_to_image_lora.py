@@ -13,8 +13,8 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionPipeline
 
-from training_utils.args import (add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, require,
-                                 training_parser)
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args,
+                                 exit_on_usage_error, training_parser)
 from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
                                   cached_latent_parameters, distinct_captions, indexed_rows, offload, sample_latents)
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
@@ -43,12 +43,9 @@ def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0])
     add_lora_args(parser)
     add_diffusion_loss_args(parser)
-    parser.add_argument("--cache_latents", action="store_true",
-                        help="encode the images with the VAE once before training (needs --center_crop)")
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
-    require(not args.cache_latents or args.center_crop, "--cache_latents", True,
-            "--center_crop with it (random crops change every epoch and cannot be cached)")
     return args
 
 
