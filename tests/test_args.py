@@ -5,6 +5,7 @@ import torch
 
 from training_utils import args as args_module
 from training_utils.args import (
+    RunStopped,
     TrainingArgumentParser,
     UsageError,
     add_cache_args,
@@ -172,6 +173,19 @@ def test_exit_on_usage_error_formats_flag_value_expected(capsys):
             raise UsageError("--thing", 3, "an even number")
     assert exited.value.code == 2
     assert capsys.readouterr().err == "error: --thing=3: expected an even number\n"
+
+
+@pytest.mark.parametrize("rank, printed", [(None, True), ("0", True), ("1", False)])
+def test_a_stopped_run_exits_with_its_code_and_only_the_first_process_says_why(rank, printed, capsys, monkeypatch):
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_usage_error():
+            raise RunStopped("stopped by SIGTERM after step 3", 75)
+    assert exited.value.code == 75
+    assert capsys.readouterr().err == ("stopped: stopped by SIGTERM after step 3\n" if printed else "")
 
 
 def test_usage_error_without_flag_is_just_the_expectation():

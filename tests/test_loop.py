@@ -126,6 +126,19 @@ def test_a_non_finite_loss_stops_before_anything_is_written(accelerator, tmp_pat
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
 
 
+def test_each_step_logs_its_own_loss_and_lr(accelerator, tmp_path, monkeypatch):
+    losses, logged = {}, {}
+    monkeypatch.setattr(accelerator, "log", lambda values, step: logged.setdefault(step, values))
+
+    def record(step, loss):
+        losses[step] = loss.item()
+        return loss
+
+    toy_run(accelerator, tmp_path, max_train_steps=3, on_step=record)
+    assert {step: values["train_loss"] for step, values in logged.items()} == losses
+    assert all(values["lr"] == 0.1 for values in logged.values()) and len(set(losses.values())) == 3
+
+
 def test_resuming_at_or_past_the_last_step_trains_nothing(accelerator, tmp_path):
     toy_run(accelerator, tmp_path, max_train_steps=4)
     reset(accelerator)

@@ -8,6 +8,7 @@ stops the run with one line on stderr naming the flag, the value and what was ex
 
 import argparse
 import math
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -38,14 +39,16 @@ class RunStopped(Exception):
 @contextmanager
 def exit_on_usage_error():
     """Turn a `UsageError` raised inside the block into one line on stderr and exit status 2, and a
-    `RunStopped` into one line and its own exit code."""
+    `RunStopped` into one line and its own exit code. Every process of a run stops together for the
+    same reason, so only the first (``RANK`` 0) says why."""
     try:
         yield
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RunStopped as stop:
-        print(f"stopped: {stop}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"stopped: {stop}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
 
 

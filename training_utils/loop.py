@@ -111,7 +111,8 @@ class TrainingLoop:
                 for batch in epoch_batches(self.accelerator, self.dataloader, epoch, skip):
                     if self.global_step >= self.max_train_steps:
                         break
-                    if self._at_step_start:
+                    if self._at_step_start and self.args.gradient_accumulation_steps > 1:
+                        # Only a step of several micro-batches can stop part-way (`_stop_on_unreadable`).
                         self._step_start = (self.accelerator.step, _rng_states())
                     batch = self._readable(batch)
                     self._at_step_start = False
@@ -123,31 +124,32 @@ class TrainingLoop:
         back while accumulating), and after a completed optimizer step do what is due: logging, EMA
         updates, checkpoint, validation, preemption. Call inside ``accelerator.accumulate(...)``.
         Returns True when an optimizer step completed."""
-        if not torch.isfinite(loss.detach()).all():
-            raise RunStopped(
-                f"the loss is {loss.item()} at step {self.global_step + 1}; stopped before writing anything from "
-                f"these weights (the last checkpoint in {self.args.output_dir} is intact)", NON_FINITE_EXIT_CODE)
         self.accelerator.backward(loss)
         if self.accelerator.sync_gradients:
             self.accelerator.clip_grad_norm_(self.parameters, self.args.max_grad_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad()
-        self._loss += loss.detach().item() / self.args.gradient_accumulation_steps
+        # Summed on the device and read once per optimizer step: the loop's only wait for the accelerator.
+        self._loss = self._loss + loss.detach().float() / self.args.gradient_accumulation_steps
         if not self.accelerator.sync_gradients:
             return False
 
         self.global_step += 1
         self._at_step_start = True
         step = self.global_step
-        preempted, skipped_images = self._shared_status()
-        logs = {"train_loss": self._loss, "lr": self.lr_scheduler.get_last_lr()[0]}
+        loss, preempted, skipped_images = self._shared_status()
+        self._loss = 0.0
+        if not math.isfinite(loss):
+            raise RunStopped(
+                f"the loss is {loss} at step {step}; stopped before writing anything from these weights (the last "
+                f"checkpoint in {self.args.output_dir} is intact)", NON_FINITE_EXIT_CODE)
+        logs = {"train_loss": loss, "lr": self.lr_scheduler.get_last_lr()[0]}
         if skipped_images:
             logs["skipped_images"] = skipped_images
         self.accelerator.log(logs, step=step)
         self._progress.update(1)
-        self._progress.set_postfix(loss=f"{self._loss:.4g}")
-        self._loss = 0.0
+        self._progress.set_postfix(loss=f"{loss:.4g}")
 
         if self.ema is not None and self.ema.is_due(step, self.max_train_steps):
             self.ema.update(step)
@@ -167,14 +169,15 @@ class TrainingLoop:
         return True
 
     def _shared_status(self):
-        """(whether any process got a preemption signal, images skipped on all processes so far)."""
+        """(the step's loss averaged over processes, whether any process got a preemption signal, images
+        skipped on all processes so far). Every process must stop at the same step, whichever of them
+        got the signal or the non-finite loss."""
         preempted, skipped_images = self._signals.received is not None, self._skipped_images
-        if self.accelerator.num_processes > 1:
-            # Every process must stop at the same step, whichever of them got the signal.
-            status = torch.tensor([float(preempted), float(skipped_images)], device=self.accelerator.device)
-            status = self.accelerator.reduce(status, reduction="sum")
-            preempted, skipped_images = bool(status[0].item() > 0), int(status[1].item())
-        return preempted, skipped_images
+        if self.accelerator.num_processes == 1:
+            return self._loss.item(), preempted, skipped_images
+        flags = torch.tensor([float(preempted), float(skipped_images)], device=self._loss.device)
+        status = self.accelerator.reduce(torch.cat([self._loss.reshape(1), flags]), reduction="sum").tolist()
+        return status[0] / self.accelerator.num_processes, status[1] > 0, int(status[2])
 
     def _readable(self, batch):
         """The batch to train on; stops the run on an unreadable image unless skipping, and counts skips."""
