@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from conftest import assert_same_files, launch, read_log
 from training_utils.cache import (cache_latent_parameters, cache_text_embeddings, cached_latent_parameters,
-                                  distinct_captions, offload, sample_latents)
-from training_utils.data import ImageTransform, sample_generator, tokenize
+                                  cached_paired_latent_parameters, distinct_captions, offload, sample_latents)
+from training_utils.data import ImageTransform, PairedImageTransform, sample_generator, tokenize
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -37,6 +37,37 @@ def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_
             assert cached[1:] == (original_size, crop_top_left)
     assert flips == {False, True}
     assert not torch.allclose(cache[0].parameters[0], cache[0].parameters[1])
+
+
+def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(tiny_sd_pipe):
+    vae = tiny_sd_pipe.vae
+    # The first resizes to 41x32: its center crop starts at left 4, or 5 measured in the flipped image.
+    images = [Image.new("RGB", (51, 40), (200, 30, 30)), Image.new("RGB", (40, 56), (30, 30, 200))]
+    # A conditioning image of another size is resized to its image's; all asymmetric, so a flip changes them.
+    conditionings = [Image.new("RGB", (24, 20), (0, 0, 0)), Image.new("RGB", (40, 56), (0, 0, 0))]
+    for image, conditioning_image in zip(images, conditionings):
+        image.paste((0, 255, 0), (0, 0, 10, image.height))
+        conditioning_image.paste((255, 255, 255), (0, 0, 6, conditioning_image.height))
+    transform = PairedImageTransform(32, center_crop=True, random_flip=True)
+    cache = cache_latent_parameters(((key, lambda image=image: image) for key, image in enumerate(images)),
+                                    transform, vae, "cpu", torch.float32, batch_size=2)
+    crops = set()
+    for epoch in range(6):
+        for key, (image, conditioning_image) in enumerate(zip(images, conditionings)):
+            uncached_generator, cached_generator = sample_generator(0, epoch, key), sample_generator(0, epoch, key)
+            pixels, conditioning_pixels, original_size, crop_top_left = transform(
+                image, conditioning_image, uncached_generator)
+            cached = cached_paired_latent_parameters(cache[key], conditioning_image, transform, cached_generator)
+            with torch.no_grad():
+                expected = vae.encode(pixels[None]).latent_dist.parameters[0]
+            torch.testing.assert_close(cached[0], expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(cached[1], conditioning_pixels)
+            # SDXL's time ids: the original size, and the crop measured after the flip.
+            assert cached[2:] == (original_size, crop_top_left)
+            # Both leave the generator in one state: the caption is drawn from it next.
+            assert torch.equal(torch.rand(4, generator=cached_generator), torch.rand(4, generator=uncached_generator))
+            crops.add((key, cached[3]))
+    assert crops == {(0, (0, 4)), (0, (0, 5)), (1, (6, 0))}
 
 
 def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):

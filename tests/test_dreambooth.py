@@ -10,8 +10,9 @@ from PIL import Image
 
 from training_utils.args import TrainingArgumentParser, UsageError
 from training_utils.data import ImageTransform
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
-                                       generate_class_images, list_images, paired_collate)
+from training_utils.dreambooth import (add_dreambooth_args, cached_latents_dataset, check_dreambooth_args,
+                                       collate_latents, dreambooth_dataset, generate_class_images, list_images,
+                                       paired_collate)
 
 
 def solid(path, value, size=(12, 8)):
@@ -134,6 +135,26 @@ def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
     assert torch.equal(first, crops(0, 0)[0])
     others = [crops(seed, epoch)[0] for seed, epoch in ((1, 0), (0, 1), (2, 0), (0, 2))]
     assert any(not torch.equal(first, other) for other in others)
+
+
+def test_cached_latents_dataset_draws_the_flips_the_uncached_one_draws(tmp_path, tiny_sd_pipe):
+    for kind, colour in (("instance", (200, 30, 30)), ("class", (30, 30, 200))):
+        (tmp_path / kind).mkdir()
+        for index in range(2):
+            image = Image.new("RGB", (40, 32), colour)
+            image.paste((0, 255, 0), (0, 0, 6 + 4 * index, 32))  # asymmetric: a flip changes the latents
+            image.save(tmp_path / kind / f"{index}.png")
+    transform = ImageTransform(32, center_crop=True, random_flip=True)
+    uncached = dreambooth_dataset(list_images(tmp_path / "instance"), transform, 5, list_images(tmp_path / "class"))
+    cached = cached_latents_dataset(uncached, transform, tiny_sd_pipe.vae, "cpu", torch.float32, batch_size=3)
+    for epoch in range(3):
+        uncached.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        batch = collate_latents([cached[index] for index in range(2)])["latent_parameters"]
+        pixels = paired_collate([uncached[index] for index in range(2)])["pixel_values"]
+        with torch.no_grad():
+            expected = tiny_sd_pipe.vae.encode(pixels).latent_dist.parameters
+        torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_paired_collate_puts_the_instance_half_first():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from PIL import Image
+from safetensors.torch import load_file
 
 from conftest import EXAMPLES, assert_resume_is_exact, assert_same_files, differing, launch, read_log
 from training_utils.args import UsageError
@@ -237,3 +238,51 @@ def test_validation_pairs_follow_the_upstream_rules(tiny, tmp_path, script):
     assert pairs(["a", "b"], [first, second]) == [("a", sums[0]), ("b", sums[1])]
     assert pairs(["a", "b"], [first]) == [("a", sums[0]), ("b", sums[0])]
     assert pairs(["a"], [first, second]) == [("a", sums[0]), ("a", sums[1])]
+
+
+def cache_flags(tiny, output_dir, *extra):
+    """4 steps from tiny/controlnet with center crops, random flips and empty prompts, a checkpoint every 2 steps,
+    validating one prompt every 2 steps. Learning rate 1e-4: the VAE's float noise (its result depends on the
+    batch it encodes) reaches the weights through Adam in proportion to the learning rate, while a wrong
+    layout or caption would move them by about the learning rate itself, far beyond the tolerance."""
+    return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
+                      "--checkpointing_steps", 2,
+                      "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
+                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
+
+
+@pytest.fixture(scope="module")
+def cache_runs(tiny, tmp_path_factory):
+    """``{cache_latents: output_dir}``: the same 4 steps with and without --cache_latents (text always cached)."""
+    outputs = {}
+    for cache_latents in (False, True):
+        outputs[cache_latents] = tmp_path_factory.mktemp(f"cache_latents{int(cache_latents)}")
+        launch(SCRIPT, *cache_flags(tiny, outputs[cache_latents], *(["--cache_latents"] if cache_latents else [])))
+    return outputs
+
+
+def test_cached_latents_train_as_the_uncached_run(tiny, cache_runs):
+    initial = ControlNetModel.from_pretrained(tiny["controlnet"]).state_dict()
+    for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
+        uncached, cached = load_file(cache_runs[False] / weights), load_file(cache_runs[True] / weights)
+        assert uncached.keys() == cached.keys() == initial.keys()
+        assert differing(cached, initial)
+        for key in cached:
+            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (weights, key)
+
+
+def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
+    logs = {cache_latents: read_log(output_dir) for cache_latents, output_dir in cache_runs.items()}
+    assert [(r["step"], r["variant"]) for r in logs[True]] == [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")]
+    for uncached, cached in zip(logs[False], logs[True], strict=True):
+        a = np.asarray(Image.open(cache_runs[False] / uncached["images"][0]), dtype=np.int16)
+        b = np.asarray(Image.open(cache_runs[True] / cached["images"][0]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 2
+
+
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, cache_runs):
+    shutil.copytree(cache_runs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
+    result = launch(SCRIPT, *cache_flags(tiny, tmp_path, "--cache_latents", "--resume_from_checkpoint", "latest"))
+    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
+    assert_same_files(tmp_path / WEIGHTS, cache_runs[True] / WEIGHTS)
+    assert_same_files(tmp_path / "ema" / WEIGHTS, cache_runs[True] / "ema" / WEIGHTS)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import assert_resume_is_exact, assert_same_files, launch, read_log
@@ -162,3 +163,56 @@ def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, fla
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [message.format(tmp=tmp_path)], result.stderr[-2000:]
     assert not output_dir.exists() and not (tmp_path / "class").exists()
+
+
+def cache_flags(class_dir, *extra):
+    """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder), validating
+    and checkpointing every 2. The 6 instance images pair with 3 class images, each drawn twice an epoch."""
+    return ["--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
+            "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
+            "--checkpointing_steps", 2, "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
+            "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
+
+
+@pytest.fixture(scope="module")
+def cache_runs(tiny, tmp_path_factory):
+    """``{cache_latents: output_dir}`` and the class folder: the uncached run generates the class images
+    that the cached run then encodes once, with the instance images."""
+    root = tmp_path_factory.mktemp("cache")
+    outputs = {}
+    for cache in (False, True):
+        outputs[cache] = root / f"cache{int(cache)}"
+        launch(SCRIPT, *common(tiny, outputs[cache], *cache_flags(root / "class",
+                                                                  *(["--cache_latents"] if cache else []))))
+    return outputs, root / "class"
+
+
+def test_cached_run_with_prior_preservation_matches_the_uncached_one(cache_runs):
+    outputs, _ = cache_runs
+    for name in (LORA, f"ema/{LORA}"):
+        uncached, cached = load_file(outputs[False] / name), load_file(outputs[True] / name)
+        assert uncached.keys() == cached.keys() and len(cached) > 0
+        assert all(key.startswith("unet.") for key in cached)
+        for key in cached:
+            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (name, key)
+
+
+def test_cached_run_validates_with_the_offloaded_encoders_back(cache_runs):
+    outputs, _ = cache_runs
+    logs = {cache: read_log(outputs[cache]) for cache in (False, True)}
+    assert [(r["step"], r["variant"]) for r in logs[True]] == [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")]
+    for uncached, cached in zip(logs[False], logs[True], strict=True):
+        a = np.asarray(Image.open(outputs[False] / uncached["images"][0]), dtype=np.int16)
+        b = np.asarray(Image.open(outputs[True] / cached["images"][0]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 2
+
+
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, cache_runs):
+    outputs, class_dir = cache_runs
+    shutil.copytree(outputs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
+    result = launch(SCRIPT, *common(tiny, tmp_path, *cache_flags(class_dir, "--cache_latents",
+                                                                 "--resume_from_checkpoint", "latest")))
+    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
+    assert f"{class_dir} holds 3 class images; none generated" in result.stdout
+    for name in (LORA, f"ema/{LORA}"):
+        assert_same_files(tmp_path / name, outputs[True] / name)

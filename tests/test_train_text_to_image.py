@@ -1,14 +1,17 @@
 """Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import shutil
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import assert_resume_is_exact, launch, read_log
+from conftest import assert_resume_is_exact, assert_same_files, launch, read_log
 
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -135,3 +138,51 @@ def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: --input_perturbation=-1.0: expected a non-negative number"], result.stderr[-2000:]
     assert not output_dir.exists()
+
+
+def cache_flags(*extra):
+    """4 center-cropped, randomly flipped steps, validating and checkpointing every 2.
+
+    Adam moves every UNet weight by up to the learning rate per step however small its gradient, so
+    float-level differences (the VAE's results depend on its batch) grow with it: at 1e-3 they reach
+    7e-5, at 5e-5 4e-6, while ignoring the flips would still change weights by 2e-4."""
+    return ["--center_crop", "--learning_rate", 5e-5, "--max_train_steps", 4, "--checkpointing_steps", 2,
+            "--validation_prompt", PROMPTS[0], "--num_validation_images", 1, "--validation_inference_steps", 2,
+            "--validation_steps", 2, *extra]
+
+
+@pytest.fixture(scope="module")
+def cache_runs(tiny, tmp_path_factory):
+    """``{cache_latents: output_dir}``: the same run with the VAE in the step and with its latents cached."""
+    outputs = {}
+    for cache in (False, True):
+        outputs[cache] = tmp_path_factory.mktemp(f"cache{int(cache)}")
+        launch(SCRIPT, *common(tiny, outputs[cache], *cache_flags(*(["--cache_latents"] if cache else []))))
+    return outputs
+
+
+def test_cached_run_matches_the_uncached_one(tiny, cache_runs):
+    for name in (UNET, EMA_UNET):
+        uncached, cached = load_file(cache_runs[False] / name), load_file(cache_runs[True] / name)
+        assert uncached.keys() == cached.keys() and len(cached) > 0
+        for key in cached:
+            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (name, key)
+    assert_differ(load_file(Path(tiny["sd"]) / UNET), load_file(cache_runs[True] / UNET))
+
+
+def test_cached_run_validates_with_the_offloaded_encoders_back(cache_runs):
+    logs = {cache: read_log(cache_runs[cache]) for cache in (False, True)}
+    assert [(r["step"], r["variant"]) for r in logs[True]] == [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")]
+    for uncached, cached in zip(logs[False], logs[True], strict=True):
+        a = np.asarray(Image.open(cache_runs[False] / uncached["images"][0]), dtype=np.int16)
+        b = np.asarray(Image.open(cache_runs[True] / cached["images"][0]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 2
+
+
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, cache_runs):
+    shutil.copytree(cache_runs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
+    result = launch(SCRIPT, *common(tiny, tmp_path, *cache_flags("--cache_latents", "--resume_from_checkpoint",
+                                                                 "latest")))
+    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
+    for name in (UNET, EMA_UNET):
+        assert_same_files(tmp_path / name, cache_runs[True] / name)

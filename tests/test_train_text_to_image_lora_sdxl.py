@@ -1,5 +1,7 @@
 """Smoke tests: the SDXL text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -9,15 +11,19 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import assert_same_files, launch, read_log
+from training_utils.data import ImageTransform, sample_generator
 
 SCRIPT = "text_to_image/train_text_to_image_lora_sdxl.py"
 LORA = "pytorch_lora_weights.safetensors"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 TEXT_ENCODER_HIDDEN = 32  # the tiny first encoder's width: prompt embeddings are [encoder 1 | encoder 2]
+# (width, height) of the non-square pictures: at resolution 32 some center crops have an odd margin, so a flip
+# moves the crop corner that SDXL's time ids hold.
+NON_SQUARE_SIZES = [(64, 48), (50, 70), (70, 50), (48, 64)]
 
 
-def common(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sdxl"], "--train_data_dir", tiny["shapes"],
+def common(tiny, output_dir, *extra, data_dir=None):
+    return ["--pretrained_model_name_or_path", tiny["sdxl"], "--train_data_dir", data_dir or tiny["shapes"],
             "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
             "--random_flip", "--use_ema", "--ema_decay", 0.9, "--rank", 4, "--seed", 3, *extra]
 
@@ -181,3 +187,73 @@ def test_a_missing_vae_fails_with_one_line_before_anything_loads(tiny, tmp_path)
     expected = f"error: --pretrained_vae_model_name_or_path={str(missing)!r}: expected an AutoencoderKL folder"
     assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
     assert not output_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def non_square_shapes(tiny, tmp_path_factory):
+    """Six shapes pictures at the non-square sizes, each with two captions (one drawn per sample)."""
+    path = tmp_path_factory.mktemp("non_square_shapes")
+    rows = [json.loads(line) for line in (tiny["shapes"] / "metadata.jsonl").read_text().splitlines()[:6]]
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index, row in enumerate(rows):
+            image = Image.open(tiny["shapes"] / row["file_name"])
+            image.resize(NON_SQUARE_SIZES[index % len(NON_SQUARE_SIZES)]).save(path / row["file_name"])
+            captions = [row["text"], row["text"].replace(" on a ", " on the ")]
+            metadata.write(json.dumps({"file_name": row["file_name"], "text": captions}) + "\n")
+    return path
+
+
+def cache_flags(tiny, data_dir, output_dir, *extra):
+    return common(tiny, output_dir, "--center_crop", "--max_train_steps", 4, "--checkpointing_steps", 2,
+                  "--report_to", "none", *validation_flags(4, PROMPTS[:1], 1), *extra, data_dir=data_dir)
+
+
+@pytest.fixture(scope="module")
+def cache_runs(tiny, non_square_shapes, tmp_path_factory):
+    """``{cache_latents: output_dir}``: 4 UNet-only steps (two epochs of 3 batches) on the non-square pictures with
+    center crops and random flips, validating at the final step. Both cache the frozen text encoders' embeddings."""
+    outputs = {}
+    for cache_latents in (False, True):
+        outputs[cache_latents] = tmp_path_factory.mktemp(f"cache_latents{int(cache_latents)}")
+        launch(SCRIPT, *cache_flags(tiny, non_square_shapes, outputs[cache_latents],
+                                    *(["--cache_latents"] if cache_latents else [])))
+    return outputs
+
+
+def test_the_non_square_pictures_flip_with_an_odd_margin(non_square_shapes):
+    # The first epoch uses all six pictures: a flip there moves a crop corner, so time ids from the
+    # unflipped corner would change the weights below.
+    transform = ImageTransform(32, center_crop=True, random_flip=True)
+    moved = []
+    for index, path in enumerate(sorted(non_square_shapes.glob("*.png"))):
+        width, height = Image.open(path).size
+        layout = transform.draw_layout(width, height, sample_generator(3, 0, index))
+        moved.append(layout.flip and layout.crop_top_left != (layout.top, layout.left))
+    assert any(moved)
+
+
+def test_cached_latents_and_text_embeddings_match_the_uncached_run(cache_runs):
+    # Equal weights also mean equal time ids: shifting one flipped crop corner by a pixel moves them by ~3e-3.
+    for name in (LORA, f"ema/{LORA}"):
+        uncached, cached = load_file(cache_runs[False] / name), load_file(cache_runs[True] / name)
+        assert uncached.keys() == cached.keys() and all(key.startswith("unet.") for key in cached)
+        for key in cached:
+            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (name, key)
+
+
+def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
+    logs = {cache_latents: read_log(cache_runs[cache_latents]) for cache_latents in (False, True)}
+    assert [(r["step"], r["variant"]) for r in logs[True]] == [(4, "raw"), (4, "ema")]
+    for uncached, cached in zip(logs[False], logs[True]):
+        a = np.asarray(Image.open(cache_runs[False] / uncached["images"][0]), dtype=np.int16)
+        b = np.asarray(Image.open(cache_runs[True] / cached["images"][0]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 2
+
+
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, non_square_shapes, cache_runs, tmp_path):
+    shutil.copytree(cache_runs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
+    result = launch(SCRIPT, *cache_flags(tiny, non_square_shapes, tmp_path, "--cache_latents",
+                                         "--resume_from_checkpoint", "latest"))
+    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
+    assert_same_files(tmp_path / LORA, cache_runs[True] / LORA)
+    assert_same_files(tmp_path / "ema" / LORA, cache_runs[True] / "ema" / LORA)

@@ -67,11 +67,28 @@ def cache_latent_parameters(images, transform, vae, device, dtype, batch_size):
 def cached_latent_parameters(cached, transform, generator):
     """What ``transform(image, generator)`` returns, with the cached latent parameters in place of the
     pixels: ``(parameters, (height, width), crop_top_left)``; the flipped parameters when the draw flips."""
+    parameters, layout = _drawn(cached, transform, generator)
+    width, height = cached.size
+    return parameters, (height, width), layout.crop_top_left
+
+
+def cached_paired_latent_parameters(cached, conditioning_image, transform, generator):
+    """What a `PairedImageTransform` returns for an image and its conditioning image, with the image's
+    cached latent parameters in place of its pixels. The conditioning image (not cached: a ControlNet
+    reads it) is laid out by the same draw, so it is flipped exactly when the latents are."""
+    parameters, layout = _drawn(cached, transform, generator)
+    width, height = cached.size
+    return parameters, transform.conditioning_pixels(conditioning_image, layout), (height, width), \
+        layout.crop_top_left
+
+
+def _drawn(cached, transform, generator):
+    """The parameters of one draw of ``transform``'s layout for a cached image, and that layout; the
+    draw takes from ``generator`` exactly what the uncached transform takes."""
     if isinstance(cached, BaseException):
         raise cached.with_traceback(None)
-    width, height = cached.size
-    layout = transform.draw_layout(width, height, generator)
-    return cached.parameters[int(layout.flip)], (height, width), layout.crop_top_left
+    layout = transform.draw_layout(*cached.size, generator)
+    return cached.parameters[int(layout.flip)], layout
 
 
 def sample_latents(parameters):

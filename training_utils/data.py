@@ -136,8 +136,12 @@ class PairedImageTransform(ImageTransform):
     def __call__(self, image, conditioning_image, generator):
         layout = self.draw_layout(image.width, image.height, generator)
         pixels = _chw_tensor(self.apply_layout(image, layout) / 127.5 - 1.0)
-        conditioning_pixels = _chw_tensor(self.apply_layout(conditioning_image, layout) / 255.0)
-        return pixels, conditioning_pixels, (image.height, image.width), layout.crop_top_left
+        return pixels, self.conditioning_pixels(conditioning_image, layout), (image.height, image.width), \
+            layout.crop_top_left
+
+    def conditioning_pixels(self, conditioning_image, layout):
+        """The conditioning image laid out as its image (``layout``), CHW in [0, 1]."""
+        return _chw_tensor(self.apply_layout(conditioning_image, layout) / 255.0)
 
 
 def _chw_tensor(hwc):

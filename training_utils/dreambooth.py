@@ -16,6 +16,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from .args import require
+from .cache import cache_latent_parameters, cached_latent_parameters
 from .data import IMAGE_EXTENSIONS, TrainDataset, stack_collate
 from .pipeline import modules_of
 from .validation import preserved_state
@@ -97,6 +98,29 @@ def paired_collate(examples):
     return {"pixel_values": torch.cat([batch[key] for key in ("instance_pixel_values", "class_pixel_values")
                                        if key in batch])}
 
+
+
+def cached_latents_dataset(dataset, transform, vae, device, dtype, batch_size):
+    """``dataset`` (of `dreambooth_dataset`) with each image replaced by its VAE latent distribution's
+    parameters (``instance``, ``class``), each distinct image encoded once, both flips (`cache`). Each
+    sample draws its flips as the image transform would, from the same per-sample generator in the same
+    order (instance, then class), so a cached run sees what an uncached one sees; an unreadable image
+    raises when drawn, as it would uncached."""
+    paths = dict.fromkeys(path for example in dataset.examples for path in example.values())
+    cache = cache_latent_parameters(((path, lambda path=path: Image.open(path)) for path in paths),
+                                    transform, vae, device, dtype, batch_size)
+
+    def preprocess(example, generator):
+        return {kind: cached_latent_parameters(cache[path], transform, generator)[0]
+                for kind, path in example.items()}
+
+    return TrainDataset(dataset.examples, preprocess, dataset.seed)
+
+
+def collate_latents(examples):
+    """`paired_collate` for `cached_latents_dataset`: the instance samples' latent parameters, then the class samples'."""
+    return {"latent_parameters": torch.cat([torch.stack([example[kind] for example in examples])
+                                            for kind in ("instance", "class") if kind in examples[0]])}
 
 def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed, batch_size=4, schedulers=(),
                           weight_dtype=torch.float32, num_inference_steps=None, call_kwargs=None):

@@ -7,14 +7,22 @@
       --validation_prompt "red circle with blue background" --validation_image ./conditioning_image_1.png
 
 Without ``--controlnet_model_name_or_path`` the ControlNet starts as a copy of the UNet's encoder.
-Only the ControlNet trains. Writes it to ``output_dir`` (and the EMA to ``output_dir/ema``), which
+Only the ControlNet trains. The frozen text encoder runs once per distinct caption before training, and
+with ``--cache_latents`` (which needs ``--center_crop``) the VAE runs once per image (both flips); the
+conditioning images are not cached, since the ControlNet reads them.
+
+Writes the ControlNet to ``output_dir`` (and the EMA to ``output_dir/ema``), which
 ``ControlNetModel.from_pretrained`` loads, validation images with ``validation/log.jsonl``,
 checkpoints to resume from, and a model card.
 """
 
 from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
-from training_utils.args import add_diffusion_loss_args, check_args, exit_on_usage_error, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, exit_on_usage_error,
+                                 training_parser)
+from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
+                                  cached_paired_latent_parameters, distinct_captions, indexed_rows, offload,
+                                  sample_latents)
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        dataset_columns, finish_controlnet_run, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator, pick_training_caption)
@@ -42,6 +50,7 @@ def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0])
     add_controlnet_args(parser, tracker_project_name="train_controlnet")
     add_diffusion_loss_args(parser)
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     check_controlnet_args(args)
@@ -72,18 +81,45 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
 
-    # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Frozen encoders run once, here, never in the step: the text encoder on each distinct caption (and
+    #    the empty prompt that --proportion_empty_prompts draws) and, with --cache_latents, the VAE on each
+    #    target image (both flips); then they leave the accelerator until validation. The conditioning image
+    #    is not cached: the ControlNet reads it. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = PairedImageTransform(args.resolution, args.center_crop, args.random_flip)
+    cache_batch_size = max(args.train_batch_size, 16)
+
+    def encode_text(captions):
+        return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
+
+    captions = distinct_captions([*dataset[args.caption_column], ""])
+    embeddings = cache_text_embeddings(captions, encode_text, cache_batch_size)
+    cached_encoders = [text_encoder]
+    examples = dataset
+    if args.cache_latents:
+        images = dataset.select_columns(args.image_column)
+        latents_cache = cache_latent_parameters(
+            ((index, lambda index=index: images[index][args.image_column]) for index in range(len(images))),
+            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        cached_encoders.append(vae)
+        examples = indexed_rows(dataset, args.image_column)
+    encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
-        pixel_values, conditioning_pixel_values, _, _ = transform(
-            example[args.image_column], example[args.conditioning_image_column], generator)
+        conditioning_image = example[args.conditioning_image_column]
+        if args.cache_latents:
+            latent_parameters, conditioning_pixel_values, _, _ = cached_paired_latent_parameters(
+                latents_cache[example[CACHE_INDEX_COLUMN]], conditioning_image, transform, generator)
+            target = {"latent_parameters": latent_parameters}
+        else:
+            pixel_values, conditioning_pixel_values, _, _ = transform(
+                example[args.image_column], conditioning_image, generator)
+            target = {"pixel_values": pixel_values}
         caption = pick_training_caption(example[args.caption_column], args.proportion_empty_prompts, generator)
-        return {"pixel_values": pixel_values, "conditioning_pixel_values": conditioning_pixel_values,
-                "input_ids": tokenize(tokenizer, caption)[0]}
+        return {**target, "conditioning_pixel_values": conditioning_pixel_values,
+                "encoder_hidden_states": embeddings[caption]}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
         stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -92,7 +128,8 @@ def main(args):
 
     validator = make_controlnet_validator(
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-        weight_dtype=weight_dtype, call_kwargs={"height": args.resolution, "width": args.resolution})
+        weight_dtype=weight_dtype, render_context=encoders_on_device,
+        call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
@@ -102,12 +139,16 @@ def main(args):
     controlnet.train()
     for batch in loop:
         with accelerator.accumulate(controlnet):
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
+            else:
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = latents.contiguous() * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
+            encoder_hidden_states = batch["encoder_hidden_states"]
             # The ControlNet turns the conditioning image into residuals for the frozen UNet's skip connections.
             down_residuals, mid_residual = controlnet(
                 noisy_latents, timesteps, encoder_hidden_states,

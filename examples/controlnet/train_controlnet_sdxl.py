@@ -8,8 +8,12 @@
       --validation_prompt "red circle with blue background" --validation_image ./conditioning_image_1.png
 
 Without ``--controlnet_model_name_or_path`` the ControlNet starts as a copy of the UNet's encoder.
-Only the ControlNet trains. SDXL's own VAE overflows in fp16: with ``--mixed_precision fp16`` pass an
-fp16-safe one (as above), which replaces the pipeline's for training and validation alike, or train in bf16.
+Only the ControlNet trains. The frozen text encoders run once per distinct caption before training, and
+with ``--cache_latents`` (which needs ``--center_crop``) the VAE runs once per image (both flips); the
+conditioning images are not cached, since the ControlNet reads them.
+
+SDXL's own VAE overflows in fp16: with ``--mixed_precision fp16`` pass an fp16-safe one (as above),
+which replaces the pipeline's for training and validation alike, or train in bf16.
 
 Writes the ControlNet to ``output_dir`` (and the EMA to ``output_dir/ema``), which
 ``ControlNetModel.from_pretrained`` loads, validation images with ``validation/log.jsonl``,
@@ -18,7 +22,11 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 
-from training_utils.args import add_diffusion_loss_args, check_args, exit_on_usage_error, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, exit_on_usage_error,
+                                 training_parser)
+from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
+                                  cached_paired_latent_parameters, distinct_captions, indexed_rows, offload,
+                                  sample_latents)
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        dataset_columns, finish_controlnet_run, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator, pick_training_caption)
@@ -47,6 +55,7 @@ def parse_args(argv=None):
     add_vae_args(parser)
     add_controlnet_args(parser, tracker_project_name="sd_xl_train_controlnet")
     add_diffusion_loss_args(parser)
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     check_vae_path(args.pretrained_vae_model_name_or_path)
@@ -81,21 +90,50 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
 
-    # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Frozen encoders run once, here, never in the step: both text encoders on each distinct caption (and
+    #    the empty prompt that --proportion_empty_prompts draws) and, with --cache_latents, the VAE on each
+    #    target image (both flips); then they leave the accelerator until validation. The conditioning image
+    #    is not cached: the ControlNet reads it. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = PairedImageTransform(args.resolution, args.center_crop, args.random_flip)
+    cache_batch_size = max(args.train_batch_size, 16)
+
+    def encode_text(captions):
+        input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
+        return encode_prompt(text_encoders, input_ids)
+
+    captions = distinct_captions([*dataset[args.caption_column], ""])
+    embeddings = cache_text_embeddings(captions, encode_text, cache_batch_size)
+    cached_encoders = [*text_encoders]
+    examples = dataset
+    if args.cache_latents:
+        images = dataset.select_columns(args.image_column)
+        latents_cache = cache_latent_parameters(
+            ((index, lambda index=index: images[index][args.image_column]) for index in range(len(images))),
+            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        cached_encoders.append(vae)
+        examples = indexed_rows(dataset, args.image_column)
+    encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
         # SDXL is told each image's original size and where it was cropped (after any flip).
-        pixel_values, conditioning_pixel_values, original_size, crop_top_left = transform(
-            example[args.image_column], example[args.conditioning_image_column], generator)
+        conditioning_image = example[args.conditioning_image_column]
+        if args.cache_latents:
+            latent_parameters, conditioning_pixel_values, original_size, crop_top_left = (
+                cached_paired_latent_parameters(latents_cache[example[CACHE_INDEX_COLUMN]], conditioning_image,
+                                                transform, generator))
+            target = {"latent_parameters": latent_parameters}
+        else:
+            pixel_values, conditioning_pixel_values, original_size, crop_top_left = transform(
+                example[args.image_column], conditioning_image, generator)
+            target = {"pixel_values": pixel_values}
         caption = pick_training_caption(example[args.caption_column], args.proportion_empty_prompts, generator)
-        input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
-        return {"pixel_values": pixel_values, "conditioning_pixel_values": conditioning_pixel_values,
-                "input_ids": input_ids[0], "input_ids_2": input_ids_2[0],
+        prompt_embeds, pooled = embeddings[caption]
+        return {**target, "conditioning_pixel_values": conditioning_pixel_values,
+                "prompt_embeds": prompt_embeds, "text_embeds": pooled,
                 "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
         stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -104,7 +142,8 @@ def main(args):
 
     validator = make_controlnet_validator(
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-        weight_dtype=weight_dtype, call_kwargs={"height": args.resolution, "width": args.resolution})
+        weight_dtype=weight_dtype, render_context=encoders_on_device,
+        call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
@@ -115,13 +154,17 @@ def main(args):
     controlnet.train()
     for batch in loop:
         with accelerator.accumulate(controlnet):
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
+            else:
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = latents.contiguous() * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            prompt_embeds, pooled = encode_prompt(text_encoders, [batch["input_ids"], batch["input_ids_2"]])
-            added_cond_kwargs = {"text_embeds": pooled, "time_ids": batch["time_ids"]}
+            prompt_embeds = batch["prompt_embeds"]
+            added_cond_kwargs = {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"]}
             # The ControlNet turns the conditioning image into residuals for the frozen UNet's skip connections.
             down_residuals, mid_residual = controlnet(
                 noisy_latents, timesteps, prompt_embeds, added_cond_kwargs=added_cond_kwargs,

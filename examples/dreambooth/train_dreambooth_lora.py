@@ -11,17 +11,22 @@ Writes ``pytorch_lora_weights.safetensors`` (UNet and, with ``--train_text_encod
 adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
 ``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
 checkpoints to resume from, and a model card. Missing class images are generated into
-``--class_data_dir`` by the pipeline that trains, before training starts.
+``--class_data_dir`` by the pipeline that trains, before training starts. A frozen text encoder
+embeds the prompts once, and ``--cache_latents`` (with ``--center_crop``) encodes each instance and
+class image once (both flips), before training; what is cached stays off the accelerator except
+while validating.
 """
 
 import torch
 from diffusers import StableDiffusionPipeline
 
-from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args,
+                                 exit_on_usage_error, training_parser)
+from training_utils.cache import offload, sample_latents
 from training_utils.data import ImageTransform, make_dataloader, tokenize
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, paired_collate)
+from training_utils.dreambooth import (add_dreambooth_args, cached_latents_dataset, check_dreambooth_args,
+                                       class_images_from_args, collate_latents, dreambooth_dataset, paired_collate)
 from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
@@ -46,6 +51,7 @@ def parse_args(argv=None):
     add_lora_args(parser, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_dreambooth_args(parser)
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -77,13 +83,11 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusionPipeline, trained))
 
-    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet), data,
-    #    optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet). Frozen
+    #    encoders run once, here, never in the step: a frozen text encoder on the prompts and, with
+    #    --cache_latents, the VAE on each image (both flips); then they leave the accelerator until
+    #    validation. Data, optimizer and schedule; then accelerate, and resume if asked.
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype)
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    dataloader = accelerator.prepare(make_dataloader(
-        dreambooth_dataset(instance_images, transform, args.seed, class_images), args.train_batch_size,
-        args.dataloader_num_workers, paired_collate, args.seed))
 
     # Each batch holds the instance images, then as many class images: one prompt per half.
     prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
@@ -93,9 +97,21 @@ def main(args):
         return text_encoder(prompt_ids, return_dict=False)[0]
 
     frozen_prompt_embeds = None
-    if not args.train_text_encoder:  # a frozen text encoder always gives the same embeddings: compute them once
+    cached_encoders = []
+    if not args.train_text_encoder:
         with torch.no_grad():
             frozen_prompt_embeds = encode_prompts()
+        cached_encoders.append(text_encoder)
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    dataset, collate = dreambooth_dataset(instance_images, transform, args.seed, class_images), paired_collate
+    if args.cache_latents:
+        dataset = cached_latents_dataset(dataset, transform, vae, accelerator.device, weight_dtype,
+                                         max(args.train_batch_size, 16))
+        collate = collate_latents
+        cached_encoders.append(vae)
+    encoders_on_device = offload(cached_encoders, accelerator.device)
+    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                     collate, args.seed))
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -106,7 +122,7 @@ def main(args):
         unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype,
+                               weight_dtype=weight_dtype, render_context=encoders_on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -118,8 +134,12 @@ def main(args):
         module.train()
     for batch in loop:
         with accelerator.accumulate(unet, text_encoder):
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
+            else:
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = latents.contiguous() * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)

@@ -16,14 +16,13 @@ images are generated into ``--class_data_dir`` by the pipeline that trains, befo
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from PIL import Image
 
 from training_utils.args import add_cache_args, add_lora_args, check_args, exit_on_usage_error, require, training_parser
-from training_utils.data import ImageTransform, TrainDataset, make_dataloader
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, paired_collate)
+from training_utils.cache import sample_latents
+from training_utils.data import ImageTransform, make_dataloader
+from training_utils.dreambooth import (add_dreambooth_args, cached_latents_dataset, check_dreambooth_args,
+                                       class_images_from_args, collate_latents, dreambooth_dataset, paired_collate)
 from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
@@ -87,36 +86,6 @@ def lora_target_modules(transformer, layers, blocks):
     return targets
 
 
-def cached_latents_dataset(dataset, transform, vae, device, dtype, seed):
-    """``dataset`` (of `dreambooth_dataset`) with each image replaced by its VAE latent distribution's
-    parameters, encoded once. Both orientations are cached; each sample draws its flip as the image
-    transform would, from the same per-sample generator, so a cached run sees what an uncached one sees."""
-    unflipped = ImageTransform(transform.resolution, center_crop=True)
-    cache = {}
-    with torch.no_grad():
-        for path in {path for example in dataset.examples for path in example.values()}:
-            with Image.open(path) as image:
-                pixels = unflipped(image, torch.Generator())[0]
-                size = image.size
-            both = torch.stack([pixels, pixels.flip(-1)]).to(device, dtype)
-            cache[path] = size, vae.encode(both).latent_dist.parameters.cpu()
-
-    def preprocess(example, generator):
-        latents = {}
-        for kind, path in example.items():
-            size, parameters = cache[path]
-            latents[kind] = parameters[int(transform.draw_layout(*size, generator).flip)]
-        return latents
-
-    return TrainDataset(dataset.examples, preprocess, seed)
-
-
-def collate_latents(examples):
-    """Like `paired_collate`: the instance samples' latent parameters, then the class samples'."""
-    return {"latent_parameters": torch.cat([torch.stack([example[kind] for example in examples])
-                                            for kind in ("instance", "class") if kind in examples[0]])}
-
-
 def weighted_mse(prediction, target, weighting):
     per_sample = (weighting.float() * (prediction.float() - target.float()) ** 2).flatten(1).mean(1)
     return per_sample.mean()
@@ -159,7 +128,8 @@ def main(args):
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     dataset, collate = dreambooth_dataset(instance_images, transform, args.seed, class_images), paired_collate
     if args.cache_latents:  # the VAE encodes each image once here, and never in the step
-        dataset = cached_latents_dataset(dataset, transform, vae, accelerator.device, weight_dtype, args.seed)
+        dataset = cached_latents_dataset(dataset, transform, vae, accelerator.device, weight_dtype,
+                                         max(args.train_batch_size, 16))
         collate = collate_latents
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      collate, args.seed))
@@ -197,11 +167,12 @@ def main(args):
         module.train()
     for batch in loop:
         with accelerator.accumulate(transformer, *text_encoders[:2]):
-            if args.cache_latents:
-                latent_dist = DiagonalGaussianDistribution(batch["latent_parameters"])
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
             else:
-                latent_dist = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist
-            latents = (latent_dist.sample() - vae.config.shift_factor) * vae.config.scaling_factor
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = (latents.contiguous() - vae.config.shift_factor) * vae.config.scaling_factor
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(
                 noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)

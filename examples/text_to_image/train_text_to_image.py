@@ -10,7 +10,9 @@ Writes a full pipeline holding the trained UNet to ``output_dir`` (``StableDiffu
 loads it) and, with ``--use_ema``, the EMA UNet to ``output_dir/ema/unet``; validation images with
 ``validation/log.jsonl``, checkpoints to resume from, and a model card. ``--ema_device=cpu`` keeps the
 EMA off the accelerator (upstream's ``--offload_ema``). Under ``--mixed_precision`` the frozen VAE and
-text encoder run, and are saved, in that half precision; the UNet trains and is saved in fp32.
+text encoder run, and are saved, in that half precision; the UNet trains and is saved in fp32. The frozen
+text encoder runs once per distinct caption before training (and, with ``--cache_latents``, the VAE once
+per image), not in every step; both stay off the accelerator except while validating.
 """
 
 import math
@@ -18,7 +20,10 @@ from pathlib import Path
 
 from diffusers import StableDiffusionPipeline
 
-from training_utils.args import add_diffusion_loss_args, check_args, exit_on_usage_error, require, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, exit_on_usage_error, require,
+                                 training_parser)
+from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
+                                  cached_latent_parameters, distinct_captions, indexed_rows, offload, sample_latents)
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
 from training_utils.diffusion import (diffusion_loss, perturbed_noise, prediction_target, sample_noise,
@@ -49,6 +54,7 @@ def parse_args(argv=None):
     add_diffusion_loss_args(parser)
     parser.add_argument("--input_perturbation", type=float, default=0.0,
                         help="scale of extra noise added to the model's input noise only (0.1 is usual)")
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     require(args.input_perturbation >= 0 and math.isfinite(args.input_perturbation), "--input_perturbation",
@@ -77,16 +83,37 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
 
-    # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Frozen encoders run once, here, never in the step: the text encoder on each distinct caption
+    #    and, with --cache_latents, the VAE on each image (both flips), in their half precision as the
+    #    step would run them; then they leave the accelerator until validation. Data, optimizer and
+    #    schedule; then accelerate, and resume if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    cache_batch_size = max(args.train_batch_size, 16)
+
+    def encode_text(captions):
+        return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
+
+    embeddings = cache_text_embeddings(distinct_captions(dataset[args.caption_column]), encode_text, cache_batch_size)
+    cached_encoders = [text_encoder]
+    examples = dataset
+    if args.cache_latents:
+        latents_cache = cache_latent_parameters(
+            ((index, lambda index=index: dataset[index][args.image_column]) for index in range(len(dataset))),
+            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        cached_encoders.append(vae)
+        examples = indexed_rows(dataset, args.image_column)
+    encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
-        pixel_values, _, _ = transform(example[args.image_column], generator)
-        caption = pick_caption(example[args.caption_column], generator)
-        return {"pixel_values": pixel_values, "input_ids": tokenize(tokenizer, caption)[0]}
+        if args.cache_latents:
+            image = {"latent_parameters": cached_latent_parameters(
+                latents_cache[example[CACHE_INDEX_COLUMN]], transform, generator)[0]}
+        else:
+            image = {"pixel_values": transform(example[args.image_column], generator)[0]}
+        return {**image, "encoder_hidden_states": embeddings[pick_caption(example[args.caption_column], generator)]}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
         stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -94,7 +121,7 @@ def main(args):
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype,
+                               weight_dtype=weight_dtype, render_context=encoders_on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -105,15 +132,18 @@ def main(args):
     unet.train()
     for batch in loop:
         with accelerator.accumulate(unet):
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
+            else:
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = latents.contiguous() * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             # Input perturbation noises the input a little more than the target says it is.
             input_noise = perturbed_noise(noise, args.input_perturbation)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, input_noise, timesteps)
-            encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
-            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+            model_pred = unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
 

@@ -11,6 +11,10 @@ The frozen VAE runs in the mixed-precision dtype; SDXL's own VAE overflows in fp
 ``--mixed_precision fp16`` pass an fp16-safe one (as above) with ``--pretrained_vae_model_name_or_path``,
 or train in bf16. That VAE replaces the pipeline's, for training and validation alike.
 
+Frozen text encoders run once per distinct caption before training, not in every step; with
+``--cache_latents`` (which needs ``--center_crop``) the VAE encodes each image once too. Cached encoders
+leave the accelerator until validation. Results match the uncached run to float tolerance.
+
 Writes ``pytorch_lora_weights.safetensors`` (UNet and, with ``--train_text_encoder``, both text-encoder
 adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
 ``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
@@ -19,7 +23,10 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionXLPipeline
 
-from training_utils.args import add_diffusion_loss_args, add_lora_args, check_args, exit_on_usage_error, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args,
+                                 exit_on_usage_error, training_parser)
+from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
+                                  cached_latent_parameters, distinct_captions, indexed_rows, offload, sample_latents)
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
@@ -48,6 +55,7 @@ def parse_args(argv=None):
     add_vae_args(parser)
     add_lora_args(parser, train_text_encoder=True)
     add_diffusion_loss_args(parser)
+    add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     check_vae_path(args.pretrained_vae_model_name_or_path)
@@ -85,19 +93,50 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusionXLPipeline, trained))
 
-    # 4. Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Frozen encoders run once, here, never in the step: unless trained, both text encoders on each
+    #    distinct caption and, with --cache_latents, the VAE on each image (both flips); then they leave
+    #    the accelerator until validation. Data, optimizer and schedule; then accelerate, and resume if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    cache_batch_size = max(args.train_batch_size, 16)
+    cached_encoders = []
+    if not args.train_text_encoder:
+        def encode_text(captions):
+            input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
+            return encode_prompt(text_encoders, input_ids)
+
+        embeddings = cache_text_embeddings(distinct_captions(dataset[args.caption_column]), encode_text,
+                                           cache_batch_size)
+        cached_encoders += text_encoders
+    examples = dataset
+    if args.cache_latents:
+        latents_cache = cache_latent_parameters(
+            ((index, lambda index=index: dataset[index][args.image_column]) for index in range(len(dataset))),
+            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        cached_encoders.append(vae)
+        examples = indexed_rows(dataset, args.image_column)
+    encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
-        # SDXL is told each image's original size and where it was cropped (after any flip).
-        pixel_values, original_size, crop_top_left = transform(example[args.image_column], generator)
+        # SDXL is told each image's original size and where it was cropped (after any flip); the cached
+        # draw returns both as the transform does, from the same generator draws.
+        if args.cache_latents:
+            latent_parameters, original_size, crop_top_left = cached_latent_parameters(
+                latents_cache[example[CACHE_INDEX_COLUMN]], transform, generator)
+            image = {"latent_parameters": latent_parameters}
+        else:
+            pixel_values, original_size, crop_top_left = transform(example[args.image_column], generator)
+            image = {"pixel_values": pixel_values}
         caption = pick_caption(example[args.caption_column], generator)
-        input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
-        return {"pixel_values": pixel_values, "input_ids": input_ids[0], "input_ids_2": input_ids_2[0],
-                "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
+        if args.train_text_encoder:
+            input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
+            text = {"input_ids": input_ids[0], "input_ids_2": input_ids_2[0]}
+        else:
+            prompt_embeds, pooled = embeddings[caption]
+            text = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+        return {**image, **text, "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(dataset, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
+        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
         stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -109,7 +148,7 @@ def main(args):
         unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype,
+                               weight_dtype=weight_dtype, render_context=encoders_on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -121,12 +160,19 @@ def main(args):
         module.train()
     for batch in loop:
         with accelerator.accumulate(unet, *text_encoders):
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
+            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
+                latents = sample_latents(batch["latent_parameters"])
+            else:
+                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
+            latents = latents.contiguous() * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            prompt_embeds, pooled = encode_prompt(text_encoders, [batch["input_ids"], batch["input_ids_2"]])
+            if args.train_text_encoder:
+                prompt_embeds, pooled = encode_prompt(text_encoders, [batch["input_ids"], batch["input_ids_2"]])
+            else:
+                prompt_embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
             added_cond_kwargs = {"text_embeds": pooled, "time_ids": batch["time_ids"]}
             model_pred = unet(noisy_latents, timesteps, prompt_embeds, added_cond_kwargs=added_cond_kwargs,
                               return_dict=False)[0]
