@@ -9,8 +9,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import assert_same_files, launch, read_log
-from training_utils.cache import (cache_latent_parameters, cache_text_embeddings, cached_latent_parameters,
-                                  cached_paired_latent_parameters, distinct_captions, offload, sample_latents)
+from training_utils.cache import (CACHE_INDEX_COLUMN, DatasetLatents, cache_latent_parameters, cache_text_embeddings,
+                                  cached_latent_parameters, cached_paired_latent_parameters, distinct_captions, offload,
+                                  sample_latents)
 from training_utils.data import ImageTransform, PairedImageTransform, sample_generator, tokenize
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
@@ -68,6 +69,30 @@ def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(
             assert torch.equal(torch.rand(4, generator=cached_generator), torch.rand(4, generator=uncached_generator))
             crops.add((key, cached[3]))
     assert crops == {(0, (0, 4)), (0, (0, 5)), (1, (6, 0))}
+
+
+def test_dataset_latents_draw_what_the_transform_draws_and_leave_the_images_undecoded(tiny_sd_pipe, tmp_path):
+    import datasets
+
+    paths = []
+    for index, colour in enumerate([(200, 30, 30), (30, 30, 200)]):
+        image = Image.new("RGB", (48, 40), colour)
+        image.paste((0, 255, 0), (0, 0, 10 + index, 40))
+        image.save(tmp_path / f"{index}.png")
+        paths.append(str(tmp_path / f"{index}.png"))
+    dataset = datasets.Dataset.from_dict({"image": paths, "text": ["a", "b"]}).cast_column("image", datasets.Image())
+    transform = ImageTransform(32, center_crop=True, random_flip=True)
+    latents = DatasetLatents(dataset, "image", transform, tiny_sd_pipe.vae, "cpu", torch.float32, batch_size=2)
+    assert latents.examples.column_names == ["image", "text", CACHE_INDEX_COLUMN]
+    for index, example in enumerate(latents.examples):
+        assert example["image"]["path"] == paths[index]  # undecoded, so an unreadable file can be named
+        for epoch in range(4):
+            drawn = latents.draw(example, sample_generator(0, epoch, index))
+            pixels, original_size, crop_top_left = transform(dataset[index]["image"], sample_generator(0, epoch, index))
+            with torch.no_grad():
+                expected = tiny_sd_pipe.vae.encode(pixels[None]).latent_dist.parameters[0]
+            torch.testing.assert_close(drawn[0], expected, atol=1e-5, rtol=1e-5)
+            assert drawn[1:] == (original_size, crop_top_left)
 
 
 def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):

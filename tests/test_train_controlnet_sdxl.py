@@ -276,12 +276,3 @@ def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
         a = np.asarray(Image.open(cache_runs[False] / uncached["images"][0]), dtype=np.int16)
         b = np.asarray(Image.open(cache_runs[True] / cached["images"][0]), dtype=np.int16)
         assert np.abs(a - b).max() <= 2
-
-
-def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, cache_runs):
-    assert checkpoints(cache_runs[True]) == ["checkpoint-2", "checkpoint-4"]
-    shutil.copytree(cache_runs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
-    result = launch(SCRIPT, *cache_flags(tiny, tmp_path, "--cache_latents", "--resume_from_checkpoint", "latest"))
-    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
-    assert_same_files(tmp_path / WEIGHTS, cache_runs[True] / WEIGHTS)
-    assert_same_files(tmp_path / "ema" / WEIGHTS, cache_runs[True] / "ema" / WEIGHTS)

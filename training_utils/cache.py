@@ -96,13 +96,32 @@ def sample_latents(parameters):
     return DiagonalGaussianDistribution(parameters).sample()
 
 
-def indexed_rows(dataset, image_column):
-    """``dataset`` with its images left undecoded (the cache holds them) and each row's index in
-    `CACHE_INDEX_COLUMN`; a `TrainDataset` over it still names the file of an unreadable image."""
-    import datasets
+class DatasetLatents:
+    """The latent parameters of every image of a `datasets.Dataset` (`cache_latent_parameters`, each
+    image decoded once), and ``examples``: the dataset to train on instead, its images left undecoded
+    (the cache holds them) and each row's index in `CACHE_INDEX_COLUMN`. A `TrainDataset` over
+    ``examples`` still names the file of an unreadable image. ``draw`` and ``draw_paired`` stand in
+    for the transform in a script's ``preprocess``."""
 
-    undecoded = dataset.cast_column(image_column, datasets.Image(decode=False))
-    return undecoded.add_column(CACHE_INDEX_COLUMN, list(range(len(dataset))))
+    def __init__(self, dataset, image_column, transform, vae, device, dtype, batch_size):
+        import datasets
+
+        images = dataset.select_columns(image_column)  # decode nothing else (e.g. conditioning images)
+        self.cache = cache_latent_parameters(
+            ((index, lambda index=index: images[index][image_column]) for index in range(len(images))),
+            transform, vae, device, dtype, batch_size)
+        self.transform = transform
+        undecoded = dataset.cast_column(image_column, datasets.Image(decode=False))
+        self.examples = undecoded.add_column(CACHE_INDEX_COLUMN, list(range(len(dataset))))
+
+    def draw(self, example, generator):
+        """`cached_latent_parameters` for a row of ``examples``."""
+        return cached_latent_parameters(self.cache[example[CACHE_INDEX_COLUMN]], self.transform, generator)
+
+    def draw_paired(self, example, conditioning_image, generator):
+        """`cached_paired_latent_parameters` for a row of ``examples`` and its conditioning image."""
+        return cached_paired_latent_parameters(self.cache[example[CACHE_INDEX_COLUMN]], conditioning_image,
+                                               self.transform, generator)
 
 
 def distinct_captions(values):

@@ -20,9 +20,7 @@ from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, exit_on_usage_error,
                                  training_parser)
-from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
-                                  cached_paired_latent_parameters, distinct_captions, indexed_rows, offload,
-                                  sample_latents)
+from training_utils.cache import DatasetLatents, cache_text_embeddings, distinct_captions, offload, sample_latents
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        dataset_columns, finish_controlnet_run, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator, pick_training_caption)
@@ -96,19 +94,17 @@ def main(args):
     cached_encoders = [text_encoder]
     examples = dataset
     if args.cache_latents:
-        images = dataset.select_columns(args.image_column)
-        latents_cache = cache_latent_parameters(
-            ((index, lambda index=index: images[index][args.image_column]) for index in range(len(images))),
-            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        latent_cache = DatasetLatents(dataset, args.image_column, transform, vae, accelerator.device, weight_dtype,
+                                      cache_batch_size)
         cached_encoders.append(vae)
-        examples = indexed_rows(dataset, args.image_column)
+        examples = latent_cache.examples
     encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
         conditioning_image = example[args.conditioning_image_column]
         if args.cache_latents:
-            latent_parameters, conditioning_pixel_values, _, _ = cached_paired_latent_parameters(
-                latents_cache[example[CACHE_INDEX_COLUMN]], conditioning_image, transform, generator)
+            latent_parameters, conditioning_pixel_values, _, _ = latent_cache.draw_paired(
+                example, conditioning_image, generator)
             target = {"latent_parameters": latent_parameters}
         else:
             pixel_values, conditioning_pixel_values, _, _ = transform(

@@ -12,6 +12,9 @@ CLIP encoders' adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safe
 ``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
 checkpoints to resume from, and a model card. With ``--with_prior_preservation``, missing class
 images are generated into ``--class_data_dir`` by the pipeline that trains, before training starts.
+Frozen text encoders embed the prompts once, and ``--cache_latents`` (with ``--center_crop``) encodes
+each instance and class image once (both flips), before training; what is cached stays off the
+accelerator except while validating.
 """
 
 import torch
@@ -19,7 +22,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 from training_utils.args import add_cache_args, add_lora_args, check_args, exit_on_usage_error, require, training_parser
-from training_utils.cache import sample_latents
+from training_utils.cache import offload, sample_latents
 from training_utils.data import ImageTransform, make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, cached_latents_dataset, check_dreambooth_args,
                                        class_images_from_args, collate_latents, dreambooth_dataset, paired_collate)
@@ -122,15 +125,19 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusion3Pipeline, trained))
 
-    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet), data,
-    #    optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet). Frozen
+    #    encoders run once, here, never in the step: frozen text encoders on the prompts and, with
+    #    --cache_latents, the VAE on each image (both flips); then they leave the accelerator until
+    #    validation (T5 alone is gigabytes). Data, optimizer and schedule; then accelerate, and resume if asked.
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype)
+    cached_encoders = []
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     dataset, collate = dreambooth_dataset(instance_images, transform, args.seed, class_images), paired_collate
-    if args.cache_latents:  # the VAE encodes each image once here, and never in the step
+    if args.cache_latents:
         dataset = cached_latents_dataset(dataset, transform, vae, accelerator.device, weight_dtype,
                                          max(args.train_batch_size, 16))
         collate = collate_latents
+        cached_encoders.append(vae)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      collate, args.seed))
 
@@ -140,9 +147,11 @@ def main(args):
                   tokenize_prompt([pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3], prompts,
                                   args.max_sequence_length)]
     frozen_prompt_embeds = None
-    if not args.train_text_encoder:  # frozen encoders always give the same embeddings: compute them once
+    if not args.train_text_encoder:
         with torch.no_grad():
             frozen_prompt_embeds = encode_prompt(text_encoders, prompt_ids)
+        cached_encoders += text_encoders
+    encoders_on_device = offload(cached_encoders, accelerator.device)
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -154,7 +163,7 @@ def main(args):
         transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype,
+                               weight_dtype=weight_dtype, render_context=encoders_on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)

@@ -25,8 +25,7 @@ from diffusers import StableDiffusionXLPipeline
 
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args,
                                  exit_on_usage_error, training_parser)
-from training_utils.cache import (CACHE_INDEX_COLUMN, cache_latent_parameters, cache_text_embeddings,
-                                  cached_latent_parameters, distinct_captions, indexed_rows, offload, sample_latents)
+from training_utils.cache import DatasetLatents, cache_text_embeddings, distinct_captions, offload, sample_latents
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
@@ -109,19 +108,17 @@ def main(args):
         cached_encoders += text_encoders
     examples = dataset
     if args.cache_latents:
-        latents_cache = cache_latent_parameters(
-            ((index, lambda index=index: dataset[index][args.image_column]) for index in range(len(dataset))),
-            transform, vae, accelerator.device, weight_dtype, cache_batch_size)
+        latent_cache = DatasetLatents(dataset, args.image_column, transform, vae, accelerator.device, weight_dtype,
+                                      cache_batch_size)
         cached_encoders.append(vae)
-        examples = indexed_rows(dataset, args.image_column)
+        examples = latent_cache.examples
     encoders_on_device = offload(cached_encoders, accelerator.device)
 
     def preprocess(example, generator):
         # SDXL is told each image's original size and where it was cropped (after any flip); the cached
         # draw returns both as the transform does, from the same generator draws.
         if args.cache_latents:
-            latent_parameters, original_size, crop_top_left = cached_latent_parameters(
-                latents_cache[example[CACHE_INDEX_COLUMN]], transform, generator)
+            latent_parameters, original_size, crop_top_left = latent_cache.draw(example, generator)
             image = {"latent_parameters": latent_parameters}
         else:
             pixel_values, original_size, crop_top_left = transform(example[args.image_column], generator)
