@@ -1,5 +1,6 @@
 """Cached encoder outputs (training_utils.cache) and the text-to-image LoRA script's --cache_latents."""
 
+import logging
 import shutil
 
 import numpy as np
@@ -136,18 +137,21 @@ def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_
             torch.testing.assert_close(embeddings[caption], encode([caption])[0], atol=1e-5, rtol=1e-5)
 
 
-def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption():
+def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption(caplog):
+    caplog.set_level(logging.INFO, logger="training_utils.cache")
     captions = ["a", "b", "c"]
 
     def encode(texts):  # like SDXL's (hidden states, pooled): a batch of each
         codes = torch.tensor([float(ord(text)) for text in texts])
-        return codes[:, None, None].expand(-1, 2, 3), codes[:, None] * 10
+        return codes[:, None, None].expand(-1, 512, 512), codes[:, None] * 10
 
     embeddings = cache_text_embeddings(captions, encode, batch_size=2)
     for caption in captions:
         hidden, pooled = embeddings[caption]
-        assert torch.equal(hidden, torch.full((2, 3), float(ord(caption))))
+        assert torch.equal(hidden, torch.full((512, 512), float(ord(caption))))
         assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))
+    # The host memory the cache holds is said: 3 captions of 1 MiB of hidden states (and 4 bytes pooled).
+    assert "text embeddings of 3 distinct captions cached: 3.0 MiB of host memory" in caplog.text
 
 
 def test_offload_keeps_modules_on_the_cpu_outside_the_context():
