@@ -8,8 +8,6 @@ from pathlib import Path
 
 from training_utils import tiny
 
-MODELS = {"tiny": "sd", "wide": "sd-wide"}
-
 
 def build_wide_sd(path):
     from diffusers import StableDiffusionPipeline
@@ -28,15 +26,18 @@ def build_wide_sd(path):
     ).save_pretrained(path)
 
 
-def model_path(name, fixtures_dir):
-    """The pipeline folder for ``name`` ("tiny" or "wide", built under ``fixtures_dir`` if missing), or ``name``
-    itself when it is a path."""
-    if name not in MODELS:
-        return name
-    path = Path(fixtures_dir) / MODELS[name]
-    if not (path / "model_index.json").exists():
-        if name == "tiny":
-            tiny.build(fixtures_dir, ["sd"])
-        else:
+def model_path(name, fixtures_dir, tiny_fixture="sd"):
+    """The pipeline folder for ``name``, built under ``fixtures_dir`` if missing: "tiny" is the
+    ``tiny_fixture`` of `training_utils.tiny` (the script's own model family), "wide" the wider SD 1.x
+    pipeline; any other ``name`` is a path, returned as it is."""
+    if name == "tiny":
+        path = Path(fixtures_dir) / tiny_fixture
+        if not (path / "model_index.json").exists():
+            tiny.build(fixtures_dir, [tiny_fixture])
+        return str(path)
+    if name == "wide":
+        path = Path(fixtures_dir) / "sd-wide"
+        if not (path / "model_index.json").exists():
             build_wide_sd(path)
-    return str(path)
+        return str(path)
+    return name

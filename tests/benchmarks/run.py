@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,31 +52,54 @@ TARGETS = {"step_over_bare": 1.05, "validation_over_bare": 1.10, "ema_fraction_o
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
 
-def text_to_image_lora_step(pipe, noise_scheduler, weight_dtype):
-    """The compute of one step of train_text_to_image_lora.py, without anything around it."""
-    vae, unet = pipe.vae, pipe.unet
+def sample_noisy_latents(batch, vae, noise_scheduler, weight_dtype):
+    """``(noisy latents, timesteps, noise)`` as the UNet scripts draw them, from cached latent parameters
+    (``--cache_latents``) or pixels."""
+    if "latent_parameters" in batch:
+        latents = sample_latents(batch["latent_parameters"])
+    else:
+        latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+    latents = latents.contiguous() * vae.config.scaling_factor
+    noise = torch.randn_like(latents)
+    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
+                              device=latents.device)
+    return noise_scheduler.add_noise(latents, noise, timesteps), timesteps, noise
 
+
+def text_to_image_step(pipe, noise_scheduler, weight_dtype):
+    """The compute of one step of train_text_to_image(_lora).py, without anything around it. Like the
+    scripts, it reads the cached text embeddings from the batch."""
     def step(batch):
-        # The script caches text embeddings (and, with --cache_latents, the VAE's output): so does this.
-        if "latent_parameters" in batch:
-            latents = sample_latents(batch["latent_parameters"])
-        else:
-            latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-        latents = latents.contiguous() * vae.config.scaling_factor
-        noise = torch.randn_like(latents)
-        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
-                                  device=latents.device)
-        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-        model_pred = unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
+        noisy_latents, timesteps, noise = sample_noisy_latents(batch, pipe.vae, noise_scheduler, weight_dtype)
+        model_pred = pipe.unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
         return F.mse_loss(model_pred.float(), noise.float())
 
     return step
 
 
-# script name -> (path under examples/, its bare step, the flags that give it data)
+def text_to_image_lora_sdxl_step(pipe, noise_scheduler, weight_dtype):
+    """The compute of one step of train_text_to_image_lora_sdxl.py (frozen, cached text encoders)."""
+    def step(batch):
+        noisy_latents, timesteps, noise = sample_noisy_latents(batch, pipe.vae, noise_scheduler, weight_dtype)
+        conditioning = {"text_embeds": batch["pooled_prompt_embeds"], "time_ids": batch["time_ids"]}
+        model_pred = pipe.unet(noisy_latents, timesteps, batch["prompt_embeds"], added_cond_kwargs=conditioning,
+                               return_dict=False)[0]
+        return F.mse_loss(model_pred.float(), noise.float())
+
+    return step
+
+
+class Script(NamedTuple):
+    path: str              # under examples/
+    bare_step: Callable    # (pipe, noise_scheduler, weight_dtype) -> step(batch) -> loss
+    tiny_fixture: str      # the `training_utils.tiny` pipeline that --model tiny means
+
+
 SCRIPTS = {
-    "text_to_image_lora": ("text_to_image/train_text_to_image_lora.py", text_to_image_lora_step,
-                           lambda data: ["--train_data_dir", data]),
+    "text_to_image_lora": Script("text_to_image/train_text_to_image_lora.py", text_to_image_step, "sd"),
+    "text_to_image": Script("text_to_image/train_text_to_image.py", text_to_image_step, "sd"),
+    "text_to_image_lora_sdxl": Script("text_to_image/train_text_to_image_lora_sdxl.py",
+                                      text_to_image_lora_sdxl_step, "sdxl"),
 }
 
 
@@ -257,9 +281,9 @@ def bare_validation_seconds(validator):
     return time.perf_counter() - start
 
 
-def script_argv(options, model, output_dir, data_flags):
+def script_argv(options, model, output_dir, data):
     return [
-        "--pretrained_model_name_or_path", model, *data_flags, "--output_dir", output_dir,
+        "--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", output_dir,
         "--resolution", str(options.resolution), "--train_batch_size", str(options.batch_size),
         "--max_train_steps", str(options.steps), "--learning_rate", "1e-4", "--seed", "0",
         "--mixed_precision", options.mixed_precision, "--use_ema", "--ema_decay", "0.999",
@@ -271,9 +295,9 @@ def script_argv(options, model, output_dir, data_flags):
 
 
 def measure(options):
-    relative_path, make_bare_step, data_flags = SCRIPTS[options.script]
+    script = SCRIPTS[options.script]
     fixtures = Path(options.fixtures_dir)
-    model = model_path(options.model, fixtures)
+    model = model_path(options.model, fixtures, script.tiny_fixture)
     data = options.data
     if data is None:
         data = fixtures / "shapes"
@@ -281,13 +305,13 @@ def measure(options):
             from training_utils.tiny import build
 
             build(fixtures, ["shapes"])
-    script = load_script(relative_path)
-    hooks = Hooks(make_bare_step, options.warmup)
+    module = load_script(script.path)
+    hooks = Hooks(script.bare_step, options.warmup)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = script.parse_args(script_argv(options, model, output_dir, data_flags(str(data))))
+        args = module.parse_args(script_argv(options, model, output_dir, str(data)))
         with hooks.installed(profile=options.profile):
             hooks.started = time.perf_counter()
-            script.main(args)
+            module.main(args)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     loop = hooks.loop
