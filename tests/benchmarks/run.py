@@ -13,8 +13,9 @@ writes (``--json``, and a Markdown table beside it):
 * EMA: one update's share of the step (LoRA target <= 1%) and its bytes over the trained fp32 tensors (1);
 * peak resident memory, and the time from calling ``main()`` to the end of the first step.
 
-``--model`` is "tiny" (the test fixture), "wide" (17M-parameter UNet, a more realistic CPU figure) or a
-pipeline folder. ``--profile`` also prints where the validation time goes (cProfile, cumulative).
+``--script`` is one of `SCRIPTS`. ``--model`` is "tiny" (the script's test fixture), "wide" (an SD 1.x
+pipeline with a 17M-parameter UNet, a more realistic CPU figure, for the SD 1.x scripts) or a pipeline
+folder. ``--profile`` also prints where the validation time goes (cProfile, cumulative).
 Not part of the test suite: timings depend on the machine and on what else runs on it.
 """
 
