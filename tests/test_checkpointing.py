@@ -247,12 +247,12 @@ def test_save_load_round_trip_is_bitwise(tmp_path, acc):
     run = Run(acc, tmp_path)
     run.train(3)
     saved = run.snapshot()
-    path = run.checkpointer.save(3)
+    path = run.checkpointer.save(3, {"skipped_images": 2})
     rng_after_save = torch.rand(4)
 
     assert path == tmp_path / "checkpoint-3"
     assert (path / TRAINED_FILE).is_file() and (path / EMA_FILE).is_file()
-    assert json.loads((path / STATE_FILE).read_text()) == {"global_step": 3}
+    assert json.loads((path / STATE_FILE).read_text()) == {"global_step": 3, "skipped_images": 2}
     assert not (tmp_path / ".checkpoint-3.incomplete").exists()
     # the hook replaces accelerate's whole-model weights by the trained tensors
     assert not list(path.glob("model*.safetensors")) and not list(path.glob("pytorch_model*.bin"))
@@ -265,6 +265,7 @@ def test_save_load_round_trip_is_bitwise(tmp_path, acc):
 
     parameter_objects = dict(run.parameters)
     assert run.checkpointer.load(path) == 3
+    assert run.checkpointer.loaded_state == {"global_step": 3, "skipped_images": 2}
     assert_same_state(run.snapshot(), saved)
     # restored in place: the optimizer and EMA still hold the very same tensors
     assert all(run.parameters[name] is parameter_objects[name] for name in parameter_objects)

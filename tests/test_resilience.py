@@ -5,6 +5,7 @@ The script runs under plain ``python`` (one process needs no ``accelerate launch
 signal it directly.
 """
 
+import json
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,8 @@ def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(preempted):
     assert len(stopped) == 1 and "SIGTERM" in stopped[0], stderr[-3000:]
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert 2 < step < 10, "the run should stop early: the signal came right after checkpoint-2"
-    assert (output_dir / f"checkpoint-{step}" / "training_state.json").read_text() == f'{{"global_step": {step}}}'
+    state = json.loads((output_dir / f"checkpoint-{step}" / "training_state.json").read_text())
+    assert state == {"global_step": step, "skipped_images": 0}
     assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
 
 
@@ -173,7 +175,7 @@ def corrupt_stopped(tiny, corrupt_data, tmp_path_factory):
 def corrupt_skipped(tiny, corrupt_data, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("corrupt_skipped")
     return output_dir, run(*corrupt_flags(tiny, output_dir, corrupt_data, "--skip_corrupt_images",
-                                          "--report_to", "tensorboard"))
+                                          "--report_to", "tensorboard", "--checkpointing_steps", 4))
 
 
 def test_an_unreadable_image_stops_the_run_naming_it_after_a_checkpoint(corrupt_stopped, corrupt_data):
@@ -188,19 +190,32 @@ def test_an_unreadable_image_stops_the_run_naming_it_after_a_checkpoint(corrupt_
     assert not (output_dir / LORA).exists()
 
 
-def test_skip_corrupt_images_trains_on_counts_and_logs_the_skip(corrupt_skipped, corrupt_data):
+def logged_skips(output_dir):
+    """The ``skipped_images`` scalars a run logged to tensorboard, as (step, value)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    output_dir, result = corrupt_skipped
-    skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped unreadable image")]
-    assert len(skipped) == 1 and str(corrupt_data / CORRUPT_IMAGE) in skipped[0], result.stderr[-3000:]
-    assert (output_dir / LORA).is_file()
     # The scalars' folder; accelerate writes the run's hyperparameters into a subfolder of it.
     events = min((path.parent for path in (output_dir / "logs").rglob("events.out.tfevents.*")), key=lambda p: len(p.parts))
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
-    logged = [(event.step, event.value) for event in accumulator.Scalars("skipped_images")]
-    assert logged == [(3, 1.0), (4, 1.0), (5, 1.0)]
+    return [(event.step, event.value) for event in accumulator.Scalars("skipped_images")]
+
+
+def test_skip_corrupt_images_trains_on_counts_and_logs_the_skip(corrupt_skipped, corrupt_data):
+    output_dir, result = corrupt_skipped
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped unreadable image")]
+    assert len(skipped) == 1 and str(corrupt_data / CORRUPT_IMAGE) in skipped[0], result.stderr[-3000:]
+    assert (output_dir / LORA).is_file()
+    assert logged_skips(output_dir) == [(3, 1.0), (4, 1.0), (5, 1.0)]
+
+
+def test_a_resumed_run_goes_on_counting_the_skipped_images(tiny, corrupt_data, corrupt_skipped, tmp_path):
+    checkpoint = corrupt_skipped[0] / "checkpoint-4"
+    assert json.loads((checkpoint / "training_state.json").read_text()) == {"global_step": 4, "skipped_images": 1}
+    shutil.copytree(checkpoint, tmp_path / "checkpoint-4")
+    run(*corrupt_flags(tiny, tmp_path, corrupt_data, "--skip_corrupt_images", "--report_to", "tensorboard",
+                       "--resume_from_checkpoint", "latest"))
+    assert logged_skips(tmp_path) == [(5, 1.0)]
 
 
 def test_resuming_the_stopped_run_with_skipping_equals_skipping_from_the_start(tiny, corrupt_data, corrupt_stopped,

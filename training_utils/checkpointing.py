@@ -73,19 +73,21 @@ class Checkpointer:
         self.parameters = parameters
         self.averages = {EMA_FILE: ema, POSTHOC_FILE: posthoc}
         self.total_limit = total_limit
-        self._saving_step = None
-        self.loaded_step = None
+        self._saving_state = None
+        self.loaded_state = None
         accelerator.register_save_state_pre_hook(self._save_hook)
         accelerator.register_load_state_pre_hook(self._load_hook)
 
-    def save(self, step):
-        """Write ``checkpoint-<step>`` atomically on all processes, then prune old ones. Returns its path."""
+    def save(self, step, state=None):
+        """Write ``checkpoint-<step>`` atomically on all processes, then prune old ones. Returns its path.
+        ``state`` (JSON values by name) goes into ``training_state.json`` beside the step; `loaded_state`
+        gives it back on resume."""
         final = self.output_dir / f"checkpoint-{step}"
         staging = self.output_dir / f".checkpoint-{step}.incomplete"
         if self.accelerator.is_main_process and staging.exists():
             shutil.rmtree(staging)
         self.accelerator.wait_for_everyone()
-        self._saving_step = step
+        self._saving_state = {"global_step": step, **(state or {})}
         self.accelerator.save_state(str(staging))
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -107,7 +109,7 @@ class Checkpointer:
     def load(self, path):
         """Restore a checkpoint folder into the live run; returns its global step."""
         self.accelerator.load_state(str(path))
-        return self.loaded_step
+        return self.loaded_state["global_step"]
 
     def resume(self, value):
         """Restore what ``--resume_from_checkpoint value`` names; returns the global step to continue from (0 if none)."""
@@ -131,7 +133,7 @@ class Checkpointer:
         for file_name, average in self.averages.items():
             if average is not None:
                 average.save(output_dir / file_name)
-        (output_dir / STATE_FILE).write_text(json.dumps({"global_step": self._saving_step}))
+        (output_dir / STATE_FILE).write_text(json.dumps(self._saving_state))
 
     def _load_hook(self, models, input_dir):
         models.clear()
@@ -157,7 +159,7 @@ class Checkpointer:
         for file_name, average in self.averages.items():
             if average is not None:
                 average.load(input_dir / file_name)
-        self.loaded_step = json.loads((input_dir / STATE_FILE).read_text())["global_step"]
+        self.loaded_state = json.loads((input_dir / STATE_FILE).read_text())
 
 
 def resume_position(global_step, steps_per_epoch, gradient_accumulation_steps):

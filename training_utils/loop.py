@@ -96,6 +96,11 @@ class TrainingLoop:
         self.checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit,
                                          posthoc)
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
+        # Images skipped on all processes up to the last completed step, counting those before a resume;
+        # the main process's own count starts from it, since the logged count is the sum over processes.
+        self._skipped_total = self.checkpointer.loaded_state.get("skipped_images", 0) if self.global_step else 0
+        if accelerator.is_main_process:
+            self._skipped_images = self._skipped_total
 
     def __iter__(self):
         first_epoch, batches_to_skip = resume_position(self.global_step, self.steps_per_epoch,
@@ -157,8 +162,9 @@ class TrainingLoop:
             self.posthoc.on_step(step, self.max_train_steps, self.args.output_dir,
                                  posthoc_snapshot_steps(self.args, self.max_train_steps),
                                  write=self.accelerator.is_main_process)
+        self._skipped_total = skipped_images
         if step % self.args.checkpointing_steps == 0 or (preempted and step < self.max_train_steps):
-            self.checkpointer.save(step)
+            self.checkpointer.save(step, {"skipped_images": skipped_images})
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
             self.records = self.validator(step, final=step == self.max_train_steps)
@@ -207,7 +213,7 @@ class TrainingLoop:
                 accumulation_step, rng_states = self._step_start
                 self.accelerator.step = accumulation_step
                 _set_rng_states(rng_states)
-            self.checkpointer.save(step)
+            self.checkpointer.save(step, {"skipped_images": self._skipped_total})
             saved = f"checkpoint-{step} saved"
         else:
             saved = "nothing trained yet"
