@@ -144,7 +144,7 @@ class TrainingLoop:
         self._at_step_start = True
         step = self.global_step
         loss, preempted, skipped_images = self._shared_status()
-        self._loss = 0.0
+        self._loss, self._skipped_total = 0.0, skipped_images
         if not math.isfinite(loss):
             raise RunStopped(
                 f"the loss is {loss} at step {step}; stopped before writing anything from these weights (the last "
@@ -162,7 +162,6 @@ class TrainingLoop:
             self.posthoc.on_step(step, self.max_train_steps, self.args.output_dir,
                                  posthoc_snapshot_steps(self.args, self.max_train_steps),
                                  write=self.accelerator.is_main_process)
-        self._skipped_total = skipped_images
         if step % self.args.checkpointing_steps == 0 or (preempted and step < self.max_train_steps):
             self.checkpointer.save(step, {"skipped_images": skipped_images})
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
