@@ -10,9 +10,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,6 +132,18 @@ def launch(script, *args, processes=1, check=True, quiet=False):
 def read_log(output_dir):
     """The records of ``output_dir/validation/log.jsonl``, in order."""
     return [json.loads(line) for line in (Path(output_dir) / "validation" / "log.jsonl").read_text().splitlines()]
+
+
+def assert_close_validations(a, b, expected, max_difference=2):
+    """Runs in ``a`` and ``b`` both logged the validations ``expected`` (``[(step, variant)]``), with images at
+    most ``max_difference`` levels apart: e.g. cached against uncached encoders, equal up to float noise."""
+    logs = read_log(a), read_log(b)
+    for log in logs:
+        assert [(record["step"], record["variant"]) for record in log] == expected
+    for record_a, record_b in zip(*logs):
+        for path_a, path_b in zip(record_a["images"], record_b["images"], strict=True):
+            image_a, image_b = (np.asarray(Image.open(path), dtype=np.int16) for path in (a / path_a, b / path_b))
+            assert np.abs(image_a - image_b).max() <= max_difference, path_b
 
 
 def differing(a, b):

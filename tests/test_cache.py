@@ -3,13 +3,12 @@
 import logging
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import assert_same_files, launch, read_log
+from conftest import assert_close_validations, assert_same_files, launch
 from training_utils.cache import (CACHE_INDEX_COLUMN, DatasetLatents, cache_latent_parameters, cache_text_embeddings,
                                   cached_latent_parameters, cached_paired_latent_parameters, distinct_captions, offload,
                                   sample_latents)
@@ -197,12 +196,7 @@ def test_cached_run_matches_the_uncached_one(runs, flip):
 
 @pytest.mark.parametrize("flip", [False, True])
 def test_validation_renders_with_the_offloaded_encoders_back(runs, flip):
-    logs = {cache: read_log(runs[cache, flip]) for cache in (False, True)}
-    assert [(r["step"], r["variant"]) for r in logs[True]] == [(2, "raw"), (4, "raw")]
-    for uncached, cached in zip(logs[False], logs[True]):
-        a = np.asarray(Image.open(runs[False, flip] / uncached["images"][0]), dtype=np.int16)
-        b = np.asarray(Image.open(runs[True, flip] / cached["images"][0]), dtype=np.int16)
-        assert np.abs(a - b).max() <= 2
+    assert_close_validations(runs[False, flip], runs[True, flip], [(2, "raw"), (4, "raw")])
 
 
 def test_flips_change_the_cached_run(runs):

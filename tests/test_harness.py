@@ -1,11 +1,13 @@
 """The test harness itself: a hung run must fail its test, not stall the suite."""
 
+import json
 import sys
 
 import psutil
 import pytest
+from PIL import Image
 
-from conftest import run_bounded
+from conftest import assert_close_validations, run_bounded
 
 # A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
 HUNG_LAUNCHER = """
@@ -34,3 +36,21 @@ def test_a_hung_run_fails_with_the_stacks_of_its_workers_and_leaves_none_running
 def test_a_finished_run_returns_its_exit_code_and_output():
     result = run_bounded([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+
+
+def fake_run(output_dir, grey):
+    """A run folder whose validation log holds one record of one image, a solid ``grey``."""
+    (output_dir / "validation").mkdir(parents=True)
+    Image.new("RGB", (4, 4), (grey,) * 3).save(output_dir / "validation" / "raw.png")
+    record = {"step": 2, "variant": "raw", "prompt": "p", "images": ["validation/raw.png"]}
+    (output_dir / "validation" / "log.jsonl").write_text(json.dumps(record) + "\n")
+    return output_dir
+
+
+def test_close_validations_allow_float_noise_but_not_more_nor_other_records(tmp_path):
+    reference, close, far = (fake_run(tmp_path / name, grey) for name, grey in (("a", 100), ("b", 102), ("c", 103)))
+    assert_close_validations(reference, close, [(2, "raw")])
+    with pytest.raises(AssertionError):
+        assert_close_validations(reference, far, [(2, "raw")])
+    with pytest.raises(AssertionError):
+        assert_close_validations(reference, close, [(2, "raw"), (2, "ema")])

@@ -38,8 +38,8 @@ def resumed_run(tiny, two_process_run, tmp_path_factory):
     """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint."""
     output_dir = tmp_path_factory.mktemp("resumed")
     shutil.copytree(two_process_run / "checkpoint-2", output_dir / "checkpoint-2")
-    stdout = launch(SCRIPT, *flags(tiny, output_dir, "--resume_from_checkpoint", "latest", "--checkpoints_total_limit", 1),
-                    processes=2).stdout
+    resume = ["--resume_from_checkpoint", "latest", "--checkpoints_total_limit", 1]
+    stdout = launch(SCRIPT, *flags(tiny, output_dir, *resume), processes=2).stdout
     return output_dir, stdout
 
 

@@ -10,7 +10,7 @@ from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import assert_same_files, launch, read_log
+from conftest import assert_close_validations, assert_same_files, launch, read_log
 from training_utils.data import ImageTransform, sample_generator
 
 SCRIPT = "text_to_image/train_text_to_image_lora_sdxl.py"
@@ -242,12 +242,7 @@ def test_cached_latents_and_text_embeddings_match_the_uncached_run(cache_runs):
 
 
 def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
-    logs = {cache_latents: read_log(cache_runs[cache_latents]) for cache_latents in (False, True)}
-    assert [(r["step"], r["variant"]) for r in logs[True]] == [(4, "raw"), (4, "ema")]
-    for uncached, cached in zip(logs[False], logs[True]):
-        a = np.asarray(Image.open(cache_runs[False] / uncached["images"][0]), dtype=np.int16)
-        b = np.asarray(Image.open(cache_runs[True] / cached["images"][0]), dtype=np.int16)
-        assert np.abs(a - b).max() <= 2
+    assert_close_validations(cache_runs[False], cache_runs[True], [(4, "raw"), (4, "ema")])
 
 
 def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, non_square_shapes, cache_runs, tmp_path):

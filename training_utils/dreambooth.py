@@ -118,7 +118,8 @@ def cached_latents_dataset(dataset, transform, vae, device, dtype, batch_size):
 
 
 def collate_latents(examples):
-    """`paired_collate` for `cached_latents_dataset`: the instance samples' latent parameters, then the class samples'."""
+    """`paired_collate` for `cached_latents_dataset`: the instance samples' latent parameters, then the
+    class samples'."""
     return {"latent_parameters": torch.cat([torch.stack([example[kind] for example in examples])
                                             for kind in ("instance", "class") if kind in examples[0]])}
 
