@@ -163,6 +163,16 @@ def checkpoint_names(output_dir):
     return sorted(path.name for path in Path(output_dir).glob("checkpoint-*"))
 
 
+def runs_with_and_without_cached_latents(script, run_args, root):
+    """``{False: uncached run folder, True: cached}``: ``script`` on ``run_args(output_dir, *extra)`` without and
+    with ``--cache_latents``, each in a folder under ``root``."""
+    outputs = {}
+    for cache_latents in (False, True):
+        outputs[cache_latents] = Path(root) / f"cache_latents{int(cache_latents)}"
+        launch(script, *run_args(outputs[cache_latents], *(["--cache_latents"] if cache_latents else [])))
+    return outputs
+
+
 def assert_resume_is_exact(script, run_args, output_dir, reference_dir, weight_files, *extra):
     """Train to step 6 with a checkpoint every 2 steps (keeping 2), then resume ``latest`` to step 8:
     the checkpoints kept are 4 and 6, then 6 and 8, and ``weight_files`` equal, bit for bit, those of

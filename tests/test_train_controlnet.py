@@ -11,8 +11,8 @@ from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, Stable
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import (EXAMPLES, assert_close_validations, assert_resume_is_exact, assert_same_files, differing, launch,
-                      read_log)
+from conftest import (EXAMPLES, assert_close_validations, assert_resume_is_exact, assert_same_files, differing,
+                      launch, read_log, runs_with_and_without_cached_latents)
 from training_utils.args import UsageError
 
 SCRIPT = "controlnet/train_controlnet.py"
@@ -255,11 +255,7 @@ def cache_flags(tiny, output_dir, *extra):
 @pytest.fixture(scope="module")
 def cache_runs(tiny, tmp_path_factory):
     """``{cache_latents: output_dir}``: the same 4 steps with and without --cache_latents (text always cached)."""
-    outputs = {}
-    for cache_latents in (False, True):
-        outputs[cache_latents] = tmp_path_factory.mktemp(f"cache_latents{int(cache_latents)}")
-        launch(SCRIPT, *cache_flags(tiny, outputs[cache_latents], *(["--cache_latents"] if cache_latents else [])))
-    return outputs
+    return runs_with_and_without_cached_latents(SCRIPT, partial(cache_flags, tiny), tmp_path_factory.mktemp("cache"))
 
 
 def test_cached_latents_train_as_the_uncached_run(tiny, cache_runs):

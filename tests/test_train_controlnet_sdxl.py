@@ -2,6 +2,7 @@
 
 import importlib.util
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, Stab
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, assert_close_validations, assert_same_files, differing, launch, read_log
+from conftest import (EXAMPLES, assert_close_validations, assert_same_files, differing, launch, read_log,
+                      runs_with_and_without_cached_latents)
 from training_utils.args import UsageError
 
 SCRIPT = "controlnet/train_controlnet_sdxl.py"
@@ -252,11 +254,7 @@ def cache_flags(tiny, output_dir, *extra):
 @pytest.fixture(scope="module")
 def cache_runs(tiny, tmp_path_factory):
     """``{cache_latents: output_dir}``: the same 4 steps with and without --cache_latents (text always cached)."""
-    outputs = {}
-    for cache_latents in (False, True):
-        outputs[cache_latents] = tmp_path_factory.mktemp(f"cache_latents{int(cache_latents)}")
-        launch(SCRIPT, *cache_flags(tiny, outputs[cache_latents], *(["--cache_latents"] if cache_latents else [])))
-    return outputs
+    return runs_with_and_without_cached_latents(SCRIPT, partial(cache_flags, tiny), tmp_path_factory.mktemp("cache"))
 
 
 def test_cached_latents_train_as_the_uncached_run(tiny, cache_runs):

@@ -9,8 +9,8 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from conftest import assert_close_validations, assert_resume_is_exact, assert_same_files, launch, read_log
-
+from conftest import (assert_close_validations, assert_resume_is_exact, assert_same_files, launch, read_log,
+                      runs_with_and_without_cached_latents)
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
@@ -178,12 +178,10 @@ def cache_runs(tiny, tmp_path_factory):
     """``{cache_latents: output_dir}`` and the class folder: the uncached run generates the class images
     that the cached run then encodes once, with the instance images."""
     root = tmp_path_factory.mktemp("cache")
-    outputs = {}
-    for cache in (False, True):
-        outputs[cache] = root / f"cache{int(cache)}"
-        launch(SCRIPT, *common(tiny, outputs[cache], *cache_flags(root / "class",
-                                                                  *(["--cache_latents"] if cache else []))))
-    return outputs, root / "class"
+    def run_args(output_dir, *extra):
+        return common(tiny, output_dir, *cache_flags(root / "class", *extra))
+
+    return runs_with_and_without_cached_latents(SCRIPT, run_args, root), root / "class"
 
 
 def test_cached_run_with_prior_preservation_matches_the_uncached_one(cache_runs):

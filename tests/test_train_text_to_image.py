@@ -8,8 +8,8 @@ import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
-from conftest import assert_close_validations, assert_resume_is_exact, launch, read_log
-
+from conftest import (assert_close_validations, assert_resume_is_exact, launch, read_log,
+                      runs_with_and_without_cached_latents)
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
 EMA_UNET = "ema/" + UNET
@@ -151,11 +151,10 @@ def cache_flags(*extra):
 @pytest.fixture(scope="module")
 def cache_runs(tiny, tmp_path_factory):
     """``{cache_latents: output_dir}``: the same run with the VAE in the step and with its latents cached."""
-    outputs = {}
-    for cache in (False, True):
-        outputs[cache] = tmp_path_factory.mktemp(f"cache{int(cache)}")
-        launch(SCRIPT, *common(tiny, outputs[cache], *cache_flags(*(["--cache_latents"] if cache else []))))
-    return outputs
+    def run_args(output_dir, *extra):
+        return common(tiny, output_dir, *cache_flags(*extra))
+
+    return runs_with_and_without_cached_latents(SCRIPT, run_args, tmp_path_factory.mktemp("cache"))
 
 
 def test_cached_run_matches_the_uncached_one(tiny, cache_runs):

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import assert_close_validations, assert_same_files, launch, read_log
+from conftest import (assert_close_validations, assert_same_files, launch, read_log,
+                      runs_with_and_without_cached_latents)
 from training_utils.data import ImageTransform, sample_generator
 
 SCRIPT = "text_to_image/train_text_to_image_lora_sdxl.py"
@@ -212,12 +214,8 @@ def cache_flags(tiny, data_dir, output_dir, *extra):
 def cache_runs(tiny, non_square_shapes, tmp_path_factory):
     """``{cache_latents: output_dir}``: 4 UNet-only steps (two epochs of 3 batches) on the non-square pictures with
     center crops and random flips, validating at the final step. Both cache the frozen text encoders' embeddings."""
-    outputs = {}
-    for cache_latents in (False, True):
-        outputs[cache_latents] = tmp_path_factory.mktemp(f"cache_latents{int(cache_latents)}")
-        launch(SCRIPT, *cache_flags(tiny, non_square_shapes, outputs[cache_latents],
-                                    *(["--cache_latents"] if cache_latents else [])))
-    return outputs
+    return runs_with_and_without_cached_latents(SCRIPT, partial(cache_flags, tiny, non_square_shapes),
+                                                tmp_path_factory.mktemp("cache"))
 
 
 def test_the_non_square_pictures_flip_with_an_odd_margin(non_square_shapes):
