@@ -1,13 +1,16 @@
 """Shared fixtures: the tiny offline models and datasets, built once per test session."""
 
+import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,43 +68,91 @@ def tiny_sd_pipe(tiny):
     return pipe
 
 
+class RunHung(AssertionError):
+    """A run that gave no result in time; the message holds its processes' states and stacks."""
+
+
 def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S):
     """``subprocess.run(command)`` from the repository root, output captured, that cannot hang the suite.
 
     Output goes to files rather than pipes: a worker that outlives its launcher cannot block the
-    read. On timeout, every process of the tree gets SIGABRT (faulthandler prints its stacks) and
-    then SIGKILL; torchrun starts its workers in sessions of their own, so a process-group kill
-    would miss them. The stacks end the AssertionError.
+    read. On timeout it raises `RunHung` with what `_stop_tree` saw of the processes and the stacks
+    they printed.
     """
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, cwd=REPO)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True,
+                                   env=env, cwd=REPO)
         try:
             process.wait(timeout)
-            timed_out = False
+            states = None
         except subprocess.TimeoutExpired:
-            _kill_tree(process.pid)
+            states = _stop_tree(process.pid, stderr)
             process.wait()
-            timed_out = True
         stdout.seek(0)
         stderr.seek(0)
         result = subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
-    if timed_out:
-        raise AssertionError(f"no result within {timeout} s (a hang?); the stacks of its processes:\n"
-                             f"{result.stderr[-12000:]}")
+    if states is not None:
+        stacks = "\n".join(re.sub(r'File "[^"]*(site-packages|python3\.\d+)/', 'File "', line).replace(f"{REPO}/", "")
+                           for line in result.stderr.splitlines()
+                           if line.strip() and not line.startswith("Extension modules:"))
+        raise RunHung(f"no result within {timeout} s (a hang?). The stacks its processes printed:\n"
+                      f"{stacks[-8000:]}\nIts processes when it was stopped:\n{states}")
     return result
 
 
-def _kill_tree(pid):
+def _stop_tree(pid, log):
+    """Describe every process of a hung tree, then stop it. The launchers (processes with children) are
+    frozen first, so that they cannot react; each worker then gets SIGABRT (faulthandler prints its
+    stacks to ``log``, under a line naming it) and is waited for, one at a time, so that their stacks
+    do not interleave; then everything left gets SIGKILL. torchrun starts its workers in sessions of their own: a process-group kill
+    would miss them."""
     root = psutil.Process(pid)
     tree = [*root.children(recursive=True), root]
+    cpu_before = {process.pid: _cpu_seconds(process) for process in tree}
+    time.sleep(1)
+    states = "\n".join(_describe(process, cpu_before[process.pid]) for process in tree)
+    launchers, workers = [], []
     for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.Error):
+            (launchers if process.children() else workers).append(process)
+    for process in launchers:
+        with contextlib.suppress(psutil.Error):
+            process.suspend()
+    for process in reversed(workers):
+        log.write(f"--- stacks of pid {process.pid} ---\n")
+        log.flush()
+        with contextlib.suppress(psutil.Error):
             process.send_signal(signal.SIGABRT)
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.wait_procs([process], timeout=5)
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
             process.kill()
-    psutil.wait_procs(alive, timeout=10)
+    psutil.wait_procs(tree, timeout=10)
+    return states
+
+
+def _cpu_seconds(process):
+    with contextlib.suppress(psutil.Error):
+        times = process.cpu_times()
+        return times.user + times.system
+    return float("nan")
+
+
+def _describe(process, cpu_before):
+    """One line: pid, parent, state, CPU used in the last second (spinning or blocked), where each of
+    its threads waits in the kernel (/proc/<pid>/task/*/wchan), and its command."""
+    try:
+        waits = collections.Counter()
+        for task in Path(f"/proc/{process.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                waits[(task / "wchan").read_text().strip() or "running"] += 1
+        command = " ".join(Path(part).name if part.startswith("/") else part for part in process.cmdline()[:6])
+        rank = process.environ().get("RANK", "-")
+        return (f"pid {process.pid} (parent {process.ppid()}, rank {rank}) {process.status()}, "
+                f"{_cpu_seconds(process) - cpu_before:.2f} s CPU in 1 s; threads waiting in "
+                f"{dict(waits.most_common())}: {command}")
+    except (psutil.Error, OSError) as error:
+        return f"pid {process.pid}: {error!r}"
 
 
 def free_port():
@@ -112,9 +163,9 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def launch(script, *args, processes=1, check=True, quiet=False):
+def launch(script, *args, processes=1, check=True, quiet=False, timeout=RUN_TIMEOUT_S):
     """Run ``examples/<script>`` with ``accelerate launch`` on the CPU (``processes`` > 1: gloo);
-    returns the CompletedProcess. A hang fails the test within `RUN_TIMEOUT_S`."""
+    returns the CompletedProcess. A hang raises `RunHung` within ``timeout`` seconds."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--num_processes", str(processes)]
     if processes > 1:
@@ -123,10 +174,44 @@ def launch(script, *args, processes=1, check=True, quiet=False):
         command += ["--quiet"]
     command += [str(EXAMPLES / script), *map(str, args)]
     env = {**SUBPROCESS_ENV, "ACCELERATE_USE_CPU": "1", **LOOPBACK} if processes > 1 else SUBPROCESS_ENV
-    result = run_bounded(command, env)
+    result = run_bounded(command, env, timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+# A two-process tiny run takes about 10 s.
+MULTIPROCESS_TIMEOUT_S = 120
+# Every hang `launch_processes` met, for the end of pytest's report.
+HANG_REPORTS = []
+
+
+def launch_processes(script, prepare, args_for, processes=2):
+    """``(output_dir, CompletedProcess)`` of ``script`` on several CPU processes (gloo), in the folder that
+    ``prepare()`` returns and on the arguments ``args_for(output_dir)``.
+
+    On CI, and never where the suite was written, the resumed two-process run hung twice, and the
+    log's tail did not reach the workers' stacks. So each hang is reported in full (the processes'
+    states and stacks) at the end of pytest's report, and the run is made once more in a fresh
+    folder; a second hang fails the test.
+    """
+    for attempt in (1, 2):
+        output_dir = prepare()
+        try:
+            return output_dir, launch(script, *args_for(output_dir), processes=processes,
+                                      timeout=MULTIPROCESS_TIMEOUT_S)
+        except RunHung as hang:
+            HANG_REPORTS.append(f"{os.environ.get('PYTEST_CURRENT_TEST')}, attempt {attempt}: {hang}")
+            if attempt == 2:
+                raise
+
+
+@pytest.hookimpl(trylast=True)  # last before the final counts: what a log's tail shows
+def pytest_terminal_summary(terminalreporter):
+    if HANG_REPORTS:
+        terminalreporter.section("runs that hung")
+        for report in HANG_REPORTS:
+            terminalreporter.write_line(report)
 
 
 def read_log(output_dir):

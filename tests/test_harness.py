@@ -7,7 +7,8 @@ import psutil
 import pytest
 from PIL import Image
 
-from conftest import assert_close_validations, run_bounded
+import conftest
+from conftest import RunHung, assert_close_validations, launch_processes, run_bounded
 
 # A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
 HUNG_LAUNCHER = """
@@ -24,13 +25,44 @@ time.sleep(600)
 """
 
 
-def test_a_hung_run_fails_with_the_stacks_of_its_workers_and_leaves_none_running(tmp_path):
+def test_a_hung_run_fails_with_the_states_and_stacks_of_its_workers_and_leaves_none_running(tmp_path):
     pid_file = tmp_path / "worker.pid"
-    with pytest.raises(AssertionError, match="no result within 3 s") as failure:
+    with pytest.raises(RunHung, match="no result within 3 s") as failure:
         run_bounded([sys.executable, "-c", HUNG_LAUNCHER, str(pid_file)], timeout=3)
-    assert "waiting_at_a_barrier" in str(failure.value)
     worker = int(pid_file.read_text())
+    stacks, states = str(failure.value).split("Its processes when it was stopped:")
+    assert "waiting_at_a_barrier" in stacks and "Extension modules" not in stacks
+    assert f"pid {worker} " in states and "s CPU in 1 s; threads waiting in" in states
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_hung_multiprocess_run_is_reported_and_made_again_in_a_fresh_folder(tmp_path, monkeypatch):
+    attempts = []
+
+    def hanging_once(script, *args, processes, timeout):
+        attempts.append(args)
+        if len(attempts) == 1:
+            raise RunHung("no result within 120 s")
+        return "second result"
+
+    monkeypatch.setattr(conftest, "launch", hanging_once)
+    monkeypatch.setattr(conftest, "HANG_REPORTS", [])
+    folders = iter([tmp_path / "a", tmp_path / "b"])
+    output_dir, result = launch_processes("job.py", lambda: next(folders), lambda folder: [folder])
+    assert (output_dir, result) == (tmp_path / "b", "second result")
+    assert attempts == [(tmp_path / "a",), (tmp_path / "b",)]
+    assert len(conftest.HANG_REPORTS) == 1 and "attempt 1: no result within 120 s" in conftest.HANG_REPORTS[0]
+
+
+def test_a_multiprocess_run_that_hangs_twice_fails(monkeypatch):
+    def hanging(script, *args, processes, timeout):
+        raise RunHung("no result within 120 s")
+
+    monkeypatch.setattr(conftest, "launch", hanging)
+    monkeypatch.setattr(conftest, "HANG_REPORTS", [])
+    with pytest.raises(RunHung):
+        launch_processes("job.py", lambda: "folder", lambda folder: [])
+    assert len(conftest.HANG_REPORTS) == 2
 
 
 def test_a_finished_run_returns_its_exit_code_and_output():

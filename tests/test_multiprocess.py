@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import launch_processes
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -28,19 +28,22 @@ def log_records(output_dir):
 
 @pytest.fixture(scope="module")
 def two_process_run(tiny, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("two_processes")
-    launch(SCRIPT, *flags(tiny, output_dir), processes=2)
+    output_dir, _ = launch_processes(SCRIPT, lambda: tmp_path_factory.mktemp("two_processes"),
+                                     lambda output_dir: flags(tiny, output_dir))
     return output_dir
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tiny, two_process_run, tmp_path_factory):
     """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint."""
-    output_dir = tmp_path_factory.mktemp("resumed")
-    shutil.copytree(two_process_run / "checkpoint-2", output_dir / "checkpoint-2")
+    def prepare():
+        output_dir = tmp_path_factory.mktemp("resumed")
+        shutil.copytree(two_process_run / "checkpoint-2", output_dir / "checkpoint-2")
+        return output_dir
+
     resume = ["--resume_from_checkpoint", "latest", "--checkpoints_total_limit", 1]
-    stdout = launch(SCRIPT, *flags(tiny, output_dir, *resume), processes=2).stdout
-    return output_dir, stdout
+    output_dir, result = launch_processes(SCRIPT, prepare, lambda output_dir: flags(tiny, output_dir, *resume))
+    return output_dir, result.stdout
 
 
 def test_only_the_main_process_writes_validation_and_outputs(two_process_run):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, launch_processes
 
 JOB = REPO / "tests" / "parallel_validation_job.py"
 PROMPTS = ["a red circle", "a blue square", "a green triangle"]
@@ -13,10 +13,10 @@ PROMPTS = ["a red circle", "a blue square", "a green triangle"]
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
     """``{processes: output_dir}`` of the job on one and on two processes."""
-    output_dirs = {}
-    for processes in (1, 2):
-        output_dirs[processes] = tmp_path_factory.mktemp(f"processes{processes}")
-        launch(JOB, tiny["sd"], output_dirs[processes], processes=processes)
+    output_dirs = {1: tmp_path_factory.mktemp("processes1")}
+    launch(JOB, tiny["sd"], output_dirs[1])
+    output_dirs[2], _ = launch_processes(JOB, lambda: tmp_path_factory.mktemp("processes2"),
+                                         lambda output_dir: [tiny["sd"], output_dir])
     return output_dirs
 
 
