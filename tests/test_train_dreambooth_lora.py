@@ -208,3 +208,18 @@ def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, c
     assert f"{class_dir} holds 3 class images; none generated" in result.stdout
     for name in (LORA, f"ema/{LORA}"):
         assert_same_files(tmp_path / name, outputs[True] / name)
+
+
+def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_uncached_run(tiny, tmp_path):
+    """No class half in the cached batch, and prompts encoded in the step by the trained text encoder."""
+    def run_args(output_dir, *extra):
+        return common(tiny, output_dir, "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
+                      "--checkpointing_steps", 1000, *extra)
+
+    outputs = runs_with_and_without_cached_latents(SCRIPT, run_args, tmp_path)
+    for name in (LORA, f"ema/{LORA}"):
+        uncached, cached = load_file(outputs[False] / name), load_file(outputs[True] / name)
+        assert uncached.keys() == cached.keys()
+        assert {key.split(".")[0] for key in cached} == {"unet", "text_encoder"}
+        for key in cached:
+            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (name, key)
