@@ -38,6 +38,7 @@ SUBPROCESS_ENV = {
 # Several processes (gloo) talk over loopback, whatever this machine's hostname resolves to.
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in dict(socket.if_nameindex()).values() else {}
 RUN_TIMEOUT_S = 300  # a whole tiny run takes seconds; this long means it hangs
+STACKS_MARKER = "--- stacks of pid"  # heads each hung worker's stacks in its run's stderr
 
 
 # Files whose tests launch whole training runs: `pytest -m "not slow"` is the quick subset (CI runs all).
@@ -92,20 +93,26 @@ def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S):
         stderr.seek(0)
         result = subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
     if states is not None:
-        stacks = "\n".join(re.sub(r'File "[^"]*(site-packages|python3\.\d+)/', 'File "', line).replace(f"{REPO}/", "")
-                           for line in result.stderr.splitlines()
-                           if line.strip() and not line.startswith("Extension modules:"))
-        raise RunHung(f"no result within {timeout} s (a hang?). The stacks its processes printed:\n"
-                      f"{stacks[-8000:]}\nIts processes when it was stopped:\n{states}")
+        log, marker, stacks = result.stderr.partition(STACKS_MARKER)
+        raise RunHung(f"no result within {timeout} s (a hang?). The end of its log:\n"
+                      f"{_readable_stderr(log)[-3000:]}\nThe stacks of its workers:\n{_readable_stderr(marker + stacks)[-8000:]}\n"
+                      f"Its processes when it was stopped:\n{states}")
     return result
+
+
+def _readable_stderr(text):
+    """``text`` without blank lines and faulthandler's lists of extension modules, with library paths
+    cut to the package ("torch/distributed/...") and this checkout's to the repository."""
+    return "\n".join(re.sub(r'File "[^"]*(site-packages|python3\.\d+)/', 'File "', line).replace(f"{REPO}/", "")
+                     for line in text.splitlines() if line.strip() and not line.startswith("Extension modules:"))
 
 
 def _stop_tree(pid, log):
     """Describe every process of a hung tree, then stop it. The launchers (processes with children) are
     frozen first, so that they cannot react; each worker then gets SIGABRT (faulthandler prints its
     stacks to ``log``, under a line naming it) and is waited for, one at a time, so that their stacks
-    do not interleave; then everything left gets SIGKILL. torchrun starts its workers in sessions of their own: a process-group kill
-    would miss them."""
+    do not interleave; then everything left gets SIGKILL. torchrun starts its workers in sessions of
+    their own: a process-group kill would miss them."""
     root = psutil.Process(pid)
     tree = [*root.children(recursive=True), root]
     cpu_before = {process.pid: _cpu_seconds(process) for process in tree}
@@ -119,7 +126,7 @@ def _stop_tree(pid, log):
         with contextlib.suppress(psutil.Error):
             process.suspend()
     for process in reversed(workers):
-        log.write(f"--- stacks of pid {process.pid} ---\n")
+        log.write(f"{STACKS_MARKER} {process.pid} ---\n")
         log.flush()
         with contextlib.suppress(psutil.Error):
             process.send_signal(signal.SIGABRT)
@@ -145,7 +152,8 @@ def _describe(process, cpu_before):
         waits = collections.Counter()
         for task in Path(f"/proc/{process.pid}/task").iterdir():
             with contextlib.suppress(OSError):
-                waits[(task / "wchan").read_text().strip() or "running"] += 1
+                wait = (task / "wchan").read_text().strip()
+                waits[wait if wait not in ("", "0") else "running"] += 1
         command = " ".join(Path(part).name if part.startswith("/") else part for part in process.cmdline()[:6])
         rank = process.environ().get("RANK", "-")
         return (f"pid {process.pid} (parent {process.ppid()}, rank {rank}) {process.status()}, "
