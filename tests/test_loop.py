@@ -13,7 +13,7 @@ from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
 from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots
-from training_utils.training import training_length
+from training_utils.training import end_training, training_length
 
 NUM_SAMPLES, BATCH = 10, 2  # 5 steps per epoch
 
@@ -156,3 +156,11 @@ def test_posthoc_snapshots_every_n_steps_and_at_the_end_and_resume(accelerator, 
     # Resuming from checkpoint-4 replaces the snapshots after step 4, then continues every 3 steps.
     toy_run(accelerator, tmp_path, max_train_steps=7, resume="checkpoint-4", posthoc_sigma_rels=[0.05, 0.1])
     assert sorted({snapshot.step for snapshot in read_snapshots(tmp_path)}) == [3, 6, 7]
+
+
+def test_end_training_waits_for_every_process_before_the_teardown():
+    calls = []
+    accelerator = SimpleNamespace(wait_for_everyone=lambda: calls.append("barrier"),
+                                  end_training=lambda: calls.append("teardown"))
+    end_training(accelerator)
+    assert calls == ["barrier", "teardown"]

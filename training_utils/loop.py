@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from .args import RunStopped
 from .checkpointing import Checkpointer, resume_position
 from .data import BatchWithUnreadable, epoch_batches
-from .training import posthoc_snapshot_steps
+from .training import end_training, posthoc_snapshot_steps
 from .validation import validation_due
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
@@ -146,6 +146,7 @@ class TrainingLoop:
         loss, preempted, skipped_images = self._shared_status()
         self._loss, self._skipped_total = 0.0, skipped_images
         if not math.isfinite(loss):
+            end_training(self.accelerator)
             raise RunStopped(
                 f"the loss is {loss} at step {step}; stopped before writing anything from these weights (the last "
                 f"checkpoint in {self.args.output_dir} is intact)", NON_FINITE_EXIT_CODE)
@@ -168,7 +169,7 @@ class TrainingLoop:
                                                          self.args.validation_epochs, self.steps_per_epoch):
             self.records = self.validator(step, final=step == self.max_train_steps)
         if preempted and step < self.max_train_steps:
-            self.accelerator.end_training()
+            end_training(self.accelerator)
             raise RunStopped(f"stopped by {self._signals.received or 'a signal'} after step {step}; checkpoint saved, "
                              f"resume with --resume_from_checkpoint latest", PREEMPTED_EXIT_CODE)
         return True
@@ -216,7 +217,7 @@ class TrainingLoop:
             saved = f"checkpoint-{step} saved"
         else:
             saved = "nothing trained yet"
-        self.accelerator.end_training()
+        end_training(self.accelerator)
         remedy = ("no readable sample was found to take its place" if self.args.skip_corrupt_images
                   else "replace it and resume with --resume_from_checkpoint latest, or pass --skip_corrupt_images")
         raise RunStopped(f"unreadable image {files} in the data for step {step + 1}; {saved}; {remedy}",

@@ -33,6 +33,19 @@ def make_accelerator(args):
     return accelerator
 
 
+def end_training(accelerator):
+    """End the run on every process together, once the main process has written what it writes.
+
+    The other processes wait for it in a barrier rather than tearing down the process group at
+    once. gloo's teardown holds the GIL and waits for gloo's threads; one of those may still be
+    freeing the tensors of the last collective, which needs the GIL: a deadlock (the class of
+    pytorch/pytorch#56297) that hung two-process CPU runs at exit. After the barrier, the last
+    work of those threads is the barrier itself, which holds no tensor.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
 def make_optimizer(args, parameters, num_processes):
     """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters``, with ``--scale_lr`` applied."""
     learning_rate = args.learning_rate

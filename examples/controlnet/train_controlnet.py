@@ -31,8 +31,8 @@ from training_utils.loop import TrainingLoop
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import module_export_format
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
-                                     tracker_config, training_length)
+from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
+                                     make_posthoc_ema, tracker_config, training_length)
 
 HOW_TO_LOAD = """
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
@@ -160,7 +160,7 @@ def main(args):
     # 6. Save the raw and EMA ControlNet from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         finish_controlnet_run(args, "ControlNet", HOW_TO_LOAD, trained["controlnet"], ema, validator, loop.records)
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ from training_utils.pipeline import (prepare_components, trainable_parameters, t
                                      weight_dtype_for)
 from training_utils.posthoc_ema import module_export_format
 from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
-                                     tracker_config, training_length)
+from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
+                                     make_posthoc_ema, tracker_config, training_length)
 
 HOW_TO_LOAD = """
 from diffusers import {classes}
@@ -180,7 +180,7 @@ def main(args):
             classes=", ".join((["AutoencoderKL"] if vae_path else []) +
                               ["ControlNetModel", "StableDiffusionXLControlNetPipeline"]),
             vae=f', vae=AutoencoderKL.from_pretrained("{vae_path}")' if vae_path else "")
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

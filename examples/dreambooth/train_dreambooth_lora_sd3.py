@@ -34,8 +34,8 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
 from training_utils.posthoc_ema import lora_export_format
 from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
                                 tokenize_prompt)
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
-                                     tracker_config, training_length)
+from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
+                                     make_posthoc_ema, tracker_config, training_length)
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
@@ -213,7 +213,7 @@ def main(args):
         how_to_load = HOW_TO_LOAD.format(base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
                                          prompt=prompt)
         finish_run(args, "DreamBooth LoRA (SD3)", how_to_load, loop.records, saved)
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from training_utils.loop import TrainingLoop
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import module_export_format
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
-                                     tracker_config, training_length)
+from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
+                                     make_posthoc_ema, tracker_config, training_length)
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
@@ -156,7 +156,7 @@ def main(args):
         swap_in_ema = SWAP_IN_EMA.format(output_dir=args.output_dir) if ema is not None else ""
         how_to_load = HOW_TO_LOAD.format(output_dir=args.output_dir, swap_in_ema=swap_in_ema, prompt=prompt)
         finish_run(args, "Text-to-image fine-tune", how_to_load, loop.records, saved)
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
                                      weight_dtype_for)
 from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
 from training_utils.posthoc_ema import lora_export_format
-from training_utils.training import (make_accelerator, make_ema, make_lr_scheduler, make_optimizer, make_posthoc_ema,
-                                     tracker_config, training_length)
+from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
+                                     make_posthoc_ema, tracker_config, training_length)
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
@@ -190,7 +190,7 @@ def main(args):
             vae=f', vae=AutoencoderKL.from_pretrained("{vae_path}")' if vae_path else "",
             output_dir=args.output_dir, prompt=prompt)
         finish_run(args, "Text-to-image LoRA for SDXL", how_to_load, loop.records, saved)
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":
