@@ -198,10 +198,11 @@ def launch_processes(script, prepare, args_for, processes=2):
     """``(output_dir, CompletedProcess)`` of ``script`` on several CPU processes (gloo), in the folder that
     ``prepare()`` returns and on the arguments ``args_for(output_dir)``.
 
-    On CI, and never where the suite was written, the resumed two-process run hung twice, and the
-    log's tail did not reach the workers' stacks. So each hang is reported in full (the processes'
-    states and stacks) at the end of pytest's report, and the run is made once more in a fresh
-    folder; a second hang fails the test.
+    A two-process CPU run could hang at exit: gloo's teardown deadlocked with one of gloo's threads
+    over the GIL (see `training_utils.training.end_training`, which now avoids it). That race is
+    torch's, so should a run still hang, the hang is reported in full (the processes' states and
+    stacks) at the end of pytest's report and the run is made once more in a fresh folder; a second
+    hang fails the test.
     """
     for attempt in (1, 2):
         output_dir = prepare()
