@@ -95,7 +95,8 @@ def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S):
     if states is not None:
         log, marker, stacks = result.stderr.partition(STACKS_MARKER)
         raise RunHung(f"no result within {timeout} s (a hang?). The end of its log:\n"
-                      f"{_readable_stderr(log)[-3000:]}\nThe stacks of its workers:\n{_readable_stderr(marker + stacks)[-8000:]}\n"
+                      f"{_readable_stderr(log)[-3000:]}\n"
+                      f"The stacks of its workers:\n{_readable_stderr(marker + stacks)[-8000:]}\n"
                       f"Its processes when it was stopped:\n{states}")
     return result
 
