@@ -254,6 +254,16 @@ def assert_same_files(a, b):
     assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[0]}"
 
 
+def assert_close_files(a, b, atol=1e-5):
+    """Two safetensors files hold the same keys and tensors within ``atol`` (e.g. the weights of an uncached
+    and a cached run, equal up to float noise); returns ``b``'s tensors for further checks."""
+    a_tensors, b_tensors = load_file(a), load_file(b)
+    assert a_tensors.keys() == b_tensors.keys() and len(b_tensors) > 0
+    for key in b_tensors:
+        assert torch.allclose(b_tensors[key], a_tensors[key], atol=atol), (str(b), key)
+    return b_tensors
+
+
 def checkpoint_names(output_dir):
     return sorted(path.name for path in Path(output_dir).glob("checkpoint-*"))
 

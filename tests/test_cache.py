@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import assert_close_validations, assert_same_files, launch
+from conftest import assert_close_files, assert_close_validations, assert_same_files, launch
 from training_utils.cache import (CACHE_INDEX_COLUMN, DatasetLatents, cache_latent_parameters, cache_text_embeddings,
                                   cached_latent_parameters, cached_paired_latent_parameters, distinct_captions, offload,
                                   sample_latents)
@@ -188,10 +188,7 @@ def runs(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("flip", [False, True])
 def test_cached_run_matches_the_uncached_one(runs, flip):
-    uncached, cached = load_file(runs[False, flip] / LORA), load_file(runs[True, flip] / LORA)
-    assert uncached.keys() == cached.keys() and len(cached) > 0
-    for key in cached:
-        assert torch.allclose(cached[key], uncached[key], atol=1e-5), key
+    assert_close_files(runs[False, flip] / LORA, runs[True, flip] / LORA)
 
 
 @pytest.mark.parametrize("flip", [False, True])

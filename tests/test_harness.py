@@ -5,10 +5,12 @@ import sys
 
 import psutil
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 import conftest
-from conftest import RunHung, assert_close_validations, launch_processes, run_bounded
+from conftest import RunHung, assert_close_files, assert_close_validations, launch_processes, run_bounded
 
 # A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
 HUNG_LAUNCHER = """
@@ -86,3 +88,16 @@ def test_close_validations_allow_float_noise_but_not_more_nor_other_records(tmp_
         assert_close_validations(reference, far, [(2, "raw")])
     with pytest.raises(AssertionError):
         assert_close_validations(reference, close, [(2, "raw"), (2, "ema")])
+
+
+def test_close_files_allow_float_noise_but_not_more_nor_other_keys(tmp_path):
+    weights = {"a": torch.zeros(3), "b": torch.ones(2)}
+    paths = {}
+    for name, tensors in (("reference", weights), ("close", {**weights, "a": torch.full((3,), 5e-6)}),
+                          ("far", {**weights, "a": torch.full((3,), 2e-5)}), ("other", {"a": weights["a"]})):
+        paths[name] = tmp_path / f"{name}.safetensors"
+        save_file(tensors, paths[name])
+    assert assert_close_files(paths["reference"], paths["close"]).keys() == weights.keys()
+    for name in ("far", "other"):
+        with pytest.raises(AssertionError):
+            assert_close_files(paths["reference"], paths[name])

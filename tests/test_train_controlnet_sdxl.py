@@ -9,10 +9,9 @@ import pytest
 import torch
 from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 from PIL import Image
-from safetensors.torch import load_file
 
-from conftest import (EXAMPLES, assert_close_validations, assert_same_files, differing, launch, read_log,
-                      runs_with_and_without_cached_latents)
+from conftest import (EXAMPLES, assert_close_files, assert_close_validations, assert_same_files, differing, launch,
+                      read_log, runs_with_and_without_cached_latents)
 from training_utils.args import UsageError
 
 SCRIPT = "controlnet/train_controlnet_sdxl.py"
@@ -260,11 +259,9 @@ def cache_runs(tiny, tmp_path_factory):
 def test_cached_latents_train_as_the_uncached_run(tiny, cache_runs):
     initial = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"]).state_dict()
     for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
-        uncached, cached = load_file(cache_runs[False] / weights), load_file(cache_runs[True] / weights)
-        assert uncached.keys() == cached.keys() == initial.keys()
+        cached = assert_close_files(cache_runs[False] / weights, cache_runs[True] / weights)
+        assert cached.keys() == initial.keys()
         assert any(key.startswith("add_embedding") for key in differing(cached, initial))
-        for key in cached:
-            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (weights, key)
 
 
 def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):

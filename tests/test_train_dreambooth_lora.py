@@ -9,8 +9,8 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from conftest import (assert_close_validations, assert_resume_is_exact, assert_same_files, launch, read_log,
-                      runs_with_and_without_cached_latents)
+from conftest import (assert_close_files, assert_close_validations, assert_resume_is_exact, assert_same_files, launch,
+                      read_log, runs_with_and_without_cached_latents)
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
@@ -187,11 +187,8 @@ def cache_runs(tiny, tmp_path_factory):
 def test_cached_run_with_prior_preservation_matches_the_uncached_one(cache_runs):
     outputs, _ = cache_runs
     for name in (LORA, f"ema/{LORA}"):
-        uncached, cached = load_file(outputs[False] / name), load_file(outputs[True] / name)
-        assert uncached.keys() == cached.keys() and len(cached) > 0
+        cached = assert_close_files(outputs[False] / name, outputs[True] / name)
         assert all(key.startswith("unet.") for key in cached)
-        for key in cached:
-            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (name, key)
 
 
 def test_cached_run_validates_with_the_offloaded_encoders_back(cache_runs):
@@ -218,8 +215,5 @@ def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_
 
     outputs = runs_with_and_without_cached_latents(SCRIPT, run_args, tmp_path)
     for name in (LORA, f"ema/{LORA}"):
-        uncached, cached = load_file(outputs[False] / name), load_file(outputs[True] / name)
-        assert uncached.keys() == cached.keys()
+        cached = assert_close_files(outputs[False] / name, outputs[True] / name)
         assert {key.split(".")[0] for key in cached} == {"unet", "text_encoder"}
-        for key in cached:
-            assert torch.allclose(cached[key], uncached[key], atol=1e-5), (name, key)
