@@ -3,18 +3,16 @@
 import pytest
 import torch
 
-from training_utils import args as args_module
 from training_utils.args import (
-    RunStopped,
     TrainingArgumentParser,
-    UsageError,
     add_cache_args,
     add_diffusion_loss_args,
     add_lora_args,
     check_args,
-    exit_on_usage_error,
+    is_hub_id,
     training_parser,
 )
+from training_utils.errors import exit_on_usage_error
 
 
 @pytest.fixture
@@ -160,45 +158,6 @@ def test_parser_error_method_directly(capsys):
     assert capsys.readouterr().err == "error: something is off\n"
 
 
-def test_exit_on_usage_error_passes_other_exceptions_through(capsys):
-    with pytest.raises(ValueError, match="not mine"):
-        with exit_on_usage_error():
-            raise ValueError("not mine")
-    assert capsys.readouterr().err == ""
-
-
-def test_exit_on_usage_error_formats_flag_value_expected(capsys):
-    with pytest.raises(SystemExit) as exited:
-        with exit_on_usage_error():
-            raise UsageError("--thing", 3, "an even number")
-    assert exited.value.code == 2
-    assert capsys.readouterr().err == "error: --thing=3: expected an even number\n"
-
-
-@pytest.mark.parametrize("rank, printed", [(None, True), ("0", True), ("1", False)])
-def test_a_stopped_run_exits_with_its_code_and_only_the_first_process_says_why(rank, printed, capsys, monkeypatch):
-    if rank is None:
-        monkeypatch.delenv("RANK", raising=False)
-    else:
-        monkeypatch.setenv("RANK", rank)
-    with pytest.raises(SystemExit) as exited:
-        with exit_on_usage_error():
-            raise RunStopped("stopped by SIGTERM after step 3", 75)
-    assert exited.value.code == 75
-    assert capsys.readouterr().err == ("stopped: stopped by SIGTERM after step 3\n" if printed else "")
-
-
-def test_usage_error_without_flag_is_just_the_expectation():
-    assert str(UsageError(None, None, "something else")) == "something else"
-
-
-def test_exit_on_usage_error_no_error_no_exit(capsys):
-    with exit_on_usage_error():
-        value = 41 + 1
-    assert value == 42
-    assert capsys.readouterr().err == ""
-
-
 GOOD_INPUTS = [
     [],
     ["--resolution", "8"],
@@ -230,6 +189,12 @@ def test_good_inputs_pass(extra, model_dir, tmp_path, capsys, no_cuda):
 def test_hub_ids_pass_without_network(model, capsys):
     args = parse_and_check(["--pretrained_model_name_or_path", model])
     assert args.pretrained_model_name_or_path == model
+
+
+@pytest.mark.parametrize("value, expected", [("gpt2", True), ("owner/name-1.5", True), ("./model", False),
+                                             (".hidden", False), ("a/b/c", False), ("/abs/path", False)])
+def test_is_hub_id_tells_hub_ids_from_paths(value, expected):
+    assert is_hub_id(value) is expected
 
 
 def test_resume_from_existing_checkpoint_passes(model_dir, tmp_path):
@@ -323,13 +288,6 @@ def test_every_design_flag_exists():
     --validation_epochs --use_ema --ema_decay --ema_update_every --ema_device""".split()
     known = set(training_parser("x")._option_string_actions)
     assert [flag for flag in flags if flag not in known] == []
-
-
-def test_module_exports_usage_error_used_elsewhere():
-    from training_utils import checkpointing, data
-
-    assert data.UsageError is args_module.UsageError
-    assert checkpointing.UsageError is args_module.UsageError
 
 
 def test_bf16_needs_a_gpu_that_supports_it(model_dir, monkeypatch, capsys):

@@ -9,10 +9,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import assert_close_files, assert_close_validations, assert_same_files, launch
-from training_utils.cache import (CACHE_INDEX_COLUMN, DatasetLatents, cache_latent_parameters, cache_text_embeddings,
-                                  cached_latent_parameters, cached_paired_latent_parameters, distinct_captions, offload,
-                                  sample_latents)
-from training_utils.data import ImageTransform, PairedImageTransform, sample_generator, tokenize
+from training_utils.cache import (CACHE_INDEX_COLUMN, FrozenEncoders, cache_latent_parameters, cache_text_embeddings,
+                                  cached_latent_parameters, cached_latent_parameters_with_conditioning,
+                                  distinct_captions, sample_latents)
+from training_utils.data import ImageTransform, ImageWithConditioningTransform, sample_generator, tokenize
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -49,7 +49,7 @@ def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(
     for image, conditioning_image in zip(images, conditionings):
         image.paste((0, 255, 0), (0, 0, 10, image.height))
         conditioning_image.paste((255, 255, 255), (0, 0, 6, conditioning_image.height))
-    transform = PairedImageTransform(32, center_crop=True, random_flip=True)
+    transform = ImageWithConditioningTransform(32, center_crop=True, random_flip=True)
     cache = cache_latent_parameters(((key, lambda image=image: image) for key, image in enumerate(images)),
                                     transform, vae, "cpu", torch.float32, batch_size=2)
     crops = set()
@@ -58,7 +58,8 @@ def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(
             uncached_generator, cached_generator = sample_generator(0, epoch, key), sample_generator(0, epoch, key)
             pixels, conditioning_pixels, original_size, crop_top_left = transform(
                 image, conditioning_image, uncached_generator)
-            cached = cached_paired_latent_parameters(cache[key], conditioning_image, transform, cached_generator)
+            cached = cached_latent_parameters_with_conditioning(cache[key], conditioning_image, transform,
+                                                                 cached_generator)
             with torch.no_grad():
                 expected = vae.encode(pixels[None]).latent_dist.parameters[0]
             torch.testing.assert_close(cached[0], expected, atol=1e-5, rtol=1e-5)
@@ -71,28 +72,96 @@ def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(
     assert crops == {(0, (0, 4)), (0, (0, 5)), (1, (6, 0))}
 
 
-def test_dataset_latents_draw_what_the_transform_draws_and_leave_the_images_undecoded(tiny_sd_pipe, tmp_path):
+def two_image_dataset(directory):
     import datasets
 
     paths = []
     for index, colour in enumerate([(200, 30, 30), (30, 30, 200)]):
         image = Image.new("RGB", (48, 40), colour)
-        image.paste((0, 255, 0), (0, 0, 10 + index, 40))
-        image.save(tmp_path / f"{index}.png")
-        paths.append(str(tmp_path / f"{index}.png"))
+        image.paste((0, 255, 0), (0, 0, 10 + index, 40))  # asymmetric, so a flip changes the latents
+        image.save(directory / f"{index}.png")
+        paths.append(str(directory / f"{index}.png"))
     dataset = datasets.Dataset.from_dict({"image": paths, "text": ["a", "b"]}).cast_column("image", datasets.Image())
+    return dataset, paths
+
+
+def test_frozen_encoders_draw_from_cached_dataset_images_what_the_transform_draws_and_leave_them_undecoded(
+        tiny_sd_pipe, tmp_path):
+    dataset, paths = two_image_dataset(tmp_path)
     transform = ImageTransform(32, center_crop=True, random_flip=True)
-    latents = DatasetLatents(dataset, "image", transform, tiny_sd_pipe.vae, "cpu", torch.float32, batch_size=2)
-    assert latents.examples.column_names == ["image", "text", CACHE_INDEX_COLUMN]
-    for index, example in enumerate(latents.examples):
+    frozen = FrozenEncoders(tiny_sd_pipe.vae, transform, "cpu", torch.float32, cache_latents=True, batch_size=2)
+    examples = frozen.cache_dataset_images(dataset, "image")
+    assert examples.column_names == ["image", "text", CACHE_INDEX_COLUMN]
+    for index, example in enumerate(examples):
         assert example["image"]["path"] == paths[index]  # undecoded, so an unreadable file can be named
         for epoch in range(4):
-            drawn = latents.draw(example, sample_generator(0, epoch, index))
+            drawn = frozen.dataset_image(example, sample_generator(0, epoch, index))
             pixels, original_size, crop_top_left = transform(dataset[index]["image"], sample_generator(0, epoch, index))
             with torch.no_grad():
                 expected = tiny_sd_pipe.vae.encode(pixels[None]).latent_dist.parameters[0]
             torch.testing.assert_close(drawn[0], expected, atol=1e-5, rtol=1e-5)
             assert drawn[1:] == (original_size, crop_top_left)
+
+
+def test_frozen_encoders_without_caching_give_the_transforms_pixels_and_encode_in_the_step(tiny_sd_pipe, tmp_path):
+    dataset, paths = two_image_dataset(tmp_path)
+    transform = ImageTransform(32, random_flip=True)
+    frozen = FrozenEncoders(tiny_sd_pipe.vae, transform, "cpu", torch.float32)
+    assert frozen.cache_dataset_images(dataset, "image") is dataset
+    pixels = [frozen.dataset_image(dataset[index], sample_generator(0, 1, index))[0] for index in range(2)]
+    for index, drawn in enumerate(pixels):
+        assert torch.equal(drawn, transform(dataset[index]["image"], sample_generator(0, 1, index))[0])
+        assert torch.equal(frozen.image_file(paths[index], sample_generator(0, 1, index))[0], drawn)
+    images = torch.stack(pixels)
+    torch.manual_seed(5)
+    latents = frozen.latents(images)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected = tiny_sd_pipe.vae.encode(images).latent_dist.sample()
+    assert latents.is_contiguous() and torch.equal(latents.detach(), expected)
+
+
+def test_frozen_encoders_draw_cached_image_files_and_sample_batches_from_the_global_rng(tiny_sd_pipe, tmp_path):
+    _, paths = two_image_dataset(tmp_path)
+    transform = ImageTransform(32, center_crop=True, random_flip=True)
+    frozen = FrozenEncoders(tiny_sd_pipe.vae, transform, "cpu", torch.float32, cache_latents=True)
+    frozen.cache_image_files(paths + paths[:1])  # a file listed twice is encoded once
+    assert list(frozen.latent_cache) == paths
+    parameters = torch.stack([frozen.image_file(path, sample_generator(0, 2, index))[0]
+                              for index, path in enumerate(paths)])
+    for index, path in enumerate(paths):
+        with Image.open(path) as image:
+            pixels = transform(image, sample_generator(0, 2, index))[0]
+        with torch.no_grad():
+            expected = tiny_sd_pipe.vae.encode(pixels[None]).latent_dist.parameters[0]
+        torch.testing.assert_close(parameters[index], expected, atol=1e-5, rtol=1e-5)
+    torch.manual_seed(5)
+    latents = frozen.latents(parameters)
+    torch.manual_seed(5)
+    assert latents.is_contiguous() and torch.equal(latents, sample_latents(parameters))
+
+
+def test_frozen_encoders_offload_what_they_cached_and_bring_it_back_for_validation(tiny_sd_pipe):
+    moves = []
+
+    def module(name):
+        stand_in = torch.nn.Linear(2, 2)
+        stand_in.to = lambda device: moves.append((name, str(device))) or stand_in
+        return stand_in
+
+    vae, text_encoder = module("vae"), module("text")
+    transform = ImageTransform(32, center_crop=True)
+    for cache_latents, offloaded in ((False, ["text"]), (True, ["vae", "text"])):
+        moves.clear()
+        frozen = FrozenEncoders(vae, transform, "cuda:0", torch.float32, cache_latents=cache_latents)
+        embeddings = frozen.text_embeddings(["a", ["b", "a"]], lambda captions: torch.zeros(len(captions), 1),
+                                            [text_encoder])
+        assert list(embeddings) == ["a", "b"]
+        frozen.offload()
+        assert moves == [(name, "cpu") for name in offloaded]
+        with frozen.on_device():
+            assert moves[len(offloaded):] == [(name, "cuda:0") for name in offloaded]
+        assert moves[2 * len(offloaded):] == [(name, "cpu") for name in offloaded]
 
 
 def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):
@@ -151,16 +220,6 @@ def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_
         assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))
     # The host memory the cache holds is said: 3 captions of 1 MiB of hidden states (and 4 bytes pooled).
     assert "text embeddings of 3 distinct captions cached: 3.0 MiB of host memory" in caplog.text
-
-
-def test_offload_keeps_modules_on_the_cpu_outside_the_context():
-    module = torch.nn.Linear(2, 2)
-    moves = []
-    module.to = lambda device: moves.append(str(device)) or module
-    on_device = offload([module], "cuda:0")
-    with on_device():
-        assert moves == ["cpu", "cuda:0"]
-    assert moves == ["cpu", "cuda:0", "cpu"]
 
 
 def flags(tiny, output_dir, *extra):

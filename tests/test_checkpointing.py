@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from training_utils import checkpointing
-from training_utils.args import UsageError
+from training_utils.errors import UsageError
 from training_utils.checkpointing import (
     EMA_FILE,
     STATE_FILE,

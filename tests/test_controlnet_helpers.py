@@ -14,9 +14,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
-from training_utils.args import UsageError, training_parser
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
-                                       controlnet_from_unet, dataset_columns, finish_controlnet_run,
+                                       controlnet_from_unet, controlnet_how_to_load, dataset_columns,
                                        load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator,
                                        pick_training_caption)
 from training_utils.ema import EMA
@@ -231,24 +232,12 @@ def test_validator_renders_each_prompt_with_its_conditioning_image(tiny, tmp_pat
     assert not np.array_equal(first, second)  # the same seed, another conditioning image
 
 
-def test_finish_saves_raw_and_ema_controlnet_and_the_card(tiny, tmp_path, capsys):
-    controlnet = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"])
-    parameters = {f"controlnet.{name}": parameter for name, parameter in controlnet.named_parameters()}
-    ema = EMA(parameters, decay=0.5)
-    with torch.no_grad():
-        controlnet.controlnet_mid_block.weight += 1.0
-    args = run_args(tiny, tmp_path, "--validation_prompt", "a red circle", "--validation_image", "hint.png")
-    args.push_to_hub, args.ema_posthoc_sigma_rels = False, None
-    records = [{"step": 3, "variant": "raw", "prompt": "a red circle", "images": ["validation/x.png"]}]
-    validator = SimpleNamespace(card_records=lambda records: [{**records[0], "variant": "conditioning"}, *records])
-    finish_controlnet_run(args, "A title", "{base_model} {output_dir} {prompt} {conditioning_image} {extra}",
-                          controlnet, ema, validator, records, extra="EXTRA")
-    raw = ControlNetModel.from_pretrained(tmp_path).controlnet_mid_block.weight
-    saved_ema = ControlNetModel.from_pretrained(tmp_path / "ema").controlnet_mid_block.weight
-    assert torch.equal(raw, controlnet.controlnet_mid_block.weight) and torch.all(raw == 1)
-    assert not torch.any(saved_ema)  # never updated: still the initial zero convolution
-    card = (tmp_path / "README.md").read_text()
-    assert "# A title" in card and f"{tiny['sdxl']} {tmp_path} a red circle hint.png EXTRA" in card
-    assert "**conditioning**" in card and "validation/x.png" in card
-    out = capsys.readouterr().out
-    assert f"raw ControlNet: {tmp_path}" in out and f"ema ControlNet: {tmp_path / 'ema'}" in out
+def test_how_to_load_names_the_pipeline_and_the_first_conditioning_image(tiny, tmp_path):
+    args = run_args(tiny, tmp_path, "--validation_prompt", "a red circle", "--validation_image", "hint.png", "b.png")
+    pipe = SimpleNamespace()
+    text = controlnet_how_to_load(args, pipe, load_options=", vae=vae")
+    assert 'ControlNetModel.from_pretrained("' + str(tmp_path) + '")' in text
+    assert f'SimpleNamespace.from_pretrained("{tiny["sdxl"]}", controlnet=controlnet, vae=vae)' in text
+    assert 'pipe("a red circle", image=load_image("hint.png"))' in text
+    without_images = controlnet_how_to_load(run_args(tiny, tmp_path), pipe)
+    assert 'pipe("a photo", image=load_image("conditioning.png"))' in without_images

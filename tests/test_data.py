@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from training_utils.args import UsageError, training_parser
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
 from training_utils.data import (
     ImageTransform,
     TrainDataset,

@@ -1,11 +1,11 @@
-"""PairedImageTransform: an image and its conditioning image get one resize, crop and flip."""
+"""ImageWithConditioningTransform: an image and its conditioning image get one resize, crop and flip."""
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from training_utils.data import ImageTransform, PairedImageTransform
+from training_utils.data import ImageTransform, ImageWithConditioningTransform
 
 
 def position_image(height, width):
@@ -34,7 +34,7 @@ def generator(seed):
 @pytest.mark.parametrize("height, width", [(32, 56), (56, 32), (48, 64)])
 def test_both_images_get_the_same_crop_and_flip(height, width):
     image = position_image(height, width)
-    transform = PairedImageTransform(32, center_crop=False, random_flip=True)
+    transform = ImageWithConditioningTransform(32, center_crop=False, random_flip=True)
     flips, crops = set(), set()
     for seed in range(30):
         pixels, conditioning, original_size, crop = transform(image, image.copy(), generator(seed))
@@ -50,7 +50,7 @@ def test_both_images_get_the_same_crop_and_flip(height, width):
 @pytest.mark.parametrize("center_crop, random_flip", [(False, True), (True, True), (False, False)])
 def test_image_matches_image_transform_with_the_same_generator(center_crop, random_flip):
     image, conditioning = position_image(40, 72), position_image(40, 72).rotate(180)
-    paired = PairedImageTransform(32, center_crop, random_flip)
+    paired = ImageWithConditioningTransform(32, center_crop, random_flip)
     single = ImageTransform(32, center_crop, random_flip)
     for seed in range(10):
         pixels, _, original_size, crop = paired(image, conditioning, generator(seed))
@@ -61,7 +61,7 @@ def test_image_matches_image_transform_with_the_same_generator(center_crop, rand
 
 def test_ranges_dtypes_and_shapes():
     image = Image.fromarray(np.array([[[0, 255, 128]] * 40] * 24, dtype=np.uint8))
-    pixels, conditioning, _, _ = PairedImageTransform(16, center_crop=True)(image, image, generator(0))
+    pixels, conditioning, _, _ = ImageWithConditioningTransform(16, center_crop=True)(image, image, generator(0))
     for tensor in (pixels, conditioning):
         assert tensor.shape == (3, 16, 16) and tensor.dtype == torch.float32 and tensor.is_contiguous()
     assert torch.all(pixels[0] == -1.0) and torch.all(pixels[1] == 1.0)
@@ -73,7 +73,7 @@ def test_grayscale_and_rgba_conditioning_become_three_channels():
     image = position_image(32, 32)
     for mode, white in (("L", 255), ("RGBA", (255, 255, 255, 255)), ("1", 1)):
         conditioning = Image.new(mode, (32, 32), white)
-        _, pixels, _, _ = PairedImageTransform(32)(image, conditioning, generator(0))
+        _, pixels, _, _ = ImageWithConditioningTransform(32)(image, conditioning, generator(0))
         assert pixels.shape == (3, 32, 32) and torch.all(pixels == 1.0), mode
 
 
@@ -84,7 +84,7 @@ def test_conditioning_of_another_size_is_mapped_onto_the_image_geometry():
         pixels[:, width * 5 // 8:] = 255
         return Image.fromarray(pixels)
 
-    transform = PairedImageTransform(32, center_crop=False, random_flip=True)
+    transform = ImageWithConditioningTransform(32, center_crop=False, random_flip=True)
     flips = set()
     for seed in range(20):
         pixels, conditioning, _, _ = transform(edge(40, 64), edge(80, 128), generator(seed))
@@ -98,7 +98,7 @@ def test_conditioning_of_another_size_is_mapped_onto_the_image_geometry():
 
 def test_output_is_a_function_of_the_generator_alone():
     image, conditioning = position_image(48, 64), position_image(48, 64).rotate(90)
-    transform = PairedImageTransform(32, center_crop=False, random_flip=True)
+    transform = ImageWithConditioningTransform(32, center_crop=False, random_flip=True)
     torch.manual_seed(1)
     first = transform(image, conditioning, generator(5))
     torch.manual_seed(2)

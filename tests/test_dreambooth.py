@@ -8,11 +8,12 @@ import pytest
 import torch
 from PIL import Image
 
-from training_utils.args import TrainingArgumentParser, UsageError
+from training_utils.args import TrainingArgumentParser
+from training_utils.errors import UsageError
+from training_utils.cache import FrozenEncoders
 from training_utils.data import ImageTransform
-from training_utils.dreambooth import (add_dreambooth_args, cached_latents_dataset, check_dreambooth_args,
-                                       collate_latents, dreambooth_dataset, generate_class_images, list_images,
-                                       paired_collate)
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
+                                       generate_class_images, instance_then_class_collate, list_images)
 
 
 def solid(path, value, size=(12, 8)):
@@ -99,25 +100,31 @@ def test_check_rejects_a_missing_or_empty_instance_folder(tmp_path):
 # Dataset and collate
 
 
+def pixels_of(transform, vae=None):
+    """`FrozenEncoders` that give the images' pixels (or, with ``vae``, their cached latent parameters)."""
+    return FrozenEncoders(vae, transform, "cpu", torch.float32, cache_latents=vae is not None, batch_size=3)
+
+
 def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path, instance_dir):
     class_dir = tmp_path / "class"
     class_dir.mkdir()
     class_images = [solid(class_dir / f"{index}.png", 100 + 10 * index) for index in range(5)]
-    dataset = dreambooth_dataset(list_images(instance_dir), ImageTransform(8, center_crop=True), 0, class_images)
+    dataset = dreambooth_dataset(list_images(instance_dir), class_images, pixels_of(ImageTransform(8, center_crop=True)),
+                                 0)
     assert len(dataset) == 5
     for index in range(5):
         example = dataset[index]
-        assert example.keys() == {"instance_pixel_values", "class_pixel_values"}
-        assert example["instance_pixel_values"].shape == (3, 8, 8)
+        assert example.keys() == {"instance", "class"}
+        assert example["instance"].shape == (3, 8, 8)
         # Solid grey images: the pixel value says which file was read.
-        assert torch.all(example["instance_pixel_values"] == scaled(10 * (index % 3)))
-        assert torch.all(example["class_pixel_values"] == scaled(100 + 10 * index))
+        assert torch.all(example["instance"] == scaled(10 * (index % 3)))
+        assert torch.all(example["class"] == scaled(100 + 10 * index))
 
 
 def test_dataset_without_class_images_has_the_instance_images_only(instance_dir):
-    dataset = dreambooth_dataset(list_images(instance_dir), ImageTransform(8), 0)
+    dataset = dreambooth_dataset(list_images(instance_dir), None, pixels_of(ImageTransform(8)), 0)
     assert len(dataset) == 3
-    assert dataset[1].keys() == {"instance_pixel_values"}
+    assert dataset[1].keys() == {"instance"}
 
 
 def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
@@ -126,9 +133,9 @@ def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
     images = list_images(tmp_path)
 
     def crops(seed, epoch):
-        dataset = dreambooth_dataset(images, ImageTransform(16), seed)
+        dataset = dreambooth_dataset(images, None, pixels_of(ImageTransform(16)), seed)
         dataset.set_epoch(epoch)
-        return [dataset[0]["instance_pixel_values"] for _ in range(2)]
+        return [dataset[0]["instance"] for _ in range(2)]
 
     first, again = crops(0, 0)
     assert torch.equal(first, again)
@@ -137,7 +144,7 @@ def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
     assert any(not torch.equal(first, other) for other in others)
 
 
-def test_cached_latents_dataset_draws_the_flips_the_uncached_one_draws(tmp_path, tiny_sd_pipe):
+def test_with_cached_latents_the_dataset_draws_the_flips_the_uncached_one_draws(tmp_path, tiny_sd_pipe):
     for kind, colour in (("instance", (200, 30, 30)), ("class", (30, 30, 200))):
         (tmp_path / kind).mkdir()
         for index in range(2):
@@ -145,26 +152,27 @@ def test_cached_latents_dataset_draws_the_flips_the_uncached_one_draws(tmp_path,
             image.paste((0, 255, 0), (0, 0, 6 + 4 * index, 32))  # asymmetric: a flip changes the latents
             image.save(tmp_path / kind / f"{index}.png")
     transform = ImageTransform(32, center_crop=True, random_flip=True)
-    uncached = dreambooth_dataset(list_images(tmp_path / "instance"), transform, 5, list_images(tmp_path / "class"))
-    cached = cached_latents_dataset(uncached, transform, tiny_sd_pipe.vae, "cpu", torch.float32, batch_size=3)
+    instance_images, class_images = list_images(tmp_path / "instance"), list_images(tmp_path / "class")
+    uncached = dreambooth_dataset(instance_images, class_images, pixels_of(transform), 5)
+    cached = dreambooth_dataset(instance_images, class_images, pixels_of(transform, tiny_sd_pipe.vae), 5)
     for epoch in range(3):
         uncached.set_epoch(epoch)
         cached.set_epoch(epoch)
-        batch = collate_latents([cached[index] for index in range(2)])["latent_parameters"]
-        pixels = paired_collate([uncached[index] for index in range(2)])["pixel_values"]
+        batch = instance_then_class_collate([cached[index] for index in range(2)])["images"]
+        pixels = instance_then_class_collate([uncached[index] for index in range(2)])["images"]
         with torch.no_grad():
             expected = tiny_sd_pipe.vae.encode(pixels).latent_dist.parameters
         torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_paired_collate_puts_the_instance_half_first():
-    examples = [{"instance_pixel_values": torch.full((3, 2, 2), float(i)),
-                 "class_pixel_values": torch.full((3, 2, 2), 10.0 + i)} for i in range(3)]
-    batch = paired_collate(examples)
-    assert batch.keys() == {"pixel_values"}
-    assert batch["pixel_values"][:, 0, 0, 0].tolist() == [0, 1, 2, 10, 11, 12]
-    instance_only = paired_collate([{"instance_pixel_values": e["instance_pixel_values"]} for e in examples])
-    assert instance_only["pixel_values"][:, 0, 0, 0].tolist() == [0, 1, 2]
+def test_the_collate_puts_the_instance_half_first():
+    examples = [{"instance": torch.full((3, 2, 2), float(i)), "class": torch.full((3, 2, 2), 10.0 + i)}
+                for i in range(3)]
+    batch = instance_then_class_collate(examples)
+    assert batch.keys() == {"images"}
+    assert batch["images"][:, 0, 0, 0].tolist() == [0, 1, 2, 10, 11, 12]
+    instance_only = instance_then_class_collate([{"instance": e["instance"]} for e in examples])
+    assert instance_only["images"][:, 0, 0, 0].tolist() == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""The model card of training_utils.hub.write_model_card."""
+"""The end of a run (training_utils.hub): the model card, its loading code, and what is printed."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from training_utils.hub import write_model_card
+from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load, write_model_card
 
 HOW_TO_LOAD = """
 from diffusers import StableDiffusionPipeline
@@ -84,3 +85,35 @@ def test_overwrites_existing_card(tmp_path):
     text = (tmp_path / "README.md").read_text()
     assert "old card" not in text and "# New title" in text
     assert text.endswith("\n")
+
+
+class MyPipeline:
+    """Stands in for a pipeline: the loading code names the class of the pipeline that trained."""
+
+
+def run_args(tmp_path, **overrides):
+    return SimpleNamespace(**{"pretrained_model_name_or_path": "base/model", "output_dir": str(tmp_path),
+                              "validation_prompt": ["a red circle", "a blue square"], "push_to_hub": False,
+                              "ema_posthoc_sigma_rels": None, **overrides})
+
+
+def test_how_to_load_fills_the_pipeline_class_base_model_output_dir_and_first_prompt(tmp_path):
+    text = how_to_load(LORA_HOW_TO_LOAD, run_args(tmp_path), MyPipeline())
+    assert "from diffusers import MyPipeline\n" in text
+    assert 'pipe = MyPipeline.from_pretrained("base/model")' in text
+    assert f'pipe.load_lora_weights("{tmp_path}")' in text and 'pipe("a red circle")' in text
+    options = how_to_load(LORA_HOW_TO_LOAD, run_args(tmp_path, validation_prompt=None), MyPipeline(),
+                          imports="AutoencoderKL, MyPipeline", load_options=", vae=vae")
+    assert "from diffusers import AutoencoderKL, MyPipeline\n" in options
+    assert 'MyPipeline.from_pretrained("base/model", vae=vae)' in options and 'pipe("a photo")' in options
+
+
+def test_finish_run_writes_the_card_and_says_where_everything_went(tmp_path, records, capsys):
+    saved = {"raw": tmp_path / "weights", "ema": tmp_path / "ema" / "weights"}
+    finish_run(run_args(tmp_path, ema_posthoc_sigma_rels=[0.05, 0.1]), "A title", "load it", records, saved, "LoRA")
+    card = (tmp_path / "README.md").read_text()
+    assert "# A title" in card and "load it" in card and records[-1]["images"][0] in card
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:3] == [f"raw LoRA: {tmp_path / 'weights'}", f"ema LoRA: {tmp_path / 'ema' / 'weights'}",
+                           f"validation images: {tmp_path / 'validation'} (log.jsonl lists them)"]
+    assert printed[3].startswith("post-hoc EMA snapshots:") and "python -m training_utils.posthoc_ema" in printed[3]

@@ -8,12 +8,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from training_utils.args import RunStopped
+from training_utils.accelerator import end_training
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
+from training_utils.errors import RunStopped
 from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
+from training_utils.optimization import training_length
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots
-from training_utils.training import end_training, training_length
 
 NUM_SAMPLES, BATCH = 10, 2  # 5 steps per epoch
 

@@ -5,7 +5,6 @@ import torch
 from diffusers import DDPMScheduler, PNDMScheduler, StableDiffusionPipeline
 
 from training_utils.pipeline import (
-    component_name,
     modules_of,
     prepare_components,
     trainable_parameters,
@@ -118,21 +117,6 @@ def test_trainable_parameters_of_every_parameter(fresh_pipe):
     fresh_pipe.vae.requires_grad_(True)
     parameters = trainable_parameters({"vae": fresh_pipe.vae})
     assert list(parameters) == [f"vae.{name}" for name, _ in fresh_pipe.vae.named_parameters()]
-
-
-def test_component_name(tiny_sd_pipe):
-    assert component_name(tiny_sd_pipe, tiny_sd_pipe.unet) == "unet"
-    assert component_name(tiny_sd_pipe, tiny_sd_pipe.vae) == "vae"
-    assert component_name(tiny_sd_pipe, tiny_sd_pipe.text_encoder) == "text_encoder"
-    assert component_name(tiny_sd_pipe, tiny_sd_pipe.tokenizer) == "tokenizer"
-    with pytest.raises(ValueError, match="Linear"):
-        component_name(tiny_sd_pipe, torch.nn.Linear(2, 2))
-
-
-def test_component_name_is_by_identity_not_equality(tiny_sd_pipe, tiny):
-    other = StableDiffusionPipeline.from_pretrained(tiny["sd"])
-    with pytest.raises(ValueError):
-        component_name(tiny_sd_pipe, other.unet)
 
 
 def test_training_noise_scheduler_keeps_the_schedule(tiny_sd_pipe):

@@ -8,11 +8,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from training_utils.ema import PowerEMA
-from training_utils.posthoc_ema import (
-    FORMAT_FILE, LORA_WEIGHTS_NAME, MAX_SIGMA_REL, SNAPSHOT_DIR, SYNTHESIS_FILE, TENSORS_FILE, PostHocEMA,
-    gamma_to_sigma_rel, main, output_folder, profile_dot, read_snapshots, remove_adapter_name, sigma_rel_to_gamma,
-    solve_posthoc_coefficients, synthesize,
-)
+from training_utils.export import LORA_WEIGHTS_NAME, TENSORS_NAME, LoraExport, ModelExport, remove_adapter_name
+from training_utils.posthoc_ema import (FORMAT_FILE, MAX_SIGMA_REL, SNAPSHOT_DIR, PostHocEMA, gamma_to_sigma_rel,
+                                        profile_dot, read_snapshots, sigma_rel_to_gamma, solve_posthoc_coefficients)
+from training_utils.posthoc_ema.__main__ import main
+from training_utils.posthoc_ema.synthesis import SYNTHESIS_FILE, output_folder, synthesize
 
 TRACKED = [0.05, 0.10]
 
@@ -343,7 +343,7 @@ def test_cli_without_format_writes_plain_tensors_and_rejects_bad_values(tmp_path
     main(["--output_dir", str(tmp_path), "--sigma_rel", "0.08", "--step", "75"])
     folder = output_folder(tmp_path, 0.08, 75)
     assert folder.name == "sigma_rel-0.08-step-75"
-    assert load_file(folder / TENSORS_FILE).keys() == {"w"}
+    assert load_file(folder / TENSORS_NAME).keys() == {"w"}
     assert json.loads((folder / SYNTHESIS_FILE).read_text())["step"] == 75
     for bad in (["--sigma_rel", "0.3"], ["--sigma_rel", "0.08", "--step", "10"]):
         with pytest.raises(SystemExit) as exit_info:
@@ -354,26 +354,19 @@ def test_cli_without_format_writes_plain_tensors_and_rejects_bad_values(tmp_path
 
 # --- export in the script's own format --------------------------------------------------------------
 
-def test_remove_adapter_name():
-    assert remove_adapter_name("down_blocks.0.attn.to_q.lora_A.default.weight") == "down_blocks.0.attn.to_q.lora_A.weight"
-    assert remove_adapter_name("default.to_q.lora_B.default.weight") == "default.to_q.lora_B.weight"
-    assert remove_adapter_name("x.lora_magnitude_vector.default") == "x.lora_magnitude_vector"
-
-
 def test_cli_writes_a_lora_that_load_lora_weights_accepts(tiny, tmp_path, capsys):
     from diffusers import StableDiffusionPipeline
     from peft.utils import get_peft_model_state_dict
 
-    from training_utils.lora import UNET_TARGET_MODULES, add_lora, lora_layers
+    from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
     from training_utils.pipeline import trainable_parameters
-    from training_utils.posthoc_ema import lora_export_format
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
-    add_lora(pipe.unet, 4, UNET_TARGET_MODULES)
+    add_lora(pipe.unet, 4, ATTENTION_PROJECTIONS)
     trained = {"unet": pipe.unet}
     parameters = trainable_parameters(trained)
     posthoc = PostHocEMA(parameters, TRACKED, update_every=2,
-                         export_format=lora_export_format(StableDiffusionPipeline, trained))
+                         export=LoraExport.of(StableDiffusionPipeline, trained))
     posthoc.start(tmp_path, 0)
     generator = torch.Generator().manual_seed(0)
     for step in range(1, 21):
@@ -393,7 +386,7 @@ def test_cli_writes_a_lora_that_load_lora_weights_accepts(tiny, tmp_path, capsys
     assert folder == tmp_path / SNAPSHOT_DIR / "sigma_rel-0.05"
     saved = load_file(folder / LORA_WEIGHTS_NAME)
     with posthoc.profiles[0].swapped_in():
-        expected = {f"unet.{key}": value for key, value in lora_layers(trained)["unet_lora_layers"].items()}
+        expected = {f"unet.{key}": value.clone() for key, value in get_peft_model_state_dict(pipe.unet).items()}
     assert saved.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(saved[key], expected[key], rtol=0, atol=1e-6)
@@ -414,12 +407,11 @@ def test_module_format_writes_a_save_pretrained_folder(tiny, tmp_path):
     from diffusers import ControlNetModel
 
     from training_utils.pipeline import trainable_parameters
-    from training_utils.posthoc_ema import module_export_format
 
     controlnet = ControlNetModel.from_pretrained(tiny["controlnet"])
     trained = {"controlnet": controlnet}
     parameters = trainable_parameters(trained)
-    posthoc = PostHocEMA(parameters, TRACKED, export_format=module_export_format(trained))
+    posthoc = PostHocEMA(parameters, TRACKED, export=ModelExport.of(trained))
     posthoc.start(tmp_path, 0)
     generator = torch.Generator().manual_seed(0)
     for step in range(1, 5):

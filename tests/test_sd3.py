@@ -4,8 +4,9 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-from training_utils.args import UsageError, training_parser
-from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, add_lora
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
+from training_utils.lora import CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
                                 tokenize_prompt)
 
@@ -72,7 +73,7 @@ def test_prompt_embeddings_are_both_clips_padded_then_t5_and_pooled_is_both_proj
 def test_gradients_reach_the_clip_encoders_adapters(tiny):
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny["sd3"])  # its own copy: adapters are added
     for text_encoder in (pipe.text_encoder, pipe.text_encoder_2):
-        add_lora(text_encoder, 4, TEXT_ENCODER_TARGET_MODULES)
+        add_lora(text_encoder, 4, CLIP_ATTENTION_PROJECTIONS)
     pipe.text_encoder_3.requires_grad_(False)
     prompt_embeds, pooled = encode_prompt(text_encoders(pipe), tokenize_prompt(tokenizers(pipe), PROMPTS, 8))
     (prompt_embeds.square().sum() + pooled.square().sum()).backward()

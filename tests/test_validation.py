@@ -7,7 +7,7 @@ from accelerate import Accelerator
 from diffusers import DDPMScheduler, StableDiffusionPipeline
 
 from training_utils.ema import EMA
-from training_utils.lora import UNET_TARGET_MODULES, add_lora
+from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import trainable_parameters
 from training_utils.validation import Validator, preserved_state, validation_due
 
@@ -58,7 +58,7 @@ def lora_pipe(tiny):
     """A fresh tiny pipeline with a non-zero LoRA on the UNet, as after some training."""
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     pipe.set_progress_bar_config(disable=True)
-    add_lora(pipe.unet, 4, UNET_TARGET_MODULES)
+    add_lora(pipe.unet, 4, ATTENTION_PROJECTIONS)
     parameters = trainable_parameters({"unet": pipe.unet})
     torch.manual_seed(1)
     with torch.no_grad():

@@ -3,53 +3,28 @@
 Flag names follow the diffusers example scripts so that their commands work here. A bad value
 stops the run with one line on stderr naming the flag, the value and what was expected::
 
-    error: --resolution=500: expected a multiple of 8
+    error: --resolution=500: expected a positive multiple of 8
 """
 
 import argparse
 import math
-import os
 import re
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from accelerate.utils import parse_flag_from_env
 
+from .checkpointing import check_resume_from_checkpoint
+from .errors import require
+
 # A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class UsageError(Exception):
-    """A bad flag value or input, reported to the user as one line without a traceback."""
-
-    def __init__(self, flag, value, expected):
-        super().__init__(f"{flag}={value!r}: expected {expected}" if flag else expected)
-
-
-class RunStopped(Exception):
-    """The run stopped on purpose (preemption, a non-finite loss); ``exit_code`` tells the scheduler why."""
-
-    def __init__(self, message, exit_code):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-@contextmanager
-def exit_on_usage_error():
-    """Turn a `UsageError` raised inside the block into one line on stderr and exit status 2, and a
-    `RunStopped` into one line and its own exit code. Every process of a run stops together for the
-    same reason, so only the first (``RANK`` 0) says why."""
-    try:
-        yield
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except RunStopped as stop:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"stopped: {stop}", file=sys.stderr, flush=True)
-        sys.exit(stop.exit_code)
+def is_hub_id(value):
+    """Whether ``value`` reads as a hub id ("name" or "owner/name"), not as a local path."""
+    return HUB_ID.match(value) is not None and not value.startswith(".")
 
 
 class TrainingArgumentParser(argparse.ArgumentParser):
@@ -61,7 +36,7 @@ class TrainingArgumentParser(argparse.ArgumentParser):
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512):
-    """A parser with every flag DESIGN.md lists as shared; scripts add their own on top."""
+    """A parser with the flags every script shares; scripts add their own on top."""
     parser = TrainingArgumentParser(description=description)
 
     model = parser.add_argument_group("model")
@@ -172,19 +147,13 @@ def add_cache_args(parser):
                         help="encode the images with the VAE once before training (needs --center_crop)")
 
 
-def require(condition, flag, value, expected):
-    if not condition:
-        raise UsageError(flag, value, expected)
-
-
 def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
     path = Path(value).expanduser()
     if path.exists():
         require(path.is_dir() and (path / "model_index.json").is_file(), flag, value,
                 "a diffusers pipeline folder (with model_index.json) or a hub id")
     else:
-        require(_HUB_ID.match(value) is not None and not value.startswith("."), flag, value,
-                "an existing diffusers pipeline folder or a hub id (owner/name)")
+        require(is_hub_id(value), flag, value, "an existing diffusers pipeline folder or a hub id (owner/name)")
 
 
 def check_posthoc_args(args):
@@ -197,7 +166,8 @@ def check_posthoc_args(args):
             require(0 < value < max_sigma_rel, f"--{flag}", value,
                     f"relative EMA lengths in (0, {max_sigma_rel:.4f})")
     require(args.validation_sigma_rels is None or sigma_rels is not None, "--validation_sigma_rels",
-            args.validation_sigma_rels, "--ema_posthoc_sigma_rels as well (the sweep is synthesized from its snapshots)")
+            args.validation_sigma_rels,
+            "--ema_posthoc_sigma_rels as well (the sweep is synthesized from its snapshots)")
     require(args.ema_posthoc_snapshot_steps is None or args.ema_posthoc_snapshot_steps > 0,
             "--ema_posthoc_snapshot_steps", args.ema_posthoc_snapshot_steps, "a positive integer")
 
@@ -205,7 +175,8 @@ def check_posthoc_args(args):
 def check_args(args):
     """The checks every script shares. Call right after parsing, before anything loads."""
     check_pretrained_path(args.pretrained_model_name_or_path)
-    require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution, "a positive multiple of 8")
+    require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
+            "a positive multiple of 8")
     for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",
                  "num_validation_images", "validation_inference_steps", "ema_update_every"):
         require(getattr(args, flag) > 0, f"--{flag}", getattr(args, flag), "a positive integer")
@@ -242,10 +213,7 @@ def check_args(args):
     if args.validation_prompt is not None:
         require(all(prompt.strip() for prompt in args.validation_prompt), "--validation_prompt",
                 args.validation_prompt, "non-empty prompts")
-    if args.resume_from_checkpoint not in (None, "latest"):
-        from .checkpointing import resolve_checkpoint
-
-        resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    check_resume_from_checkpoint(args.resume_from_checkpoint, args.output_dir)
     # A token in the tracker's logged config would leak it to whoever sees the run.
     require(args.hub_token is None or args.report_to not in ("wandb", "all"), "--hub_token", "<hidden>",
             "no --hub_token with --report_to wandb/all (log in with `hf auth login` instead)")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .args import UsageError
+from .errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ def resolve_checkpoint(value, output_dir):
             return candidate
     raise UsageError("--resume_from_checkpoint", value,
                      f'"latest", or a checkpoint folder (a path, or a name under {output_dir}) holding {STATE_FILE}')
+
+
+def check_resume_from_checkpoint(value, output_dir):
+    """Fail before anything loads if ``--resume_from_checkpoint`` names a checkpoint that does not exist
+    ("latest" may find none: the run then starts fresh)."""
+    if value not in (None, "latest"):
+        resolve_checkpoint(value, output_dir)
 
 
 class Checkpointer:
@@ -112,7 +119,7 @@ class Checkpointer:
         return self.loaded_state["global_step"]
 
     def resume(self, value):
-        """Restore what ``--resume_from_checkpoint value`` names; returns the global step to continue from (0 if none)."""
+        """Restore what ``--resume_from_checkpoint value`` names; returns the step to continue from (0 if none)."""
         checkpoint = resolve_checkpoint(value, self.output_dir)
         if checkpoint is None:
             if value:

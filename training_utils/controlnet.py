@@ -1,5 +1,6 @@
 """What every ControlNet script shares, whatever the base model (SD 1.x, SDXL): its flags, the validation
-(prompt, conditioning image) pairs, the ControlNet pipeline built once, the residual cast and the end of the run.
+(prompt, conditioning image) pairs, the ControlNet pipeline built once, the residual cast, and how to load
+what it trained.
 
 The base model's own conditioning (text encoders, time ids, ...) stays in each script.
 """
@@ -12,12 +13,20 @@ import torch
 from diffusers import ControlNetModel
 from PIL import Image, UnidentifiedImageError
 
-from .args import UsageError, require
 from .data import pick_caption
-from .export import save_model_with_ema
-from .hub import finish_run
+from .errors import UsageError, require
+from .hub import how_to_load
 from .pipeline import load_pipeline
 from .validation import make_validator
+
+HOW_TO_LOAD = """
+from diffusers import {imports}
+from diffusers.utils import load_image
+
+controlnet = ControlNetModel.from_pretrained("{output_dir}")  # or "{output_dir}/ema" for the EMA weights
+pipe = {pipeline_class}.from_pretrained("{base_model}", controlnet=controlnet{load_options})
+image = pipe("{prompt}", image=load_image("{conditioning_image}")).images[0]
+"""
 
 # Channels of the conditioning embedding's blocks; each block after the first halves the resolution.
 CONDITIONING_EMBEDDING_CHANNELS = (16, 32, 96, 256)
@@ -122,16 +131,7 @@ def make_controlnet_validator(args, pipe, accelerator, validation_pairs, **kwarg
                           conditioning_images=conditioning_images, **kwargs)
 
 
-def finish_controlnet_run(args, title, how_to_load, controlnet, ema, validator, records, **how_to_load_fields):
-    """Save the raw and EMA ControlNet from memory (checked against it) to ``output_dir`` and ``output_dir/ema``,
-    then the model card. ``how_to_load`` is formatted with ``base_model``, ``output_dir``, ``prompt``,
-    ``conditioning_image`` and ``how_to_load_fields``."""
-    output_dir = Path(args.output_dir)
-    paths = save_model_with_ema(controlnet, output_dir, ema, output_dir / "ema")
-    saved = {f"{variant} ControlNet": path for variant, path in paths.items()}
-    how_to_load = how_to_load.format(
-        base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
-        prompt=args.validation_prompt[0] if args.validation_prompt else "a photo",
-        conditioning_image=args.validation_image[0] if args.validation_image else "conditioning.png",
-        **how_to_load_fields)
-    finish_run(args, title, how_to_load, validator.card_records(records) if validator else [], saved)
+def controlnet_how_to_load(args, pipe, **fields):
+    """The model card's loading code for the trained ControlNet, with the first ``--validation_image``."""
+    conditioning_image = args.validation_image[0] if args.validation_image else "conditioning.png"
+    return how_to_load(HOW_TO_LOAD, args, pipe, conditioning_image=conditioning_image, **fields)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .args import UsageError
+from .errors import UsageError
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 # What PIL raises for missing, truncated or undecodable files (UnidentifiedImageError is an OSError).
@@ -125,7 +125,7 @@ class Layout(NamedTuple):
         return self.top, left
 
 
-class PairedImageTransform(ImageTransform):
+class ImageWithConditioningTransform(ImageTransform):
     """`ImageTransform` for an image and its conditioning image (ControlNet-style): one resize, crop and flip for both.
 
     The conditioning image is resized to the image's resized size (so one crop fits both, whatever

@@ -12,12 +12,10 @@ import os
 from pathlib import Path
 
 import torch
-from PIL import Image
 from tqdm.auto import tqdm
 
-from .args import require
-from .cache import cache_latent_parameters, cached_latent_parameters
-from .data import IMAGE_EXTENSIONS, TrainDataset, stack_collate
+from .data import IMAGE_EXTENSIONS, TrainDataset
+from .errors import require
 from .pipeline import modules_of
 from .validation import preserved_state
 
@@ -69,59 +67,29 @@ def check_dreambooth_args(args):
     return instance_images
 
 
-def dreambooth_dataset(instance_images, transform, seed, class_images=None):
-    """A `TrainDataset` of ``instance_pixel_values`` and, with ``class_images``, ``class_pixel_values``.
-
-    Its length is that of the longer list; the shorter one cycles. ``transform`` is an
-    `data.ImageTransform`, driven by the per-sample generator.
-    """
+def dreambooth_dataset(instance_images, class_images, encoders, seed):
+    """A `TrainDataset` of ``instance`` images and, with ``class_images``, ``class`` images: what
+    ``encoders.image_file`` gives for each (pixels, or the cached latent parameters, which it encodes here
+    when caching latents). Its length is that of the longer list; the shorter one cycles."""
     length = max(len(instance_images), len(class_images or ()))
     examples = [{"instance": instance_images[index % len(instance_images)]} for index in range(length)]
     if class_images:
         for index, example in enumerate(examples):
             example["class"] = class_images[index % len(class_images)]
+    encoders.cache_image_files(path for example in examples for path in example.values())
 
     def preprocess(example, generator):
-        pixels = {}
-        for kind, path in example.items():
-            with Image.open(path) as image:
-                pixels[f"{kind}_pixel_values"] = transform(image, generator)[0]
-        return pixels
+        return {kind: encoders.image_file(path, generator)[0] for kind, path in example.items()}
 
     return TrainDataset(examples, preprocess, seed)
 
 
-def paired_collate(examples):
-    """``{"pixel_values": instance images, then class images}``: the two halves line up, so ``chunk(2)``
+def instance_then_class_collate(examples):
+    """``{"images": the instance images, then the class images}``: the two halves line up, so ``chunk(2)``
     splits predictions into the instance and the class part, and prompts repeat with ``repeat_interleave``."""
-    batch = stack_collate(examples)
-    return {"pixel_values": torch.cat([batch[key] for key in ("instance_pixel_values", "class_pixel_values")
-                                       if key in batch])}
+    return {"images": torch.cat([torch.stack([example[kind] for example in examples])
+                                 for kind in ("instance", "class") if kind in examples[0]])}
 
-
-
-def cached_latents_dataset(dataset, transform, vae, device, dtype, batch_size):
-    """``dataset`` (of `dreambooth_dataset`) with each image replaced by its VAE latent distribution's
-    parameters (``instance``, ``class``), each distinct image encoded once, both flips (`cache`). Each
-    sample draws its flips as the image transform would, from the same per-sample generator in the same
-    order (instance, then class), so a cached run sees what an uncached one sees; an unreadable image
-    raises when drawn, as it would uncached."""
-    paths = dict.fromkeys(path for example in dataset.examples for path in example.values())
-    cache = cache_latent_parameters(((path, lambda path=path: Image.open(path)) for path in paths),
-                                    transform, vae, device, dtype, batch_size)
-
-    def preprocess(example, generator):
-        return {kind: cached_latent_parameters(cache[path], transform, generator)[0]
-                for kind, path in example.items()}
-
-    return TrainDataset(dataset.examples, preprocess, dataset.seed)
-
-
-def collate_latents(examples):
-    """`paired_collate` for `cached_latents_dataset`: the instance samples' latent parameters, then the
-    class samples'."""
-    return {"latent_parameters": torch.cat([torch.stack([example[kind] for example in examples])
-                                            for kind in ("instance", "class") if kind in examples[0]])}
 
 def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed, batch_size=4, schedulers=(),
                           weight_dtype=torch.float32, num_inference_steps=None, call_kwargs=None):

@@ -13,21 +13,15 @@ interval would make the EMA K times slower than intended, leaving it close to th
 import contextlib
 import os
 from collections import defaultdict
-from typing import Dict, Iterator, List, Mapping, Optional, Union
+from typing import Dict, Iterator, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .errors import few
+
 EMA_FORMAT = "training_utils.ema"
-
-
-def _few(names: List[str], limit: int = 5) -> str:
-    """Lists at most `limit` names, so error messages stay readable for large models."""
-    listed = ", ".join(names[:limit])
-    if len(names) > limit:
-        listed += f", ... ({len(names) - limit} more)"
-    return listed
 
 
 @contextlib.contextmanager
@@ -35,8 +29,9 @@ def tensors_swapped_in(parameters: Mapping[str, torch.nn.Parameter], tensors: Ma
     """Copy ``tensors`` into the live ``parameters`` of the same names; restore them bitwise on exit,
     also when the body raises. The backup of each parameter is kept on its tensor's device."""
     if parameters.keys() != tensors.keys():
-        raise ValueError(f"tensors do not match the parameters: missing {_few(sorted(parameters.keys() - tensors.keys()))}, "
-                         f"unexpected {_few(sorted(tensors.keys() - parameters.keys()))}")
+        raise ValueError(f"tensors do not match the parameters: "
+                         f"missing {few(sorted(parameters.keys() - tensors.keys()))}, "
+                         f"unexpected {few(sorted(tensors.keys() - parameters.keys()))}")
     # no_grad only around the copies: the body keeps the caller's grad mode
     with torch.no_grad():
         backups = {name: param.detach().to(device=tensors[name].device, copy=True)
@@ -201,11 +196,11 @@ class EMA:
         )
         problems = []
         if missing:
-            problems.append(f"missing keys: {_few(missing)}")
+            problems.append(f"missing keys: {few(missing)}")
         if unexpected:
-            problems.append(f"unexpected keys: {_few(unexpected)}")
+            problems.append(f"unexpected keys: {few(unexpected)}")
         if mismatched:
-            problems.append(f"shape mismatch: {_few(mismatched)}")
+            problems.append(f"shape mismatch: {few(mismatched)}")
         if step < 0:
             problems.append(f"step must be >= 0, got {step}")
         if problems:
@@ -286,3 +281,12 @@ class PowerEMA(EMA):
         if step < 1:
             raise ValueError(f"optimizer steps count from 1, got {step}")
         return (1.0 - 1.0 / step) ** (self.gamma + 1.0)
+
+
+def make_ema(args, parameters, accelerator):
+    """The `EMA` of ``parameters`` that ``--use_ema`` and its flags ask for, or None."""
+    if not args.use_ema:
+        return None
+    return EMA(parameters, decay=args.ema_decay, update_every=args.ema_update_every, warmup=args.ema_warmup,
+               inv_gamma=args.ema_inv_gamma, power=args.ema_power,
+               device="cpu" if args.ema_device == "cpu" else accelerator.device)

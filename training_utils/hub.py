@@ -1,6 +1,15 @@
-"""The model card written into every output directory, and the optional upload to the hub."""
+"""The end of a run: the model card written into every output directory (with how to load what was trained),
+the optional upload to the hub, and where everything went."""
 
 from pathlib import Path
+
+LORA_HOW_TO_LOAD = """
+from diffusers import {imports}
+
+pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
+pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
+image = pipe("{prompt}").images[0]
+"""
 
 
 def write_model_card(output_dir, base_model, title, how_to_load, records=()):
@@ -48,14 +57,25 @@ def push_to_hub(output_dir, hub_model_id, hub_token=None):
     return repo_id
 
 
-def finish_run(args, title, how_to_load, records, saved):
-    """The end every script shares, on the main process: the model card, the upload if asked,
-    and where everything went. ``saved`` maps a description ("raw LoRA") to a written path."""
+def how_to_load(template, args, pipe, **fields):
+    """The model card's loading code: ``template`` (e.g. `LORA_HOW_TO_LOAD`) with ``pipeline_class`` (``pipe``'s
+    class), ``base_model``, ``output_dir`` and ``prompt`` (the first validation prompt) filled in, and
+    ``imports`` (the pipeline class) and ``load_options`` (none) unless ``fields`` give them or others."""
+    pipeline_class = type(pipe).__name__
+    defaults = {"pipeline_class": pipeline_class, "imports": pipeline_class, "load_options": "",
+                "base_model": args.pretrained_model_name_or_path, "output_dir": args.output_dir,
+                "prompt": args.validation_prompt[0] if args.validation_prompt else "a photo"}
+    return template.format(**{**defaults, **fields})
+
+
+def finish_run(args, title, how_to_load, records, saved, what):
+    """The end every script shares, on the main process: the model card, the upload if asked, and where
+    everything went. ``saved`` maps each variant ("raw", "ema") of ``what`` ("LoRA") to its written path."""
     write_model_card(args.output_dir, args.pretrained_model_name_or_path, title, how_to_load, records)
     if args.push_to_hub:
         push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
-    for description, path in saved.items():
-        print(f"{description}: {path}")
+    for variant, path in saved.items():
+        print(f"{variant} {what}: {path}")
     if records:
         print(f"validation images: {Path(args.output_dir) / 'validation'} (log.jsonl lists them)")
     if args.ema_posthoc_sigma_rels:

@@ -28,10 +28,11 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from .args import RunStopped
+from .accelerator import end_training
 from .checkpointing import Checkpointer, resume_position
 from .data import BatchWithUnreadable, epoch_batches
-from .training import end_training, posthoc_snapshot_steps
+from .errors import RunStopped
+from .posthoc_ema import posthoc_snapshot_steps
 from .validation import validation_due
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
@@ -68,7 +69,7 @@ class TrainingLoop:
     It owns the run's `Checkpointer` (the trained ``parameters``, ``ema`` and ``posthoc`` EMA are
     what checkpoints hold besides accelerate's state) and resumes from ``--resume_from_checkpoint``
     when made, so build it after ``accelerator.prepare``. ``global_step`` is the number of completed
-    optimizer steps; ``records`` holds the last validation's log records (for the model card).
+    optimizer steps; ``records`` holds the last validation's records as the model card shows them.
     """
 
     def __init__(self, accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
@@ -135,7 +136,8 @@ class TrainingLoop:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad()
-        # Summed on the device and read once per optimizer step: the loop's only wait for the accelerator.
+        # Summed on the device and read once per optimizer step, not per micro-batch, so that the accelerator
+        # need not be waited for (multi-process runs also reduce an unreadable-image flag per micro-batch).
         self._loss = self._loss + loss.detach().float() / self.args.gradient_accumulation_steps
         if not self.accelerator.sync_gradients:
             return False
@@ -167,7 +169,7 @@ class TrainingLoop:
             self.checkpointer.save(step, {"skipped_images": skipped_images})
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
-            self.records = self.validator(step, final=step == self.max_train_steps)
+            self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
         if preempted and step < self.max_train_steps:
             end_training(self.accelerator)
             raise RunStopped(f"stopped by {self._signals.received or 'a signal'} after step {step}; checkpoint saved, "

@@ -31,14 +31,6 @@ def modules_of(pipe):
     return {name: module for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
 
 
-def component_name(pipe, module):
-    """The name under which ``module`` is a component of ``pipe`` (e.g. "unet", "text_encoder_2")."""
-    for name, candidate in pipe.components.items():
-        if candidate is module:
-            return name
-    raise ValueError(f"{type(module).__name__} is not a component of {type(pipe).__name__}")
-
-
 def prepare_components(pipe, trained, device, weight_dtype):
     """Freeze every module of ``pipe``, move it to ``device`` in ``weight_dtype``; keep trained tensors fp32.
 

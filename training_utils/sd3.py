@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
-from .args import require
 from .data import tokenize
+from .errors import require
 
 WEIGHTING_SCHEMES = ["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"]
 

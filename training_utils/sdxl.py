@@ -18,9 +18,11 @@ import json
 from pathlib import Path
 
 import torch
+from diffusers import AutoencoderKL
 
-from .args import _HUB_ID, require
+from .args import is_hub_id
 from .data import tokenize
+from .errors import require
 
 
 def add_vae_args(parser):
@@ -36,7 +38,7 @@ def check_vae_path(value, flag="--pretrained_vae_model_name_or_path"):
     path = Path(value).expanduser()
     expected = "an AutoencoderKL folder (with config.json, e.g. <pipeline>/vae) or a hub id"
     if not path.exists():
-        require(_HUB_ID.match(value) is not None and not value.startswith("."), flag, value, expected)
+        require(is_hub_id(value), flag, value, expected)
         return
     config = path / "config.json"
     require(path.is_dir() and config.is_file(), flag, value, expected)
@@ -51,9 +53,15 @@ def vae_components(value):
     """``{"vae": AutoencoderKL}`` loaded from ``value`` to pass to the pipeline's loading, or ``{}`` without one."""
     if value is None:
         return {}
-    from diffusers import AutoencoderKL
-
     return {"vae": AutoencoderKL.from_pretrained(value)}
+
+
+def vae_how_to_load(value, pipe):
+    """The fields of the model card's loading code (`hub.how_to_load`) that load the replacement VAE too."""
+    if value is None:
+        return {}
+    return {"imports": f"AutoencoderKL, {type(pipe).__name__}",
+            "load_options": f', vae=AutoencoderKL.from_pretrained("{value}")'}
 
 
 def tokenize_prompt(tokenizers, texts):

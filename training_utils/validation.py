@@ -22,7 +22,7 @@ from PIL import Image
 
 from .ema import tensors_swapped_in
 from .pipeline import modules_of
-from .posthoc_ema import synthesize
+from .posthoc_ema.synthesis import synthesize
 
 VALIDATION_DIR = "validation"
 LOG_NAME = "log.jsonl"
@@ -35,7 +35,8 @@ def validation_due(step, max_train_steps, validation_steps=None, validation_epoc
         return True
     if validation_steps is not None and step % validation_steps == 0:
         return True
-    return validation_epochs is not None and step % steps_per_epoch == 0 and (step // steps_per_epoch) % validation_epochs == 0
+    return (validation_epochs is not None and step % steps_per_epoch == 0
+            and (step // steps_per_epoch) % validation_epochs == 0)
 
 
 @contextlib.contextmanager
@@ -77,13 +78,13 @@ class Validator:
     (``conditioning_paths``), logged to the trackers with every validation, and put into the model
     card by `card_records`. The log records keep their schema.
 
-    ``render_context`` (a context manager factory) is entered around each validation's rendering,
-    e.g. to bring modules a script keeps off the accelerator (cached encoders) back to it.
+    ``encoders_on_device`` (a context manager factory, e.g. `cache.FrozenEncoders.on_device`) is entered
+    around each validation's rendering: it brings the encoders a script keeps off the accelerator back.
     """
 
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
                  ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
-                 conditioning_images=None, posthoc=None, sigma_rels=None, render_context=contextlib.nullcontext):
+                 conditioning_images=None, posthoc=None, sigma_rels=None, encoders_on_device=contextlib.nullcontext):
         self.pipe = pipe
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -104,7 +105,7 @@ class Validator:
         self.conditioning_paths = self._save_conditioning_images()
         self.posthoc = posthoc
         self.sigma_rels = list(sigma_rels or (posthoc.sigma_rels if posthoc is not None else ()))
-        self.render_context = render_context
+        self.encoders_on_device = encoders_on_device
 
     def _save_conditioning_images(self):
         """Each distinct conditioning image once (main process); returns each prompt's path, or None."""
@@ -160,7 +161,7 @@ class Validator:
                                                record["prompt"], images, step))
 
             with (preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()),
-                  self.render_context()):
+                  self.encoders_on_device()):
                 for variant, items in groupby(work[rank::world], key=itemgetter(0)):
                     with variants[variant][1]():
                         for item in items:

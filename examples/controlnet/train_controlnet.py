@@ -18,30 +18,24 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
-from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, exit_on_usage_error,
-                                 training_parser)
-from training_utils.cache import DatasetLatents, cache_text_embeddings, distinct_captions, offload, sample_latents
+from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
+from training_utils.cache import FrozenEncoders
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
-                                       dataset_columns, finish_controlnet_run, load_controlnet_pipeline,
+                                       controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator, pick_training_caption)
-from training_utils.data import (PairedImageTransform, TrainDataset, load_train_dataset, make_dataloader, stack_collate,
-                                 tokenize)
+from training_utils.data import (ImageWithConditioningTransform, TrainDataset, load_train_dataset, make_dataloader,
+                                 stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
+from training_utils.ema import make_ema
+from training_utils.errors import exit_on_usage_error
+from training_utils.export import ModelExport, save_with_ema
+from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.posthoc_ema import module_export_format
-from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
-                                     make_posthoc_ema, tracker_config, training_length)
-
-HOW_TO_LOAD = """
-from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
-from diffusers.utils import load_image
-
-controlnet = ControlNetModel.from_pretrained("{output_dir}")  # or "{output_dir}/ema" for the EMA weights
-pipe = StableDiffusionControlNetPipeline.from_pretrained("{base_model}", controlnet=controlnet)
-image = pipe("{prompt}", image=load_image("{conditioning_image}")).images[0]
-"""
+from training_utils.posthoc_ema import make_posthoc_ema
 
 
 def parse_args(argv=None):
@@ -76,42 +70,30 @@ def main(args):
         controlnet.enable_gradient_checkpointing()
     unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
     parameters = trainable_parameters(trained)
+    export = ModelExport.of(trained)
     ema = make_ema(args, parameters, accelerator)
-    posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Frozen encoders run once, here, never in the step: the text encoder on each distinct caption (and
-    #    the empty prompt that --proportion_empty_prompts draws) and, with --cache_latents, the VAE on each
-    #    target image (both flips); then they leave the accelerator until validation. The conditioning image
-    #    is not cached: the ControlNet reads it. Data, optimizer and schedule; then accelerate, and resume if asked.
-    transform = PairedImageTransform(args.resolution, args.center_crop, args.random_flip)
-    cache_batch_size = max(args.train_batch_size, 16)
+    # 4. Data: the frozen encoders run once, here, not in every step (the text encoder on each distinct caption
+    #    and on the empty prompt that --proportion_empty_prompts draws; with --cache_latents, the VAE on each target
+    #    image, not on the conditioning image, which the ControlNet reads), then leave the accelerator until
+    #    validation. Optimizer, schedule, accelerate; the loop resumes if asked.
+    transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip)
+    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
+                            batch_size=max(args.train_batch_size, 16))
 
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
 
-    captions = distinct_captions([*dataset[args.caption_column], ""])
-    embeddings = cache_text_embeddings(captions, encode_text, cache_batch_size)
-    cached_encoders = [text_encoder]
-    examples = dataset
-    if args.cache_latents:
-        latent_cache = DatasetLatents(dataset, args.image_column, transform, vae, accelerator.device, weight_dtype,
-                                      cache_batch_size)
-        cached_encoders.append(vae)
-        examples = latent_cache.examples
-    encoders_on_device = offload(cached_encoders, accelerator.device)
+    embeddings = frozen.text_embeddings([*dataset[args.caption_column], ""], encode_text, [text_encoder])
+    examples = frozen.cache_dataset_images(dataset, args.image_column)
+    frozen.offload()
 
     def preprocess(example, generator):
-        conditioning_image = example[args.conditioning_image_column]
-        if args.cache_latents:
-            latent_parameters, conditioning_pixel_values, _, _ = latent_cache.draw_paired(
-                example, conditioning_image, generator)
-            target = {"latent_parameters": latent_parameters}
-        else:
-            pixel_values, conditioning_pixel_values, _, _ = transform(
-                example[args.image_column], conditioning_image, generator)
-            target = {"pixel_values": pixel_values}
+        image, conditioning_pixel_values, _, _ = frozen.dataset_image_with_conditioning(
+            example, example[args.conditioning_image_column], generator)
         caption = pick_training_caption(example[args.caption_column], args.proportion_empty_prompts, generator)
-        return {**target, "conditioning_pixel_values": conditioning_pixel_values,
+        return {"image": image, "conditioning_pixel_values": conditioning_pixel_values,
                 "encoder_hidden_states": embeddings[caption]}
 
     dataloader = accelerator.prepare(make_dataloader(
@@ -124,7 +106,7 @@ def main(args):
 
     validator = make_controlnet_validator(
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-        weight_dtype=weight_dtype, render_context=encoders_on_device,
+        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
         call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -135,12 +117,7 @@ def main(args):
     controlnet.train()
     for batch in loop:
         with accelerator.accumulate(controlnet):
-            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
-                latents = sample_latents(batch["latent_parameters"])
-            else:
-                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
-            latents = latents.contiguous() * vae.config.scaling_factor
+            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
@@ -159,7 +136,8 @@ def main(args):
 
     # 6. Save the raw and EMA ControlNet from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
-        finish_controlnet_run(args, "ControlNet", HOW_TO_LOAD, trained["controlnet"], ema, validator, loop.records)
+        saved = save_with_ema(export, args.output_dir, ema)
+        finish_run(args, "ControlNet", controlnet_how_to_load(args, pipe), loop.records, saved, "ControlNet")
     end_training(accelerator)
 
 

@@ -21,30 +21,25 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-from training_utils.args import add_cache_args, add_lora_args, check_args, exit_on_usage_error, require, training_parser
-from training_utils.cache import offload, sample_latents
+from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.args import add_cache_args, add_lora_args, check_args, training_parser
+from training_utils.cache import FrozenEncoders
 from training_utils.data import ImageTransform, make_dataloader
-from training_utils.dreambooth import (add_dreambooth_args, cached_latents_dataset, check_dreambooth_args,
-                                       class_images_from_args, collate_latents, dreambooth_dataset, paired_collate)
-from training_utils.hub import finish_run
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
+                                       dreambooth_dataset, instance_then_class_collate)
+from training_utils.ema import make_ema
+from training_utils.errors import exit_on_usage_error, require
+from training_utils.export import LoraExport, save_with_ema
+from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
-from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.posthoc_ema import lora_export_format
+from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
                                 tokenize_prompt)
-from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
-                                     make_posthoc_ema, tracker_config, training_length)
 from training_utils.validation import make_validator
-
-HOW_TO_LOAD = """
-from diffusers import StableDiffusion3Pipeline
-
-pipe = StableDiffusion3Pipeline.from_pretrained("{base_model}")
-pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
-image = pipe("{prompt}").images[0]
-"""
 
 
 def parse_args(argv=None):
@@ -52,7 +47,7 @@ def parse_args(argv=None):
     add_lora_args(parser, train_text_encoder=True)
     add_dreambooth_args(parser)
     add_sd3_args(parser)
-    parser.add_argument("--lora_layers", default=",".join(UNET_TARGET_MODULES),
+    parser.add_argument("--lora_layers", default=",".join(ATTENTION_PROJECTIONS),
                         help="comma-separated names of the transformer's modules to adapt (last parts of their names)")
     parser.add_argument("--lora_blocks", default=None,
                         help="comma-separated transformer block indices to adapt, e.g. 0,12 (default: every block)")
@@ -112,7 +107,7 @@ def main(args):
     trained = {"transformer": transformer}
     if args.train_text_encoder:
         for name, text_encoder in (("text_encoder", pipe.text_encoder), ("text_encoder_2", pipe.text_encoder_2)):
-            add_lora(text_encoder, args.rank, TEXT_ENCODER_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+            add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
             trained[name] = text_encoder
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
@@ -122,36 +117,34 @@ def main(args):
             if name != "transformer":
                 module.gradient_checkpointing_enable()
     parameters = trainable_parameters(trained)
+    export = LoraExport.of(type(pipe), trained)
     ema = make_ema(args, parameters, accelerator)
-    posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusion3Pipeline, trained))
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Class images (only the missing ones are generated; the fresh adapters change nothing yet). Frozen
-    #    encoders run once, here, never in the step: frozen text encoders on the prompts and, with
-    #    --cache_latents, the VAE on each image (both flips); then they leave the accelerator until
-    #    validation (T5 alone is gigabytes). Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Data: class images first (only the missing ones are generated; the fresh adapters change nothing yet).
+    #    The frozen encoders run once, here, not in every step (frozen text encoders on the prompts; with
+    #    --cache_latents, the VAE on each image), then leave the accelerator until validation (T5 alone is
+    #    gigabytes). Optimizer, schedule, accelerate; the loop resumes if asked.
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype)
-    cached_encoders = []
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    dataset, collate = dreambooth_dataset(instance_images, transform, args.seed, class_images), paired_collate
-    if args.cache_latents:
-        dataset = cached_latents_dataset(dataset, transform, vae, accelerator.device, weight_dtype,
-                                         max(args.train_batch_size, 16))
-        collate = collate_latents
-        cached_encoders.append(vae)
-    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
-                                                     collate, args.seed))
-
+    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
+                            batch_size=max(args.train_batch_size, 16))
     # Each batch holds the instance images, then as many class images: one prompt per half.
     prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
-    prompt_ids = [ids.to(accelerator.device) for ids in
-                  tokenize_prompt([pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3], prompts,
-                                  args.max_sequence_length)]
-    frozen_prompt_embeds = None
+    tokenizers = [pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3]
+
+    def encode_prompts(prompts):
+        input_ids = tokenize_prompt(tokenizers, prompts, args.max_sequence_length)
+        return encode_prompt(text_encoders, [ids.to(accelerator.device) for ids in input_ids])
+
     if not args.train_text_encoder:
-        with torch.no_grad():
-            frozen_prompt_embeds = encode_prompt(text_encoders, prompt_ids)
-        cached_encoders += text_encoders
-    encoders_on_device = offload(cached_encoders, accelerator.device)
+        embeddings = frozen.text_embeddings(prompts, encode_prompts, text_encoders)
+        frozen_prompt_embeds = [torch.stack(parts).to(accelerator.device)
+                                for parts in zip(*(embeddings[prompt] for prompt in prompts))]
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
+    frozen.offload()
+    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                     instance_then_class_collate, args.seed))
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
@@ -163,7 +156,7 @@ def main(args):
         transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype, render_context=encoders_on_device,
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -176,17 +169,12 @@ def main(args):
         module.train()
     for batch in loop:
         with accelerator.accumulate(transformer, *text_encoders[:2]):
-            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
-                latents = sample_latents(batch["latent_parameters"])
-            else:
-                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
-            latents = (latents.contiguous() - vae.config.shift_factor) * vae.config.scaling_factor
+            latents = (frozen.latents(batch["images"]) - vae.config.shift_factor) * vae.config.scaling_factor
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(
                 noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
             noisy_latents = (1.0 - sigmas) * latents + sigmas * noise
-            prompt_embeds, pooled_embeds = (encode_prompt(text_encoders, prompt_ids) if args.train_text_encoder
+            prompt_embeds, pooled_embeds = (encode_prompts(prompts) if args.train_text_encoder
                                             else frozen_prompt_embeds)
             repeats = latents.shape[0] // len(prompts)
             model_pred = transformer(hidden_states=noisy_latents, timestep=timesteps,
@@ -207,12 +195,10 @@ def main(args):
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
-        paths = save_lora_with_ema(StableDiffusion3Pipeline, args.output_dir, trained, ema)
-        saved = {f"{variant} LoRA": path for variant, path in paths.items()}
-        prompt = args.validation_prompt[0] if args.validation_prompt else args.instance_prompt
-        how_to_load = HOW_TO_LOAD.format(base_model=args.pretrained_model_name_or_path, output_dir=args.output_dir,
-                                         prompt=prompt)
-        finish_run(args, "DreamBooth LoRA (SD3)", how_to_load, loop.records, saved)
+        saved = save_with_ema(export, args.output_dir, ema)
+        how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
+                                       prompt=(args.validation_prompt or [args.instance_prompt])[0])
+        finish_run(args, "DreamBooth LoRA (SD3)", how_to_load_text, loop.records, saved, "LoRA")
     end_training(accelerator)
 
 

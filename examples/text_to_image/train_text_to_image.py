@@ -16,31 +16,31 @@ per image), not in every step; both stay off the accelerator except while valida
 """
 
 import math
-from pathlib import Path
 
 from diffusers import StableDiffusionPipeline
 
-from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, exit_on_usage_error, require,
-                                 training_parser)
-from training_utils.cache import DatasetLatents, cache_text_embeddings, distinct_captions, offload, sample_latents
+from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
+from training_utils.cache import FrozenEncoders
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
 from training_utils.diffusion import (diffusion_loss, perturbed_noise, prediction_target, sample_noise,
                                       sample_timesteps)
-from training_utils.export import save_model, save_pipeline
-from training_utils.hub import finish_run
+from training_utils.ema import make_ema
+from training_utils.errors import exit_on_usage_error, require
+from training_utils.export import PipelineExport, save_with_ema
+from training_utils.hub import finish_run, how_to_load
 from training_utils.loop import TrainingLoop
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.posthoc_ema import module_export_format
-from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
-                                     make_posthoc_ema, tracker_config, training_length)
+from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import {pipeline_class}, UNet2DConditionModel
 
-pipe = StableDiffusionPipeline.from_pretrained("{output_dir}")
+pipe = {pipeline_class}.from_pretrained("{output_dir}")
 {swap_in_ema}image = pipe("{prompt}").images[0]
 """
 SWAP_IN_EMA = """# the EMA UNet instead of the raw one:
@@ -79,35 +79,28 @@ def main(args):
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     parameters = trainable_parameters(trained)
+    export = PipelineExport(pipe, trained)
     ema = make_ema(args, parameters, accelerator)
-    posthoc = make_posthoc_ema(args, parameters, accelerator, module_export_format(trained))
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Frozen encoders run once, here, never in the step: the text encoder on each distinct caption
-    #    and, with --cache_latents, the VAE on each image (both flips), in their half precision as the
-    #    step would run them; then they leave the accelerator until validation. Data, optimizer and
-    #    schedule; then accelerate, and resume if asked.
+    # 4. Data: the frozen encoders run once, here, not in every step (the text encoder on each distinct caption;
+    #    with --cache_latents, the VAE on each image), in their half precision as the step would run them, then
+    #    leave the accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    cache_batch_size = max(args.train_batch_size, 16)
+    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
+                            batch_size=max(args.train_batch_size, 16))
 
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
 
-    embeddings = cache_text_embeddings(distinct_captions(dataset[args.caption_column]), encode_text, cache_batch_size)
-    cached_encoders = [text_encoder]
-    examples = dataset
-    if args.cache_latents:
-        latent_cache = DatasetLatents(dataset, args.image_column, transform, vae, accelerator.device, weight_dtype,
-                                      cache_batch_size)
-        cached_encoders.append(vae)
-        examples = latent_cache.examples
-    encoders_on_device = offload(cached_encoders, accelerator.device)
+    embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, [text_encoder])
+    examples = frozen.cache_dataset_images(dataset, args.image_column)
+    frozen.offload()
 
     def preprocess(example, generator):
-        if args.cache_latents:
-            image = {"latent_parameters": latent_cache.draw(example, generator)[0]}
-        else:
-            image = {"pixel_values": transform(example[args.image_column], generator)[0]}
-        return {**image, "encoder_hidden_states": embeddings[pick_caption(example[args.caption_column], generator)]}
+        image, _, _ = frozen.dataset_image(example, generator)
+        caption = pick_caption(example[args.caption_column], generator)
+        return {"image": image, "encoder_hidden_states": embeddings[caption]}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
@@ -118,7 +111,7 @@ def main(args):
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype, render_context=encoders_on_device,
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -129,12 +122,7 @@ def main(args):
     unet.train()
     for batch in loop:
         with accelerator.accumulate(unet):
-            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
-                latents = sample_latents(batch["latent_parameters"])
-            else:
-                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
-            latents = latents.contiguous() * vae.config.scaling_factor
+            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             # Input perturbation noises the input a little more than the target says it is.
             input_noise = perturbed_noise(noise, args.input_perturbation)
@@ -148,14 +136,10 @@ def main(args):
 
     # 6. Save the pipeline with the raw UNet and the EMA UNet from memory, check the files, write the model card.
     if accelerator.is_main_process:
-        saved = {"pipeline": save_pipeline(pipe, args.output_dir)}
-        if ema is not None:
-            with ema.swapped_in():
-                saved["EMA UNet"] = save_model(pipe.unet, Path(args.output_dir) / "ema" / "unet")
-        prompt = args.validation_prompt[0] if args.validation_prompt else "a photo"
+        saved = save_with_ema(export, args.output_dir, ema)
         swap_in_ema = SWAP_IN_EMA.format(output_dir=args.output_dir) if ema is not None else ""
-        how_to_load = HOW_TO_LOAD.format(output_dir=args.output_dir, swap_in_ema=swap_in_ema, prompt=prompt)
-        finish_run(args, "Text-to-image fine-tune", how_to_load, loop.records, saved)
+        finish_run(args, "Text-to-image fine-tune", how_to_load(HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema),
+                   loop.records, saved, "UNet")
     end_training(accelerator)
 
 

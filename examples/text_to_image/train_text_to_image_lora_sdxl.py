@@ -23,30 +23,25 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionXLPipeline
 
-from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args,
-                                 exit_on_usage_error, training_parser)
-from training_utils.cache import DatasetLatents, cache_text_embeddings, distinct_captions, offload, sample_latents
+from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.args import add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, training_parser
+from training_utils.cache import FrozenEncoders
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
-from training_utils.hub import finish_run
+from training_utils.ema import make_ema
+from training_utils.errors import exit_on_usage_error
+from training_utils.export import LoraExport, save_with_ema
+from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
-from training_utils.lora import TEXT_ENCODER_TARGET_MODULES, UNET_TARGET_MODULES, add_lora, save_lora_with_ema
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
-from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
-from training_utils.posthoc_ema import lora_export_format
-from training_utils.training import (end_training, make_accelerator, make_ema, make_lr_scheduler, make_optimizer,
-                                     make_posthoc_ema, tracker_config, training_length)
+from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.sdxl import (add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt,
+                                 vae_components, vae_how_to_load)
 from training_utils.validation import make_validator
-
-HOW_TO_LOAD = """
-from diffusers import {classes}
-
-pipe = StableDiffusionXLPipeline.from_pretrained("{base_model}"{vae})
-pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
-image = pipe("{prompt}").images[0]
-"""
 
 
 def parse_args(argv=None):
@@ -75,11 +70,11 @@ def main(args):
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
 
     # 3. LoRA adapters on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
-    add_lora(unet, args.rank, UNET_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+    add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
     trained = {"unet": unet}
     if args.train_text_encoder:
         for name, text_encoder in zip(("text_encoder", "text_encoder_2"), text_encoders):
-            add_lora(text_encoder, args.rank, TEXT_ENCODER_TARGET_MODULES, args.lora_alpha, args.lora_dropout)
+            add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
             trained[name] = text_encoder
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
@@ -89,40 +84,28 @@ def main(args):
             for text_encoder in text_encoders:
                 text_encoder.gradient_checkpointing_enable()
     parameters = trainable_parameters(trained)
+    export = LoraExport.of(type(pipe), trained)
     ema = make_ema(args, parameters, accelerator)
-    posthoc = make_posthoc_ema(args, parameters, accelerator, lora_export_format(StableDiffusionXLPipeline, trained))
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Frozen encoders run once, here, never in the step: unless trained, both text encoders on each
-    #    distinct caption and, with --cache_latents, the VAE on each image (both flips); then they leave
-    #    the accelerator until validation. Data, optimizer and schedule; then accelerate, and resume if asked.
+    # 4. Data: the frozen encoders run once, here, not in every step (unless trained, both text encoders on each
+    #    distinct caption; with --cache_latents, the VAE on each image), then leave the accelerator until
+    #    validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    cache_batch_size = max(args.train_batch_size, 16)
-    cached_encoders = []
+    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
+                            batch_size=max(args.train_batch_size, 16))
     if not args.train_text_encoder:
         def encode_text(captions):
             input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
             return encode_prompt(text_encoders, input_ids)
 
-        embeddings = cache_text_embeddings(distinct_captions(dataset[args.caption_column]), encode_text,
-                                           cache_batch_size)
-        cached_encoders += text_encoders
-    examples = dataset
-    if args.cache_latents:
-        latent_cache = DatasetLatents(dataset, args.image_column, transform, vae, accelerator.device, weight_dtype,
-                                      cache_batch_size)
-        cached_encoders.append(vae)
-        examples = latent_cache.examples
-    encoders_on_device = offload(cached_encoders, accelerator.device)
+        embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, text_encoders)
+    examples = frozen.cache_dataset_images(dataset, args.image_column)
+    frozen.offload()
 
     def preprocess(example, generator):
-        # SDXL is told each image's original size and where it was cropped (after any flip); the cached
-        # draw returns both as the transform does, from the same generator draws.
-        if args.cache_latents:
-            latent_parameters, original_size, crop_top_left = latent_cache.draw(example, generator)
-            image = {"latent_parameters": latent_parameters}
-        else:
-            pixel_values, original_size, crop_top_left = transform(example[args.image_column], generator)
-            image = {"pixel_values": pixel_values}
+        # SDXL is told each image's original size and where it was cropped (after any flip).
+        image, original_size, crop_top_left = frozen.dataset_image(example, generator)
         caption = pick_caption(example[args.caption_column], generator)
         if args.train_text_encoder:
             input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
@@ -130,7 +113,8 @@ def main(args):
         else:
             prompt_embeds, pooled = embeddings[caption]
             text = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-        return {**image, **text, "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
+        return {"image": image, **text,
+                "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
@@ -145,7 +129,7 @@ def main(args):
         unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype, render_context=encoders_on_device,
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -157,12 +141,7 @@ def main(args):
         module.train()
     for batch in loop:
         with accelerator.accumulate(unet, *text_encoders):
-            if args.cache_latents:  # drawn from the global RNG exactly as latent_dist.sample() draws
-                latents = sample_latents(batch["latent_parameters"])
-            else:
-                latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
-            # One memory layout for both paths (the CPU VAE gives channels-last): randn_like follows it.
-            latents = latents.contiguous() * vae.config.scaling_factor
+            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
@@ -180,16 +159,10 @@ def main(args):
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
-        paths = save_lora_with_ema(StableDiffusionXLPipeline, args.output_dir, trained, ema)
-        saved = {f"{variant} LoRA": path for variant, path in paths.items()}
-        prompt = args.validation_prompt[0] if args.validation_prompt else "a photo"
-        vae_path = args.pretrained_vae_model_name_or_path
-        how_to_load = HOW_TO_LOAD.format(
-            classes="AutoencoderKL, StableDiffusionXLPipeline" if vae_path else "StableDiffusionXLPipeline",
-            base_model=args.pretrained_model_name_or_path,
-            vae=f', vae=AutoencoderKL.from_pretrained("{vae_path}")' if vae_path else "",
-            output_dir=args.output_dir, prompt=prompt)
-        finish_run(args, "Text-to-image LoRA for SDXL", how_to_load, loop.records, saved)
+        saved = save_with_ema(export, args.output_dir, ema)
+        how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
+                                       **vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe))
+        finish_run(args, "Text-to-image LoRA for SDXL", how_to_load_text, loop.records, saved, "LoRA")
     end_training(accelerator)
 
 

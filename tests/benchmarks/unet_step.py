@@ -20,11 +20,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from training_utils.accelerator import make_accelerator
 from training_utils.args import training_parser
-from training_utils.lora import UNET_TARGET_MODULES, add_lora
+from training_utils.ema import make_ema
+from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.loop import TrainingLoop
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import weight_dtype_for
-from training_utils.training import make_accelerator, make_ema, make_lr_scheduler, make_optimizer, training_length
 
 CONFIGS = {
     # SDXL base's UNet (2.6B parameters).
@@ -54,7 +56,7 @@ def build_unet(config, device, weight_dtype, rank):
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: a CPU init of 2.6B parameters takes minutes
         unet = UNet2DConditionModel(**config)
-    add_lora(unet, rank, UNET_TARGET_MODULES)
+    add_lora(unet, rank, ATTENTION_PROJECTIONS)
     # as prepare_components does: frozen weights in weight_dtype, trained (LoRA) tensors in fp32
     for parameter in unet.parameters():
         parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(weight_dtype)

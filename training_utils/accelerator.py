@@ -1,0 +1,50 @@
+"""The run's `Accelerator`: made from the flags (trackers, seeded data order, seeds); ended on all processes
+together."""
+
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+
+
+def make_accelerator(args):
+    """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
+    so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG."""
+    output_dir = Path(args.output_dir)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_config=ProjectConfiguration(project_dir=str(output_dir),
+                                            logging_dir=str(output_dir / args.logging_dir)),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
+    set_seed(args.seed)
+    if args.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    return accelerator
+
+
+def end_training(accelerator):
+    """End the run on every process together, once the main process has written what it writes.
+
+    The other processes wait for it in a barrier rather than tearing down the process group at
+    once. gloo's teardown holds the GIL and waits for gloo's threads; one of those may still be
+    freeing the tensors of the last collective, which needs the GIL: a deadlock (the class of
+    pytorch/pytorch#56297) that hung two-process CPU runs at exit. After the barrier, the last
+    work of those threads is the barrier itself, which holds no tensor.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def tracker_config(args):
+    """The run's flags as trackers accept them (scalars only; lists become strings)."""
+    return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+            for key, value in vars(args).items()}

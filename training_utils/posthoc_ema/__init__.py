@@ -1,0 +1,330 @@
+"""Post-hoc EMA (EDM2, Karras et al. 2024) during training: power-function EMAs of the trained tensors and
+their snapshots, from which any other EMA length can be synthesized after training (`.synthesis`).
+
+`PostHocEMA` keeps two or more power-function EMAs (`ema.PowerEMA`) of the trained tensors and writes
+their fp32 shadows as snapshots into ``<output_dir>/posthoc_ema/``. A snapshot holds only the trained
+tensors (for a LoRA, the adapter's size, not the model's), so for adapters this is nearly free.
+
+Profiles. A power EMA with exponent gamma has single-step decay ``(1 - 1/t) ** (gamma + 1)``
+(t in optimizer steps, from 1). Its shadow at step T averages the weights with the density
+``p_T(tau) = (gamma + 1) tau**gamma / T**(gamma + 1)`` on [0, T] (exactly for the
+piecewise-constant weights the updates sample; see `ema.PowerEMA`). Its relative standard
+deviation is ``sigma_rel = sqrt((gamma + 1) / ((gamma + 2)**2 (gamma + 3)))``: EMA length as a
+fraction of training time (0.05 -> gamma ~ 16.97, 0.10 -> gamma ~ 6.94). Snapshots of profiles
+combine linearly into another profile by least squares over tau (`solve_posthoc_coefficients`).
+
+Files under ``<output_dir>/posthoc_ema/``:
+    format.json
+        how to write synthesized tensors, written once per run (`start`, or the first snapshot):
+        {"format": "training_utils.posthoc_ema", "version": 1, **export.description()}, where the export
+        (`export.LoraExport`, `ModelExport`, or plain tensors without one) is the run's own.
+    snapshot-<step:08d>-gamma-<gamma:.6g>.safetensors
+        one profile's fp32 shadows keyed by parameter name (``pipeline.trainable_parameters``),
+        metadata {"format", "step", "gamma", "sigma_rel", "update_every"} (strings; floats as repr)
+    sigma_rel-<value>/  (``sigma_rel-<value>-step-<S>/`` with an explicit ``--step``)
+        what ``python -m training_utils.posthoc_ema`` (``__main__``) synthesizes: the export's files and
+        ``synthesis.json``.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..ema import PowerEMA
+from ..export import TensorsExport, write_atomically
+
+POSTHOC_FORMAT = "training_utils.posthoc_ema"
+POSTHOC_STATE_FORMAT = "training_utils.posthoc_ema.state"
+FORMAT_VERSION = 1
+SNAPSHOT_DIR = "posthoc_ema"
+FORMAT_FILE = "format.json"
+SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-gamma-(.+)\.safetensors$")
+MAX_SIGMA_REL = 1 / math.sqrt(12)  # sigma_rel of gamma = 0 (a uniform average over [0, T])
+
+
+def gamma_to_sigma_rel(gamma: float) -> float:
+    """Relative standard deviation of the power-function profile with exponent ``gamma`` (> 0)."""
+    gamma = float(gamma)
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    return math.sqrt((gamma + 1) / ((gamma + 2) ** 2 * (gamma + 3)))
+
+
+def sigma_rel_to_gamma(sigma_rel: float) -> float:
+    """The exponent gamma > 0 whose profile has relative standard deviation ``sigma_rel``.
+
+    ``sigma_rel**-2 = (gamma + 2)**2 (gamma + 3) / (gamma + 1)`` is the cubic
+    ``gamma**3 + 7 gamma**2 + (16 - s) gamma + (12 - s) = 0`` with ``s = sigma_rel**-2``; gamma is
+    its largest real root. Valid for ``0 < sigma_rel < 1/sqrt(12)`` (ValueError otherwise).
+    """
+    sigma_rel = float(sigma_rel)
+    if not 0 < sigma_rel < MAX_SIGMA_REL:
+        raise ValueError(f"sigma_rel must satisfy 0 < sigma_rel < 1/sqrt(12) ~ {MAX_SIGMA_REL:.4f}, got {sigma_rel}")
+    s = sigma_rel ** -2
+    roots = np.roots([1.0, 7.0, 16.0 - s, 12.0 - s])
+    gamma = float(max(root.real for root in roots if abs(root.imag) <= 1e-9 * max(1.0, abs(root))))
+    # one Newton step on the defining equation polishes the root to float64 precision
+    f = ((gamma + 7) * gamma + 16 - s) * gamma + 12 - s
+    df = (3 * gamma + 14) * gamma + 16 - s
+    return gamma - f / df if df != 0 else gamma
+
+
+def profile_dot(t_a, gamma_a, t_b, gamma_b):
+    """Inner product over tau of the power-function profiles p_a = (g_a+1) tau^g_a / t_a^(g_a+1) on
+    [0, t_a] and p_b likewise (numpy broadcasting, float64).
+
+    int_0^m (g_a+1)(g_b+1) tau^(g_a+g_b) / (t_a^(g_a+1) t_b^(g_b+1)) d tau,  m = min(t_a, t_b)
+      = (g_a+1)(g_b+1) / (g_a+g_b+1) * m^(g_a+g_b+1) / (t_a^(g_a+1) t_b^(g_b+1))
+      = (g_a+1)(g_b+1) / (g_a+g_b+1) * (t_a/t_b)^g_b / t_b    if t_a <= t_b (symmetrically otherwise),
+    the last form free of overflow for large steps and exponents.
+    """
+    t_a, gamma_a, t_b, gamma_b = (np.asarray(x, dtype=np.float64) for x in (t_a, gamma_a, t_b, gamma_b))
+    # if t_a <= t_b: m = t_a, value = c * t_a^(g_a+g_b+1) / (t_a^(g_a+1) t_b^(g_b+1)) = c * (t_a/t_b)^g_b / t_b
+    # else, symmetrically: c * (t_b/t_a)^g_a / t_a
+    c = (gamma_a + 1) * (gamma_b + 1) / (gamma_a + gamma_b + 1)
+    a_first = t_a <= t_b
+    ratio = np.where(a_first, t_a / t_b, t_b / t_a)
+    exponent = np.where(a_first, gamma_b, gamma_a)
+    return c * ratio ** exponent / np.maximum(t_a, t_b)
+
+
+def solve_posthoc_coefficients(steps: Sequence[float], gammas: Sequence[float], target_step: float,
+                               target_gammas: Union[float, Sequence[float]]):
+    """Least-squares combination of snapshot profiles that best matches target profiles (L2 over tau).
+
+    Solves ``A x = b`` with ``A[i, j] = <p_i, p_j>`` and ``b[i] = <p_i, p_target>`` (float64), then
+    normalises x to sum to 1 (each profile integrates to 1, so the combination is an average).
+
+    Returns ``(coefficients, relative_errors)``: coefficients of shape (len(steps), len(targets)),
+    and for each target ``||sum_i x_i p_i - p_target|| / ||p_target||`` with the normalised x.
+    """
+    steps = np.asarray(steps, dtype=np.float64).reshape(-1)
+    gammas = np.asarray(gammas, dtype=np.float64).reshape(-1)
+    target_gammas = np.atleast_1d(np.asarray(target_gammas, dtype=np.float64))
+    if steps.size == 0 or steps.shape != gammas.shape:
+        raise ValueError("need one gamma per snapshot step, and at least one snapshot")
+    if np.any(steps <= 0) or target_step <= 0:
+        raise ValueError("snapshot and target steps must be > 0")
+    target_steps = np.full_like(target_gammas, float(target_step))
+
+    a = profile_dot(steps[:, None], gammas[:, None], steps[None, :], gammas[None, :])
+    b = profile_dot(steps[:, None], gammas[:, None], target_steps[None, :], target_gammas[None, :])
+    try:
+        x = np.linalg.solve(a, b)
+    except np.linalg.LinAlgError:  # duplicate profiles: any least-squares solution will do
+        x = np.linalg.lstsq(a, b, rcond=None)[0]
+    x = x / np.sum(x, axis=0, keepdims=True)
+
+    target_norm2 = profile_dot(target_steps, target_gammas, target_steps, target_gammas)
+    error2 = np.einsum("it,ij,jt->t", x, a, x) - 2 * np.einsum("it,it->t", x, b) + target_norm2
+    errors = np.sqrt(np.maximum(error2, 0.0) / target_norm2)
+    return x, errors
+
+
+def snapshot_name(step: int, gamma: float) -> str:
+    return f"snapshot-{step:08d}-gamma-{gamma:.6g}.safetensors"
+
+
+class PostHocEMA:
+    """Several power-function EMAs (`PowerEMA`) over the same named parameters, with snapshots.
+
+    Args:
+        parameters: name -> live parameter (``pipeline.trainable_parameters``); kept by reference.
+        sigma_rels: at least two distinct EMA lengths, each in (0, 1/sqrt(12)) (EDM2: 0.05 0.10).
+        update_every: update interval K in optimizer steps (interval-corrected, see `PowerEMA`).
+        device: where the fp32 shadows live (default: each parameter's device).
+        export: how the synthesis writes its results (the run's `export.LoraExport`, `ModelExport`, ...);
+            None writes plain tensors.
+    """
+
+    def __init__(self, parameters: Mapping[str, torch.nn.Parameter], sigma_rels: Sequence[float],
+                 update_every: int = 1, device=None, export=None):
+        sigma_rels = [float(sigma_rel) for sigma_rel in sigma_rels]
+        if len(sigma_rels) < 2 or len(set(sigma_rels)) != len(sigma_rels):
+            raise ValueError(f"post-hoc EMA needs at least two distinct sigma_rels, got {sigma_rels}")
+        self.sigma_rels = sigma_rels
+        self.gammas = [sigma_rel_to_gamma(sigma_rel) for sigma_rel in sigma_rels]
+        names = [snapshot_name(1, gamma) for gamma in self.gammas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sigma_rels {sigma_rels} are too close to tell their snapshots apart")
+        self.update_every = update_every
+        self.profiles = [PowerEMA(parameters, gamma, update_every=update_every, device=device)
+                         for gamma in self.gammas]
+        self.parameters = self.profiles[0].parameters
+        self.format = {"format": POSTHOC_FORMAT, "version": FORMAT_VERSION,
+                       **(export or TensorsExport()).description()}
+
+    @property
+    def step(self) -> int:
+        """Optimizer step of the last update (0 before the first)."""
+        return self.profiles[0].step
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by all shadows; one snapshot file is ``num_bytes / len(sigma_rels)`` plus a header."""
+        return sum(profile.num_bytes for profile in self.profiles)
+
+    def is_due(self, step: int, last_step: Optional[int] = None) -> bool:
+        """Whether the profiles' update interval (or the run's last step) falls on ``step``."""
+        return self.profiles[0].is_due(step, last_step)
+
+    @staticmethod
+    def is_snapshot_due(step: int, every: Optional[int], last_step: Optional[int] = None) -> bool:
+        """Snapshot every ``every`` optimizer steps (None or 0: never) and at the run's ``last_step``."""
+        return bool(every) and step % every == 0 or step == last_step
+
+    def update(self, step: int):
+        """Update every profile as of optimizer step ``step`` (the first update copies)."""
+        for profile in self.profiles:
+            profile.update(step)
+
+    def start(self, output_dir, step: int = 0, write: bool = True):
+        """Call once before the training loop, after resuming at ``step`` (0 for a new run).
+
+        Deletes snapshots taken after ``step`` (they come from a run this one replaces), checks that
+        snapshots kept come from the same parameters, and writes format.json. ``write=False`` (not the
+        main process) does nothing.
+        """
+        if not write:
+            return
+        directory = Path(output_dir) / SNAPSHOT_DIR
+        for snapshot in read_snapshots(output_dir, strict=False):
+            if snapshot.step > step:
+                snapshot.path.unlink()
+            else:
+                with safe_open(snapshot.path, framework="pt") as file:
+                    shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+                expected = {name: tuple(shadow.shape) for name, shadow in self.profiles[0].shadows.items()}
+                if shapes != expected:
+                    raise ValueError(f"{snapshot.path} holds other tensors than this run trains; "
+                                     f"remove {directory} or use another output_dir")
+        self._write_format(directory)
+
+    def _write_format(self, directory: Path):
+        text = json.dumps(self.format, indent=2, sort_keys=True) + "\n"
+        path = directory / FORMAT_FILE
+        if path.is_file() and path.read_text() == text:
+            return
+        write_atomically(directory, lambda staging: Path(staging, FORMAT_FILE).write_text(text))
+
+    def snapshot(self, step: int, output_dir) -> List[Path]:
+        """Write each profile's shadows to ``<output_dir>/posthoc_ema/snapshot-<step>-gamma-<g>.safetensors``
+        atomically (and format.json, if missing). The profiles must have been updated at ``step``."""
+        if step != self.step or step < 1:
+            raise ValueError(f"snapshot at step {step} needs the profiles updated at that step "
+                             f"(they are at {self.step})")
+        directory = Path(output_dir) / SNAPSHOT_DIR
+        if not (directory / FORMAT_FILE).is_file():
+            self._write_format(directory)
+        paths = []
+        for sigma_rel, profile in zip(self.sigma_rels, self.profiles):
+            tensors = {name: shadow.detach().to("cpu").contiguous() for name, shadow in profile.shadows.items()}
+            metadata = {"format": POSTHOC_FORMAT, "step": str(step), "gamma": repr(profile.gamma),
+                        "sigma_rel": repr(sigma_rel), "update_every": str(self.update_every)}
+            name = snapshot_name(step, profile.gamma)
+            write_atomically(directory, lambda staging: save_file(tensors, Path(staging, name), metadata=metadata))
+            paths.append(directory / name)
+        return paths
+
+    def on_step(self, step: int, last_step: Optional[int], output_dir, snapshot_every: Optional[int],
+                write: bool = True) -> List[Path]:
+        """The loop's one call per optimizer step: update when due (every K steps, at snapshot steps and
+        at ``last_step``), then snapshot when due (``write=False`` updates but writes nothing). Returns
+        the snapshot paths written."""
+        snapshot_due = self.is_snapshot_due(step, snapshot_every, last_step)
+        if snapshot_due or self.is_due(step, last_step):
+            self.update(step)
+        return self.snapshot(step, output_dir) if snapshot_due and write else []
+
+    def state_dict(self) -> dict:
+        """``{"sigma_rels": [...], "profiles": [EMA.state_dict() ...]}`` (shadows by reference)."""
+        return {"sigma_rels": list(self.sigma_rels), "profiles": [profile.state_dict() for profile in self.profiles]}
+
+    def load_state_dict(self, state: Mapping):
+        """Strict: the same sigma_rels in the same order, and each profile's names and shapes (ValueError)."""
+        sigma_rels = [float(sigma_rel) for sigma_rel in state["sigma_rels"]]
+        if sigma_rels != self.sigma_rels or len(state["profiles"]) != len(self.profiles):
+            raise ValueError(f"post-hoc EMA state has sigma_rels {sigma_rels}, this run tracks {self.sigma_rels}")
+        steps = {int(profile_state["step"]) for profile_state in state["profiles"]}
+        if len(steps) != 1:
+            raise ValueError(f"post-hoc EMA state has profiles at different steps {sorted(steps)}")
+        for profile, profile_state in zip(self.profiles, state["profiles"]):
+            profile.load_state_dict(profile_state)
+
+    def save(self, path: Union[str, os.PathLike]):
+        """All profiles' shadows and the step in one safetensors file (keys ``<profile index>/<name>``), atomically."""
+        path = Path(path)
+        tensors = {f"{index}/{name}": shadow.detach().to("cpu").contiguous()
+                   for index, profile in enumerate(self.profiles) for name, shadow in profile.shadows.items()}
+        metadata = {"format": POSTHOC_STATE_FORMAT, "step": str(self.step), "sigma_rels": json.dumps(self.sigma_rels)}
+        write_atomically(path.parent, lambda staging: save_file(tensors, Path(staging, path.name), metadata=metadata))
+
+    def load(self, path: Union[str, os.PathLike]):
+        """Loads a file written by `save` (strict, as `load_state_dict`)."""
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as file:
+            metadata = file.metadata() or {}
+            if metadata.get("format") != POSTHOC_STATE_FORMAT:
+                raise ValueError(f"{path} is not a post-hoc EMA state written by {POSTHOC_STATE_FORMAT}")
+            sigma_rels = json.loads(metadata["sigma_rels"])
+            profiles = [{"shadows": {}, "step": int(metadata["step"])} for _ in sigma_rels]
+            for key in file.keys():
+                index, _, name = key.partition("/")
+                if not index.isdigit() or int(index) >= len(profiles):
+                    raise ValueError(f"{path}: unexpected key {key!r}")
+                profiles[int(index)]["shadows"][name] = file.get_tensor(key)
+        self.load_state_dict({"sigma_rels": sigma_rels, "profiles": profiles})
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    path: Path
+    step: int
+    gamma: float
+    sigma_rel: float
+
+
+def read_snapshots(output_dir, strict: bool = True) -> List[Snapshot]:
+    """The snapshots in ``<output_dir>/posthoc_ema/`` (headers only), sorted by step then gamma.
+
+    ``strict``: a file named like a snapshot but without our metadata is an error (else skipped).
+    """
+    directory = Path(output_dir) / SNAPSHOT_DIR
+    found = []
+    if not directory.is_dir():
+        return found
+    for path in directory.iterdir():
+        if not SNAPSHOT_PATTERN.match(path.name) or not path.is_file():
+            continue
+        with safe_open(path, framework="pt") as file:
+            metadata = file.metadata() or {}
+        if metadata.get("format") != POSTHOC_FORMAT or not {"step", "gamma", "sigma_rel"} <= metadata.keys():
+            if strict:
+                raise ValueError(f"{path} is not a post-hoc EMA snapshot written by {POSTHOC_FORMAT}")
+            continue
+        found.append(Snapshot(path, int(metadata["step"]), float(metadata["gamma"]), float(metadata["sigma_rel"])))
+    return sorted(found, key=lambda snapshot: (snapshot.step, snapshot.gamma))
+
+
+def make_posthoc_ema(args, parameters, accelerator, export):
+    """The `PostHocEMA` of ``parameters`` that ``--ema_posthoc_sigma_rels`` asks for, or None; ``export`` is the
+    run's own (`export.LoraExport`, ...), so that syntheses are written as the run's outputs are."""
+    if not args.ema_posthoc_sigma_rels:
+        return None
+    return PostHocEMA(parameters, args.ema_posthoc_sigma_rels, update_every=args.ema_update_every,
+                      device="cpu" if args.ema_device == "cpu" else accelerator.device, export=export)
+
+
+def posthoc_snapshot_steps(args, max_train_steps):
+    """``--ema_posthoc_snapshot_steps``, or about 20 snapshots over the run: EDM2's least-squares fit
+    needs a couple dozen to reconstruct other lengths well."""
+    return args.ema_posthoc_snapshot_steps or max(1, max_train_steps // 20)
+
