@@ -175,21 +175,18 @@ def _vocabulary():
     return list(COLORS) + list(BACKGROUNDS) + list(SHAPES) + list(EXTRA_WORDS)
 
 
+def sd_components():
+    """What SD 1.x and SDXL pipelines share: the VAE, a CLIP text encoder and its tokenizer."""
+    tokenizer = tiny_clip_tokenizer()
+    return {"vae": tiny_vae(), "text_encoder": tiny_clip_text_encoder(len(tokenizer)), "tokenizer": tokenizer}
+
+
 def build_sd(path):
     """A Stable Diffusion 1.x pipeline: UNet, VAE, CLIP text encoder and tokenizer, PNDM scheduler."""
     from diffusers import StableDiffusionPipeline
 
-    tokenizer = tiny_clip_tokenizer()
-    pipe = StableDiffusionPipeline(
-        unet=tiny_unet(),
-        vae=tiny_vae(),
-        text_encoder=tiny_clip_text_encoder(len(tokenizer)),
-        tokenizer=tokenizer,
-        scheduler=sd_inference_scheduler(),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    pipe = StableDiffusionPipeline(unet=tiny_unet(), scheduler=sd_inference_scheduler(), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False, **sd_components())
     pipe.save_pretrained(path)
 
 
@@ -207,16 +204,15 @@ def build_sdxl(path):
     """A Stable Diffusion XL pipeline: two CLIP encoders (the second with projection), Euler scheduler."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-    tokenizer = tiny_clip_tokenizer()
+    components = sd_components()
+    tokenizer = components["tokenizer"]
     pipe = StableDiffusionXLPipeline(
         unet=tiny_sdxl_unet(),
-        vae=tiny_vae(),
-        text_encoder=tiny_clip_text_encoder(len(tokenizer)),
         text_encoder_2=tiny_clip_text_encoder(len(tokenizer), with_projection=True, seed=SEED + 1),
-        tokenizer=tokenizer,
         tokenizer_2=tokenizer,
         scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                          timestep_spacing="leading", steps_offset=1),
+        **components,
     )
     pipe.save_pretrained(path)
 

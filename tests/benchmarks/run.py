@@ -53,13 +53,13 @@ TARGETS = {"step_over_bare": 1.05, "validation_over_bare": 1.10, "ema_fraction_o
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
 
-def sample_noisy_latents(batch, vae, noise_scheduler, weight_dtype):
-    """``(noisy latents, timesteps, noise)`` as the UNet scripts draw them, from cached latent parameters
-    (``--cache_latents``) or pixels."""
-    if "latent_parameters" in batch:
-        latents = sample_latents(batch["latent_parameters"])
+def sample_noisy_latents(batch, vae, noise_scheduler, weight_dtype, cached_latents):
+    """``(noisy latents, timesteps, noise)`` as the UNet scripts draw them, from the batch's images: cached latent
+    parameters (``--cache_latents``) or pixels."""
+    if cached_latents:
+        latents = sample_latents(batch["image"])
     else:
-        latents = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist.sample()
+        latents = vae.encode(batch["image"].to(weight_dtype)).latent_dist.sample()
     latents = latents.contiguous() * vae.config.scaling_factor
     noise = torch.randn_like(latents)
     timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
@@ -67,21 +67,23 @@ def sample_noisy_latents(batch, vae, noise_scheduler, weight_dtype):
     return noise_scheduler.add_noise(latents, noise, timesteps), timesteps, noise
 
 
-def text_to_image_step(pipe, noise_scheduler, weight_dtype):
+def text_to_image_step(pipe, noise_scheduler, weight_dtype, cached_latents):
     """The compute of one step of train_text_to_image(_lora).py, without anything around it. Like the
     scripts, it reads the cached text embeddings from the batch."""
     def step(batch):
-        noisy_latents, timesteps, noise = sample_noisy_latents(batch, pipe.vae, noise_scheduler, weight_dtype)
+        noisy_latents, timesteps, noise = sample_noisy_latents(batch, pipe.vae, noise_scheduler, weight_dtype,
+                                                               cached_latents)
         model_pred = pipe.unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
         return F.mse_loss(model_pred.float(), noise.float())
 
     return step
 
 
-def text_to_image_lora_sdxl_step(pipe, noise_scheduler, weight_dtype):
+def text_to_image_lora_sdxl_step(pipe, noise_scheduler, weight_dtype, cached_latents):
     """The compute of one step of train_text_to_image_lora_sdxl.py (frozen, cached text encoders)."""
     def step(batch):
-        noisy_latents, timesteps, noise = sample_noisy_latents(batch, pipe.vae, noise_scheduler, weight_dtype)
+        noisy_latents, timesteps, noise = sample_noisy_latents(batch, pipe.vae, noise_scheduler, weight_dtype,
+                                                               cached_latents)
         conditioning = {"text_embeds": batch["pooled_prompt_embeds"], "time_ids": batch["time_ids"]}
         model_pred = pipe.unet(noisy_latents, timesteps, batch["prompt_embeds"], added_cond_kwargs=conditioning,
                                return_dict=False)[0]
@@ -92,7 +94,7 @@ def text_to_image_lora_sdxl_step(pipe, noise_scheduler, weight_dtype):
 
 class Script(NamedTuple):
     path: str              # under examples/
-    bare_step: Callable    # (pipe, noise_scheduler, weight_dtype) -> step(batch) -> loss
+    bare_step: Callable    # (pipe, noise_scheduler, weight_dtype, cached_latents) -> step(batch) -> loss
     tiny_fixture: str      # the `training_utils.tiny` pipeline that --model tiny means
 
 
@@ -155,7 +157,7 @@ class Hooks:
             template = loop.optimizer.optimizer
             settings = {key: template.defaults[key] for key in ("lr", "betas", "eps", "weight_decay")}
             self.bare = {
-                "step": self.make_bare_step(pipe, loop.validator.schedulers[0], weight_dtype),
+                "step": self.make_bare_step(pipe, loop.validator.schedulers[0], weight_dtype, loop.args.cache_latents),
                 "optimizer": type(template)(loop.parameters, **settings),
                 "autocast": torch.autocast(loop.accelerator.device.type, dtype=weight_dtype,
                                            enabled=weight_dtype != torch.float32),
