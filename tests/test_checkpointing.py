@@ -12,7 +12,6 @@ import torch
 from accelerate import Accelerator
 
 from training_utils import checkpointing
-from training_utils.errors import UsageError
 from training_utils.checkpointing import (
     EMA_FILE,
     STATE_FILE,
@@ -23,6 +22,7 @@ from training_utils.checkpointing import (
     resume_position,
 )
 from training_utils.ema import EMA
+from training_utils.errors import UsageError
 
 
 @pytest.fixture(scope="module")

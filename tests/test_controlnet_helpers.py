@@ -15,12 +15,11 @@ from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
 from training_utils.args import training_parser
-from training_utils.errors import UsageError
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_from_unet, controlnet_how_to_load, dataset_columns,
                                        load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator,
                                        pick_training_caption)
-from training_utils.ema import EMA
+from training_utils.errors import UsageError
 
 
 def parse(tiny, output_dir, *flags, base="sd"):

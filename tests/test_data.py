@@ -11,7 +11,6 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.errors import UsageError
 from training_utils.data import (
     ImageTransform,
     TrainDataset,
@@ -20,6 +19,7 @@ from training_utils.data import (
     sample_generator,
     tokenize,
 )
+from training_utils.errors import UsageError
 from training_utils.tiny import COLORS, SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

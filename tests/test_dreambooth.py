@@ -9,11 +9,11 @@ import torch
 from PIL import Image
 
 from training_utils.args import TrainingArgumentParser
-from training_utils.errors import UsageError
 from training_utils.cache import FrozenEncoders
 from training_utils.data import ImageTransform
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
                                        generate_class_images, instance_then_class_collate, list_images)
+from training_utils.errors import UsageError
 
 
 def solid(path, value, size=(12, 8)):

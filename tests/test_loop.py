@@ -48,6 +48,9 @@ class RecordingValidator:
             self.final_steps.append(step)
         return [{"step": step}]
 
+    def card_records(self, records):
+        return [{"shown": "first"}, *records]
+
 
 def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3,
             posthoc_sigma_rels=None):
@@ -88,7 +91,7 @@ def test_runs_to_max_steps_across_epochs_doing_due_work(accelerator, tmp_path):
     loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7)
     assert loop.global_step == 7
     assert validator.steps == [3, 6, 7] and validator.final_steps == [7]
-    assert loop.records == [{"step": 7}]
+    assert loop.records == [{"shown": "first"}, {"step": 7}]  # the last validation's, as the model card shows them
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
 
 

@@ -7,8 +7,8 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.errors import UsageError
 from training_utils.data import ImageTransform
+from training_utils.errors import UsageError
 from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
 
 PROMPTS = ["a red circle on a white background", "a blue square"]

@@ -1,5 +1,8 @@
-"""The run's `Accelerator`: made from the flags (trackers, seeded data order, seeds); ended on all processes
-together."""
+"""The run's `Accelerator`, made from the flags, and the run's end on every process together.
+
+The accelerator writes trackers under the output folder, draws each epoch's data order from (seed, epoch)
+alone, and seeds every RNG.
+"""
 
 import logging
 from pathlib import Path

@@ -1,6 +1,7 @@
-"""What every ControlNet script shares, whatever the base model (SD 1.x, SDXL): its flags, the validation
-(prompt, conditioning image) pairs, the ControlNet pipeline built once, the residual cast, and how to load
-what it trained.
+"""What every ControlNet script shares, whatever the base model (SD 1.x, SDXL).
+
+Its flags, the validation (prompt, conditioning image) pairs, the ControlNet pipeline built once, the
+residual cast, and how to load what it trained.
 
 The base model's own conditioning (text encoders, time ids, ...) stays in each script.
 """

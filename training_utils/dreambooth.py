@@ -1,4 +1,4 @@
-"""DreamBooth data: a folder of one subject's images, an optional folder of its class, and class images made on demand.
+"""DreamBooth data: one subject's images, optionally its class's, and class images made on demand.
 
 Prior preservation (Ruiz et al., 2023) trains on the subject and, in the same batch, on images that the
 model itself generated for the subject's class, so that fine-tuning on a few pictures does not make it

@@ -1,5 +1,7 @@
-"""How trained weights are written: LoRA files any pipeline loads, or diffusers model folders; atomically,
-and read back to check that they hold exactly what was meant.
+"""How trained weights are written: LoRA files or model folders, atomically, and checked once written.
+
+LoRA files are what any pipeline's ``load_lora_weights`` loads; model folders what ``from_pretrained``
+loads. Every file is read back to check that it holds exactly what was meant.
 
 A run describes what it trains once, as a `LoraExport`, a `ModelExport` or a `PipelineExport`. With it the
 script saves its outputs (`save_with_ema`: the raw weights, then the EMA's, swapped into the live modules),

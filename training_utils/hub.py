@@ -1,5 +1,8 @@
-"""The end of a run: the model card written into every output directory (with how to load what was trained),
-the optional upload to the hub, and where everything went."""
+"""The end of a run: the model card, the optional upload to the hub, and where everything went.
+
+The model card, written into every output folder, says how to load what was trained and shows the last
+validation's images.
+"""
 
 from pathlib import Path
 

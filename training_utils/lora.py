@@ -1,5 +1,7 @@
-"""LoRA adapters: which modules they adapt, and adding them to a pipeline's models. (`export.LoraExport`
-writes them so that any pipeline's ``load_lora_weights`` loads them.)"""
+"""LoRA adapters: which modules they adapt, and adding them to a pipeline's models.
+
+`export.LoraExport` writes them so that any pipeline's ``load_lora_weights`` loads them.
+"""
 
 from peft import LoraConfig, inject_adapter_in_model
 

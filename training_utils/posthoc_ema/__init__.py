@@ -1,5 +1,7 @@
-"""Post-hoc EMA (EDM2, Karras et al. 2024) during training: power-function EMAs of the trained tensors and
-their snapshots, from which any other EMA length can be synthesized after training (`.synthesis`).
+"""Post-hoc EMA during training (EDM2, Karras et al. 2024): power-function EMAs and their snapshots.
+
+From the snapshots, an EMA of any other length can be synthesized after training (`.synthesis`, and the
+command line of ``__main__``).
 
 `PostHocEMA` keeps two or more power-function EMAs (`ema.PowerEMA`) of the trained tensors and writes
 their fp32 shadows as snapshots into ``<output_dir>/posthoc_ema/``. A snapshot holds only the trained
