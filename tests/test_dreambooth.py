@@ -1,4 +1,4 @@
-"""training_utils.dreambooth: checked inputs, paired instance/class data, side-effect-free class images."""
+"""training_utils.dreambooth: checked inputs, instance and class data, side-effect-free class images."""
 
 import shutil
 from types import SimpleNamespace

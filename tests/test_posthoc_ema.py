@@ -373,15 +373,15 @@ def test_cli_writes_a_lora_that_load_lora_weights_accepts(tiny, tmp_path, capsys
         set_weights(parameters, {name: p.detach() + 0.1 * torch.randn(p.shape, generator=generator)
                                  for name, p in parameters.items()})
         posthoc.on_step(step, 20, tmp_path, 5)
-    export_format = json.loads((tmp_path / SNAPSHOT_DIR / FORMAT_FILE).read_text())
-    assert export_format["kind"] == "lora" and export_format["pipeline_class"] == "StableDiffusionPipeline"
-    assert export_format["components"]["unet"]["lora_adapter_metadata"]["r"] == 4
+    description = json.loads((tmp_path / SNAPSHOT_DIR / FORMAT_FILE).read_text())
+    assert description["kind"] == "lora" and description["pipeline_class"] == "StableDiffusionPipeline"
+    assert description["components"]["unet"]["lora_adapter_metadata"]["r"] == 4
 
     main(["--output_dir", str(tmp_path), "--sigma_rel", "0.08", "0.05"])
     printed = capsys.readouterr().out
     assert "sigma_rel 0.08" in printed and "relative profile error" in printed and printed.count("snapshot-") == 16
 
-    # the tracked 0.05 at the final step: exactly the profile's shadows, in the keys save_lora writes
+    # the tracked 0.05 at the final step: exactly the profile's shadows, in the keys peft saves
     folder = output_folder(tmp_path, 0.05)
     assert folder == tmp_path / SNAPSHOT_DIR / "sigma_rel-0.05"
     saved = load_file(folder / LORA_WEIGHTS_NAME)

@@ -50,10 +50,10 @@ def test_both_images_get_the_same_crop_and_flip(height, width):
 @pytest.mark.parametrize("center_crop, random_flip", [(False, True), (True, True), (False, False)])
 def test_image_matches_image_transform_with_the_same_generator(center_crop, random_flip):
     image, conditioning = position_image(40, 72), position_image(40, 72).rotate(180)
-    paired = ImageWithConditioningTransform(32, center_crop, random_flip)
+    with_conditioning = ImageWithConditioningTransform(32, center_crop, random_flip)
     single = ImageTransform(32, center_crop, random_flip)
     for seed in range(10):
-        pixels, _, original_size, crop = paired(image, conditioning, generator(seed))
+        pixels, _, original_size, crop = with_conditioning(image, conditioning, generator(seed))
         expected_pixels, expected_size, expected_crop = single(image, generator(seed))
         assert torch.equal(pixels, expected_pixels)
         assert (original_size, crop) == (expected_size, expected_crop)
