@@ -6,7 +6,7 @@ import pytest
 import helpers
 
 # Files whose tests launch whole training runs: `pytest -m "not slow"` is the quick subset (CI runs all).
-SLOW_FILES = ("test_train_", "test_resilience", "test_multiprocess", "test_parallel_validation")
+SLOW_FILES = ("test_train_", "test_resilience", "test_multiprocess", "test_parallel_validation", "test_copied_script")
 
 
 def pytest_collection_modifyitems(items):
