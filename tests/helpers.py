@@ -133,11 +133,15 @@ def launch(script, *args, **options):
     return launch_script(EXAMPLES / script, *args, env=REPO_ON_PATH, run=run_bounded, **options)
 
 
+# A run keeps one core busy (its imports, then its single-threaded steps) and holds under 1 GB: so many at once, on
+# the cores this process may use (not more than 4, whatever a container reports).
+RUNS_AT_ONCE = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 def together(calls):
-    """``{name: call()}`` for ``calls``, ``{name: a function of no arguments}``, as many running at once as there are
-    cores. For runs: a run keeps one core busy (its imports, then its single-threaded steps), so on CI's two cores
-    two runs take little longer than one."""
-    pool = ThreadPoolExecutor(os.cpu_count())
+    """``{name: call()}`` for ``calls``, ``{name: a function of no arguments}``, `RUNS_AT_ONCE` running at once: on
+    CI's two cores, two runs take little longer than one."""
+    pool = ThreadPoolExecutor(RUNS_AT_ONCE)
     try:
         futures = {name: pool.submit(call) for name, call in calls.items()}
         return {name: future.result() for name, future in futures.items()}

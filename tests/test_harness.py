@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 import helpers
 from helpers import RunHung, launch_processes, run_bounded, together
 from training_utils.lora import UNET_TARGET_MODULES, add_lora, save_lora
-from training_utils.testing import (SMOKE_TEST_ENV, assert_close_files, assert_close_validations,
+from training_utils.testing import (assert_close_files, assert_close_validations,
                                     assert_lora_changes_pipeline_output, assert_model_folder_loads,
-                                    assert_resumes_exactly, assert_validated_at, checkpoint_names, launch_script,
-                                    run_with_timeout, tiny_fixture)
+                                    assert_resumes_exactly, assert_validated_at, checkpoint_names, launch_environment,
+                                    launch_script, run_with_timeout, tiny_fixture)
 
 # A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
 HUNG_LAUNCHER = """
@@ -54,7 +54,7 @@ def test_a_hung_run_without_psutil_fails_with_its_stacks_and_leaves_none_running
     # training_utils.testing's own runner, for a user's CI: no psutil, the process tree read from /proc.
     pid_file = tmp_path / "worker.pid"
     with pytest.raises(AssertionError, match="no result within 3 s") as failure:
-        run_with_timeout([sys.executable, "-c", HUNG_LAUNCHER, str(pid_file)], env=SMOKE_TEST_ENV, timeout=3)
+        run_with_timeout([sys.executable, "-c", HUNG_LAUNCHER, str(pid_file)], env=launch_environment(), timeout=3)
     assert "waiting_at_a_barrier" in str(failure.value)
     assert_stopped(int(pid_file.read_text()))
 
