@@ -297,6 +297,7 @@ def test_bf16_needs_a_gpu_that_supports_it(model_dir, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "bf16"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "error: --mixed_precision='bf16': expected a GPU with bf16 support (use fp16 on this one)\n"
+    expected = "error: --mixed_precision='bf16': expected a GPU with bf16 support (use fp16 on this one)\n"
+    assert capsys.readouterr().err == expected
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "bf16"])

@@ -1,21 +1,15 @@
-"""Cached encoder outputs (training_utils.cache) and the text-to-image LoRA script's --cache_latents."""
+"""Cached encoder outputs (training_utils.cache); the scripts' --cache_latents runs are in their smoke tests."""
 
 import logging
-import shutil
 
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 
-from conftest import assert_close_files, assert_close_validations, assert_same_files, launch
 from training_utils.cache import (CACHE_INDEX_COLUMN, FrozenEncoders, cache_latent_parameters, cache_text_embeddings,
                                   cached_latent_parameters, cached_latent_parameters_with_conditioning,
                                   distinct_captions, sample_latents)
 from training_utils.data import ImageTransform, ImageWithConditioningTransform, sample_generator, tokenize
-
-SCRIPT = "text_to_image/train_text_to_image_lora.py"
-LORA = "pytorch_lora_weights.safetensors"
 
 
 def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_pipe):
@@ -220,60 +214,3 @@ def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_
         assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))
     # The host memory the cache holds is said: 3 captions of 1 MiB of hidden states (and 4 bytes pooled).
     assert "text embeddings of 3 distinct captions cached: 3.0 MiB of host memory" in caplog.text
-
-
-def flags(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
-            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
-            "--center_crop", "--rank", 4, "--seed", 3, "--max_train_steps", 4, "--checkpointing_steps", 2, *extra]
-
-
-VALIDATION = ["--validation_prompt", "a red circle", "--num_validation_images", 1,
-              "--validation_inference_steps", 2, "--validation_steps", 2]
-
-
-@pytest.fixture(scope="module")
-def runs(tiny, tmp_path_factory):
-    """``{(cache_latents, random_flip): output_dir}``: the same 4 steps, validating every 2."""
-    outputs = {}
-    for cache in (False, True):
-        for flip in (False, True):
-            output_dir = tmp_path_factory.mktemp(f"cache{int(cache)}-flip{int(flip)}")
-            extra = [*VALIDATION, *(["--cache_latents"] if cache else []), *(["--random_flip"] if flip else [])]
-            launch(SCRIPT, *flags(tiny, output_dir, *extra))
-            outputs[cache, flip] = output_dir
-    return outputs
-
-
-@pytest.mark.parametrize("flip", [False, True])
-def test_cached_run_matches_the_uncached_one(runs, flip):
-    assert_close_files(runs[False, flip] / LORA, runs[True, flip] / LORA)
-
-
-@pytest.mark.parametrize("flip", [False, True])
-def test_validation_renders_with_the_offloaded_encoders_back(runs, flip):
-    assert_close_validations(runs[False, flip], runs[True, flip], [(2, "raw"), (4, "raw")])
-
-
-def test_flips_change_the_cached_run(runs):
-    a, b = load_file(runs[True, False] / LORA), load_file(runs[True, True] / LORA)
-    assert any(not torch.equal(a[key], b[key]) for key in a)
-
-
-def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, runs):
-    shutil.copytree(runs[True, True] / "checkpoint-2", tmp_path / "checkpoint-2")
-    result = launch(SCRIPT, *flags(tiny, tmp_path, *VALIDATION, "--cache_latents", "--random_flip",
-                                   "--resume_from_checkpoint", "latest"))
-    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
-    assert_same_files(tmp_path / LORA, runs[True, True] / LORA)
-
-
-def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):
-    output_dir = tmp_path / "out"
-    args = [arg for arg in flags(tiny, output_dir, "--cache_latents") if arg != "--center_crop"]
-    result = launch(SCRIPT, *args, check=False, quiet=True)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: --cache_latents=True: expected --center_crop"), errors
-    assert not output_dir.exists()
-

@@ -109,8 +109,8 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
     class_dir = tmp_path / "class"
     class_dir.mkdir()
     class_images = [solid(class_dir / f"{index}.png", 100 + 10 * index) for index in range(5)]
-    dataset = dreambooth_dataset(list_images(instance_dir), class_images, pixels_of(ImageTransform(8, center_crop=True)),
-                                 0)
+    pixels = pixels_of(ImageTransform(8, center_crop=True))
+    dataset = dreambooth_dataset(list_images(instance_dir), class_images, pixels, 0)
     assert len(dataset) == 5
     for index in range(5):
         example = dataset[index]

@@ -1,16 +1,25 @@
-"""The test harness itself: a hung run must fail its test, not stall the suite."""
+"""The test harness itself: a hung run must fail its test, not stall the suite; and the checks of
+`training_utils.testing` must fail where they should."""
 
 import json
+import subprocess
 import sys
 
 import psutil
 import pytest
 import torch
+from diffusers import ControlNetModel, StableDiffusionPipeline
 from PIL import Image
 from safetensors.torch import save_file
 
-import conftest
-from conftest import RunHung, assert_close_files, assert_close_validations, launch_processes, run_bounded
+import helpers
+from helpers import RunHung, launch_processes, run_bounded, together
+from training_utils.export import LoraExport
+from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
+from training_utils.testing import (assert_close_files, assert_close_validations,
+                                    assert_lora_changes_pipeline_output, assert_model_folder_loads,
+                                    assert_resumes_exactly, assert_validated_at, checkpoint_names, launch_environment,
+                                    launch_script, run_with_timeout, tiny_fixture)
 
 # A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
 HUNG_LAUNCHER = """
@@ -27,6 +36,10 @@ time.sleep(600)
 """
 
 
+def assert_stopped(pid):
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_hung_run_fails_with_the_states_and_stacks_of_its_workers_and_leaves_none_running(tmp_path):
     pid_file = tmp_path / "worker.pid"
     with pytest.raises(RunHung, match="no result within 3 s") as failure:
@@ -35,7 +48,16 @@ def test_a_hung_run_fails_with_the_states_and_stacks_of_its_workers_and_leaves_n
     stacks, states = str(failure.value).split("Its processes when it was stopped:")
     assert "waiting_at_a_barrier" in stacks and "Extension modules" not in stacks
     assert f"pid {worker} " in states and "s CPU in 1 s; threads waiting in" in states
-    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    assert_stopped(worker)
+
+
+def test_a_hung_run_without_psutil_fails_with_its_stacks_and_leaves_none_running(tmp_path):
+    # training_utils.testing's own runner, for a user's CI: no psutil, the process tree read from /proc.
+    pid_file = tmp_path / "worker.pid"
+    with pytest.raises(AssertionError, match="no result within 3 s") as failure:
+        run_with_timeout([sys.executable, "-c", HUNG_LAUNCHER, str(pid_file)], env=launch_environment(), timeout=3)
+    assert "waiting_at_a_barrier" in str(failure.value)
+    assert_stopped(int(pid_file.read_text()))
 
 
 def test_a_hung_multiprocess_run_is_reported_and_made_again_in_a_fresh_folder(tmp_path, monkeypatch):
@@ -47,38 +69,90 @@ def test_a_hung_multiprocess_run_is_reported_and_made_again_in_a_fresh_folder(tm
             raise RunHung("no result within 120 s")
         return "second result"
 
-    monkeypatch.setattr(conftest, "launch", hanging_once)
-    monkeypatch.setattr(conftest, "HANG_REPORTS", [])
+    monkeypatch.setattr(helpers, "launch", hanging_once)
+    monkeypatch.setattr(helpers, "HANG_REPORTS", [])
     folders = iter([tmp_path / "a", tmp_path / "b"])
     output_dir, result = launch_processes("job.py", lambda: next(folders), lambda folder: [folder])
     assert (output_dir, result) == (tmp_path / "b", "second result")
     assert attempts == [(tmp_path / "a",), (tmp_path / "b",)]
-    assert len(conftest.HANG_REPORTS) == 1 and "attempt 1: no result within 120 s" in conftest.HANG_REPORTS[0]
+    assert len(helpers.HANG_REPORTS) == 1 and "attempt 1: no result within 120 s" in helpers.HANG_REPORTS[0]
 
 
 def test_a_multiprocess_run_that_hangs_twice_fails(monkeypatch):
     def hanging(script, *args, processes, timeout):
         raise RunHung("no result within 120 s")
 
-    monkeypatch.setattr(conftest, "launch", hanging)
-    monkeypatch.setattr(conftest, "HANG_REPORTS", [])
+    monkeypatch.setattr(helpers, "launch", hanging)
+    monkeypatch.setattr(helpers, "HANG_REPORTS", [])
     with pytest.raises(RunHung):
         launch_processes("job.py", lambda: "folder", lambda folder: [])
-    assert len(conftest.HANG_REPORTS) == 2
+    assert len(helpers.HANG_REPORTS) == 2
 
 
-def test_a_finished_run_returns_its_exit_code_and_output():
-    result = run_bounded([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
+@pytest.mark.parametrize("run", [run_bounded, run_with_timeout])
+def test_a_finished_run_returns_its_exit_code_and_output(run):
+    result = run([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
 
 
-def fake_run(output_dir, grey):
-    """A run folder whose validation log holds one record of one image, a solid ``grey``."""
+def test_calls_made_together_give_each_its_own_result():
+    assert together({"a": lambda: 1, "b": lambda: 2}) == {"a": 1, "b": 2}
+
+
+def test_launch_script_runs_accelerate_launch_on_the_cpu_and_fails_with_the_end_of_the_output():
+    launched = []
+
+    def failing(command, env, timeout):
+        launched.append((command, env, timeout))
+        return subprocess.CompletedProcess(command, 1, "the output\n", "error: --resolution=30: expected\n")
+
+    with pytest.raises(AssertionError, match="train.py failed \\(1\\):\nthe output\n\nerror: --resolution=30"):
+        launch_script("train.py", "--resolution", 30, processes=2, timeout=7, env={"EXTRA": "1"}, run=failing)
+    [(command, env, timeout)] = launched
+    assert command[1:4] == ["-m", "accelerate.commands.launch", "--num_machines"] and timeout == 7
+    assert command[command.index("--num_processes") + 1] == "2" and "--multi_gpu" in command
+    assert command[command.index("--main_process_ip") + 1] == "127.0.0.1"
+    assert command[-3:] == ["train.py", "--resolution", "30"]
+    assert env["ACCELERATE_USE_CPU"] == "1" and env["EXTRA"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert launch_script("train.py", run=failing, check=False).returncode == 1
+    assert "--multi_gpu" not in launched[-1][0] and "ACCELERATE_USE_CPU" not in launched[-1][1]
+
+
+def test_tiny_fixture_builds_the_named_fixture_and_refuses_others(tmp_path):
+    shapes = tiny_fixture("shapes", tmp_path)
+    assert shapes == tmp_path / "shapes" and len((shapes / "metadata.jsonl").read_text().splitlines()) == 36
+    with pytest.raises(ValueError, match="unknown tiny fixture 'sd4'; expected one of sd, "):
+        tiny_fixture("sd4", tmp_path)
+
+
+def fake_run(output_dir, grey, steps=(2,), variants=("raw",), prompts=("p",)):
+    """A run folder whose validation log holds one record of one image per step, variant and prompt, a solid
+    ``grey``."""
     (output_dir / "validation").mkdir(parents=True)
-    Image.new("RGB", (4, 4), (grey,) * 3).save(output_dir / "validation" / "raw.png")
-    record = {"step": 2, "variant": "raw", "prompt": "p", "images": ["validation/raw.png"]}
-    (output_dir / "validation" / "log.jsonl").write_text(json.dumps(record) + "\n")
+    records = []
+    for step in steps:
+        for variant in variants:
+            for index, prompt in enumerate(prompts):
+                image = f"validation/{variant}-{step}-{index}.png"
+                Image.new("RGB", (4, 4), (grey,) * 3).save(output_dir / image)
+                records.append({"step": step, "variant": variant, "prompt": prompt, "images": [image]})
+    (output_dir / "validation" / "log.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     return output_dir
+
+
+def test_validated_at_needs_every_step_variant_and_prompt_once_in_order_and_their_images(tmp_path):
+    output_dir = fake_run(tmp_path / "run", 100, steps=(3, 6, 8), variants=("raw", "ema"), prompts=("a", "b"))
+    assert len(assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), num_images=1)) == 12
+    assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a", "b"])
+    for steps, variants, prompts in (([3, 6], ("raw", "ema"), None), ([3, 6, 8, 8], ("raw", "ema"), None),
+                                     ([3, 6, 8], ("raw",), None), ([3, 6, 8], ("raw", "ema"), ["b", "a"])):
+        with pytest.raises(AssertionError, match="validated"):
+            assert_validated_at(output_dir, steps, variants, prompts)
+    with pytest.raises(AssertionError):
+        assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), num_images=2)
+    (output_dir / "validation" / "ema-8-1.png").unlink()
+    with pytest.raises(AssertionError, match="ema-8-1.png"):
+        assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"))
 
 
 def test_close_validations_allow_float_noise_but_not_more_nor_other_records(tmp_path):
@@ -101,3 +175,71 @@ def test_close_files_allow_float_noise_but_not_more_nor_other_keys(tmp_path):
     for name in ("far", "other"):
         with pytest.raises(AssertionError):
             assert_close_files(paths["reference"], paths[name])
+
+
+def test_lora_must_load_and_change_the_pipelines_output(tiny, tmp_path):
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    add_lora(pipe.unet, 4, ATTENTION_PROJECTIONS)
+    export = LoraExport.of(StableDiffusionPipeline, {"unet": pipe.unet})
+    export.save(tmp_path / "untrained")  # lora_B is zero: no change
+    with torch.no_grad():
+        for name, parameter in pipe.unet.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(generator=torch.Generator().manual_seed(0))
+    export.save(tmp_path / "trained")
+    base, trained = assert_lora_changes_pipeline_output(tiny["sd"], tmp_path / "trained")
+    assert base.shape == trained.shape == (1, 32, 32, 3)
+    with pytest.raises(AssertionError, match="untrained changes no image"):
+        assert_lora_changes_pipeline_output(tiny["sd"], tmp_path / "trained", tmp_path / "untrained")
+
+
+def test_model_folder_must_load_in_fp32_and_differ_from_its_initial_weights(tiny, tmp_path):
+    controlnet = ControlNetModel.from_pretrained(tiny["controlnet"])
+    assert_model_folder_loads(ControlNetModel, tiny["controlnet"])
+    with pytest.raises(AssertionError, match="untrained"):
+        assert_model_folder_loads(ControlNetModel, tiny["controlnet"], initial=tiny["controlnet"])
+    with torch.no_grad():
+        controlnet.controlnet_mid_block.weight.add_(1)
+    controlnet.save_pretrained(tmp_path / "trained")
+    assert isinstance(assert_model_folder_loads(ControlNetModel, tmp_path / "trained", initial=tiny["controlnet"]),
+                      ControlNetModel)
+    controlnet.half().save_pretrained(tmp_path / "half")
+    with pytest.raises(AssertionError, match="expected fp32"):
+        assert_model_folder_loads(ControlNetModel, tmp_path / "half")
+
+
+def test_checkpoint_names_are_in_step_order(tmp_path):
+    for step in (10, 9, 100):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / ".checkpoint-11.incomplete").mkdir()
+    assert checkpoint_names(tmp_path) == ["checkpoint-9", "checkpoint-10", "checkpoint-100"]
+
+
+def test_resume_must_start_from_the_copied_checkpoint_and_end_with_the_same_files(tmp_path):
+    straight = tmp_path / "straight"
+    (straight / "checkpoint-6").mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, straight / "weights.safetensors")
+    launched = []
+
+    def resuming(weights, message="resumed from {checkpoint} at step 6"):
+        def launch(script, *args):
+            launched.append((script, args))
+            output_dir = args[1]
+            save_file(weights, output_dir / "weights.safetensors")
+            checkpoint = output_dir / "checkpoint-6"
+            return subprocess.CompletedProcess(args, 0, message.format(checkpoint=checkpoint), "")
+
+        return launch
+
+    def args_for(output_dir):
+        return ["--output_dir", output_dir]
+
+    result = assert_resumes_exactly("train.py", args_for, straight, tmp_path / "resumed", 6, ["weights.safetensors"],
+                                    launch=resuming({"a": torch.ones(2)}))
+    assert result.returncode == 0 and (tmp_path / "resumed" / "checkpoint-6").is_dir()
+    assert launched == [("train.py", ("--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"))]
+    for name, launch in (("other", resuming({"a": torch.zeros(2)})),
+                         ("fresh", resuming({"a": torch.ones(2)}, "no checkpoint in {checkpoint}"))):
+        with pytest.raises(AssertionError):
+            assert_resumes_exactly("train.py", args_for, straight, tmp_path / name, 6, ["weights.safetensors"],
+                                   launch=launch)

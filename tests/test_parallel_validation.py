@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import REPO, launch, launch_processes
+from helpers import REPO, launch, launch_processes
 
 JOB = REPO / "tests" / "parallel_validation_job.py"
 PROMPTS = ["a red circle", "a blue square", "a green triangle"]

@@ -206,7 +206,8 @@ def test_snapshot_files_metadata_and_format(tmp_path):
         assert saved.keys() == parameters.keys()
         assert all(torch.equal(saved[name], parameters[name].detach()) for name in parameters)  # first update copies
     assert json.loads((tmp_path / SNAPSHOT_DIR / FORMAT_FILE).read_text())["kind"] == "tensors"
-    assert sorted(p.name for p in (tmp_path / SNAPSHOT_DIR).iterdir()) == sorted([FORMAT_FILE] + [p.name for p in paths])
+    written = sorted(path.name for path in (tmp_path / SNAPSHOT_DIR).iterdir())
+    assert written == sorted([FORMAT_FILE] + [path.name for path in paths])
     assert [(s.step, s.sigma_rel) for s in read_snapshots(tmp_path)] == [(2, 0.10), (2, 0.05)]  # by step, then gamma
 
 
@@ -315,7 +316,8 @@ def test_state_load_is_strict(tmp_path):
     with pytest.raises(ValueError, match="sigma_rels"):
         PostHocEMA(parameters, [0.05, 0.12]).load(tmp_path / "state.safetensors")
     with pytest.raises(ValueError, match="missing"):
-        PostHocEMA({**parameters, "c": torch.nn.Parameter(torch.zeros(2))}, TRACKED).load(tmp_path / "state.safetensors")
+        with_another = {**parameters, "c": torch.nn.Parameter(torch.zeros(2))}
+        PostHocEMA(with_another, TRACKED).load(tmp_path / "state.safetensors")
     with pytest.raises(ValueError, match="shape"):
         PostHocEMA({"a": parameters["a"], "b": torch.nn.Parameter(torch.zeros(8))}, TRACKED).load(
             tmp_path / "state.safetensors")

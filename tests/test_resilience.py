@@ -11,12 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, RUN_TIMEOUT_S, SUBPROCESS_ENV, run_bounded
+from helpers import EXAMPLES, REPO, SUBPROCESS_ENV, run_bounded, together
+from training_utils.testing import RUN_TIMEOUT_S
 
 SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -75,17 +77,9 @@ def assert_same_outputs(a, b):
         assert_same_state(load_file(a / path), load_file(b / path), path)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("uninterrupted")
-    run(*flags(tiny, output_dir))
-    return output_dir
-
-
-@pytest.fixture(scope="module")
-def preempted(tiny, tmp_path_factory):
-    """The same run, sent SIGTERM from outside as soon as its first checkpoint appears."""
-    output_dir = tmp_path_factory.mktemp("preempted")
+def preempt(tiny, output_dir):
+    """(exit status, stderr) of the run of `flags`, sent SIGTERM from outside as soon as its first checkpoint
+    appears."""
     stdout, stderr = output_dir.parent / "preempted.out", output_dir.parent / "preempted.err"
     with open(stdout, "w") as out, open(stderr, "w") as err:
         process = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, flags(tiny, output_dir))], stdout=out,
@@ -95,61 +89,7 @@ def preempted(tiny, tmp_path_factory):
             time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=RUN_TIMEOUT_S)
-    return output_dir, returncode, stderr.read_text()
-
-
-@pytest.fixture(scope="module")
-def resumed(tiny, preempted):
-    """The preempted run resumed, after planting what a kill during a later save would leave behind."""
-    output_dir, returncode, stderr = preempted
-    assert returncode == 75, stderr[-3000:]
-    stopped_at = max(int(path.name.split("-")[1]) for path in output_dir.glob("checkpoint-*"))
-    next_save = (stopped_at // 2 + 1) * 2
-    half_written = output_dir / f".checkpoint-{next_save}.incomplete"
-    half_written.mkdir()
-    (half_written / "trained_parameters.safetensors").write_bytes(b"\x00" * 100)
-    (half_written / "left_by_a_killed_save").write_text("")
-    (output_dir / ".checkpoint-99.incomplete").mkdir()
-    result = run(*flags(tiny, output_dir, "--resume_from_checkpoint", "latest"))
-    return output_dir, stopped_at, next_save, result
-
-
-def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(preempted):
-    output_dir, returncode, stderr = preempted
-    assert returncode == 75, stderr[-3000:]
-    stopped = stopped_lines(stderr)
-    assert len(stopped) == 1 and "SIGTERM" in stopped[0], stderr[-3000:]
-    step = int(stopped[0].split("after step ")[1].split(";")[0])
-    assert 2 < step < 10, "the run should stop early: the signal came right after checkpoint-2"
-    state = json.loads((output_dir / f"checkpoint-{step}" / "training_state.json").read_text())
-    assert state == {"global_step": step, "skipped_images": 0}
-    assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
-
-
-def test_resumed_run_equals_the_uninterrupted_one_in_weights_ema_optimizer_and_lr(uninterrupted, resumed):
-    output_dir, stopped_at, _, result = resumed
-    assert f"resumed from {output_dir / f'checkpoint-{stopped_at}'} at step {stopped_at}" in result.stdout
-    assert_same_checkpoint(output_dir / "checkpoint-10", uninterrupted / "checkpoint-10")
-    assert_same_outputs(output_dir, uninterrupted)
-
-
-def test_incomplete_checkpoints_are_ignored_and_a_later_save_replaces_them(resumed):
-    output_dir, _, next_save, _ = resumed
-    assert not (output_dir / f".checkpoint-{next_save}.incomplete").exists()
-    saved = output_dir / f"checkpoint-{next_save}"
-    assert not (saved / "left_by_a_killed_save").exists()
-    assert load_file(saved / "trained_parameters.safetensors")
-    # Never completed, never resumed from; a save at its step would replace it.
-    assert (output_dir / ".checkpoint-99.incomplete").is_dir()
-
-
-def test_resuming_at_or_past_max_train_steps_trains_nothing_and_writes_the_outputs(tiny, uninterrupted, tmp_path):
-    shutil.copytree(uninterrupted / "checkpoint-10", tmp_path / "checkpoint-10")
-    result = run(*flags(tiny, tmp_path, "--resume_from_checkpoint", "latest", "--max_train_steps", 8))
-    assert f"resumed from {tmp_path / 'checkpoint-10'} at step 10" in result.stdout
-    assert_same_outputs(tmp_path, uninterrupted)
-    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-10"]
-    assert (tmp_path / "README.md").is_file()
+    return returncode, stderr.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -166,20 +106,103 @@ def corrupt_flags(tiny, output_dir, data_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def corrupt_stopped(tiny, corrupt_data, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("corrupt_stopped")
-    return output_dir, run(*corrupt_flags(tiny, output_dir, corrupt_data), check=False)
+def runs(tiny, corrupt_data, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of the runs that start from scratch, made together: uninterrupted (`flags`);
+    preempted (the same, `preempt`ed: its result is (exit status, stderr)); corrupt_stopped and corrupt_skipped
+    (`corrupt_flags`, without and with --skip_corrupt_images, the latter logging to tensorboard and checkpointing
+    every 4 steps)."""
+    root = tmp_path_factory.mktemp("runs")
+    results = together({
+        "uninterrupted": partial(run, *flags(tiny, root / "uninterrupted")),
+        "preempted": partial(preempt, tiny, root / "preempted"),
+        "corrupt_stopped": partial(run, *corrupt_flags(tiny, root / "corrupt_stopped", corrupt_data), check=False),
+        "corrupt_skipped": partial(run, *corrupt_flags(tiny, root / "corrupt_skipped", corrupt_data,
+                                                       "--skip_corrupt_images", "--report_to", "tensorboard",
+                                                       "--checkpointing_steps", 4)),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
+
+
+def last_checkpoint_step(output_dir):
+    return max(int(path.name.split("-")[1]) for path in output_dir.glob("checkpoint-*"))
 
 
 @pytest.fixture(scope="module")
-def corrupt_skipped(tiny, corrupt_data, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("corrupt_skipped")
-    return output_dir, run(*corrupt_flags(tiny, output_dir, corrupt_data, "--skip_corrupt_images",
-                                          "--report_to", "tensorboard", "--checkpointing_steps", 4))
+def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of the runs that resume one of `runs` in a copy of it, made together:
+
+    - preempted: the preempted run, after planting what a kill during a later save would leave behind;
+    - past_the_end: the uninterrupted run's checkpoint-10, with --max_train_steps 8;
+    - still_skipping: the corrupt_skipped run's checkpoint-4, which counted one skipped image;
+    - stopped_then_skipping: the corrupt_stopped run's checkpoint-2, with --skip_corrupt_images.
+    """
+    root = tmp_path_factory.mktemp("resumed")
+    preempted, (returncode, stderr) = runs["preempted"]
+    assert returncode == 75, stderr[-3000:]
+    shutil.copytree(preempted, root / "preempted")
+    next_save = (last_checkpoint_step(preempted) // 2 + 1) * 2
+    half_written = root / "preempted" / f".checkpoint-{next_save}.incomplete"
+    half_written.mkdir()
+    (half_written / "trained_parameters.safetensors").write_bytes(b"\x00" * 100)
+    (half_written / "left_by_a_killed_save").write_text("")
+    (root / "preempted" / ".checkpoint-99.incomplete").mkdir()
+    for name, source, step in (("past_the_end", "uninterrupted", 10), ("still_skipping", "corrupt_skipped", 4),
+                               ("stopped_then_skipping", "corrupt_stopped", 2)):
+        shutil.copytree(runs[source][0] / f"checkpoint-{step}", root / name / f"checkpoint-{step}")
+    resume = ["--resume_from_checkpoint", "latest"]
+    results = together({
+        "preempted": partial(run, *flags(tiny, root / "preempted", *resume)),
+        "past_the_end": partial(run, *flags(tiny, root / "past_the_end", *resume, "--max_train_steps", 8)),
+        "still_skipping": partial(run, *corrupt_flags(tiny, root / "still_skipping", corrupt_data,
+                                                      "--skip_corrupt_images", "--report_to", "tensorboard", *resume)),
+        "stopped_then_skipping": partial(run, *corrupt_flags(tiny, root / "stopped_then_skipping", corrupt_data,
+                                                             *resume, "--skip_corrupt_images")),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
 
 
-def test_an_unreadable_image_stops_the_run_naming_it_after_a_checkpoint(corrupt_stopped, corrupt_data):
-    output_dir, result = corrupt_stopped
+def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(runs):
+    output_dir, (returncode, stderr) = runs["preempted"]
+    assert returncode == 75, stderr[-3000:]
+    stopped = stopped_lines(stderr)
+    assert len(stopped) == 1 and "SIGTERM" in stopped[0], stderr[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert 2 < step < 10, "the run should stop early: the signal came right after checkpoint-2"
+    state = json.loads((output_dir / f"checkpoint-{step}" / "training_state.json").read_text())
+    assert state == {"global_step": step, "skipped_images": 0}
+    assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
+
+
+def test_resumed_run_equals_the_uninterrupted_one_in_weights_ema_optimizer_and_lr(runs, resumed_runs):
+    output_dir, result = resumed_runs["preempted"]
+    stopped_at = last_checkpoint_step(runs["preempted"][0])
+    assert f"resumed from {output_dir / f'checkpoint-{stopped_at}'} at step {stopped_at}" in result.stdout
+    uninterrupted, _ = runs["uninterrupted"]
+    assert_same_checkpoint(output_dir / "checkpoint-10", uninterrupted / "checkpoint-10")
+    assert_same_outputs(output_dir, uninterrupted)
+
+
+def test_incomplete_checkpoints_are_ignored_and_a_later_save_replaces_them(runs, resumed_runs):
+    output_dir, _ = resumed_runs["preempted"]
+    next_save = (last_checkpoint_step(runs["preempted"][0]) // 2 + 1) * 2
+    assert not (output_dir / f".checkpoint-{next_save}.incomplete").exists()
+    saved = output_dir / f"checkpoint-{next_save}"
+    assert not (saved / "left_by_a_killed_save").exists()
+    assert load_file(saved / "trained_parameters.safetensors")
+    # Never completed, never resumed from; a save at its step would replace it.
+    assert (output_dir / ".checkpoint-99.incomplete").is_dir()
+
+
+def test_resuming_at_or_past_max_train_steps_trains_nothing_and_writes_the_outputs(runs, resumed_runs):
+    output_dir, result = resumed_runs["past_the_end"]
+    assert f"resumed from {output_dir / 'checkpoint-10'} at step 10" in result.stdout
+    assert_same_outputs(output_dir, runs["uninterrupted"][0])
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-10"]
+    assert (output_dir / "README.md").is_file()
+
+
+def test_an_unreadable_image_stops_the_run_naming_it_after_a_checkpoint(runs, corrupt_data):
+    output_dir, result = runs["corrupt_stopped"]
     assert result.returncode == 65, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     stopped = stopped_lines(result.stderr)
@@ -195,52 +218,49 @@ def logged_skips(output_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # The scalars' folder; accelerate writes the run's hyperparameters into a subfolder of it.
-    events = min((path.parent for path in (output_dir / "logs").rglob("events.out.tfevents.*")), key=lambda p: len(p.parts))
+    events = min((path.parent for path in (output_dir / "logs").rglob("events.out.tfevents.*")),
+                 key=lambda p: len(p.parts))
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
     return [(event.step, event.value) for event in accumulator.Scalars("skipped_images")]
 
 
-def test_skip_corrupt_images_trains_on_counts_and_logs_the_skip(corrupt_skipped, corrupt_data):
-    output_dir, result = corrupt_skipped
+def test_skip_corrupt_images_trains_on_counts_and_logs_the_skip(runs, corrupt_data):
+    output_dir, result = runs["corrupt_skipped"]
     skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped unreadable image")]
     assert len(skipped) == 1 and str(corrupt_data / CORRUPT_IMAGE) in skipped[0], result.stderr[-3000:]
     assert (output_dir / LORA).is_file()
     assert logged_skips(output_dir) == [(3, 1.0), (4, 1.0), (5, 1.0)]
 
 
-def test_a_resumed_run_goes_on_counting_the_skipped_images(tiny, corrupt_data, corrupt_skipped, tmp_path):
-    checkpoint = corrupt_skipped[0] / "checkpoint-4"
+def test_a_resumed_run_goes_on_counting_the_skipped_images(runs, resumed_runs):
+    checkpoint = runs["corrupt_skipped"][0] / "checkpoint-4"
     assert json.loads((checkpoint / "training_state.json").read_text()) == {"global_step": 4, "skipped_images": 1}
-    shutil.copytree(checkpoint, tmp_path / "checkpoint-4")
-    run(*corrupt_flags(tiny, tmp_path, corrupt_data, "--skip_corrupt_images", "--report_to", "tensorboard",
-                       "--resume_from_checkpoint", "latest"))
-    assert logged_skips(tmp_path) == [(5, 1.0)]
+    assert logged_skips(resumed_runs["still_skipping"][0]) == [(5, 1.0)]
 
 
-def test_resuming_the_stopped_run_with_skipping_equals_skipping_from_the_start(tiny, corrupt_data, corrupt_stopped,
-                                                                               corrupt_skipped):
+def test_resuming_the_stopped_run_with_skipping_equals_skipping_from_the_start(runs, resumed_runs):
     """The stop's checkpoint holds step 2 as it ended (accumulation counter, RNG), though step 3 had begun."""
-    output_dir, _ = corrupt_stopped
-    result = run(*corrupt_flags(tiny, output_dir, corrupt_data, "--resume_from_checkpoint", "latest",
-                                "--skip_corrupt_images"))
+    output_dir, result = resumed_runs["stopped_then_skipping"]
     assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in result.stdout
-    assert_same_outputs(output_dir, corrupt_skipped[0])
+    assert_same_outputs(output_dir, runs["corrupt_skipped"][0])
 
 
 def test_dreambooth_style_paths_are_named_and_replaced_also_through_loader_workers(tiny, tmp_path):
     """The folder scripts' samples name their files directly; markers cross worker processes as batches."""
+    from training_utils.cache import FrozenEncoders
     from training_utils.data import BatchWithUnreadable, ImageTransform, make_dataloader
-    from training_utils.dreambooth import dreambooth_dataset, list_images, paired_collate
+    from training_utils.dreambooth import dreambooth_dataset, instance_then_class_collate, list_images
 
     images = list_images(tiny["instance"])
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
-    dataset = dreambooth_dataset([images[0], broken, images[1]], ImageTransform(32), seed=0)
+    pixels = FrozenEncoders(None, ImageTransform(32), "cpu", torch.float32, cache_latents=False, batch_size=1)
+    dataset = dreambooth_dataset([images[0], broken, images[1]], None, pixels, seed=0)
     sample = dataset[1]
     assert sample.source == str(broken) and "UnidentifiedImageError" in sample.reason
-    assert torch.equal(sample.substitute["instance_pixel_values"], dataset[2]["instance_pixel_values"])
-    loader = make_dataloader(dataset, 3, 1, paired_collate, seed=0, shuffle=False)
+    assert torch.equal(sample.substitute["instance"], dataset[2]["instance"])
+    loader = make_dataloader(dataset, 3, 1, instance_then_class_collate, seed=0, shuffle=False)
     (batch,) = list(loader)
     assert isinstance(batch, BatchWithUnreadable) and batch.unreadable == [(sample.source, sample.reason)]
-    assert batch.batch["pixel_values"].shape == (3, 3, 32, 32)
+    assert batch.batch["images"].shape == (3, 3, 32, 32)

@@ -2,7 +2,6 @@
 
 import importlib.util
 import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -10,9 +9,11 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from PIL import Image
 
-from conftest import (EXAMPLES, assert_close_files, assert_close_validations, assert_resume_is_exact, assert_same_files,
-                      differing, launch, read_log, runs_with_and_without_cached_latents)
-from training_utils.args import UsageError
+from helpers import EXAMPLES, deleting_after_load, launch, launch_together, usage_error
+from training_utils.errors import UsageError
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_model_folder_loads,
+                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
+                                    differing_keys, read_log)
 
 SCRIPT = "controlnet/train_controlnet.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -38,75 +39,64 @@ def validation_flags(tiny, steps, images=(0, 1)):
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", steps]
 
 
-@pytest.fixture(scope="module")
-def full_run(tiny, tmp_path_factory):
-    """From tiny/controlnet: 8 steps, validation every 3 (and at the final step), a checkpoint every 3."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 8, *validation_flags(tiny, 3),
-                                        "--checkpointing_steps", 3, "--checkpoints_total_limit", 1))
-    return output_dir, result
+def cache_flags(tiny, output_dir, *extra):
+    """4 steps from tiny/controlnet with center crops, random flips and empty prompts, a checkpoint every 2 steps,
+    validating one prompt every 2 steps. Learning rate 1e-4: the VAE's float noise (its result depends on the
+    batch it encodes) reaches the weights through Adam in proportion to the learning rate, while a wrong
+    layout or caption would move them by about the learning rate itself, far beyond the tolerance."""
+    return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
+                      "--checkpointing_steps", 2,
+                      "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
+                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
 
 
 @pytest.fixture(scope="module")
-def plain_run(tiny, tmp_path_factory):
-    """The same 8 steps without validation and without checkpoints."""
-    output_dir = tmp_path_factory.mktemp("plain")
-    launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1000))
-    return output_dir
+def runs(tiny, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
-
-@pytest.fixture(scope="module")
-def from_unet_run(tiny, tmp_path_factory):
-    """No --controlnet_model_name_or_path (the ControlNet is made from the UNet), EMA decay 0, one image for
-    both prompts; the base model's folder is deleted as soon as the pipeline has loaded."""
-    root = tmp_path_factory.mktemp("from_unet")
+    - full: from tiny/controlnet, 8 steps, validation every 3 (and at the final step), a checkpoint every 3, the
+      newest kept;
+    - from_unet: no --controlnet_model_name_or_path (the ControlNet is made from the UNet), EMA decay 0, one image
+      for both prompts; the base model's folder (``../model``) is deleted as soon as the pipeline has loaded;
+    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached).
+    """
+    root = tmp_path_factory.mktemp("runs")
     model = root / "model"
     shutil.copytree(tiny["sd"], model)
-    wrapper = root / "train_then_delete_model.py"
-    wrapper.write_text(
-        "import runpy, shutil, sys\n"
-        "import training_utils.pipeline as pipeline\n"
-        "load = pipeline.load_pipeline\n"
-        "def load_then_delete(*args, **kwargs):\n"
-        "    pipe = load(*args, **kwargs)\n"
-        f"    shutil.rmtree({str(model)!r})\n"
-        "    return pipe\n"
-        "pipeline.load_pipeline = load_then_delete\n"
-        f"sys.argv[0] = {str(EXAMPLES / SCRIPT)!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    args = common(tiny, root / "out", "--max_train_steps", 4, *validation_flags(tiny, 2, images=(5,)),
-                  "--ema_decay", 0, "--checkpointing_steps", 1000)
-    args[1] = model
-    launch(wrapper, *args)
-    return root / "out", model
+    wrapper = deleting_after_load(EXAMPLES / SCRIPT, [model], root)
+    from_unet_args = common(tiny, root / "from_unet", "--max_train_steps", 4, *validation_flags(tiny, 2, images=(5,)),
+                            "--ema_decay", 0, "--checkpointing_steps", 1000)
+    from_unet_args[1] = model
+    results = launch_together({
+        "full": (SCRIPT, *pretrained(tiny, root / "full", "--max_train_steps", 8, *validation_flags(tiny, 3),
+                                     "--checkpointing_steps", 3, "--checkpoints_total_limit", 1)),
+        "from_unet": (wrapper, *from_unet_args),
+        "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
+        "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
 
 
-def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, full_run):
-    output_dir, result = full_run
-    raw, ema = ControlNetModel.from_pretrained(output_dir), ControlNetModel.from_pretrained(output_dir / "ema")
-    initial = ControlNetModel.from_pretrained(tiny["controlnet"])
-    raw, ema, initial = raw.state_dict(), ema.state_dict(), initial.state_dict()
-    assert raw.keys() == ema.keys() == initial.keys()
-    assert all(tensor.dtype == torch.float32 for tensor in raw.values())
+def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, runs):
+    output_dir, result = runs["full"]
+    raw, ema = (assert_model_folder_loads(ControlNetModel, folder, initial=tiny["controlnet"]).state_dict()
+                for folder in (output_dir, output_dir / "ema"))
+    initial = ControlNetModel.from_pretrained(tiny["controlnet"]).state_dict()
     # The zero convolutions are where a new ControlNet starts learning.
-    assert any(key.startswith("controlnet_down_blocks") for key in differing(raw, initial))
-    assert differing(ema, initial) and differing(raw, ema)
+    assert any(key.startswith("controlnet_down_blocks") for key in differing_keys(raw, initial))
+    assert differing_keys(raw, ema)
     assert f"raw ControlNet: {output_dir}" in result.stdout
     assert f"ema ControlNet: {output_dir / 'ema'}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(tiny, full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"], r["prompt"]) for r in log] == [
-        (step, variant, prompt) for step in (3, 6, 8) for variant in ("raw", "ema") for prompt in PROMPTS]
-    assert all(len(r["images"]) == 1 and (output_dir / r["images"][0]).is_file() for r in log)
+def test_validates_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
     assert len(list((output_dir / "validation").rglob("step-*/*.png"))) == 3 * 2 * 2
 
 
-def test_saves_each_conditioning_image_once_and_shows_it_in_the_card(tiny, full_run):
-    output_dir, _ = full_run
+def test_saves_each_conditioning_image_once_and_shows_it_in_the_card(tiny, runs):
+    output_dir, _ = runs["full"]
     saved = sorted(path.name for path in (output_dir / "validation").glob("*.png"))
     assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
     for index in (0, 1):
@@ -120,28 +110,30 @@ def test_saves_each_conditioning_image_once_and_shows_it_in_the_card(tiny, full_
     assert list((output_dir / "logs").rglob("events.out.tfevents.*")), "no tensorboard events written"
 
 
-def test_keeps_the_newest_checkpoint_within_the_limit(full_run):
-    output_dir, _ = full_run
-    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-6"]
+def test_keeps_the_newest_checkpoint_within_the_limit(runs):
+    output_dir, _ = runs["full"]
+    assert checkpoint_names(output_dir) == ["checkpoint-6"]
     assert not list(output_dir.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
     files = {path.name for path in (output_dir / "checkpoint-6").iterdir()}
     assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
 
 
-def test_validation_and_checkpointing_leave_the_weights_untouched(full_run, plain_run):
-    output_dir, _ = full_run
-    assert_same_files(output_dir / WEIGHTS, plain_run / WEIGHTS)
-    assert_same_files(output_dir / "ema" / WEIGHTS, plain_run / "ema" / WEIGHTS)
-    assert not (plain_run / "validation").exists()
+def test_resumed_run_that_never_validates_prunes_and_ends_with_the_same_weights(tiny, tmp_path, runs):
+    # From the full run's checkpoint-6, mid-epoch, with random flips and empty prompts: the uninterrupted run, bit
+    # for bit. The full run validated after writing checkpoint-6 and at the final step, the resumed one never:
+    # validation and checkpointing leave the weights, the EMA, the optimizer and the RNG untouched.
+    def resumed_flags(output_dir):
+        return pretrained(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                          "--checkpoints_total_limit", 2)
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [WEIGHTS, f"ema/{WEIGHTS}"],
+                           launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
+    assert not (tmp_path / "validation").exists()
 
 
-def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, tmp_path, full_run):
-    # Mid-epoch, with random flips and empty prompts: the resumed run is the uninterrupted one, bit for bit.
-    assert_resume_is_exact(SCRIPT, partial(pretrained, tiny), tmp_path, full_run[0], [WEIGHTS, f"ema/{WEIGHTS}"])
-
-
-def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, full_run):
-    output_dir, _ = full_run
+def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, runs):
+    output_dir, _ = runs["full"]
     sd_pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     image = Image.open(conditioning(tiny, 0)).convert("RGB")
 
@@ -157,9 +149,9 @@ def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, full_run):
     assert not np.allclose(initial, trained, atol=1e-4)
 
 
-def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, from_unet_run):
-    output_dir, model = from_unet_run
-    assert not model.exists()
+def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, runs):
+    output_dir, _ = runs["from_unet"]
+    assert not (output_dir.parent / "model").exists()
     unet = StableDiffusionPipeline.from_pretrained(tiny["sd"]).unet.state_dict()
     raw = ControlNetModel.from_pretrained(output_dir)
     assert raw.config.conditioning_embedding_out_channels == [16, 32]  # halves, like the tiny VAE
@@ -168,13 +160,12 @@ def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, 
     assert not torch.equal(raw["conv_in.weight"], unet["conv_in.weight"])
     assert torch.any(raw["controlnet_mid_block.weight"] != 0)
     # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts.
-    assert [(r["step"], r["variant"]) for r in read_log(output_dir)[::2]] == [(2, "raw"), (2, "ema"), (4, "raw"),
-                                                                             (4, "ema")]
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS)
     assert sorted(p.name for p in (output_dir / "validation").glob("*.png")) == ["conditioning-p00.png"]
 
 
-def test_ema_decay_zero_equals_the_raw_weights(from_unet_run):
-    output_dir, _ = from_unet_run
+def test_ema_decay_zero_equals_the_raw_weights(runs):
+    output_dir, _ = runs["from_unet"]
     assert_same_files(output_dir / WEIGHTS, output_dir / "ema" / WEIGHTS)
 
 
@@ -190,11 +181,7 @@ def test_ema_decay_zero_equals_the_raw_weights(from_unet_run):
 def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, flags, message):
     output_dir = tmp_path / "out"
     flags = [conditioning(tiny, 0) if flag == "IMAGE" else flag for flag in flags]
-    result = launch(SCRIPT, *common(tiny, output_dir, *flags), check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
+    assert usage_error(SCRIPT, *common(tiny, output_dir, *flags)).startswith(message)
     assert not output_dir.exists()
 
 
@@ -240,38 +227,23 @@ def test_validation_pairs_follow_the_upstream_rules(tiny, tmp_path, script):
     assert pairs(["a"], [first, second]) == [("a", sums[0]), ("a", sums[1])]
 
 
-def cache_flags(tiny, output_dir, *extra):
-    """4 steps from tiny/controlnet with center crops, random flips and empty prompts, a checkpoint every 2 steps,
-    validating one prompt every 2 steps. Learning rate 1e-4: the VAE's float noise (its result depends on the
-    batch it encodes) reaches the weights through Adam in proportion to the learning rate, while a wrong
-    layout or caption would move them by about the learning rate itself, far beyond the tolerance."""
-    return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
-                      "--checkpointing_steps", 2,
-                      "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
-                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
-
-
-@pytest.fixture(scope="module")
-def cache_runs(tiny, tmp_path_factory):
-    """``{cache_latents: output_dir}``: the same 4 steps with and without --cache_latents (text always cached)."""
-    return runs_with_and_without_cached_latents(SCRIPT, partial(cache_flags, tiny), tmp_path_factory.mktemp("cache"))
-
-
-def test_cached_latents_train_as_the_uncached_run(tiny, cache_runs):
+def test_cached_latents_train_as_the_uncached_run(tiny, runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     initial = ControlNetModel.from_pretrained(tiny["controlnet"]).state_dict()
     for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
-        cached = assert_close_files(cache_runs[False] / weights, cache_runs[True] / weights)
-        assert cached.keys() == initial.keys()
-        assert differing(cached, initial)
+        cached_weights = assert_close_files(uncached / weights, cached / weights)
+        assert cached_weights.keys() == initial.keys()
+        assert differing_keys(cached_weights, initial)
 
 
-def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
-    assert_close_validations(cache_runs[False], cache_runs[True], [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
+def test_validation_renders_with_the_offloaded_encoders_back(runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
 
 
-def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, cache_runs):
-    shutil.copytree(cache_runs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
-    result = launch(SCRIPT, *cache_flags(tiny, tmp_path, "--cache_latents", "--resume_from_checkpoint", "latest"))
-    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
-    assert_same_files(tmp_path / WEIGHTS, cache_runs[True] / WEIGHTS)
-    assert_same_files(tmp_path / "ema" / WEIGHTS, cache_runs[True] / "ema" / WEIGHTS)
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, runs):
+    def resumed_flags(output_dir):
+        return cache_flags(tiny, output_dir, "--cache_latents")
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["cached"][0], tmp_path, 2, [WEIGHTS, f"ema/{WEIGHTS}"],
+                           launch=launch)

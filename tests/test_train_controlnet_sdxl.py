@@ -2,7 +2,6 @@
 
 import importlib.util
 import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -10,9 +9,11 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
-from conftest import (EXAMPLES, assert_close_files, assert_close_validations, assert_same_files, differing, launch,
-                      read_log, runs_with_and_without_cached_latents)
-from training_utils.args import UsageError
+from helpers import EXAMPLES, deleting_after_load, launch, launch_together, usage_error
+from training_utils.errors import UsageError
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_model_folder_loads,
+                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
+                                    differing_keys, read_log)
 
 SCRIPT = "controlnet/train_controlnet_sdxl.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -40,88 +41,69 @@ def validation_flags(tiny, steps, images=(0, 1)):
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", steps]
 
 
-def checkpoints(output_dir):
-    return sorted(path.name for path in output_dir.glob("checkpoint-*"))
+def cache_flags(tiny, output_dir, *extra):
+    """4 steps from tiny/sdxl_controlnet with center crops, random flips and empty prompts, validating one prompt
+    every 2 steps. Learning rate 1e-4: the VAE's float noise (its result depends on the batch it encodes) reaches
+    the weights through Adam in proportion to the learning rate, while a wrong layout, caption or time id would
+    move them by about the learning rate itself, far beyond the tolerance."""
+    return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
+                      "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
+                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
 
 
 @pytest.fixture(scope="module")
-def full_run(tiny, tmp_path_factory):
-    """8 uninterrupted steps from tiny/sdxl_controlnet, validating every 3 steps (and at the final step)."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 8, *validation_flags(tiny, 3)))
-    return output_dir, result
+def runs(tiny, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
-
-@pytest.fixture(scope="module")
-def resumed_run(tiny, tmp_path_factory):
-    """The same run without validation, stopped after 6 steps and resumed from the latest checkpoint to 8."""
-    output_dir = tmp_path_factory.mktemp("resumed")
-    launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 6))
-    after_six = checkpoints(output_dir)
-    result = launch(SCRIPT, *pretrained(tiny, output_dir, "--max_train_steps", 8, "--resume_from_checkpoint", "latest"))
-    return output_dir, after_six, result
-
-
-@pytest.fixture(scope="module")
-def from_unet_run(tiny, tmp_path_factory):
-    """No --controlnet_model_name_or_path (the ControlNet is made from the UNet), a replacement VAE, EMA decay 0,
-    one image for both prompts; the base model's and the VAE's folders are deleted as soon as the pipeline has
-    loaded."""
-    root = tmp_path_factory.mktemp("from_unet")
+    - full: 8 steps from tiny/sdxl_controlnet, validating every 3 steps (and at the final step);
+    - from_unet: no --controlnet_model_name_or_path (the ControlNet is made from the UNet), a replacement VAE
+      (``../vae``), EMA decay 0, one image for both prompts; the base model's folder (``../model``) and the VAE's
+      are deleted as soon as the pipeline has loaded;
+    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached).
+    """
+    root = tmp_path_factory.mktemp("runs")
     model, vae = root / "model", root / "vae"
     shutil.copytree(tiny["sdxl"], model)
     shutil.copytree(tiny["sdxl"] / "vae", vae)
-    wrapper = root / "train_then_delete_model.py"
-    wrapper.write_text(
-        "import runpy, shutil, sys\n"
-        "import training_utils.pipeline as pipeline\n"
-        "load = pipeline.load_pipeline\n"
-        "def load_then_delete(*args, **kwargs):\n"
-        "    pipe = load(*args, **kwargs)\n"
-        f"    shutil.rmtree({str(model)!r})\n"
-        f"    shutil.rmtree({str(vae)!r})\n"
-        "    return pipe\n"
-        "pipeline.load_pipeline = load_then_delete\n"
-        f"sys.argv[0] = {str(EXAMPLES / SCRIPT)!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    args = common(tiny, root / "out", "--max_train_steps", 4, *validation_flags(tiny, 2, images=(5,)),
-                  "--ema_decay", 0, "--checkpointing_steps", 1000, "--pretrained_vae_model_name_or_path", vae)
-    args[1] = model
-    result = launch(wrapper, *args)
-    return root / "out", model, vae, result
+    wrapper = deleting_after_load(EXAMPLES / SCRIPT, [model, vae], root)
+    from_unet_args = common(tiny, root / "from_unet", "--max_train_steps", 4, *validation_flags(tiny, 2, images=(5,)),
+                            "--ema_decay", 0, "--checkpointing_steps", 1000, "--pretrained_vae_model_name_or_path", vae)
+    from_unet_args[1] = model
+    results = launch_together({
+        "full": (SCRIPT, *pretrained(tiny, root / "full", "--max_train_steps", 8, *validation_flags(tiny, 3))),
+        "from_unet": (wrapper, *from_unet_args),
+        "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
+        "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
 
 
-def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, full_run):
-    output_dir, result = full_run
-    raw, ema = ControlNetModel.from_pretrained(output_dir), ControlNetModel.from_pretrained(output_dir / "ema")
-    initial = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"])
+def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, runs):
+    output_dir, result = runs["full"]
+    raw, ema = (assert_model_folder_loads(ControlNetModel, folder, initial=tiny["sdxl_controlnet"])
+                for folder in (output_dir, output_dir / "ema"))
     assert raw.config.addition_embed_type == "text_time"
-    raw, ema, initial = raw.state_dict(), ema.state_dict(), initial.state_dict()
-    assert raw.keys() == ema.keys() == initial.keys()
-    assert all(tensor.dtype == torch.float32 for tensor in raw.values())
+    raw, ema = raw.state_dict(), ema.state_dict()
+    initial = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"]).state_dict()
     # The zero convolutions, where a new ControlNet starts learning, and SDXL's added embedding both trained.
-    changed = differing(raw, initial)
+    changed = differing_keys(raw, initial)
     assert any(key.startswith("controlnet_down_blocks") for key in changed)
     assert any(key.startswith("add_embedding") for key in changed)
-    assert differing(ema, initial) and differing(raw, ema)
+    assert differing_keys(raw, ema)
     assert f"raw ControlNet: {output_dir}" in result.stdout
     assert f"ema ControlNet: {output_dir / 'ema'}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(tiny, full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"], r["prompt"]) for r in log] == [
-        (step, variant, prompt) for step in (3, 6, 8) for variant in ("raw", "ema") for prompt in PROMPTS]
+def test_validates_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
     for record in log:
-        assert len(record["images"]) == 1
         assert Image.open(output_dir / record["images"][0]).size == (32, 32)
     assert len(list((output_dir / "validation").rglob("step-*/*.png"))) == 3 * 2 * 2
 
 
-def test_saves_the_conditioning_images_beside_the_samples_and_in_the_card(tiny, full_run):
-    output_dir, _ = full_run
+def test_saves_the_conditioning_images_beside_the_samples_and_in_the_card(tiny, runs):
+    output_dir, _ = runs["full"]
     saved = sorted(path.name for path in (output_dir / "validation").glob("*.png"))
     assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
     for index in (0, 1):
@@ -136,24 +118,26 @@ def test_saves_the_conditioning_images_beside_the_samples_and_in_the_card(tiny, 
     assert list((output_dir / "logs" / "sd_xl_train_controlnet").rglob("events.out.tfevents.*"))
 
 
-def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(full_run, resumed_run):
-    output_dir, after_six, result = resumed_run
-    assert after_six == ["checkpoint-4", "checkpoint-6"]
-    assert f"resumed from {output_dir / 'checkpoint-6'} at step 6" in result.stdout
-    assert checkpoints(output_dir) == ["checkpoint-6", "checkpoint-8"]
-    assert checkpoints(full_run[0]) == ["checkpoint-6", "checkpoint-8"]
-    assert not list(output_dir.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
-    files = {path.name for path in (output_dir / "checkpoint-8").iterdir()}
+def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+    full_dir, _ = runs["full"]
+    assert checkpoint_names(full_dir) == ["checkpoint-6", "checkpoint-8"]
+
+    def resumed_flags(output_dir):
+        return pretrained(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1)
+
+    # The uninterrupted run validated at steps 3, 6 (after writing checkpoint-6) and 8, the resumed one never:
+    # resuming mid-epoch with random flips and empty prompts, and validating, both leave the weights bit for bit as
+    # they would be.
+    assert_resumes_exactly(SCRIPT, resumed_flags, full_dir, tmp_path, 6, [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
+    assert not list(tmp_path.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
+    files = {path.name for path in (tmp_path / "checkpoint-8").iterdir()}
     assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
-    # The uninterrupted run validated at steps 3, 6 and 8, the resumed one never: resuming mid-epoch with
-    # random flips and empty prompts, and validating, both leave the weights bit for bit as they would be.
-    assert not (output_dir / "validation").exists()
-    assert_same_files(output_dir / WEIGHTS, full_run[0] / WEIGHTS)
-    assert_same_files(output_dir / "ema" / WEIGHTS, full_run[0] / "ema" / WEIGHTS)
+    assert not (tmp_path / "validation").exists()
 
 
-def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, full_run):
-    output_dir, _ = full_run
+def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, runs):
+    output_dir, _ = runs["full"]
     sdxl_pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
     image = Image.open(conditioning(tiny, 0)).convert("RGB")
 
@@ -168,8 +152,9 @@ def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, full_run):
     assert not np.allclose(initial, trained, atol=1e-4)
 
 
-def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, from_unet_run):
-    output_dir, model, vae, result = from_unet_run
+def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, runs):
+    output_dir, result = runs["from_unet"]
+    model, vae = output_dir.parent / "model", output_dir.parent / "vae"
     assert not model.exists() and not vae.exists()
     unet = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"]).unet.state_dict()
     raw = ControlNetModel.from_pretrained(output_dir)
@@ -181,26 +166,21 @@ def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, 
     assert not torch.equal(raw["conv_in.weight"], unet["conv_in.weight"])
     assert torch.any(raw["controlnet_mid_block.weight"] != 0)
     # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts.
-    assert [(r["step"], r["variant"]) for r in read_log(output_dir)[::2]] == [(2, "raw"), (2, "ema"), (4, "raw"),
-                                                                             (4, "ema")]
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS)
     assert sorted(p.name for p in (output_dir / "validation").glob("*.png")) == ["conditioning-p00.png"]
     assert f"VAE: {vae}" in result.stdout
     assert f'vae=AutoencoderKL.from_pretrained("{vae}")' in (output_dir / "README.md").read_text()
 
 
-def test_ema_decay_zero_equals_the_raw_weights(from_unet_run):
-    output_dir = from_unet_run[0]
+def test_ema_decay_zero_equals_the_raw_weights(runs):
+    output_dir, _ = runs["from_unet"]
     assert_same_files(output_dir / WEIGHTS, output_dir / "ema" / WEIGHTS)
 
 
 def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path):
     output_dir = tmp_path / "out"
-    result = launch(SCRIPT, *common(tiny, output_dir, "--conditioning_image_column", "hint"), check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "Loading pipeline components" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    expected = "error: --conditioning_image_column='hint': expected a column of the dataset"
-    assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+    error = usage_error(SCRIPT, *common(tiny, output_dir, "--conditioning_image_column", "hint"))
+    assert error.startswith("error: --conditioning_image_column='hint': expected a column of the dataset")
     assert not output_dir.exists()
 
 
@@ -240,29 +220,15 @@ def test_bad_flags_are_usage_errors(tiny, tmp_path, script, flags, message):
     assert message in str(error.value)
 
 
-def cache_flags(tiny, output_dir, *extra):
-    """4 steps from tiny/sdxl_controlnet with center crops, random flips and empty prompts, validating one prompt
-    every 2 steps. Learning rate 1e-4: the VAE's float noise (its result depends on the batch it encodes) reaches
-    the weights through Adam in proportion to the learning rate, while a wrong layout, caption or time id would
-    move them by about the learning rate itself, far beyond the tolerance."""
-    return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
-                      "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
-                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
-
-
-@pytest.fixture(scope="module")
-def cache_runs(tiny, tmp_path_factory):
-    """``{cache_latents: output_dir}``: the same 4 steps with and without --cache_latents (text always cached)."""
-    return runs_with_and_without_cached_latents(SCRIPT, partial(cache_flags, tiny), tmp_path_factory.mktemp("cache"))
-
-
-def test_cached_latents_train_as_the_uncached_run(tiny, cache_runs):
+def test_cached_latents_train_as_the_uncached_run(tiny, runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     initial = ControlNetModel.from_pretrained(tiny["sdxl_controlnet"]).state_dict()
     for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
-        cached = assert_close_files(cache_runs[False] / weights, cache_runs[True] / weights)
-        assert cached.keys() == initial.keys()
-        assert any(key.startswith("add_embedding") for key in differing(cached, initial))
+        cached_weights = assert_close_files(uncached / weights, cached / weights)
+        assert cached_weights.keys() == initial.keys()
+        assert any(key.startswith("add_embedding") for key in differing_keys(cached_weights, initial))
 
 
-def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
-    assert_close_validations(cache_runs[False], cache_runs[True], [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
+def test_validation_renders_with_the_offloaded_encoders_back(runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])

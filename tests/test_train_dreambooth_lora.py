@@ -1,7 +1,6 @@
 """Smoke tests: the DreamBooth LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
 import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -9,8 +8,10 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from conftest import (assert_close_files, assert_close_validations, assert_resume_is_exact, assert_same_files, launch,
-                      read_log, runs_with_and_without_cached_latents)
+from helpers import launch, launch_together, usage_error
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
+                                    assert_same_files, assert_validated_at, checkpoint_names)
+
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
@@ -44,30 +45,62 @@ def four_images(tiny, tmp_path_factory):
     return ["--instance_data_dir", folder, "--train_batch_size", 1]
 
 
-@pytest.fixture(scope="module")
-def full_run(tiny, four_images, tmp_path_factory):
-    """8 steps, validating every 3 steps and at the end, checkpointing every 3."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *common(tiny, output_dir, *four_images, "--max_train_steps", 8,
-                                    "--validation_prompt", "a sks triangle",
-                                    "--num_validation_images", 1, "--validation_inference_steps", 2,
-                                    "--validation_steps", 3, "--checkpointing_steps", 3))
-    return output_dir, result
+def cache_flags(class_dir, *extra):
+    """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder), validating
+    and checkpointing every 2. The 6 instance images pair with 3 class images, each drawn twice an epoch."""
+    return ["--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
+            "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
+            "--checkpointing_steps", 2, "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
+            "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
+
+
+def trained_text_encoder_flags(*extra):
+    """3 center-cropped steps without prior preservation, the text encoder trained with the UNet."""
+    return ["--center_crop", "--train_text_encoder", "--max_train_steps", 3, "--checkpointing_steps", 1000, *extra]
 
 
 @pytest.fixture(scope="module")
-def prior_runs(tiny, tmp_path_factory):
-    """Prior preservation twice with the same class folder: the first run fills it, the second finds it full."""
-    root = tmp_path_factory.mktemp("prior")
-    class_dir = root / "class"
-    first = launch(SCRIPT, *common(tiny, root / "first", *prior_flags(class_dir)))
-    after_first = snapshot(class_dir)
-    second = launch(SCRIPT, *common(tiny, root / "second", *prior_flags(class_dir)))
-    return root, class_dir, (first, second), after_first
+def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, and a `snapshot` of the prior
+    preservation runs' class folder after the first. Launched together, but for the runs that find the class
+    images of another, launched together next:
+
+    - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3;
+    - prior_first, prior_second: `prior_flags` twice with the same class folder (``../prior_class``): the first
+      run fills it, the second finds it full;
+    - uncached, cached: `cache_flags` without and with --cache_latents; the uncached run generates the class images
+      (``../class``) that the cached run then encodes once, with the instance images;
+    - trained_text_encoder_uncached, trained_text_encoder_cached: `trained_text_encoder_flags` without and with
+      --cache_latents.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    results = launch_together({
+        "full": (SCRIPT, *common(tiny, root / "full", *four_images, "--max_train_steps", 8,
+                                 "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
+                                 "--validation_inference_steps", 2, "--validation_steps", 3,
+                                 "--checkpointing_steps", 3)),
+        "prior_first": (SCRIPT, *common(tiny, root / "prior_first", *prior_flags(root / "prior_class"))),
+        "uncached": (SCRIPT, *common(tiny, root / "uncached", *cache_flags(root / "class"))),
+        "trained_text_encoder_uncached": (SCRIPT, *common(tiny, root / "trained_text_encoder_uncached",
+                                                          *trained_text_encoder_flags())),
+        "trained_text_encoder_cached": (SCRIPT, *common(tiny, root / "trained_text_encoder_cached",
+                                                        *trained_text_encoder_flags("--cache_latents"))),
+    })
+    after_first = snapshot(root / "prior_class")
+    results |= launch_together({
+        "prior_second": (SCRIPT, *common(tiny, root / "prior_second", *prior_flags(root / "prior_class"))),
+        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(root / "class", "--cache_latents"))),
+    })
+    return {name: (root / name, result) for name, result in results.items()}, after_first
 
 
-def test_writes_raw_and_ema_unet_lora_with_equal_keys_and_different_values(full_run):
-    output_dir, result = full_run
+@pytest.fixture(scope="module")
+def runs(runs_and_class_images_after_the_first):
+    return runs_and_class_images_after_the_first[0]
+
+
+def test_writes_raw_and_ema_unet_lora_with_equal_keys_and_different_values(runs):
+    output_dir, result = runs["full"]
     raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
     assert raw.keys() == ema.keys() and len(raw) > 0
     assert all(key.startswith("unet.") and "lora" in key for key in raw)
@@ -77,50 +110,52 @@ def test_writes_raw_and_ema_unet_lora_with_equal_keys_and_different_values(full_
     assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"]) for r in log] == [(3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"),
-                                                        (8, "raw"), (8, "ema")]
-    for record in log:
-        assert record["prompt"] == "a sks triangle"
-        assert len(record["images"]) == 1 and (output_dir / record["images"][0]).is_file()
+def test_validates_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a sks triangle"], num_images=1)
     assert len(list((output_dir / "validation").rglob("*.png"))) == 6
     card = (output_dir / "README.md").read_text()
     assert "DreamBooth LoRA" in card and "load_lora_weights" in card and log[-1]["images"][0] in card
-    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
 
 
-def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, four_images, tmp_path, full_run):
-    # Resumed mid-epoch, with random flips and crops: the uninterrupted run (which also validated and
-    # checkpointed on other steps), bit for bit.
-    assert_resume_is_exact(SCRIPT, partial(common, tiny), tmp_path, full_run[0], [LORA, f"ema/{LORA}"], *four_images)
+def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, four_images, tmp_path, runs):
+    # From the full run's checkpoint-6, mid-epoch, with random flips and crops, never validating, checkpointing at
+    # every step and keeping two: the uninterrupted run (which validated after writing checkpoint-6 and at the
+    # end), bit for bit, and the checkpoint it resumed from pruned.
+    def resumed_flags(output_dir):
+        return common(tiny, output_dir, *four_images, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                      "--checkpoints_total_limit", 2)
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [LORA, f"ema/{LORA}"],
+                           launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
 
 
-def test_prior_preservation_generates_the_class_images_once(prior_runs):
-    root, class_dir, (first, second), after_first = prior_runs
+def test_prior_preservation_generates_the_class_images_once(runs_and_class_images_after_the_first):
+    runs, after_first = runs_and_class_images_after_the_first
+    class_dir = runs["prior_first"][0].parent / "prior_class"
     assert sorted(after_first) == ["class-00000.png", "class-00001.png", "class-00002.png"]
-    assert f"generated 3 class images into {class_dir}" in first.stdout
+    assert f"generated 3 class images into {class_dir}" in runs["prior_first"][1].stdout
     assert snapshot(class_dir) == after_first, "the second run touched the class images"
-    assert f"{class_dir} holds 3 class images; none generated" in second.stdout
-    assert "generated 3" not in second.stdout
+    assert f"{class_dir} holds 3 class images; none generated" in runs["prior_second"][1].stdout
+    assert "generated 3" not in runs["prior_second"][1].stdout
 
 
-def test_class_image_generation_leaves_training_untouched(prior_runs):
+def test_class_image_generation_leaves_training_untouched(runs):
     # The first run generated before training, the second did not: the same weights, bit for bit.
-    root, *_ = prior_runs
-    assert_same_files(root / "first" / LORA, root / "second" / LORA)
+    assert_same_files(runs["prior_first"][0] / LORA, runs["prior_second"][0] / LORA)
 
 
-def test_text_encoder_lora_is_saved_with_the_unet_lora_and_ema_decay_zero_equals_raw(prior_runs):
-    root, *_ = prior_runs
-    raw = load_file(root / "first" / LORA)
+def test_text_encoder_lora_is_saved_with_the_unet_lora_and_ema_decay_zero_equals_raw(runs):
+    output_dir, _ = runs["prior_first"]
+    raw = load_file(output_dir / LORA)
     assert all("lora" in key for key in raw)
     assert {key.split(".")[0] for key in raw} == {"unet", "text_encoder"}
-    assert_same_files(root / "first" / LORA, root / "first" / "ema" / LORA)
+    assert_same_files(output_dir / LORA, output_dir / "ema" / LORA)
 
 
-def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run, prior_runs):
+def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     pipe.set_progress_bar_config(disable=True)
     input_ids = pipe.tokenizer(INSTANCE_PROMPT, padding="max_length", max_length=pipe.tokenizer.model_max_length,
@@ -134,12 +169,12 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run
         return embeddings, images
 
     base_embeddings, base = render()
-    pipe.load_lora_weights(full_run[0])
+    pipe.load_lora_weights(runs["full"][0])
     unet_embeddings, with_unet_lora = render()
     assert torch.equal(unet_embeddings, base_embeddings)
     assert not np.allclose(base, with_unet_lora, atol=1e-4)
     pipe.unload_lora_weights()
-    pipe.load_lora_weights(prior_runs[0] / "first")
+    pipe.load_lora_weights(runs["prior_first"][0])
     both_embeddings, with_both = render()
     assert not torch.allclose(both_embeddings, base_embeddings, atol=1e-4)
     assert not np.allclose(base, with_both, atol=1e-4)
@@ -156,64 +191,36 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run
 def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, flags, message):
     output_dir = tmp_path / "out"
     flags = [str(flag).format(tmp=tmp_path) for flag in flags]
-    result = launch(SCRIPT, *common(tiny, output_dir, *flags), check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [message.format(tmp=tmp_path)], result.stderr[-2000:]
+    assert usage_error(SCRIPT, *common(tiny, output_dir, *flags)) == message.format(tmp=tmp_path)
     assert not output_dir.exists() and not (tmp_path / "class").exists()
 
 
-def cache_flags(class_dir, *extra):
-    """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder), validating
-    and checkpointing every 2. The 6 instance images pair with 3 class images, each drawn twice an epoch."""
-    return ["--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
-            "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
-            "--checkpointing_steps", 2, "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
-            "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
-
-
-@pytest.fixture(scope="module")
-def cache_runs(tiny, tmp_path_factory):
-    """``{cache_latents: output_dir}`` and the class folder: the uncached run generates the class images
-    that the cached run then encodes once, with the instance images."""
-    root = tmp_path_factory.mktemp("cache")
-    def run_args(output_dir, *extra):
-        return common(tiny, output_dir, *cache_flags(root / "class", *extra))
-
-    return runs_with_and_without_cached_latents(SCRIPT, run_args, root), root / "class"
-
-
-def test_cached_run_with_prior_preservation_matches_the_uncached_one(cache_runs):
-    outputs, _ = cache_runs
+def test_cached_run_with_prior_preservation_matches_the_uncached_one(runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     for name in (LORA, f"ema/{LORA}"):
-        cached = assert_close_files(outputs[False] / name, outputs[True] / name)
-        assert all(key.startswith("unet.") for key in cached)
+        cached_weights = assert_close_files(uncached / name, cached / name)
+        assert all(key.startswith("unet.") for key in cached_weights)
 
 
-def test_cached_run_validates_with_the_offloaded_encoders_back(cache_runs):
-    outputs, _ = cache_runs
-    assert_close_validations(outputs[False], outputs[True], [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
+def test_cached_run_validates_with_the_offloaded_encoders_back(runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
 
 
-def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, cache_runs):
-    outputs, class_dir = cache_runs
-    shutil.copytree(outputs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
-    result = launch(SCRIPT, *common(tiny, tmp_path, *cache_flags(class_dir, "--cache_latents",
-                                                                 "--resume_from_checkpoint", "latest")))
-    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, runs):
+    cached, _ = runs["cached"]
+    class_dir = cached.parent / "class"
+
+    def resumed_flags(output_dir):
+        return common(tiny, output_dir, *cache_flags(class_dir, "--cache_latents"))
+
+    result = assert_resumes_exactly(SCRIPT, resumed_flags, cached, tmp_path, 2, [LORA, f"ema/{LORA}"], launch=launch)
     assert f"{class_dir} holds 3 class images; none generated" in result.stdout
-    for name in (LORA, f"ema/{LORA}"):
-        assert_same_files(tmp_path / name, outputs[True] / name)
 
 
-def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_uncached_run(tiny, tmp_path):
+def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_uncached_run(runs):
     """No class half in the cached batch, and prompts encoded in the step by the trained text encoder."""
-    def run_args(output_dir, *extra):
-        return common(tiny, output_dir, "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
-                      "--checkpointing_steps", 1000, *extra)
-
-    outputs = runs_with_and_without_cached_latents(SCRIPT, run_args, tmp_path)
+    (uncached, _), (cached, _) = runs["trained_text_encoder_uncached"], runs["trained_text_encoder_cached"]
     for name in (LORA, f"ema/{LORA}"):
-        cached = assert_close_files(outputs[False] / name, outputs[True] / name)
-        assert {key.split(".")[0] for key in cached} == {"unet", "text_encoder"}
+        cached_weights = assert_close_files(uncached / name, cached / name)
+        assert {key.split(".")[0] for key in cached_weights} == {"unet", "text_encoder"}

@@ -2,7 +2,6 @@
 
 import importlib.util
 import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -10,8 +9,9 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, assert_resume_is_exact, assert_same_files, launch, read_log
-from training_utils.args import UsageError
+from helpers import EXAMPLES, launch, launch_together, launched_usage_error
+from training_utils.errors import UsageError
+from training_utils.testing import assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names
 
 SCRIPT = "dreambooth/train_dreambooth_lora_sd3.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -36,32 +36,35 @@ def four_images(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def full_run(tiny, four_images, tmp_path_factory):
-    """8 steps, validating every 3 steps and at the end, checkpointing every 3."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *common(tiny, output_dir, *four_images, "--max_train_steps", 8,
-                                    "--validation_prompt", "a sks triangle",
-                                    "--num_validation_images", 1, "--validation_inference_steps", 2,
-                                    "--validation_steps", 3, "--checkpointing_steps", 3))
-    return output_dir, result
+def runs(tiny, four_images, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
+
+    - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3;
+    - cached: the same 8 steps with --cache_latents, neither validating nor checkpointing;
+    - blocks: block 0 only, text-encoder adapters, prior preservation (class images in ``../class``) with cached
+      latents, an EMA equal to the raw weights; also the velocity loss with cosmap weighting, and gradient
+      checkpointing.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    results = launch_together({
+        "full": (SCRIPT, *common(tiny, root / "full", *four_images, "--max_train_steps", 8,
+                                 "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
+                                 "--validation_inference_steps", 2, "--validation_steps", 3,
+                                 "--checkpointing_steps", 3)),
+        "cached": (SCRIPT, *common(tiny, root / "cached", *four_images, "--max_train_steps", 8,
+                                   "--checkpointing_steps", 1000, "--cache_latents")),
+        "blocks": (SCRIPT, *common(tiny, root / "blocks", "--lora_blocks", 0, "--train_text_encoder", "--ema_decay", 0,
+                                   "--with_prior_preservation", "--class_data_dir", root / "class",
+                                   "--class_prompt", CLASS_PROMPT, "--num_class_images", 2, "--sample_batch_size", 2,
+                                   "--class_inference_steps", 2, "--cache_latents", "--max_train_steps", 3,
+                                   "--precondition_outputs", 0, "--weighting_scheme", "cosmap",
+                                   "--gradient_checkpointing")),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
 
 
-@pytest.fixture(scope="module")
-def blocks_run(tiny, tmp_path_factory):
-    """Block 0 only, text-encoder adapters, prior preservation with cached latents, an EMA equal to the raw weights;
-    also the velocity loss with cosmap weighting, and gradient checkpointing."""
-    root = tmp_path_factory.mktemp("blocks")
-    result = launch(SCRIPT, *common(tiny, root / "out", "--lora_blocks", 0, "--train_text_encoder", "--ema_decay", 0,
-                                    "--with_prior_preservation", "--class_data_dir", root / "class",
-                                    "--class_prompt", CLASS_PROMPT, "--num_class_images", 2, "--sample_batch_size", 2,
-                                    "--class_inference_steps", 2, "--cache_latents", "--max_train_steps", 3,
-                                    "--precondition_outputs", 0, "--weighting_scheme", "cosmap",
-                                    "--gradient_checkpointing"))
-    return root, result
-
-
-def test_writes_raw_and_ema_transformer_lora_with_equal_keys_and_different_values(full_run):
-    output_dir, result = full_run
+def test_writes_raw_and_ema_transformer_lora_with_equal_keys_and_different_values(runs):
+    output_dir, result = runs["full"]
     raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
     assert raw.keys() == ema.keys() and len(raw) > 0
     assert all(key.startswith("transformer.") and "lora" in key for key in raw)
@@ -75,49 +78,50 @@ def test_writes_raw_and_ema_transformer_lora_with_equal_keys_and_different_value
     assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"]) for r in log] == [(3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"),
-                                                        (8, "raw"), (8, "ema")]
-    for record in log:
-        assert record["prompt"] == "a sks triangle"
-        assert len(record["images"]) == 1 and (output_dir / record["images"][0]).is_file()
+def test_validates_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a sks triangle"], num_images=1)
     assert len(list((output_dir / "validation").rglob("*.png"))) == 6
     card = (output_dir / "README.md").read_text()
     assert "StableDiffusion3Pipeline" in card and "load_lora_weights" in card and log[-1]["images"][0] in card
-    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
 
 
-def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, four_images, tmp_path, full_run):
-    # Resumed mid-epoch, with random flips and never validating: the uninterrupted run, which validated
-    # three times and checkpointed on other steps, bit for bit.
-    assert_resume_is_exact(SCRIPT, partial(common, tiny), tmp_path, full_run[0], [LORA, f"ema/{LORA}"], *four_images)
+def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, four_images, tmp_path, runs):
+    # From the full run's checkpoint-6, mid-epoch, with random flips, never validating, checkpointing at every
+    # step and keeping two: the uninterrupted run (which validated after writing checkpoint-6 and at the end), bit
+    # for bit, and the checkpoint it resumed from pruned.
+    def resumed_flags(output_dir):
+        return common(tiny, output_dir, *four_images, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                      "--checkpoints_total_limit", 2)
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [LORA, f"ema/{LORA}"], launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
 
 
-def test_cached_latents_train_like_encoding_every_step(tiny, four_images, tmp_path, full_run):
-    launch(SCRIPT, *common(tiny, tmp_path, *four_images, "--max_train_steps", 8, "--checkpointing_steps", 1000,
-                           "--cache_latents"))
+def test_cached_latents_train_like_encoding_every_step(runs):
+    (cached_dir, _), (encoded_dir, _) = runs["cached"], runs["full"]
     for name in (LORA, f"ema/{LORA}"):
-        cached, encoded = load_file(tmp_path / name), load_file(full_run[0] / name)
+        cached, encoded = load_file(cached_dir / name), load_file(encoded_dir / name)
         assert cached.keys() == encoded.keys()
         for key in cached:  # the VAE ran on other batch sizes: equal up to float rounding
             torch.testing.assert_close(cached[key], encoded[key], rtol=1e-4, atol=1e-5)
 
 
-def test_lora_blocks_restricts_the_transformer_adapter_and_text_encoders_are_saved(blocks_run):
-    root, result = blocks_run
-    raw = load_file(root / "out" / LORA)
+def test_lora_blocks_restricts_the_transformer_adapter_and_text_encoders_are_saved(runs):
+    output_dir, result = runs["blocks"]
+    class_dir = output_dir.parent / "class"
+    raw = load_file(output_dir / LORA)
     assert all("lora" in key for key in raw)
     assert {key.split(".")[0] for key in raw} == {"transformer", "text_encoder", "text_encoder_2"}
     transformer_keys = [key for key in raw if key.startswith("transformer.")]
     assert transformer_keys and all(key.startswith("transformer.transformer_blocks.0.") for key in transformer_keys)
-    assert_same_files(root / "out" / LORA, root / "out" / "ema" / LORA)
-    assert sorted(path.name for path in (root / "class").iterdir()) == ["class-00000.png", "class-00001.png"]
-    assert f"generated 2 class images into {root / 'class'}" in result.stdout
+    assert_same_files(output_dir / LORA, output_dir / "ema" / LORA)
+    assert sorted(path.name for path in class_dir.iterdir()) == ["class-00000.png", "class-00001.png"]
+    assert f"generated 2 class images into {class_dir}" in result.stdout
 
 
-def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run, blocks_run):
+def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny["sd3"])
     pipe.set_progress_bar_config(disable=True)
 
@@ -130,12 +134,12 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run
         return embeddings, images
 
     base_embeddings, base = render()
-    pipe.load_lora_weights(full_run[0])
+    pipe.load_lora_weights(runs["full"][0])
     transformer_embeddings, with_transformer_lora = render()
     assert torch.equal(transformer_embeddings, base_embeddings)
     assert not np.allclose(base, with_transformer_lora, atol=1e-4)
     pipe.unload_lora_weights()
-    pipe.load_lora_weights(blocks_run[0] / "out")
+    pipe.load_lora_weights(runs["blocks"][0])
     both_embeddings, with_both = render()
     assert not torch.allclose(both_embeddings, base_embeddings, atol=1e-4)
     assert not np.allclose(base, with_both, atol=1e-4)
@@ -173,10 +177,9 @@ def test_cached_latents_need_center_crops(script, tiny, tmp_path):
 
 
 def test_a_block_the_transformer_lacks_fails_with_one_line(tiny, tmp_path):
+    # Checked against the loaded transformer, so through a real launch: one line, no traceback, a failed launch.
     output_dir = tmp_path / "out"
     result = launch(SCRIPT, *common(tiny, output_dir, "--lora_blocks", "0,2"), check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --lora_blocks=2: expected a block index below 2 (the transformer has 2 blocks)"]
+    error = launched_usage_error(result)
+    assert error == "error: --lora_blocks=2: expected a block index below 2 (the transformer has 2 blocks)"
     assert not (output_dir / LORA).exists()

@@ -1,6 +1,5 @@
 """Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
 
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -8,8 +7,10 @@ import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
-from conftest import (assert_close_files, assert_close_validations, assert_resume_is_exact, launch, read_log,
-                      runs_with_and_without_cached_latents)
+from helpers import launch, launch_together, usage_error
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_model_folder_loads,
+                                    assert_resumes_exactly, assert_validated_at, checkpoint_names)
+
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
 EMA_UNET = "ema/" + UNET
@@ -38,34 +39,48 @@ def without_prefix(tensors, prefix="unet."):
     return {key[len(prefix):]: tensor for key, tensor in tensors.items()}
 
 
-@pytest.fixture(scope="module")
-def full_run(tiny, tmp_path_factory):
-    """8 steps, validating every 3 steps (and at the final step 8), with a checkpoint every 4 and only the newest kept."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *common(
-        tiny, output_dir, "--max_train_steps", 8, "--validation_prompt", *PROMPTS, "--num_validation_images", 1,
-        "--validation_inference_steps", 2, "--validation_steps", 3, "--checkpointing_steps", 4,
-        "--checkpoints_total_limit", 1))
-    return output_dir, result
+def full_flags(tiny, output_dir):
+    """8 steps, validating every 3 steps (and at the final step 8), a checkpoint every 2, the newest 2 kept."""
+    return common(tiny, output_dir, "--max_train_steps", 8, "--validation_prompt", *PROMPTS, "--num_validation_images",
+                  1, "--validation_inference_steps", 2, "--validation_steps", 3, "--checkpointing_steps", 2,
+                  "--checkpoints_total_limit", 2)
+
+
+def decay_zero_flags(tiny, output_dir, *extra):
+    return common(tiny, output_dir, "--max_train_steps", 3, "--ema_decay", 0, "--checkpointing_steps", 1000, *extra)
+
+
+def cache_flags(tiny, output_dir, *extra):
+    """4 center-cropped, randomly flipped steps, validating and checkpointing every 2.
+
+    Adam moves every UNet weight by up to the learning rate per step however small its gradient, so
+    float-level differences (the VAE's results depend on its batch) grow with it: at 1e-3 they reach
+    7e-5, at 5e-5 4e-6, while ignoring the flips would still change weights by 2e-4."""
+    return common(tiny, output_dir, "--center_crop", "--learning_rate", 5e-5, "--max_train_steps", 4,
+                  "--checkpointing_steps", 2, "--validation_prompt", PROMPTS[0], "--num_validation_images", 1,
+                  "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
 
 
 @pytest.fixture(scope="module")
-def plain_run(tiny, tmp_path_factory):
-    """The same 8 steps without validation and without checkpoints."""
-    output_dir = tmp_path_factory.mktemp("plain")
-    launch(SCRIPT, *common(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1000))
-    return output_dir
+def runs(tiny, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together: full
+    (`full_flags`), decay_zero (3 steps with ``--ema_decay 0``), input_perturbation (the same with
+    ``--input_perturbation 0.1``), and uncached and cached (`cache_flags` with the VAE in the step, and with its
+    latents cached)."""
+    root = tmp_path_factory.mktemp("runs")
+    results = launch_together({
+        "full": (SCRIPT, *full_flags(tiny, root / "full")),
+        "decay_zero": (SCRIPT, *decay_zero_flags(tiny, root / "decay_zero")),
+        "input_perturbation": (SCRIPT, *decay_zero_flags(tiny, root / "input_perturbation", "--input_perturbation",
+                                                         0.1)),
+        "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
+        "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
 
 
-@pytest.fixture(scope="module")
-def decay_zero_run(tiny, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("decay0")
-    launch(SCRIPT, *common(tiny, output_dir, "--max_train_steps", 3, "--ema_decay", 0, "--checkpointing_steps", 1000))
-    return output_dir
-
-
-def test_writes_a_loadable_pipeline_holding_the_final_in_run_weights(tiny, full_run):
-    output_dir, result = full_run
+def test_writes_a_loadable_pipeline_holding_the_final_in_run_weights(tiny, runs):
+    output_dir, result = runs["full"]
     for name in ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
                  "tokenizer/tokenizer_config.json", "scheduler/scheduler_config.json", "ema/unet/config.json"):
         assert (output_dir / name).is_file(), name
@@ -77,91 +92,68 @@ def test_writes_a_loadable_pipeline_holding_the_final_in_run_weights(tiny, full_
     assert_same(load_file(output_dir / UNET), final)
     assert all(tensor.dtype == torch.float32 for tensor in final.values())
     assert_differ(load_file(Path(tiny["sd"]) / UNET), final)
-    assert f"pipeline: {output_dir}" in result.stdout
+    assert f"raw UNet: {output_dir / 'unet'}" in result.stdout
 
 
-def test_writes_the_ema_unet_from_the_final_ema_state(full_run):
-    output_dir, result = full_run
-    ema_unet = UNet2DConditionModel.from_pretrained(output_dir / "ema" / "unet").state_dict()
+def test_writes_the_ema_unet_from_the_final_ema_state(tiny, runs):
+    output_dir, result = runs["full"]
+    ema_unet = assert_model_folder_loads(UNet2DConditionModel, output_dir / "ema" / "unet",
+                                         initial=Path(tiny["sd"]) / "unet").state_dict()
     shadows = without_prefix(load_file(output_dir / "checkpoint-8" / "ema.safetensors"))
     assert_same(ema_unet, shadows)
     assert_differ(ema_unet, load_file(output_dir / UNET))
-    assert f"EMA UNet: {output_dir / 'ema' / 'unet'}" in result.stdout
+    assert f"ema UNet: {output_dir / 'ema' / 'unet'}" in result.stdout
     card = (output_dir / "README.md").read_text()
     assert f'StableDiffusionPipeline.from_pretrained("{output_dir}")' in card
     assert f'UNet2DConditionModel.from_pretrained("{output_dir}/ema/unet")' in card
 
 
-def test_validates_raw_and_ema_at_the_due_steps_and_the_final_step_once(full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"], r["prompt"]) for r in log] == [
-        (step, variant, prompt) for step in (3, 6, 8) for variant in ("raw", "ema") for prompt in PROMPTS]
-    for record in log:
-        assert len(record["images"]) == 1 and (output_dir / record["images"][0]).is_file()
+def test_validates_raw_and_ema_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
     assert len(list((output_dir / "validation").rglob("*.png"))) == 3 * 2 * 2
     assert log[-1]["images"][0] in (output_dir / "README.md").read_text()
-    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-8"]
+    assert checkpoint_names(output_dir) == ["checkpoint-6", "checkpoint-8"]
 
 
-def test_validation_and_checkpointing_leave_the_weights_untouched(full_run, plain_run):
-    output_dir, _ = full_run
-    assert_same(load_file(output_dir / UNET), load_file(plain_run / UNET))
-    assert_same(load_file(output_dir / EMA_UNET), load_file(plain_run / EMA_UNET))
-    assert not (plain_run / "validation").exists() and not list(plain_run.glob("checkpoint-*"))
+def test_resumed_run_that_never_validates_prunes_and_ends_with_the_uninterrupted_weights(tiny, tmp_path, runs):
+    # From the full run's checkpoint-6, mid-epoch, with random flips and an optimizer state for every UNet
+    # parameter: bit for bit. The full run validated after writing checkpoint-6 and at the final step, the resumed
+    # one never: validation and checkpointing leave the weights, the EMA, the optimizer and the RNG untouched.
+    def resumed_flags(output_dir):
+        return common(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                      "--checkpoints_total_limit", 2)
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [UNET, EMA_UNET], launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
+    assert not (tmp_path / "validation").exists()
 
 
-def test_resumed_run_prunes_and_ends_with_the_uninterrupted_weights(tiny, tmp_path, full_run):
-    # Mid-epoch, with random flips and an optimizer state for every UNet parameter: bit for bit.
-    assert_resume_is_exact(SCRIPT, partial(common, tiny), tmp_path, full_run[0], [UNET, EMA_UNET])
+def test_ema_decay_zero_equals_the_raw_unet(runs):
+    output_dir, _ = runs["decay_zero"]
+    assert_same(load_file(output_dir / EMA_UNET), load_file(output_dir / UNET))
+    assert "ema/unet" in (output_dir / "README.md").read_text()
 
 
-def test_ema_decay_zero_equals_the_raw_unet(decay_zero_run):
-    assert_same(load_file(decay_zero_run / EMA_UNET), load_file(decay_zero_run / UNET))
-    assert "ema/unet" in (decay_zero_run / "README.md").read_text()
-
-
-def test_input_perturbation_changes_the_result(tiny, tmp_path, decay_zero_run):
-    launch(SCRIPT, *common(tiny, tmp_path, "--max_train_steps", 3, "--ema_decay", 0, "--checkpointing_steps", 1000,
-                           "--input_perturbation", 0.1))
-    assert_differ(load_file(tmp_path / UNET), load_file(decay_zero_run / UNET))
+def test_input_perturbation_changes_the_result(runs):
+    (perturbed, _), (unperturbed, _) = runs["input_perturbation"], runs["decay_zero"]
+    assert_differ(load_file(perturbed / UNET), load_file(unperturbed / UNET))
 
 
 def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path):
     output_dir = tmp_path / "out"
-    result = launch(SCRIPT, *common(tiny, output_dir, "--input_perturbation", -1), check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --input_perturbation=-1.0: expected a non-negative number"], result.stderr[-2000:]
+    error = usage_error(SCRIPT, *common(tiny, output_dir, "--input_perturbation", -1))
+    assert error == "error: --input_perturbation=-1.0: expected a non-negative number"
     assert not output_dir.exists()
 
 
-def cache_flags(*extra):
-    """4 center-cropped, randomly flipped steps, validating and checkpointing every 2.
-
-    Adam moves every UNet weight by up to the learning rate per step however small its gradient, so
-    float-level differences (the VAE's results depend on its batch) grow with it: at 1e-3 they reach
-    7e-5, at 5e-5 4e-6, while ignoring the flips would still change weights by 2e-4."""
-    return ["--center_crop", "--learning_rate", 5e-5, "--max_train_steps", 4, "--checkpointing_steps", 2,
-            "--validation_prompt", PROMPTS[0], "--num_validation_images", 1, "--validation_inference_steps", 2,
-            "--validation_steps", 2, *extra]
-
-
-@pytest.fixture(scope="module")
-def cache_runs(tiny, tmp_path_factory):
-    """``{cache_latents: output_dir}``: the same run with the VAE in the step and with its latents cached."""
-    def run_args(output_dir, *extra):
-        return common(tiny, output_dir, *cache_flags(*extra))
-
-    return runs_with_and_without_cached_latents(SCRIPT, run_args, tmp_path_factory.mktemp("cache"))
-
-
-def test_cached_run_matches_the_uncached_one(tiny, cache_runs):
+def test_cached_run_matches_the_uncached_one(tiny, runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     for name in (UNET, EMA_UNET):
-        assert_close_files(cache_runs[False] / name, cache_runs[True] / name)
-    assert_differ(load_file(Path(tiny["sd"]) / UNET), load_file(cache_runs[True] / UNET))
+        assert_close_files(uncached / name, cached / name)
+    assert_differ(load_file(Path(tiny["sd"]) / UNET), load_file(cached / UNET))
 
 
-def test_cached_run_validates_with_the_offloaded_encoders_back(cache_runs):
-    assert_close_validations(cache_runs[False], cache_runs[True], [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
+def test_cached_run_validates_with_the_offloaded_encoders_back(runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])

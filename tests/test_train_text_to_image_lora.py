@@ -1,19 +1,26 @@
-"""Smoke tests: the text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
+"""Smoke tests: the text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``,
+``--cache_latents`` included."""
 
+import shutil
 import sys
-from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline
+from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, assert_resume_is_exact, assert_same_files, launch, read_log, run_bounded
+from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, launched_usage_error, run_bounded,
+                     usage_error)
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_lora_changes_pipeline_output,
+                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
+                                    read_log)
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
+CACHE_VALIDATION = ["--validation_prompt", "a red circle", "--num_validation_images", 1,
+                    "--validation_inference_steps", 2, "--validation_steps", 2]
 
 
 def common(tiny, output_dir, *extra):
@@ -27,25 +34,61 @@ def validation_flags(steps):
             "--validation_steps", steps]
 
 
-@pytest.fixture(scope="module")
-def full_run(tiny, tmp_path_factory):
-    """8 steps with validation every 3 steps (and at the final step) and a checkpoint every 3."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *common(tiny, output_dir, "--max_train_steps", 8, *validation_flags(3),
-                                    "--checkpointing_steps", 3, "--checkpoints_total_limit", 1))
-    return output_dir, result
+def full_flags(tiny, output_dir):
+    """8 steps, validating every 3 steps (and at the final step), a checkpoint every 3, the newest kept."""
+    return common(tiny, output_dir, "--max_train_steps", 8, *validation_flags(3), "--checkpointing_steps", 3,
+                  "--checkpoints_total_limit", 1)
+
+
+def cache_flags(tiny, output_dir, *extra):
+    """4 center-cropped steps, validating and checkpointing every 2, without an EMA."""
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
+            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
+            "--center_crop", "--rank", 4, "--seed", 3, "--max_train_steps", 4, "--checkpointing_steps", 2,
+            *CACHE_VALIDATION, *extra]
+
+
+def cache_run(cache_latents, random_flip):
+    return f"cache_latents{int(cache_latents)}-random_flip{int(random_flip)}"
 
 
 @pytest.fixture(scope="module")
-def plain_run(tiny, tmp_path_factory):
-    """The same 8 steps without validation and without checkpoints."""
-    output_dir = tmp_path_factory.mktemp("plain")
-    launch(SCRIPT, *common(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1000))
-    return output_dir
+def runs(tiny, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
+
+    - full: `full_flags`; plain: the same 8 steps without validation or checkpoints;
+    - deleted_model: 4 steps with ``--ema_decay 0``, validating every 2, the base model's folder deleted as soon
+      as the pipeline has loaded;
+    - posthoc: 6 steps, post-hoc EMA snapshots every 2 steps and two more sigma_rels rendered at validation;
+    - `cache_run` (cache_latents, random_flip): `cache_flags` with and without ``--cache_latents`` and
+      ``--random_flip``.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    model = root / "model"
+    shutil.copytree(tiny["sd"], model)
+    wrapper = deleting_after_load(EXAMPLES / SCRIPT, [model], root)
+    deleted_model_args = common(tiny, root / "deleted_model", "--max_train_steps", 4, *validation_flags(2),
+                                "--checkpointing_steps", 2, "--ema_decay", 0)
+    deleted_model_args[1] = model
+    launches = {
+        "full": (SCRIPT, *full_flags(tiny, root / "full")),
+        "plain": (SCRIPT, *common(tiny, root / "plain", "--max_train_steps", 8, "--checkpointing_steps", 1000)),
+        "deleted_model": (wrapper, *deleted_model_args),
+        "posthoc": (SCRIPT, *common(tiny, root / "posthoc", "--max_train_steps", 6, *validation_flags(3),
+                                    "--ema_posthoc_sigma_rels", 0.05, 0.1, "--ema_posthoc_snapshot_steps", 2,
+                                    "--validation_sigma_rels", 0.05, 0.08, "--checkpointing_steps", 1000)),
+    }
+    for cache_latents in (False, True):
+        for random_flip in (False, True):
+            name = cache_run(cache_latents, random_flip)
+            launches[name] = (SCRIPT, *cache_flags(tiny, root / name, *(["--cache_latents"] if cache_latents else []),
+                                                   *(["--random_flip"] if random_flip else [])))
+    results = launch_together(launches)
+    return {name: (root / name, result) for name, result in results.items()}
 
 
-def test_writes_raw_and_ema_lora_with_equal_keys_and_different_values(full_run):
-    output_dir, result = full_run
+def test_writes_raw_and_ema_lora_with_equal_keys_and_different_values(runs):
+    output_dir, result = runs["full"]
     raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
     assert raw.keys() == ema.keys() and len(raw) > 0
     assert all(key.startswith("unet.") and "lora" in key for key in raw)
@@ -55,14 +98,9 @@ def test_writes_raw_and_ema_lora_with_equal_keys_and_different_values(full_run):
     assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"]) for r in log[::2]] == [(3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"),
-                                                              (8, "raw"), (8, "ema")]
-    assert [r["prompt"] for r in log[:2]] == PROMPTS
-    for record in log:
-        assert len(record["images"]) == 2 and all((output_dir / path).is_file() for path in record["images"])
+def test_validates_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=2)
     pngs = sorted((output_dir / "validation").rglob("*.png"))
     assert len(pngs) == 3 * 2 * 2 * 2  # steps x variants x prompts x images
     card = (output_dir / "README.md").read_text()
@@ -70,122 +108,124 @@ def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
     assert list((output_dir / "logs").rglob("events.out.tfevents.*")), "no tensorboard events written"
 
 
-def test_keeps_the_newest_checkpoint_within_the_limit(full_run):
-    output_dir, _ = full_run
-    checkpoints = sorted(path.name for path in output_dir.glob("checkpoint-*"))
-    assert checkpoints == ["checkpoint-6"]
+def test_keeps_the_newest_checkpoint_within_the_limit(runs):
+    output_dir, _ = runs["full"]
+    assert checkpoint_names(output_dir) == ["checkpoint-6"]
     assert not list(output_dir.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
     files = {path.name for path in (output_dir / "checkpoint-6").iterdir()}
     assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
 
 
-def test_validation_and_checkpointing_leave_the_weights_untouched(full_run, plain_run):
-    output_dir, _ = full_run
-    assert_same_files(output_dir / LORA, plain_run / LORA)
-    assert_same_files(output_dir / "ema" / LORA, plain_run / "ema" / LORA)
-    assert not (plain_run / "validation").exists()
+def test_validation_and_checkpointing_leave_the_weights_untouched(runs):
+    (output_dir, _), (plain_dir, _) = runs["full"], runs["plain"]
+    assert_same_files(output_dir / LORA, plain_dir / LORA)
+    assert_same_files(output_dir / "ema" / LORA, plain_dir / "ema" / LORA)
+    assert not (plain_dir / "validation").exists()
 
 
-def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, tmp_path, full_run):
-    # Mid-epoch, with random flips: the resumed run is the uninterrupted one, bit for bit.
-    assert_resume_is_exact(SCRIPT, partial(common, tiny), tmp_path, full_run[0], [LORA, f"ema/{LORA}"])
+def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, tmp_path, runs):
+    # From the full run's checkpoint-6, mid-epoch, with random flips, never validating, checkpointing at every
+    # step and keeping two: the uninterrupted run's weights, bit for bit, and the checkpoint it resumed from pruned.
+    def resumed_flags(output_dir):
+        return common(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                      "--checkpoints_total_limit", 2)
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [LORA, f"ema/{LORA}"], launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
 
 
-def test_ema_decay_zero_equals_the_raw_weights(tiny, tmp_path):
-    launch(SCRIPT, *common(tiny, tmp_path, "--max_train_steps", 3, "--ema_decay", 0, "--checkpointing_steps", 1000))
-    assert_same_files(tmp_path / LORA, tmp_path / "ema" / LORA)
+def test_ema_decay_zero_equals_the_raw_weights(runs):
+    output_dir, _ = runs["deleted_model"]
+    assert_same_files(output_dir / LORA, output_dir / "ema" / LORA)
 
 
-def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run):
-    output_dir, _ = full_run
-    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
-    pipe.set_progress_bar_config(disable=True)
-
-    def render():
-        return pipe(PROMPTS[0], num_inference_steps=2, height=32, width=32, output_type="np",
-                    generator=torch.Generator().manual_seed(0)).images
-
-    base = render()
-    pipe.load_lora_weights(output_dir)
-    with_raw = render()
-    pipe.unload_lora_weights()
-    pipe.load_lora_weights(output_dir / "ema")
-    with_ema = render()
-    assert not np.allclose(base, with_raw, atol=1e-4)
-    assert not np.allclose(base, with_ema, atol=1e-4)
+def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
+    output_dir, _ = runs["full"]
+    _, with_raw, with_ema = assert_lora_changes_pipeline_output(tiny["sd"], output_dir, output_dir / "ema",
+                                                                prompt=PROMPTS[0])
     assert not np.allclose(with_raw, with_ema, atol=1e-6)
 
 
-def test_never_reads_the_base_model_after_start_up(tiny, tmp_path):
+def test_never_reads_the_base_model_after_start_up(runs):
     """The base model folder is deleted right after the pipeline loads; validation and saving still work."""
-    import shutil
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny["sd"], model)
-    wrapper = (
-        "import runpy, shutil, sys\n"
-        "import training_utils.pipeline as pipeline\n"
-        "load = pipeline.load_pipeline\n"
-        "def load_then_delete(*args, **kwargs):\n"
-        "    pipe = load(*args, **kwargs)\n"
-        f"    shutil.rmtree({str(model)!r})\n"
-        "    return pipe\n"
-        "pipeline.load_pipeline = load_then_delete\n"
-        f"sys.argv = [{str(EXAMPLES / SCRIPT)!r}] + sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    output_dir = tmp_path / "out"
-    args = common(tiny, output_dir, "--max_train_steps", 4, *validation_flags(2), "--checkpointing_steps", 2)
-    args[1] = model
-    result = run_bounded([sys.executable, "-c", wrapper, *map(str, args)])
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert not model.exists()
+    output_dir, _ = runs["deleted_model"]
+    assert not (output_dir.parent / "model").exists()
     # The final step (4) is also a due step (every 2): validated once, raw and EMA.
-    assert [(r["step"], r["variant"]) for r in read_log(output_dir)[::2]] == [(2, "raw"), (2, "ema"), (4, "raw"),
-                                                                             (4, "ema")]
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS, num_images=2)
     assert (output_dir / LORA).is_file() and (output_dir / "ema" / LORA).is_file()
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--resolution", 30], "error: --resolution=30: expected a positive multiple of 8"),
-        (["--caption_column", "caption"], "error: --caption_column='caption': expected a column of the dataset"),
-        (["--ema_decay", 1.0], "error: --ema_decay=1.0: expected a number in [0, 1)"),
-    ],
-)
+BAD_INPUT = [
+    (["--resolution", 30], "error: --resolution=30: expected a positive multiple of 8"),
+    (["--caption_column", "caption"], "error: --caption_column='caption': expected a column of the dataset"),
+    (["--ema_decay", 1.0], "error: --ema_decay=1.0: expected a number in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUT)
 def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, flags, message):
     output_dir = tmp_path / "out"
-    result = launch(SCRIPT, *common(tiny, output_dir, *flags), check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
+    assert usage_error(SCRIPT, *common(tiny, output_dir, *flags)).startswith(message)
     assert not output_dir.exists()
 
 
-def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, tmp_path):
-    output_dir = tmp_path / "out"
-    launch(SCRIPT, *common(tiny, output_dir, "--max_train_steps", 6, *validation_flags(3),
-                           "--ema_posthoc_sigma_rels", 0.05, 0.1, "--ema_posthoc_snapshot_steps", 2,
-                           "--validation_sigma_rels", 0.05, 0.08, "--checkpointing_steps", 1000))
+def test_bad_input_fails_with_one_line_also_through_accelerate_launch(tiny, tmp_path):
+    # A bad flag, checked as the arguments are parsed, and a bad dataset column, checked by main() before it
+    # makes the accelerator: each one line, without the launcher's traceback, and a failed launch.
+    results = launch_together({index: (SCRIPT, *common(tiny, tmp_path / str(index), *flags))
+                               for index, (flags, _) in enumerate(BAD_INPUT[:2])}, check=False, quiet=True)
+    for index, (_, message) in enumerate(BAD_INPUT[:2]):
+        assert launched_usage_error(results[index]).startswith(message)
+        assert not (tmp_path / str(index)).exists()
+
+
+def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs):
+    output_dir, _ = runs["posthoc"]
     snapshots = sorted(path.name for path in (output_dir / "posthoc_ema").glob("snapshot-*.safetensors"))
     assert len(snapshots) == 3 * 2 and snapshots[0].startswith("snapshot-00000002-")
     log = read_log(output_dir)
     assert [(r["step"], r["variant"]) for r in log[::2]] == [
         (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"), (6, "ema_sigma_rel-0.08")]
     assert (output_dir / "validation" / "step-000006" / "grid-p00.png").is_file()
-    from PIL import Image
-
     with Image.open(output_dir / "validation" / "step-000006" / "grid-p00.png") as grid:
         assert grid.size == (32 * 2, 32 * 3)  # images per prompt x (raw + two sweep rows)
 
     result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
                           "--sigma_rel", "0.05", "0.08"])
     assert result.returncode == 0, result.stderr[-3000:]
-    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     tracked = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.05" / LORA)
-    pipe.load_lora_weights(output_dir / "posthoc_ema" / "sigma_rel-0.08")
+    assert_lora_changes_pipeline_output(tiny["sd"], output_dir / "posthoc_ema" / "sigma_rel-0.08")
     synthesized = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.08" / LORA)
     assert tracked.keys() == synthesized.keys() == load_file(output_dir / LORA).keys()
     assert any(not torch.equal(tracked[key], synthesized[key]) for key in tracked)
+
+
+@pytest.mark.parametrize("random_flip", [False, True])
+def test_cached_run_matches_the_uncached_one(runs, random_flip):
+    uncached, cached = runs[cache_run(False, random_flip)][0], runs[cache_run(True, random_flip)][0]
+    assert_close_files(uncached / LORA, cached / LORA)
+
+
+@pytest.mark.parametrize("random_flip", [False, True])
+def test_validation_renders_with_the_offloaded_encoders_back(runs, random_flip):
+    uncached, cached = runs[cache_run(False, random_flip)][0], runs[cache_run(True, random_flip)][0]
+    assert_close_validations(uncached, cached, [(2, "raw"), (4, "raw")])
+
+
+def test_flips_change_the_cached_run(runs):
+    unflipped, flipped = (load_file(runs[cache_run(True, random_flip)][0] / LORA) for random_flip in (False, True))
+    assert any(not torch.equal(unflipped[key], flipped[key]) for key in unflipped)
+
+
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, runs):
+    def resumed_flags(output_dir):
+        return cache_flags(tiny, output_dir, "--cache_latents", "--random_flip")
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs[cache_run(True, True)][0], tmp_path, 2, [LORA], launch=launch)
+
+
+def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    args = [arg for arg in cache_flags(tiny, output_dir, "--cache_latents") if arg != "--center_crop"]
+    assert usage_error(SCRIPT, *args).startswith("error: --cache_latents=True: expected --center_crop")
+    assert not output_dir.exists()

@@ -1,8 +1,6 @@
 """Smoke tests: the SDXL text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
 import json
-import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -11,8 +9,9 @@ from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import (assert_close_files, assert_close_validations, assert_same_files, launch, read_log,
-                      runs_with_and_without_cached_latents)
+from helpers import launch, launch_together, usage_error
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
+                                    assert_same_files, assert_validated_at, checkpoint_names, read_log)
 from training_utils.data import ImageTransform, sample_generator
 
 SCRIPT = "text_to_image/train_text_to_image_lora_sdxl.py"
@@ -40,29 +39,6 @@ def with_text_encoders(tiny, output_dir, *extra):
                   *extra)
 
 
-def checkpoints(output_dir):
-    return sorted(path.name for path in output_dir.glob("checkpoint-*"))
-
-
-@pytest.fixture(scope="module")
-def full_run(tiny, tmp_path_factory):
-    """8 steps of UNet and text-encoder LoRA, validating every 3 steps (and at the final step), checkpoints every 2."""
-    output_dir = tmp_path_factory.mktemp("full")
-    result = launch(SCRIPT, *with_text_encoders(tiny, output_dir, "--max_train_steps", 8, *validation_flags(3)))
-    return output_dir, result
-
-
-@pytest.fixture(scope="module")
-def resumed_run(tiny, tmp_path_factory):
-    """The same run without validation, stopped after 6 steps and resumed from the latest checkpoint to 8."""
-    output_dir = tmp_path_factory.mktemp("resumed")
-    launch(SCRIPT, *with_text_encoders(tiny, output_dir, "--max_train_steps", 6))
-    after_six = checkpoints(output_dir)
-    result = launch(SCRIPT, *with_text_encoders(tiny, output_dir, "--max_train_steps", 8,
-                                                "--resume_from_checkpoint", "latest"))
-    return output_dir, after_six, result
-
-
 @pytest.fixture(scope="module")
 def decoder_only_vae(tiny, tmp_path_factory):
     """The tiny SDXL VAE saved on its own with a shifted decoder: it encodes the same latents, decodes other images."""
@@ -75,20 +51,52 @@ def decoder_only_vae(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def unet_only_runs(tiny, tmp_path_factory, decoder_only_vae):
-    """3 UNet-only steps with --ema_decay 0 and a validation at the final step, with the pipeline's VAE and with
-    the replacement VAE."""
-    root = tmp_path_factory.mktemp("unet_only")
-    flags = ["--max_train_steps", 3, "--ema_decay", 0, "--checkpointing_steps", 1000,
-             *validation_flags(3, PROMPTS[:1], 1)]
-    launch(SCRIPT, *common(tiny, root / "own_vae", *flags))
-    result = launch(SCRIPT, *common(tiny, root / "other_vae", *flags,
-                                    "--pretrained_vae_model_name_or_path", decoder_only_vae))
-    return root / "own_vae", root / "other_vae", result
+def non_square_shapes(tiny, tmp_path_factory):
+    """Six shapes pictures at the non-square sizes, each with two captions (one drawn per sample)."""
+    path = tmp_path_factory.mktemp("non_square_shapes")
+    rows = [json.loads(line) for line in (tiny["shapes"] / "metadata.jsonl").read_text().splitlines()[:6]]
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index, row in enumerate(rows):
+            image = Image.open(tiny["shapes"] / row["file_name"])
+            image.resize(NON_SQUARE_SIZES[index % len(NON_SQUARE_SIZES)]).save(path / row["file_name"])
+            captions = [row["text"], row["text"].replace(" on a ", " on the ")]
+            metadata.write(json.dumps({"file_name": row["file_name"], "text": captions}) + "\n")
+    return path
 
 
-def test_writes_raw_and_ema_lora_of_the_unet_and_both_text_encoders(full_run):
-    output_dir, result = full_run
+def cache_flags(tiny, data_dir, output_dir, *extra):
+    return common(tiny, output_dir, "--center_crop", "--max_train_steps", 4, "--checkpointing_steps", 2,
+                  "--report_to", "none", *validation_flags(4, PROMPTS[:1], 1), *extra, data_dir=data_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, decoder_only_vae, non_square_shapes, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
+
+    - full: 8 steps of UNet and text-encoder LoRA, validating every 3 steps (and at the final step), checkpoints
+      every 2, the newest 2 kept;
+    - own_vae, other_vae: 3 UNet-only steps with ``--ema_decay 0`` and a validation at the final step, with the
+      pipeline's VAE and with the replacement VAE;
+    - uncached, cached: 4 UNet-only steps (two epochs of 3 batches) on the non-square pictures with center crops and
+      random flips, validating at the final step, without and with ``--cache_latents``; both cache the frozen text
+      encoders' embeddings.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    unet_only = ["--max_train_steps", 3, "--ema_decay", 0, "--checkpointing_steps", 1000,
+                 *validation_flags(3, PROMPTS[:1], 1)]
+    results = launch_together({
+        "full": (SCRIPT, *with_text_encoders(tiny, root / "full", "--max_train_steps", 8, *validation_flags(3))),
+        "own_vae": (SCRIPT, *common(tiny, root / "own_vae", *unet_only)),
+        "other_vae": (SCRIPT, *common(tiny, root / "other_vae", *unet_only, "--pretrained_vae_model_name_or_path",
+                                      decoder_only_vae)),
+        "uncached": (SCRIPT, *cache_flags(tiny, non_square_shapes, root / "uncached")),
+        "cached": (SCRIPT, *cache_flags(tiny, non_square_shapes, root / "cached", "--cache_latents")),
+    })
+    return {name: (root / name, result) for name, result in results.items()}
+
+
+def test_writes_raw_and_ema_lora_of_the_unet_and_both_text_encoders(runs):
+    output_dir, result = runs["full"]
     raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
     assert raw.keys() == ema.keys() and all("lora" in key for key in raw)
     assert {key.split(".")[0] for key in raw} == {"unet", "text_encoder", "text_encoder_2"}
@@ -99,21 +107,17 @@ def test_writes_raw_and_ema_lora_of_the_unet_and_both_text_encoders(full_run):
     assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
 
 
-def test_unet_only_lora_and_ema_decay_zero_equals_the_raw_weights(unet_only_runs):
-    own_vae, _, _ = unet_only_runs
+def test_unet_only_lora_and_ema_decay_zero_equals_the_raw_weights(runs):
+    own_vae, _ = runs["own_vae"]
     raw = load_file(own_vae / LORA)
     assert raw and all(key.startswith("unet.") and "lora" in key for key in raw)
     assert_same_files(own_vae / LORA, own_vae / "ema" / LORA)
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
-    output_dir, _ = full_run
-    log = read_log(output_dir)
-    assert [(r["step"], r["variant"]) for r in log[::2]] == [(3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"),
-                                                              (8, "raw"), (8, "ema")]
-    assert [r["prompt"] for r in log[:2]] == PROMPTS
+def test_validates_at_the_due_steps_and_the_final_step_once(runs):
+    output_dir, _ = runs["full"]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=2)
     for record in log:
-        assert len(record["images"]) == 2
         for path in record["images"]:
             assert Image.open(output_dir / path).size == (32, 32)
     assert len(list((output_dir / "validation").rglob("*.png"))) == 3 * 2 * 2 * 2  # steps x variants x prompts x images
@@ -123,23 +127,24 @@ def test_validates_at_the_due_steps_and_the_final_step_once(full_run):
     assert list((output_dir / "logs").rglob("events.out.tfevents.*")), "no tensorboard events written"
 
 
-def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(full_run, resumed_run):
-    output_dir, after_six, result = resumed_run
-    assert after_six == ["checkpoint-4", "checkpoint-6"]
-    assert f"resumed from {output_dir / 'checkpoint-6'} at step 6" in result.stdout
-    assert checkpoints(output_dir) == ["checkpoint-6", "checkpoint-8"]
-    assert checkpoints(full_run[0]) == ["checkpoint-6", "checkpoint-8"]
-    files = {path.name for path in (output_dir / "checkpoint-8").iterdir()}
+def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+    full_dir, _ = runs["full"]
+    assert checkpoint_names(full_dir) == ["checkpoint-6", "checkpoint-8"]
+
+    def resumed_flags(output_dir):
+        return with_text_encoders(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1)
+
+    # The uninterrupted run validated at steps 3, 6 (after writing checkpoint-6) and 8, the resumed one never:
+    # resuming mid-epoch with random flips, and validating, both leave the weights bit for bit as they would be.
+    assert_resumes_exactly(SCRIPT, resumed_flags, full_dir, tmp_path, 6, [LORA, f"ema/{LORA}"], launch=launch)
+    assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
+    files = {path.name for path in (tmp_path / "checkpoint-8").iterdir()}
     assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
-    # The uninterrupted run validated at steps 3, 6 and 8, the resumed one never: resuming mid-epoch
-    # with random flips, and validating, both leave the weights bit for bit as they would be.
-    assert not (output_dir / "validation").exists()
-    assert_same_files(output_dir / LORA, full_run[0] / LORA)
-    assert_same_files(output_dir / "ema" / LORA, full_run[0] / "ema" / LORA)
+    assert not (tmp_path / "validation").exists()
 
 
-def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run):
-    output_dir, _ = full_run
+def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
+    output_dir, _ = runs["full"]
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
     pipe.set_progress_bar_config(disable=True)
 
@@ -166,8 +171,8 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, full_run
     assert not np.allclose(with_raw, with_ema, atol=1e-6)
 
 
-def test_replacement_vae_goes_into_the_pipeline(unet_only_runs, decoder_only_vae):
-    own_vae, other_vae, result = unet_only_runs
+def test_replacement_vae_goes_into_the_pipeline(runs, decoder_only_vae):
+    (own_vae, _), (other_vae, result) = runs["own_vae"], runs["other_vae"]
     assert f"VAE: {decoder_only_vae}" in result.stdout
     # Its encoder is the pipeline's, so training is the same bit for bit; validation decodes with its decoder.
     assert_same_files(own_vae / LORA, other_vae / LORA)
@@ -181,41 +186,10 @@ def test_replacement_vae_goes_into_the_pipeline(unet_only_runs, decoder_only_vae
 
 def test_a_missing_vae_fails_with_one_line_before_anything_loads(tiny, tmp_path):
     output_dir, missing = tmp_path / "out", tmp_path / "no_vae"
-    result = launch(SCRIPT, *common(tiny, output_dir, "--pretrained_vae_model_name_or_path", missing),
-                    check=False, quiet=True)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "Loading pipeline components" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    expected = f"error: --pretrained_vae_model_name_or_path={str(missing)!r}: expected an AutoencoderKL folder"
-    assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+    error = usage_error(SCRIPT, *common(tiny, output_dir, "--pretrained_vae_model_name_or_path", missing))
+    assert error.startswith(f"error: --pretrained_vae_model_name_or_path={str(missing)!r}: expected an AutoencoderKL "
+                            "folder")
     assert not output_dir.exists()
-
-
-@pytest.fixture(scope="module")
-def non_square_shapes(tiny, tmp_path_factory):
-    """Six shapes pictures at the non-square sizes, each with two captions (one drawn per sample)."""
-    path = tmp_path_factory.mktemp("non_square_shapes")
-    rows = [json.loads(line) for line in (tiny["shapes"] / "metadata.jsonl").read_text().splitlines()[:6]]
-    with open(path / "metadata.jsonl", "w") as metadata:
-        for index, row in enumerate(rows):
-            image = Image.open(tiny["shapes"] / row["file_name"])
-            image.resize(NON_SQUARE_SIZES[index % len(NON_SQUARE_SIZES)]).save(path / row["file_name"])
-            captions = [row["text"], row["text"].replace(" on a ", " on the ")]
-            metadata.write(json.dumps({"file_name": row["file_name"], "text": captions}) + "\n")
-    return path
-
-
-def cache_flags(tiny, data_dir, output_dir, *extra):
-    return common(tiny, output_dir, "--center_crop", "--max_train_steps", 4, "--checkpointing_steps", 2,
-                  "--report_to", "none", *validation_flags(4, PROMPTS[:1], 1), *extra, data_dir=data_dir)
-
-
-@pytest.fixture(scope="module")
-def cache_runs(tiny, non_square_shapes, tmp_path_factory):
-    """``{cache_latents: output_dir}``: 4 UNet-only steps (two epochs of 3 batches) on the non-square pictures with
-    center crops and random flips, validating at the final step. Both cache the frozen text encoders' embeddings."""
-    return runs_with_and_without_cached_latents(SCRIPT, partial(cache_flags, tiny, non_square_shapes),
-                                                tmp_path_factory.mktemp("cache"))
 
 
 def test_the_non_square_pictures_flip_with_an_odd_margin(non_square_shapes):
@@ -230,21 +204,22 @@ def test_the_non_square_pictures_flip_with_an_odd_margin(non_square_shapes):
     assert any(moved)
 
 
-def test_cached_latents_and_text_embeddings_match_the_uncached_run(cache_runs):
+def test_cached_latents_and_text_embeddings_match_the_uncached_run(runs):
     # Equal weights also mean equal time ids: shifting one flipped crop corner by a pixel moves them by ~3e-3.
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     for name in (LORA, f"ema/{LORA}"):
-        cached = assert_close_files(cache_runs[False] / name, cache_runs[True] / name)
-        assert all(key.startswith("unet.") for key in cached)
+        cached_weights = assert_close_files(uncached / name, cached / name)
+        assert all(key.startswith("unet.") for key in cached_weights)
 
 
-def test_validation_renders_with_the_offloaded_encoders_back(cache_runs):
-    assert_close_validations(cache_runs[False], cache_runs[True], [(4, "raw"), (4, "ema")])
+def test_validation_renders_with_the_offloaded_encoders_back(runs):
+    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    assert_close_validations(uncached, cached, [(4, "raw"), (4, "ema")])
 
 
-def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, non_square_shapes, cache_runs, tmp_path):
-    shutil.copytree(cache_runs[True] / "checkpoint-2", tmp_path / "checkpoint-2")
-    result = launch(SCRIPT, *cache_flags(tiny, non_square_shapes, tmp_path, "--cache_latents",
-                                         "--resume_from_checkpoint", "latest"))
-    assert f"resumed from {tmp_path / 'checkpoint-2'} at step 2" in result.stdout
-    assert_same_files(tmp_path / LORA, cache_runs[True] / LORA)
-    assert_same_files(tmp_path / "ema" / LORA, cache_runs[True] / "ema" / LORA)
+def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, non_square_shapes, runs, tmp_path):
+    def resumed_flags(output_dir):
+        return cache_flags(tiny, non_square_shapes, output_dir, "--cache_latents")
+
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["cached"][0], tmp_path, 2, [LORA, f"ema/{LORA}"],
+                           launch=launch)

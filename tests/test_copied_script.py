@@ -1,0 +1,33 @@
+"""A script copied out of the repository passes the smoke test that the README gives its user, run
+beside it with pytest, with nothing of this checkout importable but the training_utils package (as installed)."""
+
+import os
+import shutil
+import sys
+import textwrap
+
+import training_utils.testing
+from helpers import EXAMPLES, REPO, run_bounded
+
+
+def users_smoke_test():
+    """The smoke test that the README's "Adding a model family" ends with, for a copy of train_text_to_image_lora.py;
+    `training_utils.testing`'s docstring shows the same."""
+    readme_blocks = [block.split("```", 1)[0] for block in (REPO / "README.md").read_text().split("```python\n")[1:]]
+    (test,) = [block for block in readme_blocks if "launch_script(" in block]
+    docstring_example = training_utils.testing.__doc__.split("::\n", 1)[1].split("\n`launch_script`", 1)[0]
+    assert textwrap.dedent(docstring_example).strip() == test.strip()
+    return test
+
+
+def test_a_copied_script_passes_its_users_smoke_test(tmp_path):
+    project, site_packages = tmp_path / "my_project", tmp_path / "site-packages"
+    project.mkdir()
+    site_packages.mkdir()
+    shutil.copy(EXAMPLES / "text_to_image" / "train_text_to_image_lora.py", project)
+    (project / "test_train_text_to_image_lora.py").write_text(users_smoke_test())
+    # This checkout's package as if installed; the editable install may point at another checkout.
+    (site_packages / "training_utils").symlink_to(REPO / "training_utils")
+    result = run_bounded([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"],
+                         env={**os.environ, "PYTHONPATH": str(site_packages)}, cwd=project)
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-5000:]
