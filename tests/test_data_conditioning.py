@@ -5,30 +5,13 @@ import pytest
 import torch
 from PIL import Image
 
+from test_data import decode, generator, position_image
 from training_utils.data import ImageTransform, ImageWithConditioningTransform
-
-
-def position_image(height, width):
-    """An RGB image whose pixel (y, x) is (x, y, 7): its values say where they came from."""
-    pixels = np.zeros((height, width, 3), dtype=np.uint8)
-    pixels[..., 0] = np.arange(width)[None, :]
-    pixels[..., 1] = np.arange(height)[:, None]
-    pixels[..., 2] = 7
-    return Image.fromarray(pixels)
-
-
-def from_signed(tensor):
-    """The uint8 values a [-1, 1] CHW tensor was made from, as HWC."""
-    return np.rint((tensor.permute(1, 2, 0).numpy() + 1.0) * 127.5).astype(np.int64)
 
 
 def from_unit(tensor):
     """The uint8 values a [0, 1] CHW tensor was made from, as HWC."""
     return np.rint(tensor.permute(1, 2, 0).numpy() * 255.0).astype(np.int64)
-
-
-def generator(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize("height, width", [(32, 56), (56, 32), (48, 64)])
@@ -39,8 +22,8 @@ def test_both_images_get_the_same_crop_and_flip(height, width):
     for seed in range(30):
         pixels, conditioning, original_size, crop = transform(image, image.copy(), generator(seed))
         assert original_size == (height, width)
-        assert np.array_equal(from_signed(pixels), from_unit(conditioning))
-        values = from_signed(pixels)
+        assert np.array_equal(decode(pixels), from_unit(conditioning))
+        values = decode(pixels)
         flips.add(bool(values[0, 0, 0] > values[0, -1, 0]))
         crops.add(crop)
     assert flips == {True, False}
@@ -88,7 +71,7 @@ def test_conditioning_of_another_size_is_mapped_onto_the_image_geometry():
     flips = set()
     for seed in range(20):
         pixels, conditioning, _, _ = transform(edge(40, 64), edge(80, 128), generator(seed))
-        image_row = from_signed(pixels)[0, :, 0] > 127
+        image_row = decode(pixels)[0, :, 0] > 127
         conditioning_row = from_unit(conditioning)[0, :, 0] > 127
         # Resampling from another size may move the edge by a pixel, never more.
         assert np.count_nonzero(image_row != conditioning_row) <= 1
