@@ -151,11 +151,15 @@ def test_pipeline_without_a_controlnet_path_is_built_on_one_load(tiny, tmp_path,
     (model / "model_index.json").write_text(json.dumps({**index, option: False}))
     args = parse(tiny, tmp_path, base=base)
     args.pretrained_model_name_or_path = str(model)
-    pipe = load_controlnet_pipeline(pipeline_class, base_class, args)
+    pipe = load_controlnet_pipeline(pipeline_class, base_class, args, torch.bfloat16)
     assert counted_loads == [base_class.__name__]
     assert isinstance(pipe, pipeline_class) and isinstance(pipe.controlnet, ControlNetModel)
     assert pipe.config[option] is False
     assert list(pipe.controlnet.config.conditioning_embedding_out_channels) == [16, 32]
+    # The ControlNet copies the UNet's encoder in fp32 (prepare_components casts the UNet afterwards); the other
+    # frozen components load in the weight dtype.
+    assert pipe.controlnet.dtype == pipe.unet.dtype == torch.float32 and pipe.vae.dtype == torch.bfloat16
+    assert pipe.text_encoder.dtype == torch.bfloat16
     assert torch.equal(pipe.controlnet.conv_in.weight, pipe.unet.conv_in.weight)
     assert pipe.controlnet.conv_in.weight is not pipe.unet.conv_in.weight
     assert pipe._progress_bar_config == {"disable": True}
@@ -166,9 +170,11 @@ def test_pipeline_with_a_controlnet_path_loads_it_as_a_component(tiny, tmp_path,
 
     vae = AutoencoderKL.from_pretrained(tiny["sdxl"] / "vae")
     args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", tiny["sdxl_controlnet"], base="sdxl")
-    pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args, vae=vae)
+    pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args,
+                                    torch.bfloat16, vae=vae)
     assert counted_loads == ["StableDiffusionXLControlNetPipeline"]
     assert pipe.vae is vae
+    assert pipe.unet.dtype == pipe.text_encoder_2.dtype == torch.bfloat16 and pipe.controlnet.dtype == torch.float32
     saved = load_file(tiny["sdxl_controlnet"] / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(value, saved[key]) for key, value in pipe.controlnet.state_dict().items())
 

@@ -1,10 +1,16 @@
 """Components of training_utils.pipeline: freezing/casting, trained-parameter names, the training scheduler."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from diffusers import DDPMScheduler, PNDMScheduler, StableDiffusionPipeline
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import (
+    load_pipeline,
     modules_of,
     prepare_components,
     trainable_parameters,
@@ -38,6 +44,52 @@ def test_weight_dtype_for(mixed_precision, dtype):
 def test_modules_of(tiny_sd_pipe):
     assert set(modules_of(tiny_sd_pipe)) == {"unet", "vae", "text_encoder"}
     assert modules_of(tiny_sd_pipe)["unet"] is tiny_sd_pipe.unet
+
+
+def load_args(tiny):
+    return SimpleNamespace(pretrained_model_name_or_path=tiny["sd"], revision=None, variant=None)
+
+
+@pytest.mark.parametrize("trained_in_fp32", [(), ("unet",)])
+def test_load_pipeline_loads_in_the_weight_dtype_all_but_what_trains_in_fp32(tiny, trained_in_fp32):
+    pipe = load_pipeline(StableDiffusionPipeline, load_args(tiny), torch.bfloat16, trained_in_fp32)
+    for name, module in modules_of(pipe).items():
+        expected = torch.float32 if name in trained_in_fp32 else torch.bfloat16
+        assert {parameter.dtype for parameter in module.parameters()} == {expected}, name
+    assert pipe._progress_bar_config == {"disable": True}
+
+
+class DeviceArrivals(TorchDispatchMode):
+    """Records the dtype of every tensor that an operation makes on ``device`` out of tensors elsewhere: a move."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if inputs and all(tensor.device != self.device for tensor in inputs):
+            self.dtypes += [leaf.dtype for leaf in tree_leaves(result)
+                            if isinstance(leaf, torch.Tensor) and leaf.device == self.device]
+        return result
+
+
+def test_a_bf16_lora_run_moves_nothing_to_the_device_in_fp32_but_the_adapter(tiny):
+    """The meta device stands in for the accelerator: every float tensor reaches it in the dtype it keeps, the
+    frozen weights (the LoRA's base included) in bf16 as they were loaded, the adapter in fp32."""
+    pipe = load_pipeline(StableDiffusionPipeline, load_args(tiny), torch.bfloat16)
+    add_lora(pipe.unet, 4, ATTENTION_PROJECTIONS)
+    trained = {"unet": pipe.unet}
+    adapter = len(trainable_parameters(trained))
+    frozen_floats = sum(tensor.is_floating_point() for module in modules_of(pipe).values()
+                        for tensor in [*module.parameters(), *module.buffers()]) - adapter
+    with DeviceArrivals("meta") as arrivals:
+        prepare_components(pipe, trained, "meta", torch.bfloat16)
+    floats = [dtype for dtype in arrivals.dtypes if dtype.is_floating_point]
+    assert floats.count(torch.float32) == adapter and floats.count(torch.bfloat16) == frozen_floats
+    assert len(floats) == adapter + frozen_floats
 
 
 def test_prepare_components_bf16(fresh_pipe):

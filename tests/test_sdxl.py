@@ -93,15 +93,16 @@ def test_vae_flag_defaults_to_the_pipelines_vae():
     add_vae_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", "x"])
     assert args.pretrained_vae_model_name_or_path is None
-    assert vae_components(None) == {}
+    assert vae_components(None, torch.float32) == {}
     check_vae_path(None)
 
 
 def test_vae_components_load_the_vae_folder(tiny):
     from diffusers import AutoencoderKL
 
-    components = vae_components(str(tiny["sdxl"] / "vae"))
+    components = vae_components(str(tiny["sdxl"] / "vae"), torch.bfloat16)
     assert set(components) == {"vae"} and isinstance(components["vae"], AutoencoderKL)
+    assert components["vae"].dtype == torch.bfloat16
 
 
 def test_accepts_a_vae_folder_and_a_hub_id(tiny):

@@ -93,14 +93,17 @@ def controlnet_from_unet(unet, vae_scale_factor):
     return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=CONDITIONING_EMBEDDING_CHANNELS[:blocks])
 
 
-def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, **components):
-    """The ControlNet pipeline, loaded once: with ``--controlnet_model_name_or_path`` that ControlNet is a
-    component of the one load; without it, the base pipeline loads and a ControlNet made from its UNet
-    joins its components. ``components`` replace loaded ones (e.g. a VAE)."""
+def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, weight_dtype, **components):
+    """The ControlNet pipeline, loaded once, its frozen components in ``weight_dtype`` and the ControlNet in fp32:
+    with ``--controlnet_model_name_or_path`` that ControlNet is a component of the one load; without it, the base
+    pipeline loads and a ControlNet made from its UNet joins its components. ``components`` replace loaded ones
+    (e.g. a VAE)."""
     if args.controlnet_model_name_or_path:
         controlnet = ControlNetModel.from_pretrained(args.controlnet_model_name_or_path)
-        return load_pipeline(pipeline_class, args, controlnet=controlnet, **components)
-    base = load_pipeline(base_pipeline_class, args, **components)
+        return load_pipeline(pipeline_class, args, weight_dtype, controlnet=controlnet, **components)
+    # The ControlNet copies the UNet's encoder exactly, so the UNet loads in fp32; `prepare_components` casts
+    # it to the weight dtype before it moves to the accelerator.
+    base = load_pipeline(base_pipeline_class, args, weight_dtype, trained_in_fp32=["unet"], **components)
     controlnet = controlnet_from_unet(base.unet, base.vae_scale_factor)
     # The base pipeline's options that the ControlNet pipeline shares (requires_safety_checker,
     # force_zeros_for_empty_prompt, ...) carry over with its components.

@@ -13,14 +13,16 @@ def weight_dtype_for(mixed_precision):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
 
 
-def load_pipeline(pipeline_class, args, **components):
+def load_pipeline(pipeline_class, args, weight_dtype=torch.float32, trained_in_fp32=(), **components):
     """``pipeline_class.from_pretrained`` with the shared flags; ``components`` replace loaded ones.
 
-    Loads in fp32; ``prepare_components`` casts the frozen parts afterwards, so trained
-    parameters never pass through half precision.
+    Every component loads in ``weight_dtype``, the frozen weights' dtype (a LoRA's base included), except those
+    named in ``trained_in_fp32`` (a fully trained UNet), which load in fp32: nothing frozen is ever held in fp32
+    to be cast down later. `prepare_components` makes the trained tensors fp32 before anything moves.
     """
+    dtype = {"default": weight_dtype, **dict.fromkeys(trained_in_fp32, torch.float32)}
     pipe = pipeline_class.from_pretrained(
-        args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, **components
+        args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=dtype, **components
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -32,24 +34,25 @@ def modules_of(pipe):
 
 
 def prepare_components(pipe, trained, device, weight_dtype):
-    """Freeze every module of ``pipe``, move it to ``device`` in ``weight_dtype``; keep trained tensors fp32.
+    """Freeze every module of ``pipe`` and move it to ``device``: frozen tensors in ``weight_dtype``, trained
+    tensors in fp32.
 
-    ``trained`` maps component names to modules whose ``requires_grad`` parameters are trained
-    (call after adding adapters). Parameters that require grad stay fp32 for the optimizer;
-    everything else is frozen and cast, so mixed precision saves memory on the frozen parts only.
+    ``trained`` maps component names to modules whose ``requires_grad`` parameters are trained (call after
+    adding adapters). Parameters that require grad are fp32 for the optimizer; everything else is frozen and in
+    ``weight_dtype``, so mixed precision saves memory on the frozen parts only. Each module gets its dtypes
+    before it moves, so no tensor reaches the accelerator in a dtype it will not keep.
     """
     trained_modules = {id(module) for module in trained.values()}
     for module in modules_of(pipe).values():
-        module.to(device)
-        if id(module) not in trained_modules:
+        if id(module) in trained_modules:
+            # Tensor by tensor: trained weights never pass through half precision.
+            for parameter in module.parameters():
+                parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(weight_dtype)
+        else:
             module.requires_grad_(False)
             module.eval()
-            if weight_dtype != torch.float32:
-                module.to(dtype=weight_dtype)
-            continue
-        # Cast tensor by tensor, so trained weights never pass through half precision.
-        for parameter in module.parameters():
-            parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(weight_dtype)
+            module.to(dtype=weight_dtype)
+        module.to(device)
 
 
 def trainable_parameters(trained):

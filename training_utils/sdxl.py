@@ -49,11 +49,12 @@ def check_vae_path(value, flag="--pretrained_vae_model_name_or_path"):
     require(class_name == "AutoencoderKL", flag, value, f"{expected}; its config.json names {class_name!r}")
 
 
-def vae_components(value):
-    """``{"vae": AutoencoderKL}`` loaded from ``value`` to pass to the pipeline's loading, or ``{}`` without one."""
+def vae_components(value, dtype):
+    """``{"vae": AutoencoderKL}`` loaded from ``value`` in ``dtype`` (the frozen weights'), to pass to the pipeline's
+    loading, or ``{}`` without one."""
     if value is None:
         return {}
-    return {"vae": AutoencoderKL.from_pretrained(value)}
+    return {"vae": AutoencoderKL.from_pretrained(value, dtype=dtype)}
 
 
 def vae_how_to_load(value, pipe):

@@ -57,14 +57,14 @@ def main(args):
 
     # 2. The pipeline, once, with the ControlNet among its components (without --controlnet_model_name_or_path,
     # one made from the loaded UNet's encoder).
-    pipe = load_controlnet_pipeline(StableDiffusionControlNetPipeline, StableDiffusionPipeline, args)
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_controlnet_pipeline(StableDiffusionControlNetPipeline, StableDiffusionPipeline, args, weight_dtype)
     controlnet, unet, vae = pipe.controlnet, pipe.unet, pipe.vae
     text_encoder, tokenizer = pipe.text_encoder, pipe.tokenizer
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
 
     # 3. Only the ControlNet trains; the UNet, VAE and text encoder are frozen. The EMA tracks the ControlNet.
     trained = {"controlnet": controlnet}
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()

@@ -65,8 +65,9 @@ def main(args):
 
     # 2. The pipeline, once (with the replacement VAE, if any), with the ControlNet among its components
     # (without --controlnet_model_name_or_path, one made from the loaded UNet's encoder).
-    pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args,
-                                    **vae_components(args.pretrained_vae_model_name_or_path))
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args, weight_dtype,
+                                    **vae_components(args.pretrained_vae_model_name_or_path, weight_dtype))
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
     controlnet, unet, vae = pipe.controlnet, pipe.unet, pipe.vae
@@ -75,7 +76,6 @@ def main(args):
 
     # 3. Only the ControlNet trains; the UNet, VAE and both text encoders are frozen. The EMA tracks the ControlNet.
     trained = {"controlnet": controlnet}
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()

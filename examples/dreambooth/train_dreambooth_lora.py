@@ -57,7 +57,8 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
-    pipe = load_pipeline(StableDiffusionPipeline, args)
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype)
     unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
 
@@ -67,7 +68,6 @@ def main(args):
     if args.train_text_encoder:
         add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
         trained["text_encoder"] = text_encoder
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()

@@ -95,7 +95,8 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
-    pipe = load_pipeline(StableDiffusion3Pipeline, args)
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_pipeline(StableDiffusion3Pipeline, args, weight_dtype)
     transformer, vae = pipe.transformer, pipe.vae
     text_encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
@@ -109,7 +110,6 @@ def main(args):
         for name, text_encoder in (("text_encoder", pipe.text_encoder), ("text_encoder_2", pipe.text_encoder_2)):
             add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
             trained[name] = text_encoder
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()

@@ -67,14 +67,14 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once. Its modules are the ones we train and the ones validation renders with.
-    pipe = load_pipeline(StableDiffusionPipeline, args)
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype, trained_in_fp32=["unet"])
     unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
 
     # 3. The whole UNet trains, in fp32; the EMA is made from its live tensors (no second copy from disk).
     trained = {"unet": unet}
     unet.requires_grad_(True)
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()

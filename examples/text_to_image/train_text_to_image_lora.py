@@ -48,14 +48,14 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once. Its modules are the ones we train and the ones validation renders with.
-    pipe = load_pipeline(StableDiffusionPipeline, args)
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype)
     unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
 
     # 3. A LoRA adapter on the UNet's attention; the EMA tracks the adapter tensors only.
     add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
     trained = {"unet": unet}
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()

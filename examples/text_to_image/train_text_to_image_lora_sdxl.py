@@ -62,7 +62,9 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once (with the replacement VAE, if any). Its modules train and render validation images.
-    pipe = load_pipeline(StableDiffusionXLPipeline, args, **vae_components(args.pretrained_vae_model_name_or_path))
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    vae_replacement = vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
+    pipe = load_pipeline(StableDiffusionXLPipeline, args, weight_dtype, **vae_replacement)
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
     unet, vae = pipe.unet, pipe.vae
@@ -76,7 +78,6 @@ def main(args):
         for name, text_encoder in zip(("text_encoder", "text_encoder_2"), text_encoders):
             add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
             trained[name] = text_encoder
-    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     prepare_components(pipe, trained, accelerator.device, weight_dtype)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
