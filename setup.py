@@ -7,6 +7,9 @@ setup(
     "validation, and EMA of whatever is trained (LoRA adapters included).",
     packages=find_packages(include=["training_utils", "training_utils.*"]),
     python_requires=">=3.10",
-    extras_require={"test": ["pytest", "pytest-timeout", "psutil"]},
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "psutil", "torchao"],  # torchao: the int8 base runs on the CPU
+        "quantization": ["torchao", "bitsandbytes"],
+    },
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
 )

@@ -17,6 +17,7 @@ from accelerate.utils import parse_flag_from_env
 
 from .checkpointing import check_resume_from_checkpoint
 from .errors import require
+from .quantization import add_quantization_args, check_quantization_args
 
 # A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -131,6 +132,7 @@ def add_lora_args(parser, train_text_encoder=False):
     lora.add_argument("--lora_dropout", type=float, default=0.0)
     if train_text_encoder:
         lora.add_argument("--train_text_encoder", action="store_true", help="also train LoRA on the text encoder(s)")
+    add_quantization_args(parser)
 
 
 def add_diffusion_loss_args(parser):
@@ -208,6 +210,8 @@ def check_args(args):
     require(args.ema_inv_gamma > 0, "--ema_inv_gamma", args.ema_inv_gamma, "a positive number")
     require(args.ema_power > 0, "--ema_power", args.ema_power, "a positive number")
     check_posthoc_args(args)
+    if hasattr(args, "quantize_base"):
+        check_quantization_args(args)
     if args.validation_steps is None and args.validation_epochs is None:
         args.validation_steps = 100
     if args.validation_prompt is not None:

@@ -7,20 +7,26 @@ The scripts never load a component on its own: the pipeline built here is the on
 import torch
 from diffusers import DDPMScheduler
 
+from .quantization import follow_autocast, is_quantized
+
 
 def weight_dtype_for(mixed_precision):
     """The dtype of the frozen weights: half precision under mixed precision, else fp32."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
 
 
-def load_pipeline(pipeline_class, args, weight_dtype=torch.float32, trained_in_fp32=(), **components):
+def load_pipeline(pipeline_class, args, weight_dtype=torch.float32, trained_in_fp32=(), quantization=None,
+                  **components):
     """``pipeline_class.from_pretrained`` with the shared flags; ``components`` replace loaded ones.
 
     Every component loads in ``weight_dtype``, the frozen weights' dtype (a LoRA's base included), except those
     named in ``trained_in_fp32`` (a fully trained UNet), which load in fp32: nothing frozen is ever held in fp32
     to be cast down later. `prepare_components` makes the trained tensors fp32 before anything moves.
+    ``quantization`` (`quantization.quantization_config`) quantises frozen components as they load.
     """
     dtype = {"default": weight_dtype, **dict.fromkeys(trained_in_fp32, torch.float32)}
+    if quantization is not None:
+        components["quantization_config"] = quantization
     pipe = pipeline_class.from_pretrained(
         args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=dtype, **components
     )
@@ -40,18 +46,25 @@ def prepare_components(pipe, trained, device, weight_dtype):
     ``trained`` maps component names to modules whose ``requires_grad`` parameters are trained (call after
     adding adapters). Parameters that require grad are fp32 for the optimizer; everything else is frozen and in
     ``weight_dtype``, so mixed precision saves memory on the frozen parts only. Each module gets its dtypes
-    before it moves, so no tensor reaches the accelerator in a dtype it will not keep.
+    before it moves, so no tensor reaches the accelerator in a dtype it will not keep. A quantised module
+    keeps the dtypes it loaded with (it loaded in ``weight_dtype``); only its trained tensors become fp32.
     """
     trained_modules = {id(module) for module in trained.values()}
     for module in modules_of(pipe).values():
         if id(module) in trained_modules:
             # Tensor by tensor: trained weights never pass through half precision.
             for parameter in module.parameters():
-                parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(weight_dtype)
+                if parameter.requires_grad:
+                    parameter.data = parameter.data.float()
+                elif not is_quantized(module):
+                    parameter.data = parameter.data.to(weight_dtype)
         else:
             module.requires_grad_(False)
             module.eval()
-            module.to(dtype=weight_dtype)
+            if not is_quantized(module):
+                module.to(dtype=weight_dtype)
+        if is_quantized(module):
+            follow_autocast(module)
         module.to(device)
 
 

@@ -37,6 +37,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
 
 
@@ -58,7 +59,8 @@ def main(args):
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
-    pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype)
+    quantization = quantization_config(args, weight_dtype, base=["unet"], text_encoders=["text_encoder"])
+    pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype, quantization=quantization)
     unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
 

@@ -37,6 +37,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.quantization import quantization_config
 from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
                                 tokenize_prompt)
 from training_utils.validation import make_validator
@@ -96,7 +97,9 @@ def main(args):
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
-    pipe = load_pipeline(StableDiffusion3Pipeline, args, weight_dtype)
+    quantization = quantization_config(args, weight_dtype, base=["transformer"],
+                                       text_encoders=["text_encoder", "text_encoder_2", "text_encoder_3"])
+    pipe = load_pipeline(StableDiffusion3Pipeline, args, weight_dtype, quantization=quantization)
     transformer, vae = pipe.transformer, pipe.vae
     text_encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)

@@ -39,6 +39,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.quantization import quantization_config
 from training_utils.sdxl import (add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt,
                                  vae_components, vae_how_to_load)
 from training_utils.validation import make_validator
@@ -64,7 +65,9 @@ def main(args):
     # 2. The pipeline, once (with the replacement VAE, if any). Its modules train and render validation images.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     vae_replacement = vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
-    pipe = load_pipeline(StableDiffusionXLPipeline, args, weight_dtype, **vae_replacement)
+    quantization = quantization_config(args, weight_dtype, base=["unet"],
+                                       text_encoders=["text_encoder", "text_encoder_2"])
+    pipe = load_pipeline(StableDiffusionXLPipeline, args, weight_dtype, quantization=quantization, **vae_replacement)
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
     unet, vae = pipe.unet, pipe.vae
