@@ -18,6 +18,7 @@ from .data import pick_caption
 from .errors import UsageError, require
 from .hub import how_to_load
 from .pipeline import load_pipeline
+from .quantization import add_quantization_args
 from .validation import make_validator
 
 HOW_TO_LOAD = """
@@ -44,6 +45,7 @@ def add_controlnet_args(parser, tracker_project_name):
     controlnet.add_argument("--proportion_empty_prompts", type=float, default=0.0,
                             help="fraction of captions replaced by the empty prompt")
     controlnet.add_argument("--tracker_project_name", default=tracker_project_name)
+    add_quantization_args(parser, base="the frozen UNet")
 
 
 def check_controlnet_args(args):
@@ -93,18 +95,26 @@ def controlnet_from_unet(unet, vae_scale_factor):
     return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=CONDITIONING_EMBEDDING_CHANNELS[:blocks])
 
 
-def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, weight_dtype, **components):
-    """The ControlNet pipeline, loaded once, its frozen components in ``weight_dtype`` and the ControlNet in fp32:
-    with ``--controlnet_model_name_or_path`` that ControlNet is a component of the one load; without it, the base
-    pipeline loads and a ControlNet made from its UNet joins its components. ``components`` replace loaded ones
-    (e.g. a VAE)."""
+def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, weight_dtype, quantization=None,
+                             **components):
+    """The ControlNet pipeline, loaded once, its frozen components in ``weight_dtype`` (``quantization``, if any,
+    quantises them as they load) and the ControlNet in fp32: with ``--controlnet_model_name_or_path`` that
+    ControlNet is a component of the one load; without it, the base pipeline loads and a ControlNet made from
+    its UNet joins its components. ``components`` replace loaded ones (e.g. a VAE)."""
     if args.controlnet_model_name_or_path:
         controlnet = ControlNetModel.from_pretrained(args.controlnet_model_name_or_path)
-        return load_pipeline(pipeline_class, args, weight_dtype, controlnet=controlnet, **components)
-    # The ControlNet copies the UNet's encoder exactly, so the UNet loads in fp32; `prepare_components` casts
-    # it to the weight dtype before it moves to the accelerator.
-    base = load_pipeline(base_pipeline_class, args, weight_dtype, trained_in_fp32=["unet"], **components)
-    controlnet = controlnet_from_unet(base.unet, base.vae_scale_factor)
+        return load_pipeline(pipeline_class, args, weight_dtype, quantization=quantization, controlnet=controlnet,
+                             **components)
+    # The ControlNet copies the UNet's encoder exactly, so from an fp32 UNet: the pipeline's own, which
+    # `prepare_components` casts to the weight dtype before it moves; or, when the pipeline's is quantised,
+    # one read from the same folder for the copy alone.
+    trained_in_fp32 = [] if quantization else ["unet"]
+    base = load_pipeline(base_pipeline_class, args, weight_dtype, trained_in_fp32, quantization, **components)
+    unet = base.unet
+    if quantization:
+        unet = type(base.unet).from_pretrained(args.pretrained_model_name_or_path, subfolder="unet",
+                                               revision=args.revision, variant=args.variant)
+    controlnet = controlnet_from_unet(unet, base.vae_scale_factor)
     # The base pipeline's options that the ControlNet pipeline shares (requires_safety_checker,
     # force_zeros_for_empty_prompt, ...) carry over with its components.
     accepted = inspect.signature(pipeline_class.__init__).parameters

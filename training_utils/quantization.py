@@ -22,7 +22,7 @@ SCHEMES = {
 PACKAGES = {"int8": "torchao", "fp8": "torchao", "nf4": "bitsandbytes", "bnb": "bitsandbytes"}
 
 
-def add_quantization_args(parser, base="the base model"):
+def add_quantization_args(parser, base="the frozen base model"):
     """The quantisation flags, for a script whose ``base`` (e.g. "the UNet") is frozen."""
     group = parser.add_argument_group("quantised base")
     group.add_argument("--quantize_base", choices=list(SCHEMES), default=None,

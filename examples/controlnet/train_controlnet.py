@@ -36,6 +36,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.quantization import quantization_config
 
 
 def parse_args(argv=None):
@@ -58,7 +59,9 @@ def main(args):
     # 2. The pipeline, once, with the ControlNet among its components (without --controlnet_model_name_or_path,
     # one made from the loaded UNet's encoder).
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
-    pipe = load_controlnet_pipeline(StableDiffusionControlNetPipeline, StableDiffusionPipeline, args, weight_dtype)
+    quantization = quantization_config(args, weight_dtype, base=["unet"], text_encoders=["text_encoder"])
+    pipe = load_controlnet_pipeline(StableDiffusionControlNetPipeline, StableDiffusionPipeline, args, weight_dtype,
+                                    quantization)
     controlnet, unet, vae = pipe.controlnet, pipe.unet, pipe.vae
     text_encoder, tokenizer = pipe.text_encoder, pipe.tokenizer
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)

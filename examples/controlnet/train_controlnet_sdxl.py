@@ -40,6 +40,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.quantization import quantization_config
 from training_utils.sdxl import (add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt,
                                  vae_components, vae_how_to_load)
 
@@ -66,8 +67,11 @@ def main(args):
     # 2. The pipeline, once (with the replacement VAE, if any), with the ControlNet among its components
     # (without --controlnet_model_name_or_path, one made from the loaded UNet's encoder).
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    quantization = quantization_config(args, weight_dtype, base=["unet"],
+                                       text_encoders=["text_encoder", "text_encoder_2"])
+    vae_replacement = vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
     pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args, weight_dtype,
-                                    **vae_components(args.pretrained_vae_model_name_or_path, weight_dtype))
+                                    quantization, **vae_replacement)
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
     controlnet, unet, vae = pipe.controlnet, pipe.unet, pipe.vae
