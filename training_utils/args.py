@@ -126,6 +126,8 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
 
 
 def add_lora_args(parser, train_text_encoder=False):
+    """The LoRA flags, and those of a quantised base (`quantization.add_quantization_args`): an adapter trains
+    beside a frozen base, which may be quantised."""
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--rank", type=int, default=4)
     lora.add_argument("--lora_alpha", type=float, default=None, help="default: the rank (scale 1)")
