@@ -92,6 +92,30 @@ def test_a_bf16_lora_run_moves_nothing_to_the_device_in_fp32_but_the_adapter(tin
     assert len(floats) == adapter + frozen_floats
 
 
+class QuantizedStandIn(torch.nn.Module):
+    """Says it loaded quantised, as diffusers and transformers models do: an int8 weight, a bf16 norm, a bias that
+    trains."""
+
+    is_quantized = True
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_prepare_components_leaves_a_quantised_modules_frozen_tensors_as_they_loaded():
+    trained, frozen = QuantizedStandIn(), QuantizedStandIn()
+    frozen.bias.requires_grad_(False)
+    pipe = SimpleNamespace(components={"transformer": trained, "text_encoder": frozen})
+    prepare_components(pipe, {"transformer": trained}, "cpu", torch.float16)
+    for module in (trained, frozen):
+        assert module.weight.dtype == torch.int8 and module.norm.dtype == torch.bfloat16
+    assert trained.bias.dtype == torch.float32 and trained.bias.requires_grad
+    assert frozen.bias.dtype == torch.bfloat16 and not frozen.training
+
+
 def test_prepare_components_bf16(fresh_pipe):
     pipe = fresh_pipe
     trained = train_only_conv_out(pipe)

@@ -11,6 +11,10 @@ import json
 from pathlib import Path
 
 import torch
+from diffusers import BitsAndBytesConfig, TorchAoConfig
+from diffusers.quantizers import PipelineQuantizationConfig
+from transformers import BitsAndBytesConfig as TransformersBitsAndBytesConfig
+from transformers import TorchAoConfig as TransformersTorchAoConfig
 
 from .errors import UsageError, require
 
@@ -88,13 +92,8 @@ def quantization_config(args, weight_dtype, base, text_encoders=()):
     scheme = scheme_of(args)
     if scheme is None:
         return None
-    from diffusers import BitsAndBytesConfig, TorchAoConfig
-    from diffusers.quantizers import PipelineQuantizationConfig
-    from transformers import BitsAndBytesConfig as TransformersBitsAndBytesConfig
-    from transformers import TorchAoConfig as TransformersTorchAoConfig
-
     if scheme in ("int8", "fp8"):
-        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig  # optional: only for these
 
         torchao_type = Int8WeightOnlyConfig if scheme == "int8" else Float8WeightOnlyConfig
     else:
