@@ -84,6 +84,7 @@ BAD_INPUTS = [
     ("lora-dropout-one", ["--lora_dropout", "1.0"], "--lora_dropout", "1.0"),
     ("snr-gamma-zero", ["--snr_gamma", "0"], "--snr_gamma", "0"),
     ("cache-latents-random-crop", ["--cache_latents"], "--cache_latents", "True"),
+    ("feature-cache-dir-a-file", ["--feature_cache_dir", "{a_file}"], "--feature_cache_dir", "{a_file}"),
     ("resume-missing", ["--resume_from_checkpoint", "checkpoint-123"], "--resume_from_checkpoint", "checkpoint-123"),
     ("resume-missing-absolute", ["--resume_from_checkpoint", "/nonexistent/checkpoint-5"],
      "--resume_from_checkpoint", "/nonexistent/checkpoint-5"),

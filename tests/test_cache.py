@@ -6,10 +6,20 @@ import pytest
 import torch
 from PIL import Image
 
-from training_utils.cache import (CACHE_INDEX_COLUMN, FrozenEncoders, cache_latent_parameters, cache_text_embeddings,
+from training_utils.cache import (CACHE_INDEX_COLUMN, FrozenEncoders, UnreadableImage, cached_images,
                                   cached_latent_parameters, cached_latent_parameters_with_conditioning,
-                                  distinct_captions, sample_latents)
+                                  distinct_captions, latent_chunk_encoder, sample_latents)
 from training_utils.data import ImageTransform, ImageWithConditioningTransform, sample_generator, tokenize
+
+
+def cache_latent_parameters(images, transform, vae, batch_size):
+    """``{index: CachedImage}`` for PIL ``images`` (or callables raising), encoded ``batch_size`` at a time."""
+    opens = [image if callable(image) else (lambda image=image: image) for image in images]
+    encode_chunk = latent_chunk_encoder(opens, transform, vae, "cpu", torch.float32)
+    with torch.no_grad():
+        blocks = [encode_chunk(list(range(start, min(start + batch_size, len(images)))))
+                  for start in range(0, len(images), batch_size)]
+    return cached_images(list(range(len(images))), blocks)
 
 
 def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_pipe):
@@ -18,8 +28,7 @@ def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_
     images[0].paste((0, 255, 0), (0, 0, 10, 40))  # asymmetric, so a flip changes the latents
     images[1].paste((255, 255, 0), (0, 0, 12, 56))
     transform = ImageTransform(32, center_crop=True, random_flip=True)
-    cache = cache_latent_parameters(((key, lambda image=image: image) for key, image in enumerate(images)),
-                                    transform, vae, "cpu", torch.float32, batch_size=1)
+    cache = cache_latent_parameters(images, transform, vae, batch_size=1)
     flips = set()
     for epoch in range(6):
         for key, image in enumerate(images):
@@ -44,8 +53,7 @@ def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(
         image.paste((0, 255, 0), (0, 0, 10, image.height))
         conditioning_image.paste((255, 255, 255), (0, 0, 6, conditioning_image.height))
     transform = ImageWithConditioningTransform(32, center_crop=True, random_flip=True)
-    cache = cache_latent_parameters(((key, lambda image=image: image) for key, image in enumerate(images)),
-                                    transform, vae, "cpu", torch.float32, batch_size=2)
+    cache = cache_latent_parameters(images, transform, vae, batch_size=2)
     crops = set()
     for epoch in range(6):
         for key, (image, conditioning_image) in enumerate(zip(images, conditionings)):
@@ -83,7 +91,7 @@ def test_frozen_encoders_draw_from_cached_dataset_images_what_the_transform_draw
         tiny_sd_pipe, tmp_path):
     dataset, paths = two_image_dataset(tmp_path)
     transform = ImageTransform(32, center_crop=True, random_flip=True)
-    frozen = FrozenEncoders(tiny_sd_pipe.vae, transform, "cpu", torch.float32, cache_latents=True, batch_size=2)
+    frozen = FrozenEncoders(tiny_sd_pipe.vae, [], transform, "cpu", torch.float32, cache_latents=True, batch_size=2)
     examples = frozen.cache_dataset_images(dataset, "image")
     assert examples.column_names == ["image", "text", CACHE_INDEX_COLUMN]
     for index, example in enumerate(examples):
@@ -100,7 +108,7 @@ def test_frozen_encoders_draw_from_cached_dataset_images_what_the_transform_draw
 def test_frozen_encoders_without_caching_give_the_transforms_pixels_and_encode_in_the_step(tiny_sd_pipe, tmp_path):
     dataset, paths = two_image_dataset(tmp_path)
     transform = ImageTransform(32, random_flip=True)
-    frozen = FrozenEncoders(tiny_sd_pipe.vae, transform, "cpu", torch.float32)
+    frozen = FrozenEncoders(tiny_sd_pipe.vae, [], transform, "cpu", torch.float32)
     assert frozen.cache_dataset_images(dataset, "image") is dataset
     pixels = [frozen.dataset_image(dataset[index], sample_generator(0, 1, index))[0] for index in range(2)]
     for index, drawn in enumerate(pixels):
@@ -118,7 +126,7 @@ def test_frozen_encoders_without_caching_give_the_transforms_pixels_and_encode_i
 def test_frozen_encoders_draw_cached_image_files_and_sample_batches_from_the_global_rng(tiny_sd_pipe, tmp_path):
     _, paths = two_image_dataset(tmp_path)
     transform = ImageTransform(32, center_crop=True, random_flip=True)
-    frozen = FrozenEncoders(tiny_sd_pipe.vae, transform, "cpu", torch.float32, cache_latents=True)
+    frozen = FrozenEncoders(tiny_sd_pipe.vae, [], transform, "cpu", torch.float32, cache_latents=True)
     frozen.cache_image_files(paths + paths[:1])  # a file listed twice is encoded once
     assert list(frozen.latent_cache) == paths
     parameters = torch.stack([frozen.image_file(path, sample_generator(0, 2, index))[0]
@@ -135,27 +143,36 @@ def test_frozen_encoders_draw_cached_image_files_and_sample_batches_from_the_glo
     assert latents.is_contiguous() and torch.equal(latents, sample_latents(parameters))
 
 
-def test_frozen_encoders_offload_what_they_cached_and_bring_it_back_for_validation(tiny_sd_pipe):
+def stand_in(name, moves):
+    """A module whose moves are recorded as ``(name, device)``."""
+    module = torch.nn.Linear(2, 2)
+    module.to = lambda device: moves.append((name, str(device))) or module
+    return module
+
+
+@pytest.mark.parametrize("cache_latents, offload", [(False, False), (True, False), (False, True)])
+def test_frozen_encoders_are_on_the_accelerator_only_while_they_run(cache_latents, offload):
     moves = []
-
-    def module(name):
-        stand_in = torch.nn.Linear(2, 2)
-        stand_in.to = lambda device: moves.append((name, str(device))) or stand_in
-        return stand_in
-
-    vae, text_encoder = module("vae"), module("text")
-    transform = ImageTransform(32, center_crop=True)
-    for cache_latents, offloaded in ((False, ["text"]), (True, ["vae", "text"])):
+    vae, text_encoder = stand_in("vae", moves), stand_in("text", moves)
+    vae.encode = lambda pixels: type("Encoded", (), {"latent_dist": type("Dist", (), {
+        "sample": lambda self: pixels})()})()
+    frozen = FrozenEncoders(vae, [text_encoder], ImageTransform(32, center_crop=True), "cuda:0", torch.float32,
+                            cache_latents=cache_latents, offload=offload)
+    vae_off = cache_latents or offload
+    assert moves == [*([("vae", "cpu")] if vae_off else []), ("text", "cpu"),
+                     *([] if vae_off else [("vae", "cuda:0")])]
+    moves.clear()
+    embeddings = frozen.text_embeddings(["a", ["b", "a"]], lambda captions: torch.zeros(len(captions), 1))
+    assert list(embeddings) == ["a", "b"]
+    assert moves == [("text", "cuda:0"), ("text", "cpu")]  # on the device while it encodes, then off again
+    moves.clear()
+    with frozen.on_device():  # validation
+        assert moves == [*([("vae", "cuda:0")] if vae_off else []), ("text", "cuda:0")]
+    assert moves[len(moves) // 2:] == [*([("vae", "cpu")] if vae_off else []), ("text", "cpu")]
+    if not cache_latents:
         moves.clear()
-        frozen = FrozenEncoders(vae, transform, "cuda:0", torch.float32, cache_latents=cache_latents)
-        embeddings = frozen.text_embeddings(["a", ["b", "a"]], lambda captions: torch.zeros(len(captions), 1),
-                                            [text_encoder])
-        assert list(embeddings) == ["a", "b"]
-        frozen.offload()
-        assert moves == [(name, "cpu") for name in offloaded]
-        with frozen.on_device():
-            assert moves[len(offloaded):] == [(name, "cuda:0") for name in offloaded]
-        assert moves[2 * len(offloaded):] == [(name, "cpu") for name in offloaded]
+        frozen.latents(torch.zeros(1, 4, 4, 4))
+        assert moves == ([("vae", "cuda:0"), ("vae", "cpu")] if offload else [])
 
 
 def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):
@@ -163,14 +180,14 @@ def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):
         raise OSError("cannot identify image file 'bad.png'")
 
     transform = ImageTransform(32, center_crop=True)
-    cache = cache_latent_parameters([("bad", broken)], transform, tiny_sd_pipe.vae, "cpu", torch.float32, 4)
-    with pytest.raises(OSError, match="bad.png"):
-        cached_latent_parameters(cache["bad"], transform, sample_generator(0, 0, 0))
+    cache = cache_latent_parameters([broken], transform, tiny_sd_pipe.vae, 4)
+    with pytest.raises(UnreadableImage, match="^OSError: cannot identify image file 'bad.png'$"):
+        cached_latent_parameters(cache[0], transform, sample_generator(0, 0, 0))
 
 
 def test_caching_needs_center_crops(tiny_sd_pipe):
     with pytest.raises(ValueError, match="center crops"):
-        cache_latent_parameters([], ImageTransform(32), tiny_sd_pipe.vae, "cpu", torch.float32, 4)
+        cache_latent_parameters([], ImageTransform(32), tiny_sd_pipe.vae, 4)
 
 
 def test_sampling_draws_from_the_global_rng_like_latent_dist_sample(tiny_sd_pipe):
@@ -192,7 +209,8 @@ def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_
     def encode(texts):
         return text_encoder(tokenize(tokenizer, texts), return_dict=False)[0]
 
-    embeddings = cache_text_embeddings(captions, encode, batch_size=2)
+    frozen = FrozenEncoders(None, [text_encoder], ImageTransform(32), "cpu", torch.float32, batch_size=2)
+    embeddings = frozen.text_embeddings(captions, encode)
     assert list(embeddings) == captions
     with torch.no_grad():
         for caption in captions:
@@ -200,17 +218,80 @@ def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_
 
 
 def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption(caplog):
-    caplog.set_level(logging.INFO, logger="training_utils.cache")
+    caplog.set_level(logging.INFO, logger="training_utils.feature_store")
     captions = ["a", "b", "c"]
 
     def encode(texts):  # like SDXL's (hidden states, pooled): a batch of each
         codes = torch.tensor([float(ord(text)) for text in texts])
         return codes[:, None, None].expand(-1, 512, 512), codes[:, None] * 10
 
-    embeddings = cache_text_embeddings(captions, encode, batch_size=2)
+    frozen = FrozenEncoders(None, [], ImageTransform(32), "cpu", torch.float32, batch_size=2)
+    embeddings = frozen.text_embeddings(captions, encode)
     for caption in captions:
         hidden, pooled = embeddings[caption]
         assert torch.equal(hidden, torch.full((512, 512), float(ord(caption))))
         assert torch.equal(pooled, torch.tensor([ord(caption) * 10.0]))
-    # The host memory the cache holds is said: 3 captions of 1 MiB of hidden states (and 4 bytes pooled).
-    assert "text embeddings of 3 distinct captions cached: 3.0 MiB of host memory" in caplog.text
+    # The host memory the cache will hold is said before encoding: 3 captions of 1 MiB of hidden states (and 4
+    # bytes pooled).
+    assert "text embeddings: 3 items, about 3.0 MiB of host memory in each of 1 process(es)" in caplog.text
+
+
+def counting_text_encoder(text_encoder, tokenizer, calls):
+    def encode_text(captions):
+        calls.append(captions)
+        return text_encoder(tokenize(tokenizer, captions), return_dict=False)[0]
+
+    return encode_text
+
+
+def test_a_disk_cache_is_reused_without_running_or_moving_an_encoder_and_gives_the_same_tensors(
+        tiny_sd_pipe, tmp_path):
+    dataset, _ = two_image_dataset(tmp_path)
+    vae, text_encoder, tokenizer = tiny_sd_pipe.vae, tiny_sd_pipe.text_encoder, tiny_sd_pipe.tokenizer
+    transform = ImageTransform(32, center_crop=True, random_flip=True)
+
+    def cached(calls, device="cpu"):
+        frozen = FrozenEncoders(vae, [text_encoder], transform, device, torch.float32, cache_latents=True,
+                                cache_dir=tmp_path / "features")
+        embeddings = frozen.text_embeddings(dataset["text"], counting_text_encoder(text_encoder, tokenizer, calls),
+                                            [tokenizer])
+        examples = frozen.cache_dataset_images(dataset, "image")
+        return embeddings, [frozen.dataset_image(example, sample_generator(0, 0, index))
+                            for index, example in enumerate(examples)]
+
+    calls = []
+    first = cached(calls)
+    assert calls == [["a"], ["a", "b"]]  # the size estimate's probe, then the chunk
+    moves, again = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (vae, text_encoder):
+            patch.setattr(module, "to", lambda device, module=module: moves.append(str(device)) or module)
+        patch.setattr(vae, "encode", lambda *args: pytest.fail("the VAE ran"))
+        second = cached(again, device="cuda:0")  # the accelerator, which nothing reaches
+    assert again == [] and set(moves) == {"cpu"}
+    assert first[0].keys() == second[0].keys()
+    assert all(torch.equal(first[0][caption], second[0][caption]) for caption in first[0])
+    for (parameters, *layout), (parameters_again, *layout_again) in zip(first[1], second[1]):
+        assert torch.equal(parameters, parameters_again) and layout == layout_again
+
+
+def test_a_disk_cache_is_not_used_for_another_resolution_image_or_caption(tiny_sd_pipe, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="training_utils.feature_store")
+    dataset, paths = two_image_dataset(tmp_path)
+    vae, text_encoder, tokenizer = tiny_sd_pipe.vae, tiny_sd_pipe.text_encoder, tiny_sd_pipe.tokenizer
+    features = tmp_path / "features"
+
+    def cache(resolution, captions):
+        frozen = FrozenEncoders(vae, [text_encoder], ImageTransform(resolution, center_crop=True), "cpu",
+                                torch.float32, cache_latents=True, cache_dir=features)
+        frozen.text_embeddings(captions, counting_text_encoder(text_encoder, tokenizer, []), [tokenizer])
+        frozen.cache_dataset_images(dataset, "image")
+
+    cache(32, ["a", "b"])
+    cache(48, ["a", "b"])
+    assert "made for another transform '32px center crop, both flips', now '48px center crop, both flips'" \
+        in caplog.text
+    Image.new("RGB", (48, 40), (0, 0, 0)).save(paths[1])  # the same file name, another picture
+    cache(48, ["a", "c"])
+    assert "made for another images" in caplog.text and "made for another captions" in caplog.text
+    assert sorted(path.name.split("-")[0] for path in features.iterdir()) == ["latents"] * 3 + ["text_embeddings"] * 2

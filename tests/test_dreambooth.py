@@ -102,7 +102,7 @@ def test_check_rejects_a_missing_or_empty_instance_folder(tmp_path):
 
 def pixels_of(transform, vae=None):
     """`FrozenEncoders` that give the images' pixels (or, with ``vae``, their cached latent parameters)."""
-    return FrozenEncoders(vae, transform, "cpu", torch.float32, cache_latents=vae is not None, batch_size=3)
+    return FrozenEncoders(vae, [], transform, "cpu", torch.float32, cache_latents=vae is not None, batch_size=3)
 
 
 def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path, instance_dir):

@@ -1,4 +1,5 @@
-"""The LoRA script on two CPU processes (gloo): no hang, one writer, a consistent EMA, exact resume."""
+"""The LoRA script on two CPU processes (gloo): no hang, one writer, a consistent EMA, exact resume, the
+encoding shared."""
 
 import json
 import shutil
@@ -28,14 +29,17 @@ def log_records(output_dir):
 
 @pytest.fixture(scope="module")
 def two_process_run(tiny, tmp_path_factory):
-    output_dir, _ = launch_processes(SCRIPT, lambda: tmp_path_factory.mktemp("two_processes"),
-                                     lambda output_dir: flags(tiny, output_dir))
+    """The text embeddings cached on disk, in ``output_dir / "features"``."""
+    output_dir, _ = launch_processes(
+        SCRIPT, lambda: tmp_path_factory.mktemp("two_processes"),
+        lambda output_dir: flags(tiny, output_dir, "--feature_cache_dir", output_dir / "features"))
     return output_dir
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tiny, two_process_run, tmp_path_factory):
-    """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint."""
+    """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint; the text embeddings
+    cached in memory."""
     def prepare():
         output_dir = tmp_path_factory.mktemp("resumed")
         shutil.copytree(two_process_run / "checkpoint-2", output_dir / "checkpoint-2")
@@ -92,3 +96,13 @@ def test_resuming_on_two_processes_equals_the_uninterrupted_run(two_process_run,
     for record, original in zip(records, log_records(two_process_run)[2:]):
         for image, original_image in zip(record["images"], original["images"]):
             assert (output_dir / image).read_bytes() == (two_process_run / original_image).read_bytes()
+
+
+def test_each_process_encodes_its_own_share_of_the_captions(two_process_run):
+    """36 captions in chunks of 16: the first process encodes chunks 0 and 2, the second chunk 1, each into its
+    own shard."""
+    (store,) = (two_process_run / "features").iterdir()
+    shards = sorted(store.glob("shard-*.safetensors"))
+    held = [sorted(index for name, tensor in load_file(shard).items() if name.endswith("/indices")
+                   for index in tensor.tolist()) for shard in shards]
+    assert held == [[*range(16), *range(32, 36)], list(range(16, 32))]

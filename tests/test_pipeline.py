@@ -150,6 +150,15 @@ def test_prepare_components_fp32_changes_no_dtype(fresh_pipe):
     assert pipe.unet.conv_out.weight.requires_grad
 
 
+def test_prepare_components_leaves_the_frozen_encoders_on_the_cpu_but_a_trained_one_goes_to_the_device(fresh_pipe):
+    pipe = fresh_pipe
+    trained = {**train_only_conv_out(pipe), "text_encoder": pipe.text_encoder}
+    pipe.text_encoder.requires_grad_(True)
+    prepare_components(pipe, trained, "meta", torch.bfloat16, encoders=[pipe.vae, pipe.text_encoder])
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in pipe.vae.parameters())
+    assert all(p.device.type == "meta" for module in (pipe.unet, pipe.text_encoder) for p in module.parameters())
+
+
 def test_prepare_components_trained_values_survive_bf16(fresh_pipe):
     pipe = fresh_pipe
     trained = train_only_conv_out(pipe)

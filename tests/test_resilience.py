@@ -255,7 +255,7 @@ def test_dreambooth_style_paths_are_named_and_replaced_also_through_loader_worke
     images = list_images(tiny["instance"])
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
-    pixels = FrozenEncoders(None, ImageTransform(32), "cpu", torch.float32, cache_latents=False, batch_size=1)
+    pixels = FrozenEncoders(None, [], ImageTransform(32), "cpu", torch.float32, cache_latents=False, batch_size=1)
     dataset = dreambooth_dataset([images[0], broken, images[1]], None, pixels, seed=0)
     sample = dataset[1]
     assert sample.source == str(broken) and "UnidentifiedImageError" in sample.reason

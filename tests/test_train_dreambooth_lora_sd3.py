@@ -39,8 +39,10 @@ def four_images(tiny, tmp_path_factory):
 def runs(tiny, four_images, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
-    - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3;
-    - cached: the same 8 steps with --cache_latents, neither validating nor checkpointing;
+    - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3, the VAE
+      off the accelerator between steps (--offload);
+    - cached: the same 8 steps with --cache_latents, on disk (--feature_cache_dir ``../features``), neither
+      validating nor checkpointing;
     - blocks: block 0 only, text-encoder adapters, prior preservation (class images in ``../class``) with cached
       latents, an EMA equal to the raw weights; also the velocity loss with cosmap weighting, and gradient
       checkpointing.
@@ -50,9 +52,10 @@ def runs(tiny, four_images, tmp_path_factory):
         "full": (SCRIPT, *common(tiny, root / "full", *four_images, "--max_train_steps", 8,
                                  "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
                                  "--validation_inference_steps", 2, "--validation_steps", 3,
-                                 "--checkpointing_steps", 3)),
+                                 "--checkpointing_steps", 3, "--offload")),
         "cached": (SCRIPT, *common(tiny, root / "cached", *four_images, "--max_train_steps", 8,
-                                   "--checkpointing_steps", 1000, "--cache_latents")),
+                                   "--checkpointing_steps", 1000, "--cache_latents",
+                                   "--feature_cache_dir", root / "features")),
         "blocks": (SCRIPT, *common(tiny, root / "blocks", "--lora_blocks", 0, "--train_text_encoder", "--ema_decay", 0,
                                    "--with_prior_preservation", "--class_data_dir", root / "class",
                                    "--class_prompt", CLASS_PROMPT, "--num_class_images", 2, "--sample_batch_size", 2,
@@ -106,6 +109,11 @@ def test_cached_latents_train_like_encoding_every_step(runs):
         assert cached.keys() == encoded.keys()
         for key in cached:  # the VAE ran on other batch sizes: equal up to float rounding
             torch.testing.assert_close(cached[key], encoded[key], rtol=1e-4, atol=1e-5)
+    # On disk: the four images' latents (both flips), and the prompt's two embeddings (hidden states and pooled).
+    latents, text = (load_file(next((cached_dir.parent / "features").glob(f"{kind}-*/shard-*")))
+                     for kind in ("latents", "text_embeddings"))
+    assert latents["0/parameters"].shape[:2] == (4, 2) and latents["0/indices"].tolist() == [0, 1, 2, 3]
+    assert sorted(text) == ["0/0", "0/1", "0/indices"] and text["0/indices"].tolist() == [0]
 
 
 def test_lora_blocks_restricts_the_transformer_adapter_and_text_encoders_are_saved(runs):

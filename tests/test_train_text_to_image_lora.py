@@ -3,6 +3,7 @@
 
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,6 +49,11 @@ def cache_flags(tiny, output_dir, *extra):
             *CACHE_VALIDATION, *extra]
 
 
+def feature_flags(root):
+    """Caching on disk, in ``root``'s feature cache."""
+    return ["--feature_cache_dir", Path(root) / "features"]
+
+
 def cache_run(cache_latents, random_flip):
     return f"cache_latents{int(cache_latents)}-random_flip{int(random_flip)}"
 
@@ -61,7 +67,8 @@ def runs(tiny, tmp_path_factory):
       as the pipeline has loaded;
     - posthoc: 6 steps, post-hoc EMA snapshots every 2 steps and two more sigma_rels rendered at validation;
     - `cache_run` (cache_latents, random_flip): `cache_flags` with and without ``--cache_latents`` and
-      ``--random_flip``.
+      ``--random_flip``; with both, the cache is on disk (`feature_flags`); with flips only, the VAE leaves the
+      accelerator between steps (``--offload``).
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -81,8 +88,11 @@ def runs(tiny, tmp_path_factory):
     for cache_latents in (False, True):
         for random_flip in (False, True):
             name = cache_run(cache_latents, random_flip)
-            launches[name] = (SCRIPT, *cache_flags(tiny, root / name, *(["--cache_latents"] if cache_latents else []),
-                                                   *(["--random_flip"] if random_flip else [])))
+            extra = ["--cache_latents"] if cache_latents else []
+            extra += ["--random_flip"] if random_flip else []
+            extra += feature_flags(root) if cache_latents and random_flip else []
+            extra += ["--offload"] if random_flip and not cache_latents else []
+            launches[name] = (SCRIPT, *cache_flags(tiny, root / name, *extra))
     results = launch_together(launches)
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -218,10 +228,24 @@ def test_flips_change_the_cached_run(runs):
 
 
 def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, runs):
-    def resumed_flags(output_dir):
-        return cache_flags(tiny, output_dir, "--cache_latents", "--random_flip")
+    straight = runs[cache_run(True, True)][0]
 
-    assert_resumes_exactly(SCRIPT, resumed_flags, runs[cache_run(True, True)][0], tmp_path, 2, [LORA], launch=launch)
+    def resumed_flags(output_dir):
+        return cache_flags(tiny, output_dir, "--cache_latents", "--random_flip", *feature_flags(straight.parent))
+
+    resumed = assert_resumes_exactly(SCRIPT, resumed_flags, straight, tmp_path, 2, [LORA], launch=launch)
+    assert "latents: reusing" in resumed.stderr
+
+
+def test_a_second_run_on_the_feature_cache_runs_no_encoder_and_ends_bitwise_equal(tiny, tmp_path, runs):
+    first = runs[cache_run(True, True)][0]
+    assert "text embeddings: encoding 36 items into" in runs[cache_run(True, True)][1].stderr
+    second = launch(SCRIPT, *cache_flags(tiny, tmp_path, "--cache_latents", "--random_flip",
+                                         *feature_flags(first.parent))).stderr
+    for cached in ("text embeddings", "latents"):
+        assert f"{cached}: reusing {first.parent / 'features'}" in second and f"{cached}: encoding" not in second
+    assert_same_files(first / LORA, tmp_path / LORA)
+    assert_close_validations(first, tmp_path, [(2, "raw"), (4, "raw")], max_difference=0)
 
 
 def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):

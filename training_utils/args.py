@@ -147,8 +147,16 @@ def add_diffusion_loss_args(parser):
 
 
 def add_cache_args(parser):
-    parser.add_argument("--cache_latents", action="store_true",
-                        help="encode the images with the VAE once before training (needs --center_crop)")
+    """How the frozen encoders' outputs are cached (text embeddings always are) and where the encoders live."""
+    cache = parser.add_argument_group("caching")
+    cache.add_argument("--cache_latents", action="store_true",
+                       help="encode the images with the VAE once before training (needs --center_crop)")
+    cache.add_argument("--feature_cache_dir", default=None,
+                       help="keep the cached text embeddings (and latents) on disk here, read memory-mapped; a later "
+                            "run with the same model, data and settings reuses them without running the encoders")
+    cache.add_argument("--offload", action="store_true",
+                       help="keep the VAE off the accelerator between steps too when it encodes in every step "
+                            "(the text encoders, and a VAE whose latents are cached, always are)")
 
 
 def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
@@ -203,6 +211,9 @@ def check_args(args):
     # A cached latent stands for one crop of its image; flips are cached both ways, random crops cannot be.
     require(not getattr(args, "cache_latents", False) or args.center_crop, "--cache_latents", True,
             "--center_crop with it (random crops change every epoch and cannot be cached)")
+    feature_cache_dir = getattr(args, "feature_cache_dir", None)
+    require(feature_cache_dir is None or not Path(feature_cache_dir).exists() or Path(feature_cache_dir).is_dir(),
+            "--feature_cache_dir", feature_cache_dir, "a folder (or a path where one can be made)")
     # accelerate launch always sets ACCELERATE_USE_CPU, to "False" unless --cpu: parse it, don't test presence.
     on_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
     require(args.mixed_precision != "fp16" or on_cuda,

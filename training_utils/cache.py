@@ -12,18 +12,22 @@ and resumes exactly:
   crops can be cached: a random crop changes every epoch);
 * text embeddings are cached per distinct caption, so a caption drawn at random (`pick_caption`)
   still finds its embedding.
+
+Each process encodes its share and then holds all of it (`feature_store.encode_once`); with ``cache_dir``
+(``--feature_cache_dir``) the outputs live on disk, memory-mapped, and a later run with the same encoders,
+data and settings reuses them without running, or moving to the accelerator, any encoder.
 """
 
 import contextlib
-import logging
+import hashlib
+import os
 
 import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
 from .data import UNREADABLE_IMAGE_ERRORS, ImageTransform
-
-logger = logging.getLogger(__name__)
+from .feature_store import Block, FeatureStore, describe, encode_once, encoders_on
 
 CACHE_INDEX_COLUMN = "__cache_index__"
 
@@ -36,36 +40,49 @@ class CachedImage:
         self.parameters = parameters
 
 
-def cache_latent_parameters(images, transform, vae, device, dtype, batch_size):
-    """``{key: CachedImage}`` for ``images``, an iterable of ``(key, open_image)`` where ``open_image()``
-    returns a PIL image; an image that cannot be read maps to its error instead, raised again by
-    `cached_latent_parameters` so `TrainDataset` replaces the sample as it would uncached."""
+class UnreadableImage(OSError):
+    """An image that could not be read when the cache was made; raised when a sample draws it, as reading it
+    would have raised, so that `TrainDataset` replaces the sample."""
+
+
+def latent_chunk_encoder(open_images, transform, vae, device, dtype):
+    """``encode_chunk(indices)`` for `feature_store.encode_once`: the latent parameters of the images
+    ``open_images[index]()`` (PIL images), center-cropped, unflipped and flipped, as a `Block` with
+    ``parameters`` (``[n, 2, ...]``) and ``sizes`` (``[n, 2]``, width and height); an image that cannot be
+    read is a `Block` error."""
     if not transform.center_crop:
         raise ValueError("latents can only be cached for center crops")
     unflipped = ImageTransform(transform.resolution, center_crop=True)
-    cache, pending = {}, []
 
-    def encode():
-        pixels = torch.stack([both for _, _, pair in pending for both in pair]).to(device, dtype)
-        with torch.no_grad():
-            parameters = vae.encode(pixels).latent_dist.parameters.cpu()
-        for position, (key, size, _) in enumerate(pending):
-            cache[key] = CachedImage(size, parameters[2 * position:2 * position + 2].clone())
-        pending.clear()
+    def encode_chunk(indices):
+        readable, sizes, pixels, errors = [], [], [], {}
+        for index in indices:
+            try:
+                image = open_images[index]()
+                both = unflipped(image, None)[0]
+            except UNREADABLE_IMAGE_ERRORS as error:
+                errors[index] = f"{type(error).__name__}: {error}"
+                continue
+            readable.append(index)
+            sizes.append(image.size)
+            pixels += [both, both.flip(-1)]
+        tensors = {}
+        if readable:
+            parameters = vae.encode(torch.stack(pixels).to(device, dtype)).latent_dist.parameters.cpu()
+            tensors = {"parameters": parameters.unflatten(0, (len(readable), 2)), "sizes": torch.tensor(sizes)}
+        return Block(torch.tensor(readable, dtype=torch.int64), tensors, errors)
 
-    for key, open_image in images:
-        try:
-            image = open_image()
-            pixels = unflipped(image, None)[0]
-        except UNREADABLE_IMAGE_ERRORS as error:
-            cache[key] = error
-            continue
-        pending.append((key, image.size, (pixels, pixels.flip(-1))))
-        if len(pending) == batch_size:
-            encode()
-    if pending:
-        encode()
-    return cache
+    return encode_chunk
+
+
+def cached_images(keys, blocks):
+    """``{key: CachedImage or UnreadableImage}`` from the blocks of `latent_chunk_encoder`, in ``keys``' order."""
+    found = {}
+    for block in blocks:
+        for row, index in enumerate(block.indices.tolist()):
+            found[index] = CachedImage(tuple(block.tensors["sizes"][row].tolist()), block.tensors["parameters"][row])
+        found.update({index: UnreadableImage(message) for index, message in block.errors.items()})
+    return {key: found[index] for index, key in enumerate(keys)}
 
 
 def cached_latent_parameters(cached, transform, generator):
@@ -89,8 +106,8 @@ def cached_latent_parameters_with_conditioning(cached, conditioning_image, trans
 def _drawn(cached, transform, generator):
     """The parameters of one draw of ``transform``'s layout for a cached image, and that layout; the
     draw takes from ``generator`` exactly what the uncached transform takes."""
-    if isinstance(cached, BaseException):
-        raise cached.with_traceback(None)
+    if isinstance(cached, UnreadableImage):
+        raise cached
     layout = transform.draw_layout(*cached.size, generator)
     return cached.parameters[int(layout.flip)], layout
 
@@ -109,73 +126,123 @@ def distinct_captions(values):
     return list(captions)
 
 
-def cache_text_embeddings(captions, encode, batch_size):
-    """``{caption: embedding}`` (on the CPU), ``encode(list of captions)`` called ``batch_size`` at a time.
+def text_chunk_encoder(captions, encode):
+    """``encode_chunk(indices)`` for `feature_store.encode_once`: ``encode(list of captions)``, a batch tensor or
+    a tuple of them (e.g. SDXL's hidden states and pooled embeddings), as a `Block` on the CPU."""
+    def encode_chunk(indices):
+        encoded = encode([captions[index] for index in indices])
+        parts = {"embeddings": encoded} if isinstance(encoded, torch.Tensor) else dict(enumerate(encoded))
+        return Block(torch.tensor(indices, dtype=torch.int64),
+                     {str(name): part.cpu() for name, part in parts.items()}, {})
 
-    ``encode`` returns a batch tensor, or a tuple of them (e.g. SDXL's hidden states and pooled
-    embeddings); then each caption maps to a tuple of its rows. The cache lives in host memory and
-    grows with the number of distinct captions (SDXL: ~0.3 MB each in half precision), so its size
-    is logged."""
-    embeddings, size = {}, 0
-    with torch.no_grad():
-        for start in range(0, len(captions), batch_size):
-            chunk = captions[start:start + batch_size]
-            encoded = encode(chunk)
-            single = isinstance(encoded, torch.Tensor)
-            parts = [part.cpu() for part in ((encoded,) if single else encoded)]
-            size += sum(part.nbytes for part in parts)
-            embeddings.update(zip(chunk, parts[0] if single else zip(*parts)))
-    logger.info(f"text embeddings of {len(embeddings)} distinct captions cached: {size / 2**20:.1f} MiB of host memory")
-    return embeddings
+    return encode_chunk
+
+
+def embeddings_by_caption(captions, blocks):
+    """``{caption: embedding}`` from the blocks of `text_chunk_encoder`, in ``captions``' order; an embedding is
+    a tensor, or a tuple of them if ``encode`` returned a tuple."""
+    found = {}
+    for block in blocks:
+        if "embeddings" in block.tensors:
+            rows = block.tensors["embeddings"]
+        else:
+            rows = zip(*(block.tensors[str(part)] for part in range(len(block.tensors))))
+        found.update(zip(block.indices.tolist(), rows))
+    return {caption: found[index] for index, caption in enumerate(captions)}
+
+
+def image_source(value):
+    """What identifies an image for the cache: a file by path, size and modification time, embedded bytes by
+    their hash (``value`` is a path, or a datasets image left undecoded: ``{"path", "bytes"}``)."""
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            return hashlib.blake2b(value["bytes"], digest_size=16).hexdigest()
+        value = value["path"]
+    try:
+        stat = os.stat(value)
+    except OSError:
+        return f"{value} (unreadable)"
+    return f"{value} {stat.st_size} {stat.st_mtime_ns}"
+
+
+def many(items, noun):
+    """A determinant naming a list by its length and hash, e.g. "12 captions 3f2a…"."""
+    return f"{len(items)} {noun} {hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest()}"
 
 
 class FrozenEncoders:
     """A run's frozen encoders: their outputs computed once before training where they can be, and the
-    encoders kept off the accelerator afterwards, except while validation renders (`on_device`).
+    encoders on the accelerator only while they run (for caching, for validation with `on_device`, and the
+    VAE in every step when latents are not cached, unless ``offload``).
 
-    A script makes one, has it cache (`text_embeddings`; `cache_dataset_images` or `cache_image_files`),
-    calls `offload`, then asks it for what a sample needs (`dataset_image`, `image_file`: pixels, or with
-    ``cache_latents`` the image's cached latent distribution) and, in the step, for a batch's `latents`.
+    A script makes one (`pipeline.prepare_components` left the encoders on the CPU), has it cache
+    (`text_embeddings`; `cache_dataset_images` or `cache_image_files`), then asks it for what a sample needs
+    (`dataset_image`, `image_file`: pixels, or with ``cache_latents`` the image's cached latent distribution)
+    and, in the step, for a batch's `latents`.
 
     Args:
         vae: the pipeline's VAE.
+        text_encoders: the text encoders whose outputs are cached (not those that train, or run in every step).
         transform: the run's `ImageTransform` (or `ImageWithConditioningTransform`); it must center-crop to
             cache latents.
         device, dtype: where and in which dtype the encoders run (the frozen weights' dtype).
         cache_latents: encode every image (both flips) once before training, instead of in every step.
+        cache_dir: keep the cached outputs on disk there (``--feature_cache_dir``), for this and later runs.
+        offload: keep the VAE off the accelerator between steps too, when it encodes in every step
+            (``--offload``: less memory, more transfers).
         batch_size: how many inputs an encoder takes at once while caching.
     """
 
-    def __init__(self, vae, transform, device, dtype, cache_latents=False, batch_size=16):
+    def __init__(self, vae, text_encoders, transform, device, dtype, cache_latents=False, cache_dir=None,
+                 offload=False, batch_size=16):
         self.vae = vae
+        self.text_encoders = list(text_encoders)
         self.transform = transform
         self.device = device
         self.dtype = dtype
+        self.cache_latents = cache_latents
+        self.cache_dir = cache_dir
         self.batch_size = batch_size
-        self.latent_cache = {} if cache_latents else None
-        self.cached_encoders = [vae] if cache_latents else []
+        self.latent_cache = None
         self.image_column = None
+        # The encoders kept off the accelerator; validation brings them.
+        self.off_device = [*([vae] if cache_latents or offload else []), *self.text_encoders]
+        for module in self.off_device:
+            module.to("cpu")
+        if vae is not None and vae not in self.off_device:
+            vae.to(device)
 
-    def text_embeddings(self, captions, encode, encoders):
+    def text_embeddings(self, captions, encode, depends_on=()):
         """``{caption: embedding}`` for each distinct caption of ``captions`` (strings, or lists of them), from
-        ``encode(list of captions)``; ``encoders``, whose outputs these are, leave the accelerator at `offload`."""
-        embeddings = cache_text_embeddings(distinct_captions(captions), encode, self.batch_size)
-        self.cached_encoders += encoders
-        return embeddings
+        ``encode(list of captions)``, which runs the frozen text encoders. ``depends_on`` lists what else the
+        embeddings depend on (tokenizers, settings such as a maximum length): with ``cache_dir`` it keys the
+        cache, with the text encoders, their dtype, ``encode``'s code and the captions."""
+        captions = distinct_captions(captions)
+        store = self._store("text_embeddings", {
+            "encoders": [describe(encoder) for encoder in self.text_encoders],
+            "depends_on": [describe(thing) for thing in depends_on],
+            "encode": describe(encode), "captions": many(captions, "captions")})
+        encode_chunk = text_chunk_encoder(captions, encode)
+        blocks = encode_once("text embeddings", len(captions), encode_chunk,
+                             lambda: _bytes_per_item(encode_chunk([0])),
+                             lambda: encoders_on(self.device, self.text_encoders), self.batch_size, store)
+        return embeddings_by_caption(captions, blocks)
 
     def cache_dataset_images(self, dataset, image_column):
         """The examples to train on, for a `datasets.Dataset` with images in ``image_column``: the dataset
         itself, or, caching latents, the dataset with its images left undecoded (the cache holds them; a
         `TrainDataset` still names the file of an unreadable one) and each row's index in `CACHE_INDEX_COLUMN`."""
         self.image_column = image_column
-        if self.latent_cache is None:
+        if not self.cache_latents:
             return dataset
         import datasets
 
-        images = dataset.select_columns(image_column)  # decode nothing else (e.g. conditioning images)
-        self.latent_cache.update(self._encode(
-            (index, lambda index=index: images[index][image_column]) for index in range(len(images))))
         undecoded = dataset.cast_column(image_column, datasets.Image(decode=False))
+        images = dataset.select_columns(image_column)  # decode nothing else (e.g. conditioning images)
+        sources = [image_source(row[image_column]) for row in undecoded.select_columns(image_column)]
+        self.latent_cache = self._cache_latents(
+            list(range(len(dataset))), sources, [lambda index=index: images[index][image_column]
+                                                 for index in range(len(dataset))])
         return undecoded.add_column(CACHE_INDEX_COLUMN, list(range(len(dataset))))
 
     def dataset_image(self, example, generator):
@@ -195,9 +262,10 @@ class FrozenEncoders:
 
     def cache_image_files(self, paths):
         """Caching latents, encode each of the image files ``paths`` once (`image_file` then draws from them)."""
-        if self.latent_cache is not None:
-            paths = dict.fromkeys(paths)
-            self.latent_cache.update(self._encode((path, lambda path=path: Image.open(path)) for path in paths))
+        if self.cache_latents:
+            paths = list(dict.fromkeys(paths))
+            self.latent_cache = self._cache_latents(paths, [image_source(path) for path in paths],
+                                                    [lambda path=path: Image.open(path) for path in paths])
 
     def image_file(self, path, generator):
         """What ``transform(Image.open(path), generator)`` returns, from the cache when caching latents."""
@@ -212,22 +280,34 @@ class FrozenEncoders:
         channels-last, and noise drawn ``randn_like`` them follows their layout."""
         if self.latent_cache is not None:
             return sample_latents(images).contiguous()
-        return self.vae.encode(images.to(self.dtype)).latent_dist.sample().contiguous()
-
-    def offload(self):
-        """Move the encoders whose outputs are all cached off the accelerator (to the CPU)."""
-        for module in self.cached_encoders:
-            module.to("cpu")
+        with encoders_on(self.device, [self.vae]) if self.vae in self.off_device else contextlib.nullcontext():
+            return self.vae.encode(images.to(self.dtype)).latent_dist.sample().contiguous()
 
     @contextlib.contextmanager
     def on_device(self):
-        """The offloaded encoders back on the accelerator while the block runs (validation renders with them)."""
-        for module in self.cached_encoders:
-            module.to(self.device)
-        try:
+        """The encoders kept off the accelerator back on it while the block runs (validation renders with them)."""
+        with encoders_on(self.device, self.off_device):
             yield
-        finally:
-            self.offload()
 
-    def _encode(self, images):
-        return cache_latent_parameters(images, self.transform, self.vae, self.device, self.dtype, self.batch_size)
+    def _store(self, kind, determinants):
+        if self.cache_dir is None:
+            return None
+        return FeatureStore(self.cache_dir, kind, {**determinants, "dtype": str(self.dtype)})
+
+    def _cache_latents(self, keys, sources, open_images):
+        """``{key: CachedImage or UnreadableImage}`` for the images ``open_images[i]()`` of ``keys``, which
+        ``sources`` identify (`image_source`)."""
+        store = self._store("latents", {
+            "vae": describe(self.vae), "images": many(sources, "images"),
+            "transform": f"{self.transform.resolution}px center crop, both flips"})
+        encode_chunk = latent_chunk_encoder(open_images, self.transform, self.vae, self.device, self.dtype)
+        blank = Image.new("RGB", (self.transform.resolution,) * 2)
+        blocks = encode_once("latents", len(keys), encode_chunk,
+                             lambda: _bytes_per_item(latent_chunk_encoder(
+                                 [lambda: blank], self.transform, self.vae, self.device, self.dtype)([0])),
+                             lambda: encoders_on(self.device, [self.vae]), self.batch_size, store)
+        return cached_images(keys, blocks)
+
+
+def _bytes_per_item(block):
+    return sum(tensor.nbytes for tensor in block.tensors.values()) // max(len(block.indices), 1)

@@ -92,13 +92,16 @@ def instance_then_class_collate(examples):
 
 
 def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed, batch_size=4, schedulers=(),
-                          weight_dtype=torch.float32, num_inference_steps=None, call_kwargs=None):
+                          weight_dtype=torch.float32, num_inference_steps=None, call_kwargs=None,
+                          encoders_on_device=contextlib.nullcontext):
     """Render ``pipe(prompt)`` into ``class_dir`` until it holds ``num_images`` images; returns how many it made.
 
     Only the main process renders; the others wait. The image that becomes the folder's i-th is drawn
     from a generator seeded ``seed + i``, so the same folder state gives the same images. Rendering has
     validation's protections: the global RNG is untouched, and ``pipe.scheduler``, ``schedulers`` (e.g.
     the training noise scheduler) and every module's train/eval mode are restored afterwards.
+    ``encoders_on_device`` (e.g. `cache.FrozenEncoders.on_device`) holds the encoders kept off the
+    accelerator on it while rendering.
     """
     class_dir = Path(class_dir)
     accelerator.wait_for_everyone()  # every process counts before the main one starts writing
@@ -120,7 +123,7 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
                       if not (class_dir / name).exists())
         with (preserved_state([pipe.scheduler, *schedulers], modules),
               torch.random.fork_rng(devices=[accelerator.device] if device_type == "cuda" else []),
-              autocast, torch.no_grad()):
+              autocast, torch.no_grad(), encoders_on_device()):
             for module in modules:
                 module.eval()
             for batch in tqdm(batches, desc="class images", disable=not accelerator.is_local_main_process):
@@ -141,7 +144,8 @@ def _save_atomically(image, path):
     os.replace(partial, path)
 
 
-def class_images_from_args(args, pipe, accelerator, schedulers=(), weight_dtype=torch.float32):
+def class_images_from_args(args, pipe, accelerator, schedulers=(), weight_dtype=torch.float32,
+                           encoders_on_device=contextlib.nullcontext):
     """With ``--with_prior_preservation``: the ``--num_class_images`` class images, generated first by
     ``pipe`` (the one that trains) where ``--class_data_dir`` lacks some; without it, None."""
     if not args.with_prior_preservation:
@@ -150,6 +154,6 @@ def class_images_from_args(args, pipe, accelerator, schedulers=(), weight_dtype=
         pipe, args.class_prompt, args.class_data_dir, args.num_class_images, accelerator, args.seed,
         args.sample_batch_size, schedulers=schedulers, weight_dtype=weight_dtype,
         num_inference_steps=args.class_inference_steps,
-        call_kwargs={"height": args.resolution, "width": args.resolution},
+        call_kwargs={"height": args.resolution, "width": args.resolution}, encoders_on_device=encoders_on_device,
     )
     return list_images(args.class_data_dir)[: args.num_class_images]

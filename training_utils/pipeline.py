@@ -39,9 +39,10 @@ def modules_of(pipe):
     return {name: module for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
 
 
-def prepare_components(pipe, trained, device, weight_dtype):
+def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
     """Freeze every module of ``pipe`` and move it to ``device``: frozen tensors in ``weight_dtype``, trained
-    tensors in fp32.
+    tensors in fp32. The frozen ``encoders`` (VAE, text encoders) stay on the CPU: `cache.FrozenEncoders` takes
+    them to the device only while they run, and not at all when their outputs are on disk already.
 
     ``trained`` maps component names to modules whose ``requires_grad`` parameters are trained (call after
     adding adapters). Parameters that require grad are fp32 for the optimizer; everything else is frozen and in
@@ -50,6 +51,7 @@ def prepare_components(pipe, trained, device, weight_dtype):
     keeps the dtypes it loaded with (it loaded in ``weight_dtype``); only its trained tensors become fp32.
     """
     trained_modules = {id(module) for module in trained.values()}
+    left_on_cpu = {id(module) for module in encoders} - trained_modules
     for module in modules_of(pipe).values():
         if id(module) in trained_modules:
             # Tensor by tensor: trained weights never pass through half precision.
@@ -65,7 +67,8 @@ def prepare_components(pipe, trained, device, weight_dtype):
                 module.to(dtype=weight_dtype)
         if is_quantized(module):
             follow_autocast(module)
-        module.to(device)
+        if id(module) not in left_on_cpu:
+            module.to(device)
 
 
 def trainable_parameters(trained):

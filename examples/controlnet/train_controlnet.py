@@ -68,7 +68,7 @@ def main(args):
 
     # 3. Only the ControlNet trains; the UNet, VAE and text encoder are frozen. The EMA tracks the ControlNet.
     trained = {"controlnet": controlnet}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()
     unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
@@ -82,15 +82,14 @@ def main(args):
     #    image, not on the conditioning image, which the ControlNet reads), then leave the accelerator until
     #    validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip)
-    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
-                            batch_size=max(args.train_batch_size, 16))
+    frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
 
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
 
-    embeddings = frozen.text_embeddings([*dataset[args.caption_column], ""], encode_text, [text_encoder])
+    embeddings = frozen.text_embeddings([*dataset[args.caption_column], ""], encode_text, [tokenizer])
     examples = frozen.cache_dataset_images(dataset, args.image_column)
-    frozen.offload()
 
     def preprocess(example, generator):
         image, conditioning_pixel_values, _, _ = frozen.dataset_image_with_conditioning(

@@ -80,7 +80,7 @@ def main(args):
 
     # 3. Only the ControlNet trains; the UNet, VAE and both text encoders are frozen. The EMA tracks the ControlNet.
     trained = {"controlnet": controlnet}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *text_encoders])
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()
     unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
@@ -94,16 +94,15 @@ def main(args):
     #    each target image, not on the conditioning image, which the ControlNet reads), then leave the
     #    accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip)
-    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
-                            batch_size=max(args.train_batch_size, 16))
+    frozen = FrozenEncoders(vae, text_encoders, transform, accelerator.device, weight_dtype,
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
 
     def encode_text(captions):
         input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
         return encode_prompt(text_encoders, input_ids)
 
-    embeddings = frozen.text_embeddings([*dataset[args.caption_column], ""], encode_text, text_encoders)
+    embeddings = frozen.text_embeddings([*dataset[args.caption_column], ""], encode_text, tokenizers)
     examples = frozen.cache_dataset_images(dataset, args.image_column)
-    frozen.offload()
 
     def preprocess(example, generator):
         # SDXL is told each image's original size and where it was cropped (after any flip).

@@ -70,7 +70,9 @@ def main(args):
     if args.train_text_encoder:
         add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
         trained["text_encoder"] = text_encoder
-    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator.
+    cached_text_encoders = [] if args.train_text_encoder else [text_encoder]
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *cached_text_encoders])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if args.train_text_encoder:
@@ -84,10 +86,11 @@ def main(args):
     #    The frozen encoders run once, here, not in every step (a frozen text encoder on the prompts; with
     #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype)
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
-                            batch_size=max(args.train_batch_size, 16))
+    frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
+                                          frozen.on_device)
     # Each batch holds the instance images, then as many class images: one prompt per half.
     prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
 
@@ -95,10 +98,9 @@ def main(args):
         return text_encoder(tokenize(tokenizer, prompts).to(accelerator.device), return_dict=False)[0]
 
     if not args.train_text_encoder:
-        embeddings = frozen.text_embeddings(prompts, encode_prompts, [text_encoder])
+        embeddings = frozen.text_embeddings(prompts, encode_prompts, [tokenizer])
         frozen_prompt_embeds = torch.stack([embeddings[prompt] for prompt in prompts]).to(accelerator.device)
     dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
-    frozen.offload()
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 

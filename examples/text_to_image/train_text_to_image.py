@@ -75,7 +75,7 @@ def main(args):
     # 3. The whole UNet trains, in fp32; the EMA is made from its live tensors (no second copy from disk).
     trained = {"unet": unet}
     unet.requires_grad_(True)
-    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     parameters = trainable_parameters(trained)
@@ -87,15 +87,14 @@ def main(args):
     #    with --cache_latents, the VAE on each image), in their half precision as the step would run them, then
     #    leave the accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
-                            batch_size=max(args.train_batch_size, 16))
+    frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
 
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
 
-    embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, [text_encoder])
+    embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, [tokenizer])
     examples = frozen.cache_dataset_images(dataset, args.image_column)
-    frozen.offload()
 
     def preprocess(example, generator):
         image, _, _ = frozen.dataset_image(example, generator)

@@ -81,7 +81,9 @@ def main(args):
         for name, text_encoder in zip(("text_encoder", "text_encoder_2"), text_encoders):
             add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
             trained[name] = text_encoder
-    prepare_components(pipe, trained, accelerator.device, weight_dtype)
+    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator.
+    cached_text_encoders = [] if args.train_text_encoder else text_encoders
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *cached_text_encoders])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if args.train_text_encoder:
@@ -96,16 +98,15 @@ def main(args):
     #    distinct caption; with --cache_latents, the VAE on each image), then leave the accelerator until
     #    validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
-    frozen = FrozenEncoders(vae, transform, accelerator.device, weight_dtype, args.cache_latents,
-                            batch_size=max(args.train_batch_size, 16))
+    frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
     if not args.train_text_encoder:
         def encode_text(captions):
             input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
             return encode_prompt(text_encoders, input_ids)
 
-        embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, text_encoders)
+        embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, tokenizers)
     examples = frozen.cache_dataset_images(dataset, args.image_column)
-    frozen.offload()
 
     def preprocess(example, generator):
         # SDXL is told each image's original size and where it was cropped (after any flip).
