@@ -16,13 +16,16 @@ from training_utils.checkpointing import (
     EMA_FILE,
     STATE_FILE,
     TRAINED_FILE,
+    WRITE_FAILED_EXIT_CODE,
     Checkpointer,
+    choose_checkpoint,
     complete_checkpoints,
     resolve_checkpoint,
     resume_position,
 )
 from training_utils.ema import EMA
-from training_utils.errors import UsageError
+from training_utils.errors import RunStopped, UsageError
+from training_utils.manifest import MANIFEST_FILE, check_manifest, write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +255,8 @@ def test_save_load_round_trip_is_bitwise(tmp_path, acc):
 
     assert path == tmp_path / "checkpoint-3"
     assert (path / TRAINED_FILE).is_file() and (path / EMA_FILE).is_file()
-    assert json.loads((path / STATE_FILE).read_text()) == {"global_step": 3, "skipped_images": 2}
+    assert json.loads((path / STATE_FILE).read_text()) == {"format": 2, "global_step": 3, "processes": 1,
+                                                           "skipped_images": 2}
     assert not (tmp_path / ".checkpoint-3.incomplete").exists()
     # the hook replaces accelerate's whole-model weights by the trained tensors
     assert not list(path.glob("model*.safetensors")) and not list(path.glob("pytorch_model*.bin"))
@@ -265,7 +269,7 @@ def test_save_load_round_trip_is_bitwise(tmp_path, acc):
 
     parameter_objects = dict(run.parameters)
     assert run.checkpointer.load(path) == 3
-    assert run.checkpointer.loaded_state == {"global_step": 3, "skipped_images": 2}
+    assert run.checkpointer.loaded_state == {"format": 2, "global_step": 3, "processes": 1, "skipped_images": 2}
     assert_same_state(run.snapshot(), saved)
     # restored in place: the optimizer and EMA still hold the very same tensors
     assert all(run.parameters[name] is parameter_objects[name] for name in parameter_objects)
@@ -367,3 +371,145 @@ def test_load_checkpoint_without_ema_into_run_with_ema_raises(tmp_path, acc):
     checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
     with pytest.raises(UsageError, match="--use_ema"):
         checkpointer.load(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# verification: the manifest, damaged checkpoints, random states, failed writes
+
+
+def two_checkpoints(acc, output_dir):
+    """A run checkpointed at steps 1 and 2, and its state at step 1."""
+    run = Run(acc, output_dir)
+    run.train(1)
+    run.checkpointer.save(1)
+    at_step_1 = run.snapshot()
+    run.train(1)
+    run.checkpointer.save(2)
+    return run, at_step_1
+
+
+def test_the_manifest_lists_every_file_of_the_checkpoint_with_its_size(tmp_path, acc):
+    run, _ = two_checkpoints(acc, tmp_path)
+    path = tmp_path / "checkpoint-2"
+    listed = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    on_disk = {file.name: file.stat().st_size for file in path.iterdir() if file.name != MANIFEST_FILE}
+    assert {name: entry["bytes"] for name, entry in listed.items()} == on_disk
+    assert {TRAINED_FILE, EMA_FILE, STATE_FILE, "optimizer.bin", "random_states_0.pkl",
+            "random_state_0.safetensors"} <= set(listed)
+    assert check_manifest(path) is None
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def alter(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+TRUNCATED = "is \\d+ bytes, not the \\d+ it was written with \\(truncated or replaced\\)"
+DAMAGE = [  # (file, damage, what the message says)
+    ("random_states_0.pkl", lambda path: path.unlink(), "random_states_0.pkl is missing"),
+    (TRAINED_FILE, truncate, f"{TRAINED_FILE} {TRUNCATED}"),
+    (EMA_FILE, truncate, f"{EMA_FILE} {TRUNCATED}"),
+    ("optimizer.bin", truncate, f"optimizer.bin {TRUNCATED}"),
+    ("random_state_0.safetensors", alter,
+     "random_state_0.safetensors does not hold the bytes it was written with \\(altered or corrupt\\)"),
+    (MANIFEST_FILE, lambda path: path.unlink(), f"{MANIFEST_FILE} is missing"),
+]
+
+
+@pytest.mark.parametrize("name, damage, message", DAMAGE, ids=[case[0] for case in DAMAGE])
+def test_a_damaged_checkpoint_named_is_one_line_and_latest_falls_back_to_the_one_before(
+        tmp_path, acc, name, damage, message, caplog):
+    run, at_step_1 = two_checkpoints(acc, tmp_path)
+    damage(tmp_path / "checkpoint-2" / name)
+    with pytest.raises(UsageError, match=f"^--resume_from_checkpoint='checkpoint-2': expected a whole checkpoint: "
+                                         f"in {tmp_path / 'checkpoint-2'}, {message}$"):
+        run.checkpointer.resume("checkpoint-2")
+    assert run.checkpointer.resume("latest") == 1
+    assert_same_state(run.snapshot(), at_step_1)
+    assert f"not resuming from {tmp_path / 'checkpoint-2'}: " in caplog.text
+
+
+def test_latest_with_no_whole_checkpoint_is_an_error(tmp_path, acc):
+    two_checkpoints(acc, tmp_path)
+    for step in (1, 2):
+        truncate(tmp_path / f"checkpoint-{step}" / TRAINED_FILE)
+    with pytest.raises(UsageError, match="none of the 2 there is"):
+        choose_checkpoint("latest", tmp_path)
+
+
+def test_a_checkpoint_from_before_manifests_resumes_unverified_but_not_without_its_random_states(
+        tmp_path, acc, caplog):
+    run, at_step_1 = two_checkpoints(acc, tmp_path)
+    old = tmp_path / "checkpoint-1"
+    for name in (MANIFEST_FILE, "random_state_0.safetensors"):
+        (old / name).unlink()
+    state = json.loads((old / STATE_FILE).read_text())
+    (old / STATE_FILE).write_text(json.dumps({"global_step": 1, "skipped_images": state["skipped_images"]}
+                                             if "skipped_images" in state else {"global_step": 1}))
+    assert run.checkpointer.resume("checkpoint-1") == 1
+    assert "resuming from it unverified" in caplog.text
+    assert_same_state(run.snapshot(), at_step_1)
+    (old / "random_states_0.pkl").unlink()
+    with pytest.raises(UsageError, match="random_states_0.pkl \\(without it the run would go on with other random"):
+        run.checkpointer.resume("checkpoint-1")
+
+
+def test_resuming_restores_the_checkpoints_own_random_state(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.train(1)
+    path = run.checkpointer.save(1)
+    expected = torch.rand(8)
+    (path / "random_states_0.pkl").write_bytes(b"")  # accelerate cannot load it: only our own state restores
+    write_manifest(path)
+    run.checkpointer.load(path)
+    assert torch.equal(torch.rand(8), expected)
+
+
+def test_a_checkpoint_of_another_number_of_processes_is_refused(tmp_path, acc):
+    run, _ = two_checkpoints(acc, tmp_path)
+    path = tmp_path / "checkpoint-2"
+    state = json.loads((path / STATE_FILE).read_text())
+    (path / STATE_FILE).write_text(json.dumps({**state, "processes": 2}))
+    write_manifest(path)
+    with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2 \\(this one has 1\\)"):
+        run.checkpointer.load(path)
+
+
+def test_a_failed_write_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, acc, monkeypatch):
+    run = Run(acc, tmp_path)
+    run.train(1)
+    run.checkpointer.save(1)
+
+    def disk_full(tensors, path, metadata=None):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpointing, "save_file", disk_full)
+    monkeypatch.setattr(checkpointing, "end_training", lambda accelerator: None)  # the module's accelerator lives on
+    run.train(1)
+    with pytest.raises(RunStopped) as stopped:
+        run.checkpointer.save(2)
+    assert stopped.value.exit_code == WRITE_FAILED_EXIT_CODE
+    staging = tmp_path / ".checkpoint-2.incomplete"
+    assert str(stopped.value) == (f"could not write {tmp_path / 'checkpoint-2'}: {staging / TRAINED_FILE}: No space "
+                                  f"left on device; {tmp_path / 'checkpoint-1'} is the latest whole checkpoint")
+    assert not staging.exists() and not (tmp_path / "checkpoint-2").exists()
+    assert check_manifest(tmp_path / "checkpoint-1") is None
+    assert choose_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-1"
+
+
+def test_resuming_with_a_changed_trajectory_flag_is_refused_unless_asked_and_then_said(tmp_path, acc, caplog):
+    run = Run(acc, tmp_path)
+    run.checkpointer.trajectory = {"seed": 3, "learning_rate": 0.001}
+    run.train(1)
+    path = run.checkpointer.save(1)
+    run.checkpointer.trajectory = {"seed": 4, "learning_rate": 0.001}
+    with pytest.raises(UsageError, match="--seed was 3, now 4\\), or --resume_with_changed_args to go on anyway$"):
+        run.checkpointer.load(path)
+    run.checkpointer.allow_changed_trajectory = True
+    assert run.checkpointer.load(path) == 1
+    assert "resuming with changed flags (--seed was 3, now 4): the run is no longer exact" in caplog.text

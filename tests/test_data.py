@@ -421,3 +421,18 @@ def test_dataset_name_local_folder(tiny, cache_dir):
     dataset = load_train_dataset(data_args("--dataset_name", tiny["shapes"], "--cache_dir", cache_dir), COLUMNS)
     assert len(dataset) == 36
     assert set(dataset.column_names) == {"image", "text"}
+
+
+@pytest.mark.parametrize("line, problem", [('{"file_name": "a.png", "text": "a"', "is not"), ('["a.png"]', "is a list")])
+def test_a_malformed_metadata_line_names_the_file_and_line(tmp_path, line, problem):
+    from training_utils.data import load_train_dataset
+    from training_utils.errors import UsageError
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    metadata = tmp_path / "metadata.jsonl"
+    metadata.write_text('{"file_name": "a.png", "text": "a"}\n' + line + "\n")
+    args = training_parser("test").parse_args(["--pretrained_model_name_or_path", "x/y", "--train_data_dir",
+                                               str(tmp_path)])
+    with pytest.raises(UsageError, match=f"^--train_data_dir='{tmp_path}': expected one JSON object per line in "
+                                         f"{metadata}: line 2 {problem}"):
+        load_train_dataset(args, {})

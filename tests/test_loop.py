@@ -71,7 +71,7 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
     args = SimpleNamespace(gradient_accumulation_steps=1, checkpointing_steps=4, validation_steps=validation_steps,
                            validation_epochs=None, output_dir=str(output_dir), max_train_steps=max_train_steps,
                            num_train_epochs=1, ema_posthoc_snapshot_steps=3, resume_from_checkpoint=resume,
-                           checkpoints_total_limit=None, max_grad_norm=1.0)
+                           checkpoints_total_limit=None, max_grad_norm=1.0, resume_with_changed_args=False)
     max_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer, lr_scheduler = accelerator.prepare(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))

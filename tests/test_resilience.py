@@ -134,7 +134,8 @@ def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
     - preempted: the preempted run, after planting what a kill during a later save would leave behind;
     - past_the_end: the uninterrupted run's checkpoint-10, with --max_train_steps 8;
     - still_skipping: the corrupt_skipped run's checkpoint-4, which counted one skipped image;
-    - stopped_then_skipping: the corrupt_stopped run's checkpoint-2, with --skip_corrupt_images.
+    - stopped_then_skipping: the corrupt_stopped run's checkpoint-2, with --skip_corrupt_images;
+    - damaged_latest: the uninterrupted run's checkpoints 4 and 6, the latter without its accelerate random states.
     """
     root = tmp_path_factory.mktemp("resumed")
     preempted, (returncode, stderr) = runs["preempted"]
@@ -149,6 +150,9 @@ def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
     for name, source, step in (("past_the_end", "uninterrupted", 10), ("still_skipping", "corrupt_skipped", 4),
                                ("stopped_then_skipping", "corrupt_stopped", 2)):
         shutil.copytree(runs[source][0] / f"checkpoint-{step}", root / name / f"checkpoint-{step}")
+    for step in (4, 6):
+        shutil.copytree(runs["uninterrupted"][0] / f"checkpoint-{step}", root / "damaged_latest" / f"checkpoint-{step}")
+    (root / "damaged_latest" / "checkpoint-6" / "random_states_0.pkl").unlink()
     resume = ["--resume_from_checkpoint", "latest"]
     results = together({
         "preempted": partial(run, *flags(tiny, root / "preempted", *resume)),
@@ -157,6 +161,7 @@ def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
                                                       "--skip_corrupt_images", "--report_to", "tensorboard", *resume)),
         "stopped_then_skipping": partial(run, *corrupt_flags(tiny, root / "stopped_then_skipping", corrupt_data,
                                                              *resume, "--skip_corrupt_images")),
+        "damaged_latest": partial(run, *flags(tiny, root / "damaged_latest", *resume)),
     })
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -169,7 +174,10 @@ def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(runs):
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert 2 < step < 10, "the run should stop early: the signal came right after checkpoint-2"
     state = json.loads((output_dir / f"checkpoint-{step}" / "training_state.json").read_text())
-    assert state == {"global_step": step, "skipped_images": 0}
+    trajectory = state.pop("trajectory")
+    assert state == {"format": 2, "global_step": step, "processes": 1, "skipped_images": 0, "steps_per_epoch": 9}
+    assert trajectory["seed"] == 3 and trajectory["learning_rate"] == 1e-3 and trajectory["lr_scheduler"] == "cosine"
+    assert "output_dir" not in trajectory and "hub_token" not in trajectory
     assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
 
 
@@ -177,6 +185,16 @@ def test_resumed_run_equals_the_uninterrupted_one_in_weights_ema_optimizer_and_l
     output_dir, result = resumed_runs["preempted"]
     stopped_at = last_checkpoint_step(runs["preempted"][0])
     assert f"resumed from {output_dir / f'checkpoint-{stopped_at}'} at step {stopped_at}" in result.stdout
+    uninterrupted, _ = runs["uninterrupted"]
+    assert_same_checkpoint(output_dir / "checkpoint-10", uninterrupted / "checkpoint-10")
+    assert_same_outputs(output_dir, uninterrupted)
+
+
+def test_latest_passes_over_a_damaged_checkpoint_and_the_run_ends_as_the_uninterrupted_one(runs, resumed_runs):
+    output_dir, result = resumed_runs["damaged_latest"]
+    assert f"not resuming from {output_dir / 'checkpoint-6'}: random_states_0.pkl is missing; trying the one " \
+           f"before" in result.stderr
+    assert f"resumed from {output_dir / 'checkpoint-4'} at step 4" in result.stdout
     uninterrupted, _ = runs["uninterrupted"]
     assert_same_checkpoint(output_dir / "checkpoint-10", uninterrupted / "checkpoint-10")
     assert_same_outputs(output_dir, uninterrupted)
@@ -235,7 +253,8 @@ def test_skip_corrupt_images_trains_on_counts_and_logs_the_skip(runs, corrupt_da
 
 def test_a_resumed_run_goes_on_counting_the_skipped_images(runs, resumed_runs):
     checkpoint = runs["corrupt_skipped"][0] / "checkpoint-4"
-    assert json.loads((checkpoint / "training_state.json").read_text()) == {"global_step": 4, "skipped_images": 1}
+    state = json.loads((checkpoint / "training_state.json").read_text())
+    assert (state["global_step"], state["skipped_images"]) == (4, 1)
     assert logged_skips(resumed_runs["still_skipping"][0]) == [(5, 1.0)]
 
 

@@ -1,10 +1,13 @@
-"""Checkpoints that resume exactly: accelerate's state plus our trained tensors and EMA, atomically.
+"""Checkpoints that resume exactly: accelerate's state plus our trained tensors and EMA, atomically and verified.
 
 A checkpoint folder holds what ``accelerator.save_state`` writes (optimizer, lr scheduler,
 sampler, RNG states) and, through its save hook, ``trained_parameters.safetensors`` (the trained
-tensors by name, so adapters cost megabytes, not a model), ``ema.safetensors`` and
-``training_state.json``. It is written under a temporary name and renamed when complete, so a
-folder named ``checkpoint-<step>`` is always whole.
+tensors by name, so adapters cost megabytes, not a model), ``ema.safetensors``, each process's
+random state (`random_state`) and ``training_state.json``; last, a manifest of every file's size and
+hash (`manifest`). It is written under a temporary name and renamed when complete, so a folder named
+``checkpoint-<step>`` is always whole, and a write that fails stops the run with the previous checkpoint
+intact. Resuming checks the manifest before loading anything: ``latest`` skips a damaged checkpoint for
+the newest whole one, and a named one that is damaged is an error.
 """
 
 import json
@@ -15,9 +18,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list, gather_object
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .errors import UsageError
+from . import random_state
+from .accelerator import end_training
+from .errors import RunStopped, UsageError
+from .manifest import MANIFEST_FILE, check_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +34,12 @@ TRAINED_FILE = "trained_parameters.safetensors"
 EMA_FILE = "ema.safetensors"
 POSTHOC_FILE = "posthoc_ema.safetensors"
 STATE_FILE = "training_state.json"
+RANDOM_STATE_FILE = "random_state_{}.safetensors"
+# Checkpoints from format 2 on hold a manifest and their own random states.
+CHECKPOINT_FORMAT = 2
+WRITE_FAILED_EXIT_CODE = 74  # EX_IOERR
+# What writing a file raises when the disk is full, a permission is missing or a path is not a folder.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def complete_checkpoints(output_dir):
@@ -59,6 +73,43 @@ def resolve_checkpoint(value, output_dir):
                      f'"latest", or a checkpoint folder (a path, or a name under {output_dir}) holding {STATE_FILE}')
 
 
+def checkpoint_problem(path):
+    """What makes the checkpoint folder ``path`` unfit to resume from, or None. A checkpoint written before
+    checkpoints held a manifest is taken as it is, with a warning."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as error:
+        return f"{STATE_FILE} is unreadable ({error})"
+    if state.get("format", 1) < CHECKPOINT_FORMAT and not (Path(path) / MANIFEST_FILE).exists():
+        logger.warning(f"{path} has no manifest (it was written before checkpoints were verified): "
+                       f"resuming from it unverified")
+        return None
+    return check_manifest(path)
+
+
+def choose_checkpoint(value, output_dir):
+    """The checkpoint ``--resume_from_checkpoint value`` resumes from, checked whole, or None to start fresh.
+
+    "latest" passes over damaged checkpoints, saying why, to the newest whole one; a named checkpoint that is
+    damaged is an error, as is a folder of checkpoints none of which is whole."""
+    if value != "latest":
+        path = resolve_checkpoint(value, output_dir)
+        problem = path and checkpoint_problem(path)
+        if problem:
+            raise UsageError("--resume_from_checkpoint", value, f"a whole checkpoint: in {path}, {problem}")
+        return path
+    checkpoints = complete_checkpoints(output_dir)
+    for _, path in reversed(checkpoints):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning(f"not resuming from {path}: {problem}; trying the one before")
+    if checkpoints:
+        raise UsageError("--resume_from_checkpoint", value,
+                         f"a whole checkpoint under {output_dir}: none of the {len(checkpoints)} there is")
+    return None
+
+
 def check_resume_from_checkpoint(value, output_dir):
     """Fail before anything loads if ``--resume_from_checkpoint`` names a checkpoint that does not exist
     ("latest" may find none: the run then starts fresh)."""
@@ -74,8 +125,11 @@ class Checkpointer:
     so ``save_state``/``load_state`` store these instead of whole models.
     """
 
-    def __init__(self, accelerator, output_dir, parameters, ema=None, total_limit=None, posthoc=None):
+    def __init__(self, accelerator, output_dir, parameters, ema=None, total_limit=None, posthoc=None,
+                 trajectory=None, allow_changed_trajectory=False):
         self.accelerator = accelerator
+        self.trajectory = trajectory or {}
+        self.allow_changed_trajectory = allow_changed_trajectory
         self.output_dir = Path(output_dir)
         self.parameters = parameters
         self.averages = {EMA_FILE: ema, POSTHOC_FILE: posthoc}
@@ -88,23 +142,46 @@ class Checkpointer:
     def save(self, step, state=None):
         """Write ``checkpoint-<step>`` atomically on all processes, then prune old ones. Returns its path.
         ``state`` (JSON values by name) goes into ``training_state.json`` beside the step; `loaded_state`
-        gives it back on resume."""
+        gives it back on resume. A write that fails on any process stops the run, every process alike,
+        leaving the previous checkpoints as they were."""
         final = self.output_dir / f"checkpoint-{step}"
         staging = self.output_dir / f".checkpoint-{step}.incomplete"
-        if self.accelerator.is_main_process and staging.exists():
-            shutil.rmtree(staging)
-        self.accelerator.wait_for_everyone()
-        self._saving_state = {"global_step": step, **(state or {})}
-        self.accelerator.save_state(str(staging))
-        self.accelerator.wait_for_everyone()
+        failure = None
         if self.accelerator.is_main_process:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
+            failure = attempt(lambda: shutil.rmtree(staging) if staging.exists() else None)
+        self.accelerator.wait_for_everyone()
+        self._saving_state = {"format": CHECKPOINT_FORMAT, "global_step": step,
+                              "processes": self.accelerator.num_processes, **(state or {}),
+                              **({"trajectory": self.trajectory} if self.trajectory else {})}
+        failure = self._first_failure(failure or attempt(lambda: self.accelerator.save_state(str(staging))))
+        if failure is None and self.accelerator.is_main_process:
+            failure = attempt(lambda: self._publish(staging, final))
+        failure = self._first_failure(failure)
+        if failure is not None:
+            if self.accelerator.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
+            end_training(self.accelerator)
+            previous = complete_checkpoints(self.output_dir)
+            kept = f"{previous[-1][1]} is the latest whole checkpoint" if previous else "no checkpoint was written"
+            raise RunStopped(f"could not write {final}: {failure}; {kept}", WRITE_FAILED_EXIT_CODE)
+        if self.accelerator.is_main_process:
             self.prune()
             logger.info(f"saved {final}")
         self.accelerator.wait_for_everyone()
         return final
+
+    def _publish(self, staging, final):
+        """The manifest, written last, then the rename that makes the checkpoint whole."""
+        write_manifest(staging)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+
+    def _first_failure(self, failure):
+        """The first process's failure (a message), or None: every process learns whether any failed."""
+        if self.accelerator.num_processes == 1:
+            return failure
+        return next((message for message in gather_object([failure]) if message is not None), None)
 
     def prune(self):
         """Keep the newest ``total_limit`` complete checkpoints; folders that vanish meanwhile are fine."""
@@ -114,13 +191,51 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path):
-        """Restore a checkpoint folder into the live run; returns its global step."""
+        """Restore a checkpoint folder into the live run, the random states included; returns its global step."""
         self.accelerator.load_state(str(path))
+        self._check_trajectory(path)
+        process = self.accelerator.process_index
+        if self.loaded_state.get("format", 1) >= CHECKPOINT_FORMAT:
+            saved_by = self.loaded_state["processes"]
+            if saved_by != self.accelerator.num_processes:
+                raise UsageError("--resume_from_checkpoint", str(path),
+                                 f"a run on as many processes as the checkpoint's {saved_by} "
+                                 f"(this one has {self.accelerator.num_processes}): each process resumes its own "
+                                 f"random state")
+            random_state.restore(random_state.load(Path(path) / RANDOM_STATE_FILE.format(process)))
+        elif not (Path(path) / f"random_states_{process}.pkl").is_file():
+            raise UsageError("--resume_from_checkpoint", str(path),
+                             f"a checkpoint holding random_states_{process}.pkl (without it the run would go on with "
+                             f"other random numbers)")
         return self.loaded_state["global_step"]
 
+    def _check_trajectory(self, path):
+        """Refuse a checkpoint whose run had other trajectory flags, unless told to go on (then say so)."""
+        saved = self.loaded_state.get("trajectory", {})
+        changed = [name for name in self.trajectory if name in saved and saved[name] != self.trajectory[name]]
+        if not changed:
+            return
+        described = "; ".join(f"--{name} was {saved[name]!r}, now {self.trajectory[name]!r}" for name in changed)
+        if not self.allow_changed_trajectory:
+            raise UsageError("--resume_from_checkpoint", str(path),
+                             f"the flags the checkpoint was trained with ({described}), or --resume_with_changed_args "
+                             f"to go on anyway")
+        logger.warning(f"resuming with changed flags ({described}): the run is no longer exact")
+
     def resume(self, value):
-        """Restore what ``--resume_from_checkpoint value`` names; returns the step to continue from (0 if none)."""
-        checkpoint = resolve_checkpoint(value, self.output_dir)
+        """Restore what ``--resume_from_checkpoint value`` names; returns the step to continue from (0 if none).
+        The main process checks the checkpoints (`choose_checkpoint`) and tells the others which one to load."""
+        choice = [None]
+        if self.accelerator.is_main_process:
+            try:
+                choice = [("path", choose_checkpoint(value, self.output_dir))]
+            except UsageError as error:
+                choice = [("error", error)]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(choice)
+        kind, checkpoint = choice[0]
+        if kind == "error":
+            raise checkpoint
         if checkpoint is None:
             if value:
                 self.accelerator.print(f"no checkpoint in {self.output_dir}; starting a new run")
@@ -132,9 +247,10 @@ class Checkpointer:
     def _save_hook(self, models, weights, output_dir):
         # Our files replace accelerate's whole-model weights: adapters stay adapter-sized.
         weights.clear()
+        output_dir = Path(output_dir)
+        random_state.save(random_state.capture(), output_dir / RANDOM_STATE_FILE.format(self.accelerator.process_index))
         if not self.accelerator.is_main_process:
             return
-        output_dir = Path(output_dir)
         save_file({name: p.detach().cpu().contiguous() for name, p in self.parameters.items()},
                   output_dir / TRAINED_FILE)
         for file_name, average in self.averages.items():
@@ -167,6 +283,16 @@ class Checkpointer:
             if average is not None:
                 average.load(input_dir / file_name)
         self.loaded_state = json.loads((input_dir / STATE_FILE).read_text())
+
+
+def attempt(write):
+    """Run ``write()``; the reason it failed, naming the file where the error does, or None."""
+    try:
+        write()
+    except WRITE_ERRORS as error:
+        where = getattr(error, "filename", None)
+        return f"{where}: {getattr(error, 'strerror', None) or error}" if where else str(error)
+    return None
 
 
 def resume_position(global_step, steps_per_epoch, gradient_accumulation_steps):

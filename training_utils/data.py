@@ -12,6 +12,7 @@ the index and the files alone, so a resumed run skips exactly as the uninterrupt
 """
 
 import io
+import json
 import os
 import random
 from pathlib import Path
@@ -46,6 +47,8 @@ def load_train_dataset(args, columns):
             raise UsageError("--train_data_dir", args.train_data_dir, "an existing folder")
         if not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in data_dir.rglob("*")):
             raise UsageError("--train_data_dir", args.train_data_dir, "a folder holding images")
+        for metadata in sorted(data_dir.rglob("metadata.jsonl")):
+            check_jsonl(metadata, "--train_data_dir", args.train_data_dir)
         dataset = load_dataset("imagefolder", data_dir=str(data_dir), cache_dir=args.cache_dir)
     else:
         try:
@@ -63,6 +66,22 @@ def load_train_dataset(args, columns):
     if args.max_train_samples is not None:
         dataset = dataset.select(range(min(args.max_train_samples, len(dataset))))
     return dataset
+
+
+def check_jsonl(path, flag, value):
+    """Stop with one line naming the file and line if ``path`` is not one JSON object per line."""
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise UsageError(flag, value, f"one JSON object per line in {path}: line {number} is not ({error})") \
+                    from None
+            if not isinstance(row, dict):
+                raise UsageError(flag, value, f"one JSON object per line in {path}: line {number} is a "
+                                 f"{type(row).__name__}")
 
 
 def sample_generator(seed, epoch, index):

@@ -19,19 +19,19 @@ trains on the readable sample put in its place and counts it (``skipped_images``
 """
 
 import math
-import random
 import signal
 import sys
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
+from . import random_state
 from .accelerator import end_training
+from .args import trajectory_flags
 from .checkpointing import Checkpointer, resume_position
 from .data import BatchWithUnreadable, epoch_batches
-from .errors import RunStopped
+from .errors import RunStopped, UsageError
 from .posthoc_ema import posthoc_snapshot_steps
 from .validation import validation_due
 
@@ -95,13 +95,22 @@ class TrainingLoop:
         self._at_step_start = True
         self._step_start = None
         self.checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit,
-                                         posthoc)
+                                         posthoc, trajectory_flags(args), args.resume_with_changed_args)
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
         # Images skipped on all processes up to the last completed step, counting those before a resume;
         # the main process's own count starts from it, since the logged count is the sum over processes.
         self._skipped_total = self.checkpointer.loaded_state.get("skipped_images", 0) if self.global_step else 0
         if accelerator.is_main_process:
             self._skipped_images = self._skipped_total
+        saved_steps_per_epoch = self.checkpointer.loaded_state.get("steps_per_epoch") if self.global_step else None
+        if saved_steps_per_epoch not in (None, steps_per_epoch):
+            raise UsageError("--resume_from_checkpoint", args.resume_from_checkpoint,
+                             f"the data the checkpoint was trained on: it had {saved_steps_per_epoch} steps per epoch, "
+                             f"this run's data has {steps_per_epoch}, so the data position cannot be resumed")
+
+    def _checkpoint_state(self, skipped_images):
+        """What a checkpoint records of the loop: skipped images, and the epoch length its data position needs."""
+        return {"skipped_images": skipped_images, "steps_per_epoch": self.steps_per_epoch}
 
     def __iter__(self):
         first_epoch, batches_to_skip = resume_position(self.global_step, self.steps_per_epoch,
@@ -119,7 +128,7 @@ class TrainingLoop:
                         break
                     if self._at_step_start and self.args.gradient_accumulation_steps > 1:
                         # Only a step of several micro-batches can stop part-way (`_stop_on_unreadable`).
-                        self._step_start = (self.accelerator.step, _rng_states())
+                        self._step_start = (self.accelerator.step, random_state.capture())
                     batch = self._readable(batch)
                     self._at_step_start = False
                     yield batch
@@ -166,7 +175,7 @@ class TrainingLoop:
                                  posthoc_snapshot_steps(self.args, self.max_train_steps),
                                  write=self.accelerator.is_main_process)
         if step % self.args.checkpointing_steps == 0 or (preempted and step < self.max_train_steps):
-            self.checkpointer.save(step, {"skipped_images": skipped_images})
+            self.checkpointer.save(step, self._checkpoint_state(skipped_images))
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
             self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
@@ -214,8 +223,8 @@ class TrainingLoop:
             if not self._at_step_start:
                 accumulation_step, rng_states = self._step_start
                 self.accelerator.step = accumulation_step
-                _set_rng_states(rng_states)
-            self.checkpointer.save(step, {"skipped_images": self._skipped_total})
+                random_state.restore(rng_states)
+            self.checkpointer.save(step, self._checkpoint_state(self._skipped_total))
             saved = f"checkpoint-{step} saved"
         else:
             saved = "nothing trained yet"
@@ -224,19 +233,3 @@ class TrainingLoop:
                   else "replace it and resume with --resume_from_checkpoint latest, or pass --skip_corrupt_images")
         raise RunStopped(f"unreadable image {files} in the data for step {step + 1}; {saved}; {remedy}",
                          UNREADABLE_EXIT_CODE)
-
-
-def _rng_states():
-    """The global RNG states that accelerate's checkpoints hold."""
-    states = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states):
-    random.setstate(states["random"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
