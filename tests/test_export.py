@@ -11,6 +11,7 @@ from diffusers import ControlNetModel, StableDiffusionPipeline, UNet2DConditionM
 from safetensors.torch import load_file, save_file
 
 from training_utils.ema import EMA
+from training_utils.errors import WRITE_FAILED_EXIT_CODE, RunStopped
 from training_utils.export import (LORA_WEIGHTS_NAME, TENSORS_NAME, LoraExport, ModelExport, PipelineExport,
                                    TensorsExport, as_json, export_from_description, remove_adapter_name, save_model,
                                    save_with_ema, saved_tensors, verify_saved_tensors, write_atomically)
@@ -42,16 +43,20 @@ def test_write_atomically_moves_nested_files_and_leaves_no_staging(tmp_path):
     assert not list((tmp_path / "out").glob(".incomplete-*"))
 
 
-def test_write_atomically_keeps_the_old_file_when_writing_fails(tmp_path):
+def test_a_failed_write_stops_in_one_line_keeping_the_old_file_and_no_half_written_one(tmp_path):
     (tmp_path / "model.bin").write_text("old")
 
     def write(staging):
         (tmp_path.joinpath(staging, "model.bin")).write_text("half")
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device", str(tmp_path.joinpath(staging, "model.bin")))
 
-    with pytest.raises(OSError):
+    with pytest.raises(RunStopped) as stopped:
         write_atomically(tmp_path, write)
+    assert stopped.value.exit_code == WRITE_FAILED_EXIT_CODE
+    assert str(stopped.value).startswith(f"could not write to {tmp_path}: {tmp_path}/.incomplete-")
+    assert str(stopped.value).endswith("/model.bin: No space left on device")
     assert (tmp_path / "model.bin").read_text() == "old"
+    assert [path.name for path in tmp_path.iterdir()] == ["model.bin"]
 
 
 def test_saved_tensors_merges_shards(tmp_path):

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import random_state
 from .accelerator import end_training
-from .errors import RunStopped, UsageError
+from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, write_failure
 from .manifest import MANIFEST_FILE, check_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -37,9 +36,8 @@ STATE_FILE = "training_state.json"
 RANDOM_STATE_FILE = "random_state_{}.safetensors"
 # Checkpoints from format 2 on hold a manifest and their own random states.
 CHECKPOINT_FORMAT = 2
-WRITE_FAILED_EXIT_CODE = 74  # EX_IOERR
-# What writing a file raises when the disk is full, a permission is missing or a path is not a folder.
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# accelerate writes with torch.save, which reports a failed write as a RuntimeError.
+CHECKPOINT_WRITE_ERRORS = (*WRITE_ERRORS, RuntimeError)
 
 
 def complete_checkpoints(output_dir):
@@ -286,12 +284,11 @@ class Checkpointer:
 
 
 def attempt(write):
-    """Run ``write()``; the reason it failed, naming the file where the error does, or None."""
+    """Run ``write()``; why it failed (`errors.write_failure`), or None."""
     try:
         write()
-    except WRITE_ERRORS as error:
-        where = getattr(error, "filename", None)
-        return f"{where}: {getattr(error, 'strerror', None) or error}" if where else str(error)
+    except CHECKPOINT_WRITE_ERRORS as error:
+        return write_failure(error)
     return None
 
 

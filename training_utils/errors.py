@@ -7,6 +7,12 @@ import os
 import sys
 from contextlib import contextmanager
 
+from safetensors import SafetensorError
+
+WRITE_FAILED_EXIT_CODE = 74  # EX_IOERR
+# What writing a file raises when the disk is full, a permission is missing or a path is not a folder.
+WRITE_ERRORS = (OSError, SafetensorError)
+
 
 class UsageError(Exception):
     """A bad flag value or input, reported to the user as one line without a traceback."""
@@ -21,6 +27,12 @@ class RunStopped(Exception):
     def __init__(self, message, exit_code):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def write_failure(error):
+    """Why a write failed, in a few words naming the file where the error does."""
+    where = getattr(error, "filename", None)
+    return f"{where}: {getattr(error, 'strerror', None) or error}" if where else str(error)
 
 
 def require(condition, flag, value, expected):

@@ -24,7 +24,7 @@ import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from .errors import few
+from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, few, write_failure
 from .pipeline import modules_of, trainable_parameters
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
@@ -34,17 +34,21 @@ TENSORS_NAME = "posthoc_ema_weights.safetensors"
 def write_atomically(directory, write):
     """Call ``write(staging_folder)``, then move every file it wrote into ``directory`` by rename.
 
-    A crash mid-write leaves a ``.incomplete-*`` folder, never a truncated file under a final name.
+    A crash mid-write leaves a ``.incomplete-*`` folder, never a truncated file under a final name; a write that
+    fails (a full disk, a permission) stops the run in one line naming the file and the cause.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".incomplete-") as staging:
-        write(staging)
-        for path in sorted(Path(staging).rglob("*")):
-            if path.is_file():
-                target = directory / path.relative_to(staging)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".incomplete-") as staging:
+            write(staging)
+            for path in sorted(Path(staging).rglob("*")):
+                if path.is_file():
+                    target = directory / path.relative_to(staging)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(path, target)
+    except WRITE_ERRORS as error:
+        raise RunStopped(f"could not write to {directory}: {write_failure(error)}", WRITE_FAILED_EXIT_CODE) from None
 
 
 def saved_tensors(directory):
