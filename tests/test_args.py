@@ -8,11 +8,12 @@ from training_utils.args import (
     add_cache_args,
     add_diffusion_loss_args,
     add_lora_args,
+    add_refused_args,
     check_args,
     is_hub_id,
     training_parser,
 )
-from training_utils.errors import exit_on_usage_error
+from training_utils.errors import UsageError, exit_on_usage_error
 
 
 @pytest.fixture
@@ -302,3 +303,54 @@ def test_bf16_needs_a_gpu_that_supports_it(model_dir, monkeypatch, capsys):
     assert capsys.readouterr().err == expected
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--mixed_precision", "bf16"])
+
+
+def test_trajectory_flags_record_what_decides_training_and_nothing_secret(model_dir, tmp_path):
+    from training_utils.args import trajectory_flags
+
+    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path),
+                            "--hub_token", "hf_secret", "--validation_prompt", "a red circle", "--seed", "5"])
+    recorded = trajectory_flags(args)
+    assert recorded["seed"] == 5 and recorded["pretrained_model_name_or_path"] == str(model_dir)
+    assert recorded["learning_rate"] == args.learning_rate and recorded["train_batch_size"] == args.train_batch_size
+    for free in ("hub_token", "output_dir", "validation_prompt", "max_train_steps", "checkpointing_steps"):
+        assert free not in recorded
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda path: path.write_bytes(path.read_bytes()[:-100]), "is \\d+ bytes, but its header describes \\d+"),
+    (lambda path: path.write_bytes(path.read_bytes()[:4]), "has no readable header"),
+    (lambda path: path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}"), "has a corrupt header"),
+])
+def test_a_damaged_weight_file_of_the_model_is_named_before_anything_loads(tiny, tmp_path, damage, problem):
+    import shutil
+
+    from training_utils.args import check_pretrained_path
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny["sd"], model)
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    check_pretrained_path(str(model))
+    damage(weights)
+    with pytest.raises(UsageError, match=f"^--pretrained_model_name_or_path='{model}': expected a pipeline whose "
+                                         f"weight files are whole: {weights} {problem}"):
+        check_pretrained_path(str(model))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--do_fp8_training"], "--do_fp8_training is not supported here: float8 training is not carried"),
+    (["--guidance_scale", "1"], "--guidance_scale is not supported here: there is no guidance embedding"),
+    (["--dataset_name=dogs"], "--dataset_name is not supported here: the images come from a folder"),
+])
+def test_refused_flags_stop_parsing_with_one_line_saying_why(model_dir, argv, message):
+    parser = training_parser("test")
+    add_refused_args(parser, {"--do_fp8_training": "float8 training is not carried",
+                              "--guidance_scale": "there is no guidance embedding",
+                              "--dataset_name": "the images come from a folder"})
+    args = parser.parse_args(["--pretrained_model_name_or_path", str(model_dir)])
+    assert args.do_fp8_training is args.guidance_scale is args.dataset_name is None
+    # The shared group's --dataset_name is replaced, not doubled.
+    assert [action.dest for action in parser._actions].count("dataset_name") == 1
+    with pytest.raises(UsageError) as error:
+        parser.parse_args(["--pretrained_model_name_or_path", str(model_dir), *argv])
+    assert str(error.value) == message

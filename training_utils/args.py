@@ -7,7 +7,9 @@ stops the run with one line on stderr naming the flag, the value and what was ex
 """
 
 import argparse
+import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from accelerate.utils import parse_flag_from_env
 
 from .checkpointing import check_resume_from_checkpoint
-from .errors import require
+from .errors import UsageError, require
 from .quantization import add_quantization_args, check_quantization_args
 
 # A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
@@ -90,6 +92,9 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     checkpoints.add_argument("--checkpoints_total_limit", type=int, default=None)
     checkpoints.add_argument("--resume_from_checkpoint", default=None,
                              help='"latest", a checkpoint name under --output_dir, or a path')
+    checkpoints.add_argument("--resume_with_changed_args", action="store_true",
+                             help="resume although a flag that decides the training trajectory changed (the run is "
+                                  "then no longer the one the checkpoint came from)")
 
     logging = parser.add_argument_group("logging and hub")
     logging.add_argument("--logging_dir", default="logs", help="tracker folder, relative to --output_dir")
@@ -159,13 +164,100 @@ def add_cache_args(parser):
                             "(the text encoders, and a VAE whose latents are cached, always are)")
 
 
+# The flags that leave the training trajectory alone (where outputs go, what is logged and validated, checkpoint
+# cadence, how long to go on, memory and loading options); every other flag is recorded in each checkpoint, and
+# resuming with another value is refused unless --resume_with_changed_args.
+TRAJECTORY_FREE_FLAGS = {
+    "output_dir", "logging_dir", "report_to", "tracker_project_name", "push_to_hub", "hub_token", "hub_model_id",
+    "validation_prompt", "validation_image", "num_validation_images", "validation_steps", "validation_epochs",
+    "validation_inference_steps", "validation_sigma_rels", "checkpointing_steps", "checkpoints_total_limit",
+    "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
+    "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
+    "gradient_checkpointing", "ema_posthoc_snapshot_steps", "sample_batch_size", "class_inference_steps",
+}
+
+
+def trajectory_flags(args):
+    """The run's flags that decide its training trajectory, as JSON values by flag name."""
+    return {name: json.loads(json.dumps(value, default=str)) for name, value in sorted(vars(args).items())
+            if name not in TRAJECTORY_FREE_FLAGS}
+
+
+# Flags of the upstream diffusers scripts that no script here carries, and why; a script refuses those its
+# upstream counterpart has (`add_refused_args`), with reasons of its own beside these.
+NOT_CARRIED = {
+    "--optimizer": "AdamW is the only optimizer here (--use_8bit_adam for bitsandbytes' 8-bit AdamW); Prodigy is "
+                   "not carried",
+    **dict.fromkeys(["--prodigy_beta3", "--prodigy_decouple", "--prodigy_use_bias_correction",
+                     "--prodigy_safeguard_warmup"], "Prodigy is not carried (AdamW only)"),
+    **dict.fromkeys(["--lr_num_cycles", "--lr_power"],
+                    "the learning-rate schedules run with diffusers' defaults (one cycle, power 1)"),
+    "--upcast_before_saving": "the adapters train in fp32 and are always saved in fp32",
+    "--skip_final_inference": "there is no separate final inference: validation renders in the loop (the final step "
+                              "included) and only with --validation_prompt",
+    "--final_validation_prompt": "validation renders --validation_prompt in the loop, the final step included",
+    "--prior_generation_precision": "class images are rendered by the pipeline that trains, in --mixed_precision's "
+                                    "dtype",
+    "--local_rank": "accelerate launch (or torchrun) tells each process its rank",
+    "--enable_npu_flash_attention": "Ascend NPUs are not supported",
+    "--repeats": "not carried yet (raise --num_train_epochs or --max_train_steps instead)",
+    "--caption_dropout": "not carried yet",
+    **dict.fromkeys(["--use_aspect_ratio_buckets", "--aspect_ratio_buckets"],
+                    "not carried yet: images are cropped to --resolution squares"),
+}
+
+
+class RefusedFlag(argparse.Action):
+    """A flag accepted only to stop the run, as soon as it is parsed, with one line saying why it is refused."""
+
+    def __init__(self, option_strings, dest, why, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=None, help=f"not supported: {why}", **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise UsageError(None, None, f"{option_string} is not supported here: {self.why}")
+
+
+def add_refused_args(parser, refused):
+    """Add ``refused`` (``{flag: why}``), flags of the upstream script that this one does not carry: given one,
+    with or without a value, parsing stops with one line saying why, before anything loads (never silently
+    ignored, never a bare "unrecognized arguments"). A flag the parser already has, from a shared group that
+    this script does not read, is replaced."""
+    group = parser.add_argument_group("upstream flags not supported here", conflict_handler="resolve")
+    for flag, why in refused.items():
+        group.add_argument(flag, action=RefusedFlag, why=why)
+
+
 def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
     path = Path(value).expanduser()
     if path.exists():
         require(path.is_dir() and (path / "model_index.json").is_file(), flag, value,
                 "a diffusers pipeline folder (with model_index.json) or a hub id")
+        for weights in sorted(path.rglob("*.safetensors")):
+            problem = safetensors_problem(weights)
+            require(problem is None, flag, value, f"a pipeline whose weight files are whole: {weights} {problem}")
     else:
         require(is_hub_id(value), flag, value, "an existing diffusers pipeline folder or a hub id (owner/name)")
+
+
+def safetensors_problem(path):
+    """What is wrong with the safetensors file ``path`` (an unreadable header, a size other than the header
+    says), or None. Reads the header only."""
+    with open(path, "rb") as file:
+        length_bytes = file.read(8)
+        length = int.from_bytes(length_bytes, "little") if len(length_bytes) == 8 else None
+        size = os.fstat(file.fileno()).st_size
+        if length is None or length > size - 8:
+            return "has no readable header (truncated or not a safetensors file)"
+        try:
+            header = json.loads(file.read(length))
+        except ValueError:
+            return "has a corrupt header"
+    expected = 8 + length + max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                                default=0)
+    if size != expected:
+        return f"is {size} bytes, but its header describes {expected} (truncated or damaged)"
+    return None
 
 
 def check_posthoc_args(args):
