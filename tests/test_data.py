@@ -423,7 +423,8 @@ def test_dataset_name_local_folder(tiny, cache_dir):
     assert set(dataset.column_names) == {"image", "text"}
 
 
-@pytest.mark.parametrize("line, problem", [('{"file_name": "a.png", "text": "a"', "is not"), ('["a.png"]', "is a list")])
+@pytest.mark.parametrize("line, problem", [('{"file_name": "a.png", "text": "a"', "is not"),
+                                           ('["a.png"]', "is a list")])
 def test_a_malformed_metadata_line_names_the_file_and_line(tmp_path, line, problem):
     from training_utils.data import load_train_dataset
     from training_utils.errors import UsageError

@@ -1,10 +1,12 @@
 """Adding LoRA adapters (training_utils.lora); saving them is tested with training_utils.export."""
 
+import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 from diffusers.models.attention_processor import Attention
 
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.errors import UsageError
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora, linear_layers_named
 from training_utils.pipeline import trainable_parameters
 
 
@@ -35,3 +37,20 @@ def test_the_target_modules_are_the_attention_projections_of_the_unet_and_of_cli
     clip_attention = [module for name, module in pipe.text_encoder.named_modules() if name.endswith("self_attn")]
     assert clip_attention and all(isinstance(module.get_submodule(projection), torch.nn.Linear)
                                   for module in clip_attention for projection in CLIP_ATTENTION_PROJECTIONS)
+
+
+def test_layers_are_named_by_their_name_endings_and_only_linear_ones_are_taken():
+    # FLUX.2's layout: "to_out" is a list (a linear layer and a dropout) in one block, a linear layer in another.
+    attention = torch.nn.ModuleDict({"to_q": torch.nn.Linear(2, 2), "to_out": torch.nn.ModuleList(
+        [torch.nn.Linear(2, 2), torch.nn.Dropout()])})
+    single = torch.nn.ModuleDict({"to_qkv_mlp_proj": torch.nn.Linear(2, 2), "to_out": torch.nn.Linear(2, 2)})
+    model = torch.nn.ModuleDict({"joint_block": torch.nn.ModuleDict({"attn": attention}),
+                                 "single_block": torch.nn.ModuleDict({"attn": single})})
+    assert linear_layers_named(model, ["attn.to_out", "to_out.0", "to_q"]) == [
+        "single_block.attn.to_out", "joint_block.attn.to_out.0", "joint_block.attn.to_q"]
+    assert linear_layers_named(model, ["single_block.attn.to_qkv_mlp_proj", "to_qkv_mlp_proj"]) == [
+        "single_block.attn.to_qkv_mlp_proj"]
+    with pytest.raises(UsageError) as error:
+        linear_layers_named(model, ["to_q", "to_nowhere"])
+    assert str(error.value) == ("--lora_layers='to_nowhere': expected the name, or the end of the name, of one of the "
+                                "model's linear layers")

@@ -1,14 +1,13 @@
-"""training_utils.sd3: SD3's prompt encoding equals StableDiffusion3Pipeline's; flow-matching timesteps; its flags."""
+"""training_utils.sd3: SD3's prompt encoding equals StableDiffusion3Pipeline's; its flags."""
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Pipeline
 
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.lora import CLIP_ATTENTION_PROJECTIONS, add_lora
-from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
-                                tokenize_prompt)
+from training_utils.sd3 import add_sd3_args, check_sd3_args, encode_prompt, tokenize_prompt
 
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
 
@@ -83,45 +82,8 @@ def test_gradients_reach_the_clip_encoders_adapters(tiny):
         assert grads and all(grad is not None and grad.abs().sum() > 0 for grad in grads)
 
 
-@pytest.mark.parametrize("scheme", ["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"])
-def test_timesteps_come_from_the_training_schedule_with_their_own_sigmas(tiny, scheme):
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny["sd3"], subfolder="scheduler")
-    args = parse("--weighting_scheme", scheme)
-    torch.manual_seed(0)
-    timesteps, sigmas = sample_flow_matching_timesteps(scheduler, args, 64, "cpu", torch.float32)
-    assert timesteps.shape == (64,) and sigmas.shape == (64, 1, 1, 1)
-    assert torch.allclose(sigmas.flatten(), timesteps / scheduler.config.num_train_timesteps)
-    assert set(timesteps.tolist()) <= set(scheduler.timesteps.tolist())
-    assert len(set(timesteps.tolist())) > 10
-    torch.manual_seed(0)
-    again, _ = sample_flow_matching_timesteps(scheduler, args, 64, "cpu", torch.float32)
-    assert torch.equal(timesteps, again)
-
-
-def test_logit_normal_density_follows_logit_mean(tiny):
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny["sd3"], subfolder="scheduler")
-
-    def mean_sigma(logit_mean):
-        torch.manual_seed(0)
-        _, sigmas = sample_flow_matching_timesteps(scheduler, parse("--logit_mean", logit_mean), 256, "cpu",
-                                                   torch.float32)
-        return sigmas.mean().item()
-
-    # The schedule runs from high noise to low: a larger density value picks a later, less noisy index.
-    assert mean_sigma(3.0) < mean_sigma(0.0) < mean_sigma(-3.0)
-
-
-def test_mode_density_of_exactly_one_stays_inside_the_schedule(tiny, monkeypatch):
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny["sd3"], subfolder="scheduler")
-    monkeypatch.setattr("training_utils.sd3.compute_density_for_timestep_sampling",
-                        lambda *args, **kwargs: torch.tensor([1.0, 0.0]))
-    timesteps, _ = sample_flow_matching_timesteps(scheduler, parse(), 2, "cpu", torch.float32)
-    assert timesteps.tolist() == [scheduler.timesteps[-1].item(), scheduler.timesteps[0].item()]
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
-    (["--logit_std", 0], "--logit_std=0.0: expected a positive number"),
 ])
 def test_bad_flags_raise_one_line(flags, message):
     with pytest.raises(UsageError) as error:
@@ -131,5 +93,4 @@ def test_bad_flags_raise_one_line(flags, message):
 
 def test_defaults_follow_the_diffusers_sd3_scripts():
     args = parse()
-    assert (args.max_sequence_length, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-            args.precondition_outputs) == (77, "logit_normal", 0.0, 1.0, 1.29, 1)
+    assert (args.max_sequence_length, args.precondition_outputs) == (77, 1)

@@ -151,3 +151,48 @@ def test_module_cli_unknown_name(tmp_path):
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode != 0
     assert "bogus" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_flux2_klein_pipe(tiny):
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(tiny["flux2_klein"])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_flux2_klein_tokenizer_keeps_words_whole_and_wraps_prompts_in_qwen3s_chat_format(tiny_flux2_klein_pipe):
+    tokenizer = tiny_flux2_klein_pipe.tokenizer
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+    first, second = "a photo of sks triangle", "a photo of a triangle"
+    first_ids, second_ids = tokenizer(first).input_ids, tokenizer(second).input_ids
+    assert first_ids != second_ids and len(first_ids) == len(first.split())
+    for word in list(COLORS) + list(BACKGROUNDS) + list(SHAPES) + ["sks", "dog", "photo"]:
+        assert len(tokenizer(word).input_ids) == len(tokenizer(" " + word).input_ids) == 1, word
+    text = tokenizer.apply_chat_template([{"role": "user", "content": first}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+    assert text == f"<|im_start|>user\n{first}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tokenizer.decode(tokenizer("zebra purple").input_ids) == "zebra purple"
+
+
+def test_flux2_klein_components_fit_together_as_klein_does(tiny_flux2_klein_pipe):
+    pipe = tiny_flux2_klein_pipe
+    transformer, text_encoder, vae = pipe.transformer.config, pipe.text_encoder.config, pipe.vae
+    assert transformer.in_channels == 4 * vae.config.latent_channels and not transformer.guidance_embeds
+    # The pipeline's default hidden layers (9, 18, 27) exist and together make the transformer's text features.
+    assert text_encoder.num_hidden_layers >= 27 and transformer.joint_attention_dim == 3 * text_encoder.hidden_size
+    assert text_encoder.vocab_size == len(pipe.tokenizer)
+    assert not torch.equal(vae.bn.running_mean, torch.zeros_like(vae.bn.running_mean))
+    assert pipe.scheduler.config.use_dynamic_shifting and not pipe.config.is_distilled
+
+
+def test_flux2_klein_pipeline_renders_32x32(tiny_flux2_klein_pipe):
+    def render(seed, prompt="a red circle"):
+        return tiny_flux2_klein_pipe(prompt=prompt, height=32, width=32, num_inference_steps=2, max_sequence_length=16,
+                                     generator=torch.Generator().manual_seed(seed), output_type="np").images
+
+    images = render(0)
+    assert images.shape == (1, 32, 32, 3) and np.isfinite(images).all() and images.std() > 0
+    assert np.array_equal(render(0), images)
+    assert not np.array_equal(render(1), images) and not np.array_equal(render(0, "a blue square"), images)

@@ -145,15 +145,17 @@ def _save_atomically(image, path):
 
 
 def class_images_from_args(args, pipe, accelerator, schedulers=(), weight_dtype=torch.float32,
-                           encoders_on_device=contextlib.nullcontext):
+                           encoders_on_device=contextlib.nullcontext, call_kwargs=None):
     """With ``--with_prior_preservation``: the ``--num_class_images`` class images, generated first by
-    ``pipe`` (the one that trains) where ``--class_data_dir`` lacks some; without it, None."""
+    ``pipe`` (the one that trains) where ``--class_data_dir`` lacks some; without it, None. ``call_kwargs`` go
+    to every pipeline call besides the size (e.g. how the pipeline is to encode the prompt)."""
     if not args.with_prior_preservation:
         return None
     generate_class_images(
         pipe, args.class_prompt, args.class_data_dir, args.num_class_images, accelerator, args.seed,
         args.sample_batch_size, schedulers=schedulers, weight_dtype=weight_dtype,
         num_inference_steps=args.class_inference_steps,
-        call_kwargs={"height": args.resolution, "width": args.resolution}, encoders_on_device=encoders_on_device,
+        call_kwargs={"height": args.resolution, "width": args.resolution, **(call_kwargs or {})},
+        encoders_on_device=encoders_on_device,
     )
     return list_images(args.class_data_dir)[: args.num_class_images]

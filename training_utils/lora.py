@@ -3,7 +3,10 @@
 `export.LoraExport` writes them so that any pipeline's ``load_lora_weights`` loads them.
 """
 
+import torch
 from peft import LoraConfig, inject_adapter_in_model
+
+from .errors import require
 
 # The query, key, value and output projections of diffusers' `Attention`, in UNets and transformers alike.
 ATTENTION_PROJECTIONS = ["to_k", "to_q", "to_v", "to_out.0"]
@@ -30,3 +33,17 @@ def add_lora(model, rank, target_modules, alpha=None, dropout=0.0):
     else:
         inject_adapter_in_model(config, model)
     return config
+
+
+def linear_layers_named(model, names, flag="--lora_layers"):
+    """The full names of ``model``'s linear layers named by ``names``: each a layer's name or the end of one, e.g.
+    "to_q", "attn.to_out" or "single_transformer_blocks.0.attn.to_qkv_mlp_proj" (a module that is not a linear
+    layer, such as a ``to_out`` list of a linear layer and a dropout, is passed over). Checked against the loaded
+    model: a name that matches no linear layer stops the run with one line naming ``flag``."""
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    targets = {}
+    for name in names:
+        matches = [full_name for full_name in linear if full_name == name or full_name.endswith(f".{name}")]
+        require(matches, flag, name, "the name, or the end of the name, of one of the model's linear layers")
+        targets.update(dict.fromkeys(matches))
+    return list(targets)

@@ -1,4 +1,4 @@
-"""Stable Diffusion 3's conditioning and flow-matching timesteps, for the SD3 training scripts.
+"""Stable Diffusion 3's conditioning, for the SD3 training scripts.
 
 The MMDiT transformer reads two text inputs, computed here as ``StableDiffusion3Pipeline.encode_prompt``
 computes them at inference (without classifier-free guidance):
@@ -9,29 +9,21 @@ computes them at inference (without classifier-free guidance):
 
 The encoders are arguments, not the pipeline's attributes, so a script passes the modules that
 ``accelerator.prepare`` wrapped and gradients reach trained encoders (the pipeline's method would
-call the unwrapped ones). Also the flags of the diffusers SD3 scripts that choose the training
-timesteps (``--weighting_scheme`` and its parameters) and the T5 sequence length.
+call the unwrapped ones). Also the SD3 scripts' own flags: the T5 sequence length and the loss's
+preconditioning (the flow-matching flags and timesteps are `flow_matching`'s).
 """
 
 import torch
 import torch.nn.functional as F
-from diffusers.training_utils import compute_density_for_timestep_sampling
 
 from .data import tokenize
 from .errors import require
 
-WEIGHTING_SCHEMES = ["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"]
-
 
 def add_sd3_args(parser):
-    """The prompt-length and flow-matching flags of the diffusers SD3 scripts, with their names and meanings."""
-    group = parser.add_argument_group("SD3 / flow matching")
+    """The prompt-length and loss flags of the diffusers SD3 scripts, with their names and meanings."""
+    group = parser.add_argument_group("SD3")
     group.add_argument("--max_sequence_length", type=int, default=77, help="T5 tokens per prompt")
-    group.add_argument("--weighting_scheme", default="logit_normal", choices=WEIGHTING_SCHEMES,
-                       help="density of the training timesteps and the matching loss weights (SD3 paper, section 3.1)")
-    group.add_argument("--logit_mean", type=float, default=0.0, help="mean of the logit_normal scheme")
-    group.add_argument("--logit_std", type=float, default=1.0, help="standard deviation of the logit_normal scheme")
-    group.add_argument("--mode_scale", type=float, default=1.29, help="scale of the mode scheme")
     group.add_argument("--precondition_outputs", type=int, default=1, choices=[0, 1],
                        help="1: turn the predicted velocity into a clean-latent estimate and regress that (EDM-style); "
                             "0: regress the velocity noise - latents")
@@ -39,7 +31,6 @@ def add_sd3_args(parser):
 
 def check_sd3_args(args):
     require(args.max_sequence_length > 0, "--max_sequence_length", args.max_sequence_length, "a positive integer")
-    require(args.logit_std > 0, "--logit_std", args.logit_std, "a positive number")
 
 
 def tokenize_prompt(tokenizers, texts, max_sequence_length):
@@ -64,16 +55,3 @@ def encode_prompt(text_encoders, input_ids):
     clip_states = F.pad(clip_states, (0, t5_states.shape[-1] - clip_states.shape[-1]))
     return torch.cat([clip_states, t5_states], dim=-2), torch.cat(pooled, dim=-1)
 
-
-def sample_flow_matching_timesteps(noise_scheduler, args, batch_size, device, dtype, ndim=4):
-    """``(timesteps, sigmas)`` for a batch: indices into the scheduler's training schedule drawn with
-    ``--weighting_scheme``'s density (from the global RNG); ``sigmas`` has ``ndim`` dims to broadcast
-    over latents. The schedule's sigma at an index is its timestep / ``num_train_timesteps``."""
-    density = compute_density_for_timestep_sampling(args.weighting_scheme, batch_size, logit_mean=args.logit_mean,
-                                                    logit_std=args.logit_std, mode_scale=args.mode_scale)
-    num_train_timesteps = noise_scheduler.config.num_train_timesteps
-    # A density value of exactly 1 (possible for "mode") would index one past the schedule.
-    indices = (density * num_train_timesteps).long().clamp(0, num_train_timesteps - 1)
-    timesteps = noise_scheduler.timesteps[indices].to(device)
-    sigmas = noise_scheduler.sigmas[indices].to(device=device, dtype=dtype)
-    return timesteps, sigmas.reshape(batch_size, *[1] * (ndim - 1))

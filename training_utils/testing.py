@@ -223,7 +223,7 @@ def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo"
     pipe.set_progress_bar_config(disable=True)
 
     def render():
-        return pipe(prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
+        return pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
                     output_type="np", generator=torch.Generator().manual_seed(0)).images
 
     images = [render()]

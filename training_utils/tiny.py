@@ -117,6 +117,50 @@ def tiny_t5_encoder(vocab_size, d_model=64, seed=SEED):
     return T5EncoderModel(config).eval()
 
 
+# Qwen3's chat format for one user turn, with the empty thinking block its template writes when thinking is off
+# (Flux2KleinPipeline wraps each prompt so before encoding it).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def tiny_qwen_tokenizer(words=None):
+    """A real byte-level BPE Qwen2 tokenizer (Qwen3's) with Qwen3's special tokens and chat format, whose
+    vocabulary holds ``words`` as whole tokens, with and without a leading space.
+
+    Every byte has a token, so any text tokenizes. BPE trained on the words alone learns exactly the merges
+    that join each of them into one token (hand-written merges would split words that contain other words).
+    """
+    from tokenizers import pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    words = sorted(set(words if words is not None else _vocabulary()))
+    special_tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    backend = Qwen2Tokenizer().backend_tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=4096, show_progress=False, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([form for word in words for form in (word, " " + word)], trainer=trainer)
+    model = json.loads(backend.to_str())["model"]
+    return Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(merge) for merge in model["merges"]],
+                          additional_special_tokens=special_tokens[1:], chat_template=QWEN3_CHAT_TEMPLATE)
+
+
+def tiny_qwen3_text_encoder(tokenizer, num_hidden_layers=28, hidden_size=16, seed=SEED):
+    """A Qwen3 causal LM, FLUX.2 [klein]'s text encoder class. Deep enough for the hidden layers that
+    Flux2KleinPipeline reads by default (9, 18 and 27), narrow enough to cost nothing."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=32,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=8, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return Qwen3ForCausalLM(config).eval()
+
+
 def tiny_vae(seed=SEED, **overrides):
     """A VAE that halves the resolution (real SD VAEs divide by 8), with SD's 4 latent channels."""
     from diffusers import AutoencoderKL
@@ -249,6 +293,46 @@ def build_sd3(path):
     pipe.save_pretrained(path)
 
 
+def tiny_flux2_vae(seed=SEED):
+    """FLUX.2's VAE, halving the resolution, with 4 latent channels (16 once 2×2-patchified). Its batch-norm
+    statistics, which standardise the patchified latents, are set away from the identity, so that a missing or
+    misplaced standardisation shows."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8,
+                             layers_per_block=1, sample_size=32)
+    with torch.no_grad():
+        vae.bn.running_mean.uniform_(-0.5, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
+def build_flux2_klein(path):
+    """A FLUX.2 [klein] pipeline: a FLUX.2 transformer (one double-stream and two single-stream blocks, no
+    guidance embedding, as klein's), FLUX.2's VAE, a Qwen3 text encoder whose three default hidden layers make
+    the transformer's text features, a real Qwen tokenizer, and FLUX.2's resolution-shifted flow-matching
+    scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+
+    tokenizer = tiny_qwen_tokenizer()
+    text_encoder = tiny_qwen3_text_encoder(tokenizer)
+    vae = tiny_flux2_vae()
+    torch.manual_seed(SEED)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * vae.config.latent_channels, num_layers=1, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * text_encoder.config.hidden_size,
+        timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096, time_shift_type="exponential",
+    )
+    Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                       transformer=transformer, is_distilled=False).save_pretrained(path)
+
+
 def build_controlnet(path):
     """A ControlNet initialised from the tiny UNet; its conditioning embedding halves the
     resolution, as the tiny VAE does (real ones divide by 8 with four embedding blocks)."""
@@ -326,6 +410,7 @@ FIXTURES = {
     "sdxl": build_sdxl,
     "sdxl_controlnet": build_sdxl_controlnet,
     "sd3": build_sd3,
+    "flux2_klein": build_flux2_klein,
     "shapes": build_shapes,
     "shapes_controlnet": build_shapes_controlnet,
     "instance": build_instance,

@@ -19,7 +19,6 @@ accelerator except while validating.
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import add_cache_args, add_lora_args, check_args, training_parser
@@ -30,6 +29,8 @@ from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_arg
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error, require
 from training_utils.export import LoraExport, save_with_ema
+from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
+                                          flow_matching_loss, sample_flow_matching_timesteps, velocity)
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
@@ -38,8 +39,7 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.quantization import quantization_config
-from training_utils.sd3 import (add_sd3_args, check_sd3_args, encode_prompt, sample_flow_matching_timesteps,
-                                tokenize_prompt)
+from training_utils.sd3 import add_sd3_args, check_sd3_args, encode_prompt, tokenize_prompt
 from training_utils.validation import make_validator
 
 
@@ -48,6 +48,7 @@ def parse_args(argv=None):
     add_lora_args(parser, train_text_encoder=True)
     add_dreambooth_args(parser)
     add_sd3_args(parser)
+    add_flow_matching_args(parser)
     parser.add_argument("--lora_layers", default=",".join(ATTENTION_PROJECTIONS),
                         help="comma-separated names of the transformer's modules to adapt (last parts of their names)")
     parser.add_argument("--lora_blocks", default=None,
@@ -56,6 +57,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_sd3_args(args)
+    check_flow_matching_args(args)
     require(all(split_names(args.lora_layers)), "--lora_layers", args.lora_layers, "comma-separated module names")
     require(args.lora_blocks is None or all(name.isdigit() for name in split_names(args.lora_blocks)),
             "--lora_blocks", args.lora_blocks, "comma-separated block indices, e.g. 0,12")
@@ -83,11 +85,6 @@ def lora_target_modules(transformer, layers, blocks):
         require(matches, "--lora_layers", layer, "a module name of the transformer (in --lora_blocks), e.g. to_q")
         targets += matches
     return targets
-
-
-def weighted_mse(prediction, target, weighting):
-    per_sample = (weighting.float() * (prediction.float() - target.float()) ** 2).flatten(1).mean(1)
-    return per_sample.mean()
 
 
 def main(args):
@@ -178,7 +175,7 @@ def main(args):
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(
                 noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
-            noisy_latents = (1.0 - sigmas) * latents + sigmas * noise
+            noisy_latents = add_noise(latents, noise, sigmas)
             prompt_embeds, pooled_embeds = (encode_prompts(prompts) if args.train_text_encoder
                                             else frozen_prompt_embeds)
             repeats = latents.shape[0] // len(prompts)
@@ -189,13 +186,10 @@ def main(args):
             if args.precondition_outputs:  # the velocity turned into an estimate of x_0, which is regressed
                 model_pred, target = noisy_latents - sigmas * model_pred, latents
             else:
-                target = noise - latents
-            weighting = compute_loss_weighting_for_sd3(args.weighting_scheme, sigmas)
-            # The instance half's loss, plus the weighted class half's (prior preservation).
-            predictions, targets, weightings = (x.chunk(len(prompts)) for x in (model_pred, target, weighting))
-            loss = weighted_mse(predictions[0], targets[0], weightings[0])
-            if args.with_prior_preservation:
-                loss = loss + args.prior_loss_weight * weighted_mse(predictions[1], targets[1], weightings[1])
+                target = velocity(latents, noise)
+            # With prior preservation, the instance half's loss plus the weighted class half's.
+            loss = flow_matching_loss(model_pred, target, sigmas, args.weighting_scheme,
+                                      args.prior_loss_weight if args.with_prior_preservation else None)
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.

@@ -1,0 +1,118 @@
+"""training_utils.flux2: FLUX.2 [klein]'s prompt settings, latent layout and transformer inputs are the pipeline's own.
+
+The central check: sampling with a transformer that predicts exactly the training target follows the training
+path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
+what the pipeline's sampling loop gives the transformer at each noise level."""
+
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline
+
+from training_utils import flux2
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
+from training_utils.flow_matching import add_noise, velocity
+
+PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    pipe = Flux2KleinPipeline.from_pretrained(tiny["flux2_klein"])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def parse(tiny):
+    def parse(*argv):
+        parser = training_parser("test")
+        flux2.add_flux2_args(parser)
+        args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["flux2_klein"]), *map(str, argv)])
+        flux2.check_flux2_args(args)
+        return args
+
+    return parse
+
+
+def test_unset_prompt_settings_are_the_pipelines_defaults_and_encode_as_it_does(pipe, parse):
+    settings = flux2.prompt_settings(pipe, parse())
+    assert settings == {"max_sequence_length": 512, "text_encoder_out_layers": (9, 18, 27)}
+    with torch.no_grad():
+        embeddings, text_ids = pipe.encode_prompt(PROMPTS, device="cpu", **settings)
+        expected_embeddings, expected_text_ids = pipe.encode_prompt(PROMPTS)
+    assert embeddings.shape == (2, 512, pipe.transformer.config.joint_attention_dim)
+    assert torch.equal(embeddings, expected_embeddings) and torch.equal(text_ids, expected_text_ids)
+    assert not torch.allclose(embeddings[0], embeddings[1])
+
+
+def test_set_prompt_settings_reach_the_encoding(pipe, parse):
+    settings = flux2.prompt_settings(pipe, parse("--max_sequence_length", 16, "--text_encoder_out_layers", 1, 2, -1))
+    assert settings == {"max_sequence_length": 16, "text_encoder_out_layers": (1, 2, -1)}
+    with torch.no_grad():
+        embeddings, text_ids = pipe.encode_prompt(PROMPTS, device="cpu", **settings)
+        default_layers, _ = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=16)
+    assert embeddings.shape == default_layers.shape == (2, 16, 48) and text_ids.shape == (2, 16, 4)
+    assert not torch.allclose(embeddings, default_layers)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+    (["--text_encoder_out_layers", 9, 18, 29],
+     "--text_encoder_out_layers=[9, 18, 29]: expected indices of the text encoder's hidden states, from -29 to 28 "
+     "(it has 28 layers)"),
+    (["--text_encoder_out_layers", 9, 18],
+     "--text_encoder_out_layers=[9, 18]: expected 3 indices: the transformer reads 48 text features, 16 from each "
+     "layer"),
+])
+def test_bad_prompt_settings_fail_in_one_line_from_the_configurations(parse, flags, message):
+    with pytest.raises(UsageError) as error:
+        parse(*flags)
+    assert str(error.value) == message
+
+
+def test_a_folder_without_the_configurations_fails_in_one_line(tiny):
+    parser = training_parser("test")
+    flux2.add_flux2_args(parser)
+    args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["sd"]), "--text_encoder_out_layers", "1"])
+    with pytest.raises(UsageError) as error:
+        flux2.check_flux2_args(args)
+    assert str(error.value) == (f"--pretrained_model_name_or_path={str(tiny['sd'])!r}: expected a FLUX.2 pipeline "
+                                "whose text_encoder and transformer configurations load")
+
+
+def test_sampling_towards_the_training_target_follows_the_training_path(pipe, parse, monkeypatch):
+    settings = flux2.prompt_settings(pipe, parse("--max_sequence_length", 16))
+    generator = torch.Generator().manual_seed(0)
+    vae_latents = torch.randn(1, 4, 16, 16, generator=generator)  # what the VAE makes of a 32-pixel image
+    latents = flux2.normalized_latents(pipe, vae_latents)
+    noise = torch.randn(latents.shape, generator=generator)
+    target = velocity(latents, noise)
+    # The transformer's output tokens that the training step reads back as exactly the target.
+    target_tokens = pipe._pack_latents(target)
+    assert torch.equal(flux2.unpack(pipe, target_tokens, latents), target)
+    calls = []
+
+    def transformer_predicting_the_target(**inputs):
+        calls.append(inputs)
+        return (target_tokens,)
+
+    monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
+    sampled = pipe(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=4, guidance_scale=1.0, latents=noise,
+                   output_type="latent", **settings).images
+    # Straight from the noise to the latents the target points away from, in the VAE's own layout and scale.
+    torch.testing.assert_close(sampled, vae_latents, rtol=0, atol=1e-5)
+
+    with torch.no_grad():
+        prompt_embeds, text_ids = pipe.encode_prompt(PROMPTS[0], device="cpu", **settings)
+    assert len(calls) == 4
+    for step, call in enumerate(calls):
+        sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
+        expected = flux2.image_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
+        assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
+        assert torch.equal(call["encoder_hidden_states"], prompt_embeds) and torch.equal(call["txt_ids"], text_ids)
+        assert call["guidance"] is None
+    # The first step starts from pure noise; the steps' noise levels are shifted for the image size by the pipeline.
+    assert torch.equal(calls[0]["hidden_states"], pipe._pack_latents(noise))
+    assert pipe.scheduler.sigmas[0] == 1 and pipe.scheduler.config.use_dynamic_shifting
