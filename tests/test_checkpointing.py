@@ -513,3 +513,15 @@ def test_resuming_with_a_changed_trajectory_flag_is_refused_unless_asked_and_the
     run.checkpointer.allow_changed_trajectory = True
     assert run.checkpointer.load(path) == 1
     assert "resuming with changed flags (--seed was 3, now 4): the run is no longer exact" in caplog.text
+
+
+def test_a_changed_rank_is_named_as_a_flag_before_any_shape_is_compared(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.checkpointer.trajectory = {"rank": 4}
+    run.train(1)
+    path = run.checkpointer.save(1)
+    reset(acc)
+    wider = {"linear.weight": torch.nn.Parameter(torch.zeros(5, 4)), "linear.bias": torch.nn.Parameter(torch.zeros(3))}
+    checkpointer = Checkpointer(acc, tmp_path, wider, ema=EMA(wider), trajectory={"rank": 8})
+    with pytest.raises(UsageError, match="\\(--rank was 4, now 8\\), or --resume_with_changed_args"):
+        checkpointer.load(path)

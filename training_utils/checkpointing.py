@@ -189,9 +189,10 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path):
-        """Restore a checkpoint folder into the live run, the random states included; returns its global step."""
+        """Restore a checkpoint folder into the live run, the random states included; returns its global step.
+        A checkpoint of a run with other trajectory flags is refused before anything loads from it."""
+        self._check_trajectory(path, json.loads((Path(path) / STATE_FILE).read_text()).get("trajectory", {}))
         self.accelerator.load_state(str(path))
-        self._check_trajectory(path)
         process = self.accelerator.process_index
         if self.loaded_state.get("format", 1) >= CHECKPOINT_FORMAT:
             saved_by = self.loaded_state["processes"]
@@ -207,9 +208,8 @@ class Checkpointer:
                              f"other random numbers)")
         return self.loaded_state["global_step"]
 
-    def _check_trajectory(self, path):
-        """Refuse a checkpoint whose run had other trajectory flags, unless told to go on (then say so)."""
-        saved = self.loaded_state.get("trajectory", {})
+    def _check_trajectory(self, path, saved):
+        """Refuse a checkpoint whose run had other trajectory flags (``saved``), unless told to go on (then say so)."""
         changed = [name for name in self.trajectory if name in saved and saved[name] != self.trajectory[name]]
         if not changed:
             return
