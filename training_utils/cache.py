@@ -27,7 +27,7 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
 from .data import UNREADABLE_IMAGE_ERRORS, ImageTransform
-from .feature_store import Block, FeatureStore, describe, encode_once, encoders_on
+from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
 
 CACHE_INDEX_COLUMN = "__cache_index__"
 
@@ -167,7 +167,7 @@ def image_source(value):
 
 def many(items, noun):
     """A determinant naming a list by its length and hash, e.g. "12 captions 3f2a…"."""
-    return f"{len(items)} {noun} {hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest()}"
+    return f"{len(items)} {noun} {digest(repr(items))}"
 
 
 class FrozenEncoders:
@@ -310,4 +310,4 @@ class FrozenEncoders:
 
 
 def _bytes_per_item(block):
-    return sum(tensor.nbytes for tensor in block.tensors.values()) // max(len(block.indices), 1)
+    return block_bytes(block) // max(len(block.indices), 1)

@@ -191,7 +191,8 @@ class Checkpointer:
     def load(self, path):
         """Restore a checkpoint folder into the live run, the random states included; returns its global step.
         A checkpoint of a run with other trajectory flags is refused before anything loads from it."""
-        self._check_trajectory(path, json.loads((Path(path) / STATE_FILE).read_text()).get("trajectory", {}))
+        self.loaded_state = json.loads((Path(path) / STATE_FILE).read_text())
+        self._check_trajectory(path, self.loaded_state.get("trajectory", {}))
         self.accelerator.load_state(str(path))
         process = self.accelerator.process_index
         if self.loaded_state.get("format", 1) >= CHECKPOINT_FORMAT:
@@ -280,7 +281,6 @@ class Checkpointer:
         for file_name, average in self.averages.items():
             if average is not None:
                 average.load(input_dir / file_name)
-        self.loaded_state = json.loads((input_dir / STATE_FILE).read_text())
 
 
 def attempt(write):

@@ -28,7 +28,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .errors import UsageError
 
@@ -193,8 +193,8 @@ class FeatureStore:
         """Every shard's blocks, their tensors memory-mapped."""
         blocks = []
         for shard in self.shards():
-            tensors = load_file(shard)
             with safe_open(shard, framework="pt") as file:
+                tensors = {name: file.get_tensor(name) for name in file.keys()}
                 errors = {int(index): message for index, message in json.loads(file.metadata()["errors"]).items()}
             numbers = sorted({name.split("/")[0] for name in tensors}, key=int)
             for number in numbers:

@@ -7,7 +7,6 @@ was, or with other bytes.
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 MANIFEST_FILE = "manifest.json"
@@ -30,13 +29,12 @@ def files_of(folder):
 
 
 def write_manifest(folder):
-    """List every file under ``folder`` with its size and hash in ``folder/manifest.json``."""
+    """List every file under ``folder`` with its size and hash in ``folder/manifest.json``. Written in place:
+    ``folder`` is a checkpoint's staging folder, renamed whole once the manifest is in it."""
     folder = Path(folder)
     files = {name: {"bytes": (folder / name).stat().st_size, "blake2b": file_hash(folder / name)}
              for name in files_of(folder)}
-    temporary = folder / f".{MANIFEST_FILE}.tmp"
-    temporary.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(temporary, folder / MANIFEST_FILE)
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
 
 
 def check_manifest(folder):
