@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 
 from training_utils.args import (
     TrainingArgumentParser,
@@ -10,6 +11,7 @@ from training_utils.args import (
     add_lora_args,
     add_refused_args,
     check_args,
+    export_formats,
     is_hub_id,
     training_parser,
 )
@@ -33,7 +35,7 @@ def no_cuda(monkeypatch):
 
 def full_parser():
     parser = training_parser("test")
-    add_lora_args(parser, train_text_encoder=True)
+    add_lora_args(parser, StableDiffusionPipeline, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
     return parser
@@ -66,7 +68,7 @@ BAD_INPUTS = [
     ("epochs-zero", ["--num_train_epochs", "0"], "--num_train_epochs", "0"),
     ("max-train-steps-zero", ["--max_train_steps", "0"], "--max_train_steps", "0"),
     ("grad-accumulation-zero", ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps", "0"),
-    ("num-validation-images-zero", ["--num_validation_images", "0"], "--num_validation_images", "0"),
+    ("num-validation-images-negative", ["--num_validation_images", "-1"], "--num_validation_images", "-1"),
     ("validation-steps-zero", ["--validation_steps", "0"], "--validation_steps", "0"),
     ("validation-epochs-zero", ["--validation_epochs", "0"], "--validation_epochs", "0"),
     ("validation-inference-steps-zero", ["--validation_inference_steps", "0"], "--validation_inference_steps", "0"),
@@ -84,7 +86,6 @@ BAD_INPUTS = [
     ("rank-zero", ["--rank", "0"], "--rank", "0"),
     ("lora-dropout-one", ["--lora_dropout", "1.0"], "--lora_dropout", "1.0"),
     ("snr-gamma-zero", ["--snr_gamma", "0"], "--snr_gamma", "0"),
-    ("cache-latents-random-crop", ["--cache_latents"], "--cache_latents", "True"),
     ("feature-cache-dir-a-file", ["--feature_cache_dir", "{a_file}"], "--feature_cache_dir", "{a_file}"),
     ("resume-missing", ["--resume_from_checkpoint", "checkpoint-123"], "--resume_from_checkpoint", "checkpoint-123"),
     ("resume-missing-absolute", ["--resume_from_checkpoint", "/nonexistent/checkpoint-5"],
@@ -164,6 +165,7 @@ GOOD_INPUTS = [
     [],
     ["--resolution", "8"],
     ["--resolution", "64", "--center_crop", "--random_flip", "--cache_latents"],
+    ["--resolution", "64", "--random_flip", "--cache_latents"],
     ["--ema_decay", "0"],
     ["--ema_decay", "0.999", "--use_ema", "--ema_update_every", "10", "--ema_device", "cpu"],
     ["--rank", "1", "--lora_dropout", "0.0", "--lora_alpha", "8", "--train_text_encoder"],
@@ -171,6 +173,7 @@ GOOD_INPUTS = [
     ["--mixed_precision", "bf16"],
     ["--mixed_precision", "no"],
     ["--validation_prompt", "a red circle", "a blue square", "--num_validation_images", "1"],
+    ["--validation_prompt", "a red circle", "--num_validation_images", "0"],
     ["--resume_from_checkpoint", "latest"],
     ["--hub_token", "hf_x", "--report_to", "tensorboard"],
     ["--report_to", "wandb"],
@@ -266,16 +269,34 @@ def test_validation_prompt_takes_several():
 
 def test_lora_and_loss_groups():
     parser = training_parser("x")
-    add_lora_args(parser)
+    add_lora_args(parser, StableDiffusionPipeline)
     add_diffusion_loss_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", "a/b"])
     assert (args.rank, args.lora_alpha, args.lora_dropout) == (4, None, 0.0)
     assert not hasattr(args, "train_text_encoder")
     assert (args.prediction_type, args.snr_gamma, args.noise_offset) == (None, None, 0.0)
+    assert export_formats(args) == ["diffusers"]
     parser = training_parser("x")
-    add_lora_args(parser, train_text_encoder=True)
+    add_lora_args(parser, StableDiffusionPipeline, train_text_encoder=True)
     args = parser.parse_args(["--pretrained_model_name_or_path", "a/b", "--train_text_encoder", "--rank", "16"])
     assert args.train_text_encoder is True and args.rank == 16
+
+
+def test_export_formats_are_those_of_the_family_and_upstreams_kohya_flag_adds_one(capsys):
+    def parse(pipeline_class, *flags):
+        parser = training_parser("x")
+        add_lora_args(parser, pipeline_class)
+        return parser.parse_args(["--pretrained_model_name_or_path", "a/b", *flags])
+
+    assert export_formats(parse(StableDiffusionPipeline, "--output_kohya_format")) == ["diffusers", "kohya"]
+    assert export_formats(parse(StableDiffusionPipeline, "--export_formats", "comfyui", "kohya",
+                                "--output_kohya_format")) == ["diffusers", "comfyui", "kohya"]
+    assert export_formats(parse(Flux2KleinPipeline, "--export_formats", "comfyui")) == ["diffusers", "comfyui"]
+    with pytest.raises(SystemExit):
+        parse(Flux2KleinPipeline, "--export_formats", "kohya")
+    assert "invalid choice: 'kohya' (choose from 'diffusers', 'comfyui')" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(Flux2KleinPipeline, "--output_kohya_format")
 
 
 def test_every_design_flag_exists():

@@ -185,9 +185,41 @@ def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):
         cached_latent_parameters(cache[0], transform, sample_generator(0, 0, 0))
 
 
-def test_caching_needs_center_crops(tiny_sd_pipe):
-    with pytest.raises(ValueError, match="center crops"):
-        cache_latent_parameters([], ImageTransform(32), tiny_sd_pipe.vae, 4)
+def test_a_random_crop_is_drawn_once_per_image_when_cached_and_kept_while_flips_are_drawn(tiny_sd_pipe):
+    vae = tiny_sd_pipe.vae
+    # Resized to 32 high, both are wider than a 32px crop: a random crop has 17 and 13 places to start.
+    images = [Image.new("RGB", (96, 64), (200, 30, 30)), Image.new("RGB", (72, 48), (30, 30, 200))]
+    for image in images:
+        for left in range(0, image.width, 12):
+            image.paste((0, 255, 0), (left, 0, left + 4, image.height))  # stripes: every crop and flip differs
+    transform = ImageWithConditioningTransform(32, random_flip=True)
+    opens = [lambda image=image: image for image in images]
+    encode_chunk = latent_chunk_encoder(opens, transform, vae, "cpu", torch.float32, crop_seed=5)
+    with torch.no_grad():
+        cache = cached_images([0, 1], [encode_chunk([0, 1])])
+        again = cached_images([0, 1], [latent_chunk_encoder(opens, transform, vae, "cpu", torch.float32,
+                                                            crop_seed=5)([0, 1])])
+        other_seed = cached_images([0, 1], [latent_chunk_encoder(opens, transform, vae, "cpu", torch.float32,
+                                                                 crop_seed=6)([0, 1])])
+    assert [cache[key].crop for key in cache] == [again[key].crop for key in again]
+    assert [cache[key].crop for key in cache] != [other_seed[key].crop for key in other_seed]
+    flips = set()
+    for key, image in enumerate(images):
+        top, left = cache[key].crop
+        assert top == 0 and 0 <= left <= image.width * 32 // image.height - 32
+        for epoch in range(6):
+            parameters, conditioning, original_size, crop_top_left = cached_latent_parameters_with_conditioning(
+                cache[key], image, transform, sample_generator(0, epoch, key))
+            layout = transform.draw_layout(*image.size, sample_generator(0, epoch, key), crop=cache[key].crop)
+            flips.add(layout.flip)
+            # The kept crop, flipped as drawn: the latents of those pixels, and the conditioning cut alike.
+            pixels = torch.from_numpy(ImageTransform.apply_layout(image, layout)).permute(2, 0, 1) / 127.5 - 1
+            with torch.no_grad():
+                expected = vae.encode(pixels[None]).latent_dist.parameters[0]
+            torch.testing.assert_close(parameters, expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(conditioning, transform.conditioning_pixels(image, layout))
+            assert (original_size, crop_top_left) == ((image.height, image.width), layout.crop_top_left)
+    assert flips == {False, True}
 
 
 def test_sampling_draws_from_the_global_rng_like_latent_dist_sample(tiny_sd_pipe):

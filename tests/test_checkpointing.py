@@ -6,16 +6,20 @@ prepared objects (see the ``acc`` fixture).
 """
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
 
-from training_utils import checkpointing
+from training_utils import checkpointing, export
 from training_utils.checkpointing import (
-    EMA_FILE,
+    EARLIER_EMA_FILE,
+    EARLIER_TRAINED_FILE,
+    EMA_FOLDER,
     STATE_FILE,
-    TRAINED_FILE,
     WRITE_FAILED_EXIT_CODE,
     Checkpointer,
     choose_checkpoint,
@@ -25,6 +29,7 @@ from training_utils.checkpointing import (
 )
 from training_utils.ema import EMA
 from training_utils.errors import RunStopped, UsageError
+from training_utils.export import TENSORS_NAME, TensorsExport
 from training_utils.manifest import MANIFEST_FILE, check_manifest, write_manifest
 
 
@@ -147,10 +152,13 @@ def test_resume_position(global_step, steps_per_epoch, accumulation, expected):
 # pruning
 
 
-def small_parameters(seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return {"linear.weight": torch.nn.Parameter(torch.randn(3, 4, generator=generator)),
-            "linear.bias": torch.nn.Parameter(torch.randn(3, generator=generator))}
+def linear_export(name="linear", out_features=3):
+    """The export of a run training one ``nn.Linear(4, out_features)`` named ``name``."""
+    return TensorsExport({name: torch.nn.Linear(4, out_features)})
+
+
+def ema_of(export):
+    return EMA(checkpointing.trainable_parameters(export.trained))
 
 
 def test_prune_keeps_newest_total_limit(tmp_path, acc):
@@ -158,7 +166,7 @@ def test_prune_keeps_newest_total_limit(tmp_path, acc):
         make_checkpoint(tmp_path, step)
     staging = tmp_path / ".checkpoint-11.incomplete"
     staging.mkdir()
-    Checkpointer(acc, tmp_path, small_parameters(), total_limit=2).prune()
+    Checkpointer(acc, tmp_path, linear_export(), total_limit=2).prune()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [9, 10]
     assert staging.is_dir()
 
@@ -166,14 +174,14 @@ def test_prune_keeps_newest_total_limit(tmp_path, acc):
 def test_prune_without_limit_keeps_all(tmp_path, acc):
     for step in (1, 2, 3):
         make_checkpoint(tmp_path, step)
-    Checkpointer(acc, tmp_path, small_parameters()).prune()
+    Checkpointer(acc, tmp_path, linear_export()).prune()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [1, 2, 3]
 
 
 def test_prune_limit_one(tmp_path, acc):
     for step in (5, 50, 500):
         make_checkpoint(tmp_path, step)
-    Checkpointer(acc, tmp_path, small_parameters(), total_limit=1).prune()
+    Checkpointer(acc, tmp_path, linear_export(), total_limit=1).prune()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [500]
 
 
@@ -183,7 +191,7 @@ def test_prune_tolerates_a_vanished_folder(tmp_path, acc, monkeypatch):
     listed = complete_checkpoints(tmp_path)
     vanished = tmp_path / "checkpoint-1"  # listed, but deleted by someone else before prune reaches it
     monkeypatch.setattr(checkpointing, "complete_checkpoints", lambda output_dir: [(1, vanished)] + listed)
-    Checkpointer(acc, tmp_path, small_parameters(), total_limit=2).prune()
+    Checkpointer(acc, tmp_path, linear_export(), total_limit=2).prune()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
 
 
@@ -197,13 +205,12 @@ class Run:
     def __init__(self, accelerator, output_dir, use_ema=True, total_limit=None, seed=0):
         torch.manual_seed(seed)
         self.accelerator = accelerator
-        self.model = torch.nn.Linear(4, 3)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.05)
-        self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
-        self.parameters = {f"linear.{name}": p for name, p in self.model.named_parameters()}
+        export = linear_export()
+        optimizer = torch.optim.AdamW(export.trained["linear"].parameters(), lr=0.05)
+        self.model, self.optimizer = accelerator.prepare(export.trained["linear"], optimizer)
+        self.parameters = checkpointing.trainable_parameters(export.trained)
         self.ema = EMA(self.parameters, decay=0.9) if use_ema else None
-        self.checkpointer = Checkpointer(accelerator, output_dir, self.parameters, ema=self.ema,
-                                         total_limit=total_limit)
+        self.checkpointer = Checkpointer(accelerator, output_dir, export, ema=self.ema, total_limit=total_limit)
         self.generator = torch.Generator().manual_seed(seed + 1)
         self.step = 0
 
@@ -254,9 +261,10 @@ def test_save_load_round_trip_is_bitwise(tmp_path, acc):
     rng_after_save = torch.rand(4)
 
     assert path == tmp_path / "checkpoint-3"
-    assert (path / TRAINED_FILE).is_file() and (path / EMA_FILE).is_file()
-    assert json.loads((path / STATE_FILE).read_text()) == {"format": 2, "global_step": 3, "processes": 1,
-                                                           "skipped_images": 2}
+    # the trained weights once, as the export writes them, and the EMA's in the same layout
+    assert (path / TENSORS_NAME).is_file() and (path / EMA_FOLDER / TENSORS_NAME).is_file()
+    assert json.loads((path / STATE_FILE).read_text()) == {"format": 3, "global_step": 3, "processes": 1,
+                                                           "skipped_images": 2, "ema_step": 3}
     assert not (tmp_path / ".checkpoint-3.incomplete").exists()
     # the hook replaces accelerate's whole-model weights by the trained tensors
     assert not list(path.glob("model*.safetensors")) and not list(path.glob("pytorch_model*.bin"))
@@ -269,7 +277,8 @@ def test_save_load_round_trip_is_bitwise(tmp_path, acc):
 
     parameter_objects = dict(run.parameters)
     assert run.checkpointer.load(path) == 3
-    assert run.checkpointer.loaded_state == {"format": 2, "global_step": 3, "processes": 1, "skipped_images": 2}
+    assert run.checkpointer.loaded_state == {"format": 3, "global_step": 3, "processes": 1, "skipped_images": 2,
+                                             "ema_step": 3}
     assert_same_state(run.snapshot(), saved)
     # restored in place: the optimizer and EMA still hold the very same tensors
     assert all(run.parameters[name] is parameter_objects[name] for name in parameter_objects)
@@ -298,7 +307,7 @@ def test_save_without_ema_and_load(tmp_path, acc):
     run.train(2)
     saved = run.snapshot()
     path = run.checkpointer.save(2)
-    assert not (path / EMA_FILE).exists()
+    assert not (path / EMA_FOLDER).exists()
     run.train(1)
     assert run.checkpointer.load(path) == 2
     assert_same_state(run.snapshot(), saved)
@@ -339,36 +348,34 @@ def save_one(acc, output_dir, use_ema=True):
 
 def test_load_with_different_parameter_names_raises(tmp_path, acc):
     path = save_one(acc, tmp_path)
-    parameters = {"unet.other.weight": torch.nn.Parameter(torch.zeros(3, 4)),
-                  "linear.bias": torch.nn.Parameter(torch.zeros(3))}
-    checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
+    export = linear_export(name="unet")
+    checkpointer = Checkpointer(acc, tmp_path, export, ema=ema_of(export))
     with pytest.raises(UsageError) as raised:
         checkpointer.load(path)
     message = str(raised.value)
     assert message.startswith("--resume_from_checkpoint=")
-    assert "unet.other.weight" in message and "linear.weight" in message
+    assert "unet.weight" in message and "linear.weight" in message
 
 
 def test_load_with_different_shapes_raises(tmp_path, acc):
     path = save_one(acc, tmp_path)
-    parameters = {"linear.weight": torch.nn.Parameter(torch.zeros(5, 4)),
-                  "linear.bias": torch.nn.Parameter(torch.zeros(3))}
-    checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
+    export = linear_export(out_features=5)
+    checkpointer = Checkpointer(acc, tmp_path, export, ema=ema_of(export))
     with pytest.raises(UsageError, match="linear.weight"):
         checkpointer.load(path)
 
 
 def test_load_ema_checkpoint_into_run_without_ema_raises(tmp_path, acc):
     path = save_one(acc, tmp_path, use_ema=True)
-    checkpointer = Checkpointer(acc, tmp_path, small_parameters(), ema=None)
+    checkpointer = Checkpointer(acc, tmp_path, linear_export(), ema=None)
     with pytest.raises(UsageError, match="--use_ema"):
         checkpointer.load(path)
 
 
 def test_load_checkpoint_without_ema_into_run_with_ema_raises(tmp_path, acc):
     path = save_one(acc, tmp_path, use_ema=False)
-    parameters = small_parameters()
-    checkpointer = Checkpointer(acc, tmp_path, parameters, ema=EMA(parameters))
+    export = linear_export()
+    checkpointer = Checkpointer(acc, tmp_path, export, ema=ema_of(export))
     with pytest.raises(UsageError, match="--use_ema"):
         checkpointer.load(path)
 
@@ -392,9 +399,10 @@ def test_the_manifest_lists_every_file_of_the_checkpoint_with_its_size(tmp_path,
     run, _ = two_checkpoints(acc, tmp_path)
     path = tmp_path / "checkpoint-2"
     listed = json.loads((path / MANIFEST_FILE).read_text())["files"]
-    on_disk = {file.name: file.stat().st_size for file in path.iterdir() if file.name != MANIFEST_FILE}
+    on_disk = {file.relative_to(path).as_posix(): file.stat().st_size for file in path.rglob("*")
+               if file.is_file() and file.name != MANIFEST_FILE}
     assert {name: entry["bytes"] for name, entry in listed.items()} == on_disk
-    assert {TRAINED_FILE, EMA_FILE, STATE_FILE, "optimizer.bin", "random_states_0.pkl",
+    assert {TENSORS_NAME, f"{EMA_FOLDER}/{TENSORS_NAME}", STATE_FILE, "optimizer.bin", "random_states_0.pkl",
             "random_state_0.safetensors"} <= set(listed)
     assert check_manifest(path) is None
 
@@ -412,8 +420,8 @@ def alter(path):
 TRUNCATED = "is \\d+ bytes, not the \\d+ it was written with \\(truncated or replaced\\)"
 DAMAGE = [  # (file, damage, what the message says)
     ("random_states_0.pkl", lambda path: path.unlink(), "random_states_0.pkl is missing"),
-    (TRAINED_FILE, truncate, f"{TRAINED_FILE} {TRUNCATED}"),
-    (EMA_FILE, truncate, f"{EMA_FILE} {TRUNCATED}"),
+    (TENSORS_NAME, truncate, f"{TENSORS_NAME} {TRUNCATED}"),
+    (f"{EMA_FOLDER}/{TENSORS_NAME}", truncate, f"{EMA_FOLDER}/{TENSORS_NAME} {TRUNCATED}"),
     ("optimizer.bin", truncate, f"optimizer.bin {TRUNCATED}"),
     ("random_state_0.safetensors", alter,
      "random_state_0.safetensors does not hold the bytes it was written with \\(altered or corrupt\\)"),
@@ -437,15 +445,28 @@ def test_a_damaged_checkpoint_named_is_one_line_and_latest_falls_back_to_the_one
 def test_latest_with_no_whole_checkpoint_is_an_error(tmp_path, acc):
     two_checkpoints(acc, tmp_path)
     for step in (1, 2):
-        truncate(tmp_path / f"checkpoint-{step}" / TRAINED_FILE)
+        truncate(tmp_path / f"checkpoint-{step}" / TENSORS_NAME)
     with pytest.raises(UsageError, match="none of the 2 there is"):
         choose_checkpoint("latest", tmp_path)
+
+
+def to_earlier_layout(path):
+    """Rewrite a checkpoint's weights as checkpoints before format 3 held them: the trained tensors in one file,
+    the EMA's shadows and step in another."""
+    save_file(load_file(path / TENSORS_NAME), path / EARLIER_TRAINED_FILE)
+    shadows = load_file(path / EMA_FOLDER / TENSORS_NAME)
+    ema = EMA({name: torch.nn.Parameter(tensor) for name, tensor in shadows.items()})
+    ema.step = json.loads((path / STATE_FILE).read_text())["ema_step"]
+    ema.save(path / EARLIER_EMA_FILE)
+    (path / TENSORS_NAME).unlink()
+    shutil.rmtree(path / EMA_FOLDER)
 
 
 def test_a_checkpoint_from_before_manifests_resumes_unverified_but_not_without_its_random_states(
         tmp_path, acc, caplog):
     run, at_step_1 = two_checkpoints(acc, tmp_path)
     old = tmp_path / "checkpoint-1"
+    to_earlier_layout(old)
     for name in (MANIFEST_FILE, "random_state_0.safetensors"):
         (old / name).unlink()
     state = json.loads((old / STATE_FILE).read_text())
@@ -488,15 +509,16 @@ def test_a_failed_write_stops_the_run_in_one_line_and_keeps_the_previous_checkpo
     def disk_full(tensors, path, metadata=None):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(checkpointing, "save_file", disk_full)
+    monkeypatch.setattr(export, "save_file", disk_full)
     monkeypatch.setattr(checkpointing, "end_training", lambda accelerator: None)  # the module's accelerator lives on
     run.train(1)
     with pytest.raises(RunStopped) as stopped:
         run.checkpointer.save(2)
     assert stopped.value.exit_code == WRITE_FAILED_EXIT_CODE
     staging = tmp_path / ".checkpoint-2.incomplete"
-    assert str(stopped.value) == (f"could not write {tmp_path / 'checkpoint-2'}: {staging / TRAINED_FILE}: No space "
-                                  f"left on device; {tmp_path / 'checkpoint-1'} is the latest whole checkpoint")
+    assert re.fullmatch(f"could not write {tmp_path / 'checkpoint-2'}: {staging}/.incomplete-\\w+/{TENSORS_NAME}: "
+                        f"No space left on device; {tmp_path / 'checkpoint-1'} is the latest whole checkpoint",
+                        str(stopped.value))
     assert not staging.exists() and not (tmp_path / "checkpoint-2").exists()
     assert check_manifest(tmp_path / "checkpoint-1") is None
     assert choose_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-1"
@@ -521,7 +543,7 @@ def test_a_changed_rank_is_named_as_a_flag_before_any_shape_is_compared(tmp_path
     run.train(1)
     path = run.checkpointer.save(1)
     reset(acc)
-    wider = {"linear.weight": torch.nn.Parameter(torch.zeros(5, 4)), "linear.bias": torch.nn.Parameter(torch.zeros(3))}
-    checkpointer = Checkpointer(acc, tmp_path, wider, ema=EMA(wider), trajectory={"rank": 8})
+    wider = linear_export(out_features=5)
+    checkpointer = Checkpointer(acc, tmp_path, wider, ema=ema_of(wider), trajectory={"rank": 8})
     with pytest.raises(UsageError, match="\\(--rank was 4, now 8\\), or --resume_with_changed_args"):
         checkpointer.load(path)

@@ -59,6 +59,15 @@ def test_check_returns_the_instance_images(instance_dir):
     assert (args.num_class_images, args.prior_loss_weight, args.sample_batch_size) == (100, 1.0, 4)
 
 
+def test_upstreams_pre_compute_text_embeddings_is_accepted_unless_the_text_encoder_trains(instance_dir):
+    flags = ["--instance_data_dir", instance_dir, "--instance_prompt", "a dog", "--pre_compute_text_embeddings"]
+    assert check_dreambooth_args(parse(*flags))
+    args = parse(*flags)
+    args.train_text_encoder = True
+    with pytest.raises(UsageError, match="^--pre_compute_text_embeddings=True: expected no --train_text_encoder"):
+        check_dreambooth_args(args)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -235,6 +235,33 @@ def test_pipeline_export_saves_the_whole_pipeline_raw_and_the_trained_unet_alone
     assert torch.equal(ema_unet.conv_in.weight, ema.shadows["unet.conv_in.weight"])
 
 
+def test_a_lora_checkpoint_is_the_loadable_file_and_reads_back_by_parameter_name(tiny, trained_pipe, tmp_path):
+    pipe, trained = trained_pipe
+    export = LoraExport.of(StableDiffusionPipeline, trained)
+    assert export.save_checkpoint(tmp_path) == tmp_path / LORA_WEIGHTS_NAME
+    assert sorted(path.name for path in tmp_path.iterdir()) == [LORA_WEIGHTS_NAME]
+    parameters = trainable_parameters(trained)
+    read = export.read_checkpoint(tmp_path)
+    assert read.keys() == parameters.keys()
+    assert all(torch.equal(read[name], parameter) for name, parameter in parameters.items())
+    fresh = fresh_pipe(tiny)
+    fresh.load_lora_weights(tmp_path)
+    assert np.array_equal(render(fresh), render(pipe))
+
+
+def test_a_model_checkpoint_is_a_folder_per_component_and_reads_back_only_what_trains(tiny, tmp_path):
+    pipe = fresh_pipe(tiny)
+    trained = {"unet": pipe.unet.requires_grad_(True)}
+    pipe.unet.conv_in.requires_grad_(False)
+    export = PipelineExport(pipe, trained)
+    export.save_checkpoint(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["unet"]
+    assert torch.equal(UNet2DConditionModel.from_pretrained(tmp_path / "unet").conv_out.weight,
+                       pipe.unet.conv_out.weight)
+    read = export.read_checkpoint(tmp_path)
+    assert read.keys() == trainable_parameters(trained).keys() and "unet.conv_in.weight" not in read
+
+
 def test_tensors_export_writes_the_tensors_as_they_are(tmp_path):
     export = export_from_description(None)
     assert isinstance(export, TensorsExport) and export_from_description(export.description()).kind == "tensors"

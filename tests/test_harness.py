@@ -127,15 +127,18 @@ def test_tiny_fixture_builds_the_named_fixture_and_refuses_others(tmp_path):
 
 def fake_run(output_dir, grey, steps=(2,), variants=("raw",), prompts=("p",)):
     """A run folder whose validation log holds one record of one image per step, variant and prompt, a solid
-    ``grey``."""
+    ``grey``, with the step's grid and the prompt's progress grid."""
     (output_dir / "validation").mkdir(parents=True)
     records = []
     for step in steps:
         for variant in variants:
             for index, prompt in enumerate(prompts):
-                image = f"validation/{variant}-{step}-{index}.png"
-                Image.new("RGB", (4, 4), (grey,) * 3).save(output_dir / image)
-                records.append({"step": step, "variant": variant, "prompt": prompt, "images": [image]})
+                image, grid, progress = (f"validation/{name}.png" for name in (
+                    f"{variant}-{step}-{index}", f"grid-{step}-{index}", f"progress-{index}"))
+                for path in (image, grid, progress):
+                    Image.new("RGB", (4, 4), (grey,) * 3).save(output_dir / path)
+                records.append({"step": step, "variant": variant, "prompt": prompt, "images": [image], "grid": grid,
+                                "progress": progress})
     (output_dir / "validation" / "log.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     return output_dir
 
@@ -152,6 +155,10 @@ def test_validated_at_needs_every_step_variant_and_prompt_once_in_order_and_thei
         assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), num_images=2)
     (output_dir / "validation" / "ema-8-1.png").unlink()
     with pytest.raises(AssertionError, match="ema-8-1.png"):
+        assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"))
+    (output_dir / "validation" / "ema-8-1.png").touch()
+    (output_dir / "validation" / "grid-8-1.png").unlink()
+    with pytest.raises(AssertionError, match="grid-8-1.png"):
         assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"))
 
 

@@ -25,7 +25,8 @@ def records(tmp_path):
             (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / relative).write_bytes(b"png")
             images.append(relative)
-        records.append({"step": 10, "variant": variant, "prompt": "a red circle", "images": images})
+        records.append({"step": 10, "variant": variant, "prompt": "a red circle", "images": images,
+                        "grid": "validation/step-000010/grid-p00.png", "progress": "validation/progress-p00.png"})
     return records
 
 
@@ -60,17 +61,16 @@ def test_without_records_no_validation_section(tmp_path):
     assert "![" not in text
 
 
-def test_image_links_are_relative_to_output_dir(tmp_path, records):
-    text = write_model_card(tmp_path, "owner/base-model", "My LoRA", HOW_TO_LOAD, records).read_text()
-    links = re.findall(r"!\[(\w+)\]\(([^)]+)\)", text)
-    assert [path for _, path in links] == [path for record in records for path in record["images"]]
-    assert [variant for variant, _ in links] == ["raw", "raw", "ema", "ema"]
-    for _, path in links:
-        assert not path.startswith("/") and str(tmp_path) not in path
-        assert (tmp_path / path).is_file()  # resolves from the card's folder
+def test_each_prompt_shows_its_progress_and_last_grid_once_with_links_relative_to_output_dir(tmp_path, records):
+    conditioning = {"step": 10, "variant": "conditioning", "prompt": "a red circle",
+                    "images": ["validation/conditioning-p00.png"]}
+    text = write_model_card(tmp_path, "owner/base-model", "My LoRA", HOW_TO_LOAD, [conditioning, *records]).read_text()
+    links = re.findall(r"!\[([\w ]+)\]\(([^)]+)\)", text)
+    assert links == [("conditioning", "validation/conditioning-p00.png"), ("progress", "validation/progress-p00.png"),
+                     ("step 10", "validation/step-000010/grid-p00.png")]
+    assert not any(path.startswith("/") or str(tmp_path) in path for _, path in links)
     assert "## Validation at step 10" in text
-    assert text.count("*a red circle*") == 2
-    assert "**raw**" in text and "**ema**" in text
+    assert text.count("*a red circle*") == 2  # beside its conditioning image, and above its grids
 
 
 def test_heading_takes_the_last_records_step(tmp_path, records):
@@ -112,7 +112,7 @@ def test_finish_run_writes_the_card_and_says_where_everything_went(tmp_path, rec
     saved = {"raw": tmp_path / "weights", "ema": tmp_path / "ema" / "weights"}
     finish_run(run_args(tmp_path, ema_posthoc_sigma_rels=[0.05, 0.1]), "A title", "load it", records, saved, "LoRA")
     card = (tmp_path / "README.md").read_text()
-    assert "# A title" in card and "load it" in card and records[-1]["images"][0] in card
+    assert "# A title" in card and "load it" in card and records[-1]["grid"] in card
     printed = capsys.readouterr().out.splitlines()
     assert printed[:3] == [f"raw LoRA: {tmp_path / 'weights'}", f"ema LoRA: {tmp_path / 'ema' / 'weights'}",
                            f"validation images: {tmp_path / 'validation'} (log.jsonl lists them)"]

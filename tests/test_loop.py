@@ -2,6 +2,7 @@
 
 import os
 import signal
+import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -11,9 +12,11 @@ from accelerate import Accelerator
 from training_utils.accelerator import end_training
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
+from training_utils.export import TensorsExport
 from training_utils.errors import RunStopped
 from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
 from training_utils.optimization import training_length
+from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots
 
 NUM_SAMPLES, BATCH = 10, 2  # 5 steps per epoch
@@ -57,7 +60,8 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
     """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
-    parameters = {f"model.{name}": p for name, p in model.named_parameters()}
+    export = TensorsExport({"model": model})
+    parameters = trainable_parameters(export.trained)
     ema = EMA(parameters, decay=0.5)
     posthoc = PostHocEMA(parameters, posthoc_sigma_rels) if posthoc_sigma_rels else None
     inputs = torch.randn(NUM_SAMPLES, 3)
@@ -76,7 +80,7 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer, lr_scheduler = accelerator.prepare(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
     validator = RecordingValidator()
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     for batch in loop:
         loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
@@ -128,6 +132,9 @@ def test_a_non_finite_loss_stops_before_anything_is_written(accelerator, tmp_pat
     assert stopped.value.exit_code == NON_FINITE_EXIT_CODE
     assert "nan at step 5" in str(stopped.value)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+    # The progress bar was closed (drawn for the last time) before the stop left the loop.
+    bars = [frame.f_locals["loop"]._progress for frame, _ in traceback.walk_tb(stopped.tb) if "loop" in frame.f_locals]
+    assert bars and all(bar.disable for bar in bars)
 
 
 def test_each_step_logs_its_own_loss_and_lr(accelerator, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import launch_processes
+from training_utils.testing import rendered_images
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -53,7 +54,7 @@ def resumed_run(tiny, two_process_run, tmp_path_factory):
 def test_only_the_main_process_writes_validation_and_outputs(two_process_run):
     records = log_records(two_process_run)
     assert [(r["step"], r["variant"]) for r in records] == [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")]
-    assert len(list((two_process_run / "validation").rglob("*.png"))) == 4
+    assert len(rendered_images(two_process_run)) == 4
     assert (two_process_run / LORA).is_file() and (two_process_run / "ema" / LORA).is_file()
     assert (two_process_run / "README.md").read_text().count("a red circle") >= 1
 
@@ -63,23 +64,24 @@ def test_every_process_checkpoints_at_every_step(two_process_run):
     assert not list(two_process_run.glob(".checkpoint-*"))
     for step in range(1, 5):
         files = {path.name for path in (two_process_run / f"checkpoint-{step}").iterdir()}
-        assert {"random_states_0.pkl", "random_states_1.pkl", "trained_parameters.safetensors"} <= files
+        assert {"random_states_0.pkl", "random_states_1.pkl", "random_state_0.safetensors",
+                "random_state_1.safetensors", LORA} <= files
 
 
 def test_the_ema_is_the_single_process_average_of_the_synchronized_weights(two_process_run):
     expected = None
     for step in range(1, 5):
-        weights = load_file(two_process_run / f"checkpoint-{step}" / "trained_parameters.safetensors")
+        weights = load_file(two_process_run / f"checkpoint-{step}" / LORA)
         if expected is None:
             expected = {name: weight.float().clone() for name, weight in weights.items()}
         else:
             for name, weight in weights.items():
                 expected[name] = DECAY * expected[name] + (1 - DECAY) * weight.float()
-        saved = load_file(two_process_run / f"checkpoint-{step}" / "ema.safetensors")
+        saved = load_file(two_process_run / f"checkpoint-{step}" / "ema" / LORA)
         assert saved.keys() == expected.keys()
         for name in saved:
             torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=0, msg=f"{name} at step {step}")
-    first, last = (load_file(two_process_run / f"checkpoint-{s}" / "trained_parameters.safetensors") for s in (1, 4))
+    first, last = (load_file(two_process_run / f"checkpoint-{s}" / LORA) for s in (1, 4))
     assert any(not torch.equal(first[name], last[name]) for name in first), "the weights never changed"
 
 

@@ -21,7 +21,7 @@ from training_utils.errors import UsageError
 from training_utils.quantization import (check_quantization_args, follow_autocast, is_quantized,
                                          quantization_config)
 from training_utils.testing import (assert_lora_changes_pipeline_output, assert_model_folder_loads,
-                                    assert_resumes_exactly, assert_validated_at, read_log)
+                                    assert_resumes_exactly, assert_validated_at, checkpoint_weight_files, read_log)
 
 LORA = "pytorch_lora_weights.safetensors"
 
@@ -217,8 +217,7 @@ def test_int8_sd3_lora_with_quantised_text_encoders_loads_into_a_stock_pipeline(
 
 def test_checkpoints_hold_the_adapter_not_the_base_and_resume_exactly(tiny, tmp_path, runs):
     straight, _ = runs["sd"]
-    files = {path.name for path in (straight / "checkpoint-4").iterdir()}
-    assert "trained_parameters.safetensors" in files and not any("model" in name for name in files), files
+    assert checkpoint_weight_files(straight / "checkpoint-4") == {LORA, f"ema/{LORA}"}
     assert_resumes_exactly(SD_SCRIPT, lambda output_dir: sd_flags(tiny, output_dir), straight, tmp_path, 2,
                            [LORA, f"ema/{LORA}"], launch=launch)
 

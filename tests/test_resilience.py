@@ -65,7 +65,7 @@ def assert_same_state(a, b, where):
 
 def assert_same_checkpoint(a, b):
     """Trained tensors, EMA, optimizer state and lr schedule (incl. the current lr) are bitwise equal."""
-    for name in ("trained_parameters.safetensors", "ema.safetensors"):
+    for name in (LORA, f"ema/{LORA}"):
         assert_same_state(load_file(a / name), load_file(b / name), name)
     for name in ("optimizer.bin", "scheduler.bin"):
         assert_same_state(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
@@ -144,7 +144,7 @@ def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
     next_save = (last_checkpoint_step(preempted) // 2 + 1) * 2
     half_written = root / "preempted" / f".checkpoint-{next_save}.incomplete"
     half_written.mkdir()
-    (half_written / "trained_parameters.safetensors").write_bytes(b"\x00" * 100)
+    (half_written / LORA).write_bytes(b"\x00" * 100)
     (half_written / "left_by_a_killed_save").write_text("")
     (root / "preempted" / ".checkpoint-99.incomplete").mkdir()
     for name, source, step in (("past_the_end", "uninterrupted", 10), ("still_skipping", "corrupt_skipped", 4),
@@ -171,11 +171,13 @@ def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(runs):
     assert returncode == 75, stderr[-3000:]
     stopped = stopped_lines(stderr)
     assert len(stopped) == 1 and "SIGTERM" in stopped[0], stderr[-3000:]
+    assert stderr.splitlines()[-1] == stopped[0], "the progress bar was drawn after the stop's reason"
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert 2 < step < 10, "the run should stop early: the signal came right after checkpoint-2"
     state = json.loads((output_dir / f"checkpoint-{step}" / "training_state.json").read_text())
     trajectory = state.pop("trajectory")
-    assert state == {"format": 2, "global_step": step, "processes": 1, "skipped_images": 0, "steps_per_epoch": 9}
+    assert state == {"format": 3, "global_step": step, "processes": 1, "skipped_images": 0, "steps_per_epoch": 9,
+                     "ema_step": step}
     assert trajectory["seed"] == 3 and trajectory["learning_rate"] == 1e-3 and trajectory["lr_scheduler"] == "cosine"
     assert "output_dir" not in trajectory and "hub_token" not in trajectory
     assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
@@ -206,7 +208,7 @@ def test_incomplete_checkpoints_are_ignored_and_a_later_save_replaces_them(runs,
     assert not (output_dir / f".checkpoint-{next_save}.incomplete").exists()
     saved = output_dir / f"checkpoint-{next_save}"
     assert not (saved / "left_by_a_killed_save").exists()
-    assert load_file(saved / "trained_parameters.safetensors")
+    assert load_file(saved / LORA)
     # Never completed, never resumed from; a save at its step would replace it.
     assert (output_dir / ".checkpoint-99.incomplete").is_dir()
 
@@ -226,6 +228,7 @@ def test_an_unreadable_image_stops_the_run_naming_it_after_a_checkpoint(runs, co
     stopped = stopped_lines(result.stderr)
     assert len(stopped) == 1, result.stderr[-3000:]
     assert str(corrupt_data / CORRUPT_IMAGE) in stopped[0] and "step 3" in stopped[0]
+    assert result.stderr.splitlines()[-1] == stopped[0], "the progress bar was drawn after the stop's reason"
     # Steps 1 and 2 were complete; step 3 was half accumulated when its second micro-batch failed.
     assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-2"]
     assert not (output_dir / LORA).exists()

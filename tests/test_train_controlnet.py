@@ -11,9 +11,10 @@ from PIL import Image
 
 from helpers import EXAMPLES, deleting_after_load, launch, launch_together, usage_error
 from training_utils.errors import UsageError
-from training_utils.testing import (assert_close_files, assert_close_validations, assert_model_folder_loads,
-                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
-                                    differing_keys, read_log)
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
+                                    assert_validated_at, checkpoint_names, checkpoint_weight_files, differing_keys,
+                                    read_log, rendered_images)
 
 SCRIPT = "controlnet/train_controlnet.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -92,12 +93,12 @@ def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, runs):
 def test_validates_at_the_due_steps_and_the_final_step_once(runs):
     output_dir, _ = runs["full"]
     assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
-    assert len(list((output_dir / "validation").rglob("step-*/*.png"))) == 3 * 2 * 2
+    assert len(rendered_images(output_dir)) == 3 * 2 * 2
 
 
 def test_saves_each_conditioning_image_once_and_shows_it_in_the_card(tiny, runs):
     output_dir, _ = runs["full"]
-    saved = sorted(path.name for path in (output_dir / "validation").glob("*.png"))
+    saved = sorted(path.name for path in (output_dir / "validation").glob("conditioning-*.png"))
     assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
     for index in (0, 1):
         with Image.open(output_dir / "validation" / saved[index]) as image:
@@ -106,7 +107,7 @@ def test_saves_each_conditioning_image_once_and_shows_it_in_the_card(tiny, runs)
     card = (output_dir / "README.md").read_text()
     assert "StableDiffusionControlNetPipeline" in card and "ControlNetModel.from_pretrained" in card
     assert "validation/conditioning-p00.png" in card and "validation/conditioning-p01.png" in card
-    assert read_log(output_dir)[-1]["images"][0] in card
+    assert read_log(output_dir)[-1]["progress"] in card
     assert list((output_dir / "logs").rglob("events.out.tfevents.*")), "no tensorboard events written"
 
 
@@ -114,8 +115,8 @@ def test_keeps_the_newest_checkpoint_within_the_limit(runs):
     output_dir, _ = runs["full"]
     assert checkpoint_names(output_dir) == ["checkpoint-6"]
     assert not list(output_dir.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
-    files = {path.name for path in (output_dir / "checkpoint-6").iterdir()}
-    assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
+    assert checkpoint_weight_files(output_dir / "checkpoint-6") == {f"controlnet/{WEIGHTS}",
+                                                                    f"ema/controlnet/{WEIGHTS}"}
 
 
 def test_resumed_run_that_never_validates_prunes_and_ends_with_the_same_weights(tiny, tmp_path, runs):
@@ -130,6 +131,12 @@ def test_resumed_run_that_never_validates_prunes_and_ends_with_the_same_weights(
                            launch=launch)
     assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
     assert not (tmp_path / "validation").exists()
+    # The final step's checkpoint holds the output's ControlNets, raw and EMA, as folders that load.
+    checkpoint = tmp_path / "checkpoint-8"
+    assert_checkpoint_is_the_output(checkpoint, tmp_path, {f"controlnet/{WEIGHTS}": WEIGHTS,
+                                                           f"ema/controlnet/{WEIGHTS}": f"ema/{WEIGHTS}"})
+    for folder in (checkpoint / "controlnet", checkpoint / "ema" / "controlnet"):
+        assert_model_folder_loads(ControlNetModel, folder, initial=tiny["controlnet"])
 
 
 def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, runs):
@@ -161,7 +168,7 @@ def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, 
     assert torch.any(raw["controlnet_mid_block.weight"] != 0)
     # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts.
     assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS)
-    assert sorted(p.name for p in (output_dir / "validation").glob("*.png")) == ["conditioning-p00.png"]
+    assert sorted(p.name for p in (output_dir / "validation").glob("conditioning-*.png")) == ["conditioning-p00.png"]
 
 
 def test_ema_decay_zero_equals_the_raw_weights(runs):

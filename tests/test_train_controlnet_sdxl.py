@@ -11,9 +11,10 @@ from PIL import Image
 
 from helpers import EXAMPLES, deleting_after_load, launch, launch_together, usage_error
 from training_utils.errors import UsageError
-from training_utils.testing import (assert_close_files, assert_close_validations, assert_model_folder_loads,
-                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
-                                    differing_keys, read_log)
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
+                                    assert_validated_at, checkpoint_names, checkpoint_weight_files, differing_keys,
+                                    read_log, rendered_images)
 
 SCRIPT = "controlnet/train_controlnet_sdxl.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -99,12 +100,12 @@ def test_validates_at_the_due_steps_and_the_final_step_once(runs):
     log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
     for record in log:
         assert Image.open(output_dir / record["images"][0]).size == (32, 32)
-    assert len(list((output_dir / "validation").rglob("step-*/*.png"))) == 3 * 2 * 2
+    assert len(rendered_images(output_dir)) == 3 * 2 * 2
 
 
 def test_saves_the_conditioning_images_beside_the_samples_and_in_the_card(tiny, runs):
     output_dir, _ = runs["full"]
-    saved = sorted(path.name for path in (output_dir / "validation").glob("*.png"))
+    saved = sorted(path.name for path in (output_dir / "validation").glob("conditioning-*.png"))
     assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
     for index in (0, 1):
         with Image.open(output_dir / "validation" / saved[index]) as image:
@@ -114,7 +115,7 @@ def test_saves_the_conditioning_images_beside_the_samples_and_in_the_card(tiny, 
     assert "StableDiffusionXLControlNetPipeline.from_pretrained" in card and "ControlNetModel.from_pretrained" in card
     assert "AutoencoderKL" not in card
     assert "validation/conditioning-p00.png" in card and "validation/conditioning-p01.png" in card
-    assert read_log(output_dir)[-1]["images"][0] in card
+    assert read_log(output_dir)[-1]["progress"] in card
     assert list((output_dir / "logs" / "sd_xl_train_controlnet").rglob("events.out.tfevents.*"))
 
 
@@ -131,8 +132,7 @@ def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(tiny, tmp_p
     assert_resumes_exactly(SCRIPT, resumed_flags, full_dir, tmp_path, 6, [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
     assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
     assert not list(tmp_path.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
-    files = {path.name for path in (tmp_path / "checkpoint-8").iterdir()}
-    assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
+    assert checkpoint_weight_files(tmp_path / "checkpoint-8") == {f"controlnet/{WEIGHTS}", f"ema/controlnet/{WEIGHTS}"}
     assert not (tmp_path / "validation").exists()
 
 
@@ -150,6 +150,12 @@ def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, runs):
     initial = render(ControlNetModel.from_pretrained(tiny["sdxl_controlnet"]))
     trained = render(ControlNetModel.from_pretrained(output_dir))
     assert not np.allclose(initial, trained, atol=1e-4)
+    # The final step's checkpoint holds the same ControlNets, raw and EMA, each a folder that loads.
+    checkpoint = output_dir / "checkpoint-8"
+    assert_checkpoint_is_the_output(checkpoint, output_dir, {f"controlnet/{WEIGHTS}": WEIGHTS,
+                                                             f"ema/controlnet/{WEIGHTS}": f"ema/{WEIGHTS}"})
+    assert np.array_equal(render(ControlNetModel.from_pretrained(checkpoint / "controlnet")), trained)
+    ControlNetModel.from_pretrained(checkpoint / "ema" / "controlnet")
 
 
 def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, runs):
@@ -167,7 +173,7 @@ def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, 
     assert torch.any(raw["controlnet_mid_block.weight"] != 0)
     # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts.
     assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS)
-    assert sorted(p.name for p in (output_dir / "validation").glob("*.png")) == ["conditioning-p00.png"]
+    assert sorted(p.name for p in (output_dir / "validation").glob("conditioning-*.png")) == ["conditioning-p00.png"]
     assert f"VAE: {vae}" in result.stdout
     assert f'vae=AutoencoderKL.from_pretrained("{vae}")' in (output_dir / "README.md").read_text()
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from helpers import launch, launch_together, usage_error
 from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
-                                    assert_same_files, assert_validated_at, checkpoint_names)
+                                    assert_same_files, assert_validated_at, checkpoint_names, rendered_images)
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -113,9 +113,9 @@ def test_writes_raw_and_ema_unet_lora_with_equal_keys_and_different_values(runs)
 def test_validates_at_the_due_steps_and_the_final_step_once(runs):
     output_dir, _ = runs["full"]
     log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a sks triangle"], num_images=1)
-    assert len(list((output_dir / "validation").rglob("*.png"))) == 6
+    assert len(rendered_images(output_dir)) == 6
     card = (output_dir / "README.md").read_text()
-    assert "DreamBooth LoRA" in card and "load_lora_weights" in card and log[-1]["images"][0] in card
+    assert "DreamBooth LoRA" in card and "load_lora_weights" in card and log[-1]["progress"] in card
     assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
 
 

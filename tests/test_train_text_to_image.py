@@ -8,8 +8,9 @@ from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, usage_error
-from training_utils.testing import (assert_close_files, assert_close_validations, assert_model_folder_loads,
-                                    assert_resumes_exactly, assert_validated_at, checkpoint_names)
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
+                                    checkpoint_names, rendered_images)
 
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -32,11 +33,6 @@ def assert_same(a, b):
 def assert_differ(a, b):
     assert a.keys() == b.keys()
     assert any(not torch.equal(a[key], b[key]) for key in a)
-
-
-def without_prefix(tensors, prefix="unet."):
-    assert all(key.startswith(prefix) for key in tensors)
-    return {key[len(prefix):]: tensor for key, tensor in tensors.items()}
 
 
 def full_flags(tiny, output_dir):
@@ -85,8 +81,9 @@ def test_writes_a_loadable_pipeline_holding_the_final_in_run_weights(tiny, runs)
                  "tokenizer/tokenizer_config.json", "scheduler/scheduler_config.json", "ema/unet/config.json"):
         assert (output_dir / name).is_file(), name
     assert not list(output_dir.rglob(".incomplete-*"))
-    # checkpoint-8 holds the trained tensors as they were in memory at the final step.
-    final = without_prefix(load_file(output_dir / "checkpoint-8" / "trained_parameters.safetensors"))
+    # checkpoint-8, the final step's, holds the UNets as the output does (raw and EMA), and nothing else trained.
+    assert_checkpoint_is_the_output(output_dir / "checkpoint-8", output_dir, [UNET, EMA_UNET])
+    final = load_file(output_dir / "checkpoint-8" / UNET)
     pipe = StableDiffusionPipeline.from_pretrained(output_dir)
     assert_same(pipe.unet.state_dict(), final)
     assert_same(load_file(output_dir / UNET), final)
@@ -99,8 +96,8 @@ def test_writes_the_ema_unet_from_the_final_ema_state(tiny, runs):
     output_dir, result = runs["full"]
     ema_unet = assert_model_folder_loads(UNet2DConditionModel, output_dir / "ema" / "unet",
                                          initial=Path(tiny["sd"]) / "unet").state_dict()
-    shadows = without_prefix(load_file(output_dir / "checkpoint-8" / "ema.safetensors"))
-    assert_same(ema_unet, shadows)
+    in_checkpoint = assert_model_folder_loads(UNet2DConditionModel, output_dir / "checkpoint-8" / "ema" / "unet")
+    assert_same(ema_unet, in_checkpoint.state_dict())
     assert_differ(ema_unet, load_file(output_dir / UNET))
     assert f"ema UNet: {output_dir / 'ema' / 'unet'}" in result.stdout
     card = (output_dir / "README.md").read_text()
@@ -111,8 +108,8 @@ def test_writes_the_ema_unet_from_the_final_ema_state(tiny, runs):
 def test_validates_raw_and_ema_at_the_due_steps_and_the_final_step_once(runs):
     output_dir, _ = runs["full"]
     log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
-    assert len(list((output_dir / "validation").rglob("*.png"))) == 3 * 2 * 2
-    assert log[-1]["images"][0] in (output_dir / "README.md").read_text()
+    assert len(rendered_images(output_dir)) == 3 * 2 * 2
+    assert log[-1]["progress"] in (output_dir / "README.md").read_text()
     assert checkpoint_names(output_dir) == ["checkpoint-6", "checkpoint-8"]
 
 

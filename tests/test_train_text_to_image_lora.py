@@ -11,11 +11,16 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from diffusers import StableDiffusionPipeline
 from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, launched_usage_error, run_bounded,
                      usage_error)
-from training_utils.testing import (assert_close_files, assert_close_validations, assert_lora_changes_pipeline_output,
-                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
-                                    read_log)
+from training_utils import convert_lora
+from training_utils.export import converted_name
+from training_utils.grids import progress_grid, step_grid
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
+                                    assert_lora_changes_pipeline_output, assert_resumes_exactly, assert_same_files,
+                                    assert_same_tensors, assert_validated_at, checkpoint_names,
+                                    checkpoint_weight_files, read_log, rendered_images)
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -62,13 +67,16 @@ def cache_run(cache_latents, random_flip):
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
-    - full: `full_flags`; plain: the same 8 steps without validation or checkpoints;
+    - full: `full_flags`; plain: the same 8 steps without checkpoints, nor validation (a prompt, but
+      ``--num_validation_images 0``, as upstream's commands may say);
     - deleted_model: 4 steps with ``--ema_decay 0``, validating every 2, the base model's folder deleted as soon
       as the pipeline has loaded;
-    - posthoc: 6 steps, post-hoc EMA snapshots every 2 steps and two more sigma_rels rendered at validation;
+    - posthoc: 6 steps, post-hoc EMA snapshots every 2 steps and two more sigma_rels rendered at validation, a
+      checkpoint at the end, ``--lora_alpha`` twice the rank, and every LoRA also in the kohya and ComfyUI layouts;
     - `cache_run` (cache_latents, random_flip): `cache_flags` with and without ``--cache_latents`` and
       ``--random_flip``; with both, the cache is on disk (`feature_flags`); with flips only, the VAE leaves the
-      accelerator between steps (``--offload``).
+      accelerator between steps (``--offload``); random_crops_cached: the cached run with flips, without
+      ``--center_crop``, its cache in memory.
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -79,11 +87,13 @@ def runs(tiny, tmp_path_factory):
     deleted_model_args[1] = model
     launches = {
         "full": (SCRIPT, *full_flags(tiny, root / "full")),
-        "plain": (SCRIPT, *common(tiny, root / "plain", "--max_train_steps", 8, "--checkpointing_steps", 1000)),
+        "plain": (SCRIPT, *common(tiny, root / "plain", "--max_train_steps", 8, "--checkpointing_steps", 1000,
+                                  "--validation_prompt", PROMPTS[0], "--num_validation_images", 0)),
         "deleted_model": (wrapper, *deleted_model_args),
         "posthoc": (SCRIPT, *common(tiny, root / "posthoc", "--max_train_steps", 6, *validation_flags(3),
                                     "--ema_posthoc_sigma_rels", 0.05, 0.1, "--ema_posthoc_snapshot_steps", 2,
-                                    "--validation_sigma_rels", 0.05, 0.08, "--checkpointing_steps", 1000)),
+                                    "--validation_sigma_rels", 0.05, 0.08, "--checkpointing_steps", 6,
+                                    "--lora_alpha", 8, "--export_formats", "comfyui", "--output_kohya_format")),
     }
     for cache_latents in (False, True):
         for random_flip in (False, True):
@@ -93,6 +103,9 @@ def runs(tiny, tmp_path_factory):
             extra += feature_flags(root) if cache_latents and random_flip else []
             extra += ["--offload"] if random_flip and not cache_latents else []
             launches[name] = (SCRIPT, *cache_flags(tiny, root / name, *extra))
+    launches["random_crops_cached"] = (SCRIPT, *[flag for flag in cache_flags(tiny, root / "random_crops_cached",
+                                                                             "--cache_latents", "--random_flip")
+                                                if flag != "--center_crop"])
     results = launch_together(launches)
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -111,10 +124,10 @@ def test_writes_raw_and_ema_lora_with_equal_keys_and_different_values(runs):
 def test_validates_at_the_due_steps_and_the_final_step_once(runs):
     output_dir, _ = runs["full"]
     log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=2)
-    pngs = sorted((output_dir / "validation").rglob("*.png"))
+    pngs = rendered_images(output_dir)
     assert len(pngs) == 3 * 2 * 2 * 2  # steps x variants x prompts x images
     card = (output_dir / "README.md").read_text()
-    assert "load_lora_weights" in card and log[-1]["images"][0] in card
+    assert "load_lora_weights" in card and log[-1]["progress"] in card
     assert list((output_dir / "logs").rglob("events.out.tfevents.*")), "no tensorboard events written"
 
 
@@ -122,15 +135,17 @@ def test_keeps_the_newest_checkpoint_within_the_limit(runs):
     output_dir, _ = runs["full"]
     assert checkpoint_names(output_dir) == ["checkpoint-6"]
     assert not list(output_dir.glob(".checkpoint-*")), "an incomplete checkpoint was left behind"
-    files = {path.name for path in (output_dir / "checkpoint-6").iterdir()}
-    assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
+    # The adapters once each, as the final output has them.
+    assert checkpoint_weight_files(output_dir / "checkpoint-6") == {LORA, f"ema/{LORA}"}
+    assert (output_dir / "checkpoint-6" / "training_state.json").is_file()
 
 
 def test_validation_and_checkpointing_leave_the_weights_untouched(runs):
-    (output_dir, _), (plain_dir, _) = runs["full"], runs["plain"]
+    (output_dir, _), (plain_dir, plain) = runs["full"], runs["plain"]
     assert_same_files(output_dir / LORA, plain_dir / LORA)
     assert_same_files(output_dir / "ema" / LORA, plain_dir / "ema" / LORA)
     assert not (plain_dir / "validation").exists()
+    assert plain.stderr.count("--num_validation_images 0: no validation images are rendered") == 1
 
 
 def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, tmp_path, runs):
@@ -154,6 +169,13 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
     _, with_raw, with_ema = assert_lora_changes_pipeline_output(tiny["sd"], output_dir, output_dir / "ema",
                                                                 prompt=PROMPTS[0])
     assert not np.allclose(with_raw, with_ema, atol=1e-6)
+
+
+def test_a_checkpoint_loads_as_the_final_output_does(tiny, runs):
+    output_dir, _ = runs["deleted_model"]
+    checkpoint = output_dir / "checkpoint-4"  # the final step's
+    assert_checkpoint_is_the_output(checkpoint, output_dir, [LORA, f"ema/{LORA}"])
+    assert_lora_changes_pipeline_output(tiny["sd"], checkpoint, checkpoint / "ema")
 
 
 def test_never_reads_the_base_model_after_start_up(runs):
@@ -196,9 +218,18 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs):
     log = read_log(output_dir)
     assert [(r["step"], r["variant"]) for r in log[::2]] == [
         (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"), (6, "ema_sigma_rel-0.08")]
-    assert (output_dir / "validation" / "step-000006" / "grid-p00.png").is_file()
-    with Image.open(output_dir / "validation" / "step-000006" / "grid-p00.png") as grid:
-        assert grid.size == (32 * 2, 32 * 3)  # images per prompt x (raw + two sweep rows)
+    # The final step's grid: a row per variant, the sweep's included, each the logged images.
+    final = [record for record in log if record["step"] == 6 and record["prompt"] == PROMPTS[0]]
+    assert [record["variant"] for record in final] == ["raw", "ema", "ema_sigma_rel-0.05", "ema_sigma_rel-0.08"]
+    expected, layout = step_grid(6, PROMPTS[0], [(record["variant"], [Image.open(output_dir / path)
+                                                                       for path in record["images"]])
+                                                  for record in final])
+    with Image.open(output_dir / final[0]["grid"]) as grid:
+        assert np.array_equal(np.asarray(grid), np.asarray(expected)) and layout.cell_size == (32, 32)
+    # The progress grid: the sweep rows are blank at step 3, where only raw and EMA were rendered.
+    with Image.open(output_dir / final[0]["progress"]) as progress:
+        expected = progress_grid([record for record in log if record["prompt"] == PROMPTS[0]], PROMPTS[0], output_dir)
+        assert np.array_equal(np.asarray(progress), np.asarray(expected[0]))
 
     result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
                           "--sigma_rel", "0.05", "0.08"])
@@ -208,6 +239,40 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs):
     synthesized = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.08" / LORA)
     assert tracked.keys() == synthesized.keys() == load_file(output_dir / LORA).keys()
     assert any(not torch.equal(tracked[key], synthesized[key]) for key in tracked)
+
+
+def test_every_lora_written_is_also_in_the_asked_layouts_and_the_kohya_one_renders_the_same(tiny, runs):
+    output_dir, _ = runs["posthoc"]
+    result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
+                          "--sigma_rel", "0.05", "0.08"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = output_dir / "checkpoint-6"
+    folders = [output_dir, output_dir / "ema", checkpoint, checkpoint / "ema", *(
+        output_dir / "posthoc_ema" / f"sigma_rel-{sigma_rel}" for sigma_rel in ("0.05", "0.08"))]
+    for folder in folders:
+        diffusers_file = folder / LORA
+        for layout in ("kohya", "comfyui"):
+            converted = load_file(folder / converted_name(layout))
+            assert_same_tensors(converted, convert_lora.convert(*convert_lora.read_lora(diffusers_file), layout,
+                                                                family="StableDiffusionPipeline"))
+            # The strength is in the file, as the tools read it: the trained alpha, not the rank.
+            alphas = [tensor for key, tensor in converted.items() if key.endswith(".alpha")]
+            assert alphas and all(alpha.item() == 8 for alpha in alphas)
+    # Besides the post-hoc EMA's own state, the checkpoint holds the adapters once per layout.
+    assert checkpoint_weight_files(checkpoint) == {LORA, f"ema/{LORA}", "posthoc_ema.safetensors"} | {
+        f"{prefix}{converted_name(layout)}" for prefix in ("", "ema/") for layout in ("kohya", "comfyui")}
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    pipe.set_progress_bar_config(disable=True)
+
+    def render(weight_name):
+        pipe.load_lora_weights(output_dir, weight_name=weight_name)
+        images = pipe(PROMPTS[0], num_inference_steps=2, height=32, width=32, output_type="np",
+                      generator=torch.Generator().manual_seed(0)).images
+        pipe.unload_lora_weights()
+        return images
+
+    np.testing.assert_allclose(render(converted_name("kohya")), render(LORA), atol=1e-6)
 
 
 @pytest.mark.parametrize("random_flip", [False, True])
@@ -248,8 +313,8 @@ def test_a_second_run_on_the_feature_cache_runs_no_encoder_and_ends_bitwise_equa
     assert_close_validations(first, tmp_path, [(2, "raw"), (4, "raw")], max_difference=0)
 
 
-def test_cache_latents_without_center_crop_fails_with_one_line(tiny, tmp_path):
-    output_dir = tmp_path / "out"
-    args = [arg for arg in cache_flags(tiny, output_dir, "--cache_latents") if arg != "--center_crop"]
-    assert usage_error(SCRIPT, *args).startswith("error: --cache_latents=True: expected --center_crop")
-    assert not output_dir.exists()
+def test_random_crops_are_cached_once_and_the_square_shapes_train_as_center_cropped(runs):
+    # The shapes are square: resized to the resolution, every crop is the whole image, as the center crop is.
+    output_dir, result = runs["random_crops_cached"]
+    assert "random crop is drawn once, now (seed 3), and kept for the whole run" in result.stderr
+    assert_same_files(output_dir / LORA, runs[cache_run(True, True)][0] / LORA)

@@ -10,8 +10,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, usage_error
-from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
-                                    assert_same_files, assert_validated_at, checkpoint_names, read_log)
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
+                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
+                                    checkpoint_weight_files, read_log, rendered_images)
 from training_utils.data import ImageTransform, sample_generator
 
 SCRIPT = "text_to_image/train_text_to_image_lora_sdxl.py"
@@ -120,10 +121,10 @@ def test_validates_at_the_due_steps_and_the_final_step_once(runs):
     for record in log:
         for path in record["images"]:
             assert Image.open(output_dir / path).size == (32, 32)
-    assert len(list((output_dir / "validation").rglob("*.png"))) == 3 * 2 * 2 * 2  # steps x variants x prompts x images
+    assert len(rendered_images(output_dir)) == 3 * 2 * 2 * 2  # steps x variants x prompts x images
     card = (output_dir / "README.md").read_text()
     assert "StableDiffusionXLPipeline.from_pretrained" in card and "load_lora_weights" in card
-    assert "AutoencoderKL" not in card and log[-1]["images"][0] in card
+    assert "AutoencoderKL" not in card and log[-1]["progress"] in card
     assert list((output_dir / "logs").rglob("events.out.tfevents.*")), "no tensorboard events written"
 
 
@@ -138,13 +139,15 @@ def test_prunes_checkpoints_and_resumes_to_the_uninterrupted_weights(tiny, tmp_p
     # resuming mid-epoch with random flips, and validating, both leave the weights bit for bit as they would be.
     assert_resumes_exactly(SCRIPT, resumed_flags, full_dir, tmp_path, 6, [LORA, f"ema/{LORA}"], launch=launch)
     assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
-    files = {path.name for path in (tmp_path / "checkpoint-8").iterdir()}
-    assert {"trained_parameters.safetensors", "ema.safetensors", "training_state.json"} <= files
+    assert checkpoint_weight_files(tmp_path / "checkpoint-8") == {LORA, f"ema/{LORA}"}
     assert not (tmp_path / "validation").exists()
 
 
-def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
+def test_outputs_and_checkpoints_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
     output_dir, _ = runs["full"]
+    # The final step's checkpoint holds the output's files (UNet and both text encoders): the EMA loads from it.
+    checkpoint = output_dir / "checkpoint-8"
+    assert_checkpoint_is_the_output(checkpoint, output_dir, [LORA, f"ema/{LORA}"])
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
     pipe.set_progress_bar_config(disable=True)
 
@@ -160,7 +163,7 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs):
     pipe.load_lora_weights(output_dir)
     raw_embeds, raw_pooled, with_raw = render()
     pipe.unload_lora_weights()
-    pipe.load_lora_weights(output_dir / "ema")
+    pipe.load_lora_weights(checkpoint / "ema")
     _, _, with_ema = render()
     # Both text encoders' adapters loaded: each half of the prompt embeddings and the pooled ones changed.
     assert not torch.allclose(raw_embeds[..., :TEXT_ENCODER_HIDDEN], base_embeds[..., :TEXT_ENCODER_HIDDEN], atol=1e-4)

@@ -1,4 +1,6 @@
 import json
+import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -6,6 +8,7 @@ import torch
 from accelerate import Accelerator
 from diffusers import DDPMScheduler, StableDiffusionPipeline
 
+from training_utils import validation
 from training_utils.ema import EMA
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import trainable_parameters
@@ -159,3 +162,10 @@ def _open(root, relative):
 
     with Image.open(root / relative) as image:
         return image.copy()
+
+
+def test_zero_images_asked_makes_no_validator_and_says_so_once(caplog):
+    args = SimpleNamespace(validation_prompt=["a red circle"], num_validation_images=0)
+    with caplog.at_level(logging.INFO, logger="training_utils.validation"):
+        assert validation.make_validator(args, None, SimpleNamespace(is_main_process=True)) is None
+    assert caplog.text.count("--num_validation_images 0: no validation images are rendered") == 1

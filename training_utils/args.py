@@ -18,6 +18,7 @@ import torch
 from accelerate.utils import parse_flag_from_env
 
 from .checkpointing import check_resume_from_checkpoint
+from .convert_lora import DIFFUSERS, FORMAT_USERS, formats_for
 from .errors import UsageError, require
 from .quantization import add_quantization_args, check_quantization_args
 
@@ -31,7 +32,22 @@ def is_hub_id(value):
 
 
 class TrainingArgumentParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line, like the checks that follow parsing."""
+    """An argparse parser whose errors are one line, like the checks that follow parsing.
+
+    ``refused`` (``{flag: why}``) are flags of the upstream scripts that are refused in one line saying why
+    (`add_refused_args`), each unless the script added a flag of that name itself: they are added when parsing
+    starts, after everything the script added."""
+
+    def __init__(self, *args, refused=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refused = dict(refused or {})
+
+    def parse_known_args(self, args=None, namespace=None):
+        refused = {flag: why for flag, why in self.refused.items() if flag not in self._option_string_actions}
+        if refused:
+            add_refused_args(self, refused)
+        self.refused = {}
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -39,8 +55,9 @@ class TrainingArgumentParser(argparse.ArgumentParser):
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512):
-    """A parser with the flags every script shares; scripts add their own on top."""
-    parser = TrainingArgumentParser(description=description)
+    """A parser with the flags every script shares; scripts add their own on top. The upstream flags that no
+    script here carries (`NOT_CARRIED`) are refused with their reason."""
+    parser = TrainingArgumentParser(description=description, refused=NOT_CARRIED)
 
     model = parser.add_argument_group("model")
     model.add_argument("--pretrained_model_name_or_path", required=True, help="diffusers pipeline folder or hub id")
@@ -130,16 +147,43 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     return parser
 
 
-def add_lora_args(parser, train_text_encoder=False):
+def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     """The LoRA flags, and those of a quantised base (`quantization.add_quantization_args`): an adapter trains
-    beside a frozen base, which may be quantised."""
+    beside a frozen base, which may be quantised. The file formats offered are those that apply to LoRAs of
+    ``pipeline_class`` (`convert_lora.formats_for`)."""
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--rank", type=int, default=4)
     lora.add_argument("--lora_alpha", type=float, default=None, help="default: the rank (scale 1)")
     lora.add_argument("--lora_dropout", type=float, default=0.0)
     if train_text_encoder:
         lora.add_argument("--train_text_encoder", action="store_true", help="also train LoRA on the text encoder(s)")
+    formats = formats_for(pipeline_class.__name__)
+    lora.add_argument("--export_formats", nargs="+", choices=[DIFFUSERS, *formats], default=[DIFFUSERS],
+                      help=f"the LoRA file layouts written beside each other, for every LoRA written (raw, EMA, "
+                           f"post-hoc, checkpoints): {DIFFUSERS} (always; what load_lora_weights reads)"
+                           + "".join(f", {name} ({FORMAT_USERS[name]})" for name in formats))
+    if "kohya" in formats:
+        lora.add_argument("--output_kohya_format", action="store_true",
+                          help="upstream's name for adding kohya to --export_formats")
     add_quantization_args(parser)
+
+
+def add_lora_layers_arg(parser, default, example):
+    """``--lora_layers``: the linear layers of the transformer that get an adapter, by name (upstream's flag)."""
+    parser.add_argument("--lora_layers", default=default,
+                        help=f"comma-separated names of the transformer's linear layers to adapt (or the ends of "
+                             f"their names, e.g. {example})")
+
+
+def comma_separated(value):
+    """The names in a comma-separated flag value, stripped."""
+    return [name.strip() for name in value.split(",")]
+
+
+def export_formats(args):
+    """The LoRA file layouts ``--export_formats`` and ``--output_kohya_format`` ask for, diffusers' first."""
+    asked = [*args.export_formats, *(["kohya"] if getattr(args, "output_kohya_format", False) else [])]
+    return list(dict.fromkeys([DIFFUSERS, *asked]))
 
 
 def add_diffusion_loss_args(parser):
@@ -155,7 +199,8 @@ def add_cache_args(parser):
     """How the frozen encoders' outputs are cached (text embeddings always are) and where the encoders live."""
     cache = parser.add_argument_group("caching")
     cache.add_argument("--cache_latents", action="store_true",
-                       help="encode the images with the VAE once before training (needs --center_crop)")
+                       help="encode the images with the VAE once before training (without --center_crop, each "
+                            "image's random crop is drawn once, then)")
     cache.add_argument("--feature_cache_dir", default=None,
                        help="keep the cached text embeddings (and latents) on disk here, read memory-mapped; a later "
                             "run with the same model, data and settings reuses them without running the encoders")
@@ -200,6 +245,10 @@ NOT_CARRIED = {
                                     "dtype",
     "--local_rank": "accelerate launch (or torchrun) tells each process its rank",
     "--enable_npu_flash_attention": "Ascend NPUs are not supported",
+    "--enable_xformers_memory_efficient_attention": "attention runs on PyTorch's scaled_dot_product_attention "
+                                                    "(diffusers' default), as fast on current PyTorch, nothing to "
+                                                    "install",
+    "--tokenizer_name": "the tokenizers are the pipeline's (--pretrained_model_name_or_path)",
     "--repeats": "not carried yet (raise --num_train_epochs or --max_train_steps instead)",
     "--caption_dropout": "not carried yet",
     **dict.fromkeys(["--use_aspect_ratio_buckets", "--aspect_ratio_buckets"],
@@ -282,8 +331,10 @@ def check_args(args):
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
             "a positive multiple of 8")
     for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",
-                 "num_validation_images", "validation_inference_steps", "ema_update_every"):
+                 "validation_inference_steps", "ema_update_every"):
         require(getattr(args, flag) > 0, f"--{flag}", getattr(args, flag), "a positive integer")
+    require(args.num_validation_images >= 0, "--num_validation_images", args.num_validation_images,
+            "a non-negative integer (0 renders no validation images)")
     for flag in ("max_train_steps", "max_train_samples", "validation_steps", "validation_epochs",
                  "checkpoints_total_limit"):
         value = getattr(args, flag)
@@ -298,11 +349,11 @@ def check_args(args):
     if getattr(args, "rank", None) is not None:
         require(args.rank > 0, "--rank", args.rank, "a positive integer")
         require(0 <= args.lora_dropout < 1, "--lora_dropout", args.lora_dropout, "a number in [0, 1)")
+    if getattr(args, "lora_layers", None) is not None:
+        require(all(comma_separated(args.lora_layers)), "--lora_layers", args.lora_layers,
+                "comma-separated layer names")
     if getattr(args, "snr_gamma", None) is not None:
         require(args.snr_gamma > 0, "--snr_gamma", args.snr_gamma, "a positive number")
-    # A cached latent stands for one crop of its image; flips are cached both ways, random crops cannot be.
-    require(not getattr(args, "cache_latents", False) or args.center_crop, "--cache_latents", True,
-            "--center_crop with it (random crops change every epoch and cannot be cached)")
     feature_cache_dir = getattr(args, "feature_cache_dir", None)
     require(feature_cache_dir is None or not Path(feature_cache_dir).exists() or Path(feature_cache_dir).is_dir(),
             "--feature_cache_dir", feature_cache_dir, "a folder (or a path where one can be made)")

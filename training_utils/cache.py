@@ -8,8 +8,9 @@ and resumes exactly:
 * the VAE's latent *distribution* is cached (``latent_dist.parameters``: mean and log-variance), not
   a sample of it; `sample_latents` draws from the global RNG exactly as ``latent_dist.sample()`` does;
 * each image is cached unflipped and flipped, and a sample's flip is drawn from its per-sample
-  generator by the same `ImageTransform.draw_layout` call the uncached path makes (so only center
-  crops can be cached: a random crop changes every epoch);
+  generator by the same `ImageTransform.draw_layout` call the uncached path makes. A center crop is the
+  same every epoch; a random crop is drawn once per image, when it is cached (from the run's seed and the
+  image's place), and kept, as the upstream scripts do: a cached run then sees one crop of each image;
 * text embeddings are cached per distinct caption, so a caption drawn at random (`pick_caption`)
   still finds its embedding.
 
@@ -20,6 +21,7 @@ data and settings reuses them without running, or moving to the accelerator, any
 
 import contextlib
 import hashlib
+import logging
 import os
 
 import torch
@@ -29,14 +31,18 @@ from PIL import Image
 from .data import UNREADABLE_IMAGE_ERRORS, ImageTransform
 from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
 
+logger = logging.getLogger(__name__)
+
 CACHE_INDEX_COLUMN = "__cache_index__"
 
 
 class CachedImage:
-    """An image's original ``size`` (width, height) and its latent parameters, ``[unflipped, flipped]``."""
+    """An image's original ``size`` (width, height), the ``crop`` (top, left) its latents were encoded from, and
+    its latent parameters, ``[unflipped, flipped]``."""
 
-    def __init__(self, size, parameters):
+    def __init__(self, size, crop, parameters):
         self.size = size
+        self.crop = crop
         self.parameters = parameters
 
 
@@ -45,31 +51,32 @@ class UnreadableImage(OSError):
     would have raised, so that `TrainDataset` replaces the sample."""
 
 
-def latent_chunk_encoder(open_images, transform, vae, device, dtype):
+def latent_chunk_encoder(open_images, transform, vae, device, dtype, crop_seed=0):
     """``encode_chunk(indices)`` for `feature_store.encode_once`: the latent parameters of the images
-    ``open_images[index]()`` (PIL images), center-cropped, unflipped and flipped, as a `Block` with
-    ``parameters`` (``[n, 2, ...]``) and ``sizes`` (``[n, 2]``, width and height); an image that cannot be
+    ``open_images[index]()`` (PIL images), cropped as ``transform`` crops (a random crop drawn from
+    ``crop_seed`` and the index), unflipped and flipped, as a `Block` with ``parameters`` (``[n, 2, ...]``),
+    ``sizes`` (``[n, 2]``, width and height) and ``crops`` (``[n, 2]``, top and left); an image that cannot be
     read is a `Block` error."""
-    if not transform.center_crop:
-        raise ValueError("latents can only be cached for center crops")
-    unflipped = ImageTransform(transform.resolution, center_crop=True)
+    unflipped = ImageTransform(transform.resolution, center_crop=transform.center_crop)
 
     def encode_chunk(indices):
-        readable, sizes, pixels, errors = [], [], [], {}
+        readable, sizes, crops, pixels, errors = [], [], [], [], {}
         for index in indices:
             try:
                 image = open_images[index]()
-                both = unflipped(image, None)[0]
+                both, _, crop = unflipped(image, torch.Generator().manual_seed(crop_seed * 1_000_003 + index))
             except UNREADABLE_IMAGE_ERRORS as error:
                 errors[index] = f"{type(error).__name__}: {error}"
                 continue
             readable.append(index)
             sizes.append(image.size)
+            crops.append(crop)
             pixels += [both, both.flip(-1)]
         tensors = {}
         if readable:
             parameters = vae.encode(torch.stack(pixels).to(device, dtype)).latent_dist.parameters.cpu()
-            tensors = {"parameters": parameters.unflatten(0, (len(readable), 2)), "sizes": torch.tensor(sizes)}
+            tensors = {"parameters": parameters.unflatten(0, (len(readable), 2)), "sizes": torch.tensor(sizes),
+                       "crops": torch.tensor(crops)}
         return Block(torch.tensor(readable, dtype=torch.int64), tensors, errors)
 
     return encode_chunk
@@ -80,7 +87,8 @@ def cached_images(keys, blocks):
     found = {}
     for block in blocks:
         for row, index in enumerate(block.indices.tolist()):
-            found[index] = CachedImage(tuple(block.tensors["sizes"][row].tolist()), block.tensors["parameters"][row])
+            found[index] = CachedImage(tuple(block.tensors["sizes"][row].tolist()),
+                                       tuple(block.tensors["crops"][row].tolist()), block.tensors["parameters"][row])
         found.update({index: UnreadableImage(message) for index, message in block.errors.items()})
     return {key: found[index] for index, key in enumerate(keys)}
 
@@ -108,7 +116,7 @@ def _drawn(cached, transform, generator):
     draw takes from ``generator`` exactly what the uncached transform takes."""
     if isinstance(cached, UnreadableImage):
         raise cached
-    layout = transform.draw_layout(*cached.size, generator)
+    layout = transform.draw_layout(*cached.size, generator, crop=cached.crop)
     return cached.parameters[int(layout.flip)], layout
 
 
@@ -183,10 +191,10 @@ class FrozenEncoders:
     Args:
         vae: the pipeline's VAE.
         text_encoders: the text encoders whose outputs are cached (not those that train, or run in every step).
-        transform: the run's `ImageTransform` (or `ImageWithConditioningTransform`); it must center-crop to
-            cache latents.
+        transform: the run's `ImageTransform` (or `ImageWithConditioningTransform`).
         device, dtype: where and in which dtype the encoders run (the frozen weights' dtype).
-        cache_latents: encode every image (both flips) once before training, instead of in every step.
+        cache_latents: encode every image (both flips) once before training, instead of in every step; without
+            a center crop, each image's random crop is drawn then, once, from ``seed`` (the run's).
         cache_dir: keep the cached outputs on disk there (``--feature_cache_dir``), for this and later runs.
         offload: keep the VAE off the accelerator between steps too, when it encodes in every step
             (``--offload``: less memory, more transfers).
@@ -194,7 +202,7 @@ class FrozenEncoders:
     """
 
     def __init__(self, vae, text_encoders, transform, device, dtype, cache_latents=False, cache_dir=None,
-                 offload=False, batch_size=16):
+                 offload=False, seed=0, batch_size=16):
         self.vae = vae
         self.text_encoders = list(text_encoders)
         self.transform = transform
@@ -202,6 +210,7 @@ class FrozenEncoders:
         self.dtype = dtype
         self.cache_latents = cache_latents
         self.cache_dir = cache_dir
+        self.seed = seed
         self.batch_size = batch_size
         self.latent_cache = None
         self.image_column = None
@@ -297,10 +306,15 @@ class FrozenEncoders:
     def _cache_latents(self, keys, sources, open_images):
         """``{key: CachedImage or UnreadableImage}`` for the images ``open_images[i]()`` of ``keys``, which
         ``sources`` identify (`image_source`)."""
+        crops = "center crop" if self.transform.center_crop else f"random crop drawn once (seed {self.seed})"
+        if not self.transform.center_crop:
+            logger.info(f"caching latents without --center_crop: each image's random crop is drawn once, now "
+                        f"(seed {self.seed}), and kept for the whole run; flips are still drawn per sample")
         store = self._store("latents", {
             "vae": describe(self.vae), "images": many(sources, "images"),
-            "transform": f"{self.transform.resolution}px center crop, both flips"})
-        encode_chunk = latent_chunk_encoder(open_images, self.transform, self.vae, self.device, self.dtype)
+            "transform": f"{self.transform.resolution}px {crops}, both flips"})
+        encode_chunk = latent_chunk_encoder(open_images, self.transform, self.vae, self.device, self.dtype,
+                                            self.seed)
         blank = Image.new("RGB", (self.transform.resolution,) * 2)
         blocks = encode_once("latents", len(keys), encode_chunk,
                              lambda: _bytes_per_item(latent_chunk_encoder(

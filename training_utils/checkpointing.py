@@ -1,10 +1,13 @@
-"""Checkpoints that resume exactly: accelerate's state plus our trained tensors and EMA, atomically and verified.
+"""Checkpoints that resume exactly and load as models: accelerate's state plus the trained weights and the EMA,
+atomically and verified.
 
 A checkpoint folder holds what ``accelerator.save_state`` writes (optimizer, lr scheduler,
-sampler, RNG states) and, through its save hook, ``trained_parameters.safetensors`` (the trained
-tensors by name, so adapters cost megabytes, not a model), ``ema.safetensors``, each process's
+sampler, RNG states) and, through its save hook, the trained weights in the layout of the run's final output
+(its `export`: ``pytorch_lora_weights.safetensors`` for a LoRA, ``controlnet/`` or ``unet/`` for a whole model,
+which the stock diffusers calls load), the EMA's weights in the same layout under ``ema/``, each process's
 random state (`random_state`) and ``training_state.json``; last, a manifest of every file's size and
-hash (`manifest`). It is written under a temporary name and renamed when complete, so a folder named
+hash (`manifest`). The loadable files are the only copy of the trained tensors: resuming reads them back.
+A checkpoint is written under a temporary name and renamed when complete, so a folder named
 ``checkpoint-<step>`` is always whole, and a write that fails stops the run with the previous checkpoint
 intact. Resuming checks the manifest before loading anything: ``latest`` skips a damaged checkpoint for
 the newest whole one, and a named one that is damaged is an error.
@@ -19,23 +22,27 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import random_state
 from .accelerator import end_training
-from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, write_failure
+from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, WriteFailed, few, write_failure
 from .manifest import MANIFEST_FILE, check_manifest, write_manifest
+from .pipeline import trainable_parameters
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
-TRAINED_FILE = "trained_parameters.safetensors"
-EMA_FILE = "ema.safetensors"
+EMA_FOLDER = "ema"
 POSTHOC_FILE = "posthoc_ema.safetensors"
 STATE_FILE = "training_state.json"
 RANDOM_STATE_FILE = "random_state_{}.safetensors"
-# Checkpoints from format 2 on hold a manifest and their own random states.
-CHECKPOINT_FORMAT = 2
+# Checkpoints from format 2 on hold a manifest and their own random states; from format 3 on, the trained
+# weights in the final output's layout (before, they and the EMA were in the two files named here).
+CHECKPOINT_FORMAT = 3
+OUTPUT_LAYOUT_FORMAT = 3
+EARLIER_TRAINED_FILE = "trained_parameters.safetensors"
+EARLIER_EMA_FILE = "ema.safetensors"
 # accelerate writes with torch.save, which reports a failed write as a RuntimeError.
 CHECKPOINT_WRITE_ERRORS = (*WRITE_ERRORS, RuntimeError)
 
@@ -118,19 +125,21 @@ def check_resume_from_checkpoint(value, output_dir):
 class Checkpointer:
     """Saves and loads checkpoints of one run.
 
-    ``parameters`` are the trained tensors by name (``pipeline.trainable_parameters``); ``ema``
-    is the `EMA` over them and ``posthoc`` the `PostHocEMA`, or None. Registers accelerate hooks
-    so ``save_state``/``load_state`` store these instead of whole models.
+    ``export`` (`export.Export`) describes what the run trains and writes it as the final output does;
+    ``ema`` is the `EMA` over its trained parameters and ``posthoc`` the `PostHocEMA`, or None. Registers
+    accelerate hooks so ``save_state``/``load_state`` store these instead of whole models.
     """
 
-    def __init__(self, accelerator, output_dir, parameters, ema=None, total_limit=None, posthoc=None,
+    def __init__(self, accelerator, output_dir, export, ema=None, total_limit=None, posthoc=None,
                  trajectory=None, allow_changed_trajectory=False):
         self.accelerator = accelerator
         self.trajectory = trajectory or {}
         self.allow_changed_trajectory = allow_changed_trajectory
         self.output_dir = Path(output_dir)
-        self.parameters = parameters
-        self.averages = {EMA_FILE: ema, POSTHOC_FILE: posthoc}
+        self.export = export
+        self.parameters = trainable_parameters(export.trained)
+        self.ema = ema
+        self.posthoc = posthoc
         self.total_limit = total_limit
         self._saving_state = None
         self.loaded_state = None
@@ -244,43 +253,63 @@ class Checkpointer:
         return step
 
     def _save_hook(self, models, weights, output_dir):
-        # Our files replace accelerate's whole-model weights: adapters stay adapter-sized.
+        # The export's files replace accelerate's whole-model weights: adapters stay adapter-sized.
         weights.clear()
         output_dir = Path(output_dir)
         random_state.save(random_state.capture(), output_dir / RANDOM_STATE_FILE.format(self.accelerator.process_index))
         if not self.accelerator.is_main_process:
             return
-        save_file({name: p.detach().cpu().contiguous() for name, p in self.parameters.items()},
-                  output_dir / TRAINED_FILE)
-        for file_name, average in self.averages.items():
-            if average is not None:
-                average.save(output_dir / file_name)
-        (output_dir / STATE_FILE).write_text(json.dumps(self._saving_state))
+        self.export.save_checkpoint(output_dir)
+        state = dict(self._saving_state)
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                self.export.save_checkpoint(output_dir / EMA_FOLDER)
+            state["ema_step"] = self.ema.step
+        if self.posthoc is not None:
+            self.posthoc.save(output_dir / POSTHOC_FILE)
+        (output_dir / STATE_FILE).write_text(json.dumps(state))
 
     def _load_hook(self, models, input_dir):
         models.clear()
         input_dir = Path(input_dir)
-        for file_name, average in self.averages.items():
-            if (average is not None) != (input_dir / file_name).is_file():
+        earlier_layout = self.loaded_state.get("format", 1) < OUTPUT_LAYOUT_FORMAT
+        has_ema = (input_dir / (EARLIER_EMA_FILE if earlier_layout else EMA_FOLDER)).exists()
+        for flag, average, wanted, present in (
+                ("--use_ema", "EMA", self.ema is not None, has_ema),
+                ("--ema_posthoc_sigma_rels", "post-hoc EMA", self.posthoc is not None,
+                 (input_dir / POSTHOC_FILE).is_file())):
+            if wanted != present:
                 raise UsageError("--resume_from_checkpoint", str(input_dir),
-                                 f"a checkpoint made with the same --use_ema/--ema_posthoc_sigma_rels as this run "
-                                 f"({file_name} {'missing' if average is not None else 'present'})")
-        saved = load_file(input_dir / TRAINED_FILE)
+                                 f"a checkpoint made with the same {flag} as this run (its {average} is "
+                                 f"{'missing' if wanted else 'present'})")
+        if earlier_layout:
+            saved = load_file(input_dir / EARLIER_TRAINED_FILE)
+        else:
+            saved = self.export.read_checkpoint(input_dir)
+        with torch.no_grad():
+            for name, tensor in self._checked(saved, input_dir).items():
+                self.parameters[name].copy_(tensor)
+        if self.ema is not None:
+            if earlier_layout:
+                self.ema.load(input_dir / EARLIER_EMA_FILE)
+            else:
+                shadows = self._checked(self.export.read_checkpoint(input_dir / EMA_FOLDER), input_dir / EMA_FOLDER)
+                self.ema.load_state_dict({"shadows": shadows, "step": self.loaded_state["ema_step"]})
+        if self.posthoc is not None:
+            self.posthoc.load(input_dir / POSTHOC_FILE)
+
+    def _checked(self, saved, where):
+        """``saved`` if it holds exactly the trained parameters' names and shapes, else a one-line error."""
         missing, unexpected = self.parameters.keys() - saved.keys(), saved.keys() - self.parameters.keys()
         if missing or unexpected:
-            raise UsageError("--resume_from_checkpoint", str(input_dir),
-                             f"a checkpoint of the same trained parameters (missing {sorted(missing)[:3]}, "
-                             f"unexpected {sorted(unexpected)[:3]})")
+            raise UsageError("--resume_from_checkpoint", str(where),
+                             f"a checkpoint of the same trained parameters (missing {few(sorted(missing), 3)}; "
+                             f"unexpected {few(sorted(unexpected), 3)})")
         for name, parameter in self.parameters.items():
             if saved[name].shape != parameter.shape:
-                raise UsageError("--resume_from_checkpoint", str(input_dir),
+                raise UsageError("--resume_from_checkpoint", str(where),
                                  f"{name} of shape {tuple(parameter.shape)}, not {tuple(saved[name].shape)}")
-        with torch.no_grad():
-            for name, parameter in self.parameters.items():
-                parameter.copy_(saved[name])
-        for file_name, average in self.averages.items():
-            if average is not None:
-                average.load(input_dir / file_name)
+        return saved
 
 
 def attempt(write):
@@ -289,6 +318,8 @@ def attempt(write):
         write()
     except CHECKPOINT_WRITE_ERRORS as error:
         return write_failure(error)
+    except WriteFailed as error:  # the export's files
+        return error.failure
     return None
 
 

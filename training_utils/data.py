@@ -106,11 +106,14 @@ class ImageTransform:
         pixels = _chw_tensor(self.apply_layout(image, layout) / 127.5 - 1.0)
         return pixels, (image.height, image.width), layout.crop_top_left
 
-    def draw_layout(self, width, height, generator):
-        """The resize, crop and flip for an image of this size; all random draws happen here."""
+    def draw_layout(self, width, height, generator, crop=None):
+        """The resize, crop and flip for an image of this size; all random draws happen here. A ``crop``
+        (top, left) drawn before (when the image's latents were cached) is kept: only the flip is drawn."""
         scale = self.resolution / min(width, height)
         width, height = max(self.resolution, round(width * scale)), max(self.resolution, round(height * scale))
-        if self.center_crop:
+        if crop is not None:
+            top, left = crop
+        elif self.center_crop:
             top, left = (height - self.resolution) // 2, (width - self.resolution) // 2
         else:
             top = int(torch.randint(0, height - self.resolution + 1, (1,), generator=generator))

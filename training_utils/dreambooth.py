@@ -20,6 +20,27 @@ from .pipeline import modules_of
 from .validation import preserved_state
 
 
+# The dataset flags of upstream's DreamBooth scripts for captioned data, which the scripts here do not carry.
+CAPTIONED_DATASET_NOT_CARRIED = dict.fromkeys(
+    ["--dataset_name", "--dataset_config_name", "--image_column", "--caption_column", "--train_data_dir",
+     "--max_train_samples"],
+    "the images come from --instance_data_dir, captioned by --instance_prompt; a dataset with captions of its own "
+    "is not carried yet")
+
+
+# The flags of upstream's DreamBooth scripts for the flow-matching transformers (FLUX.2, Z-Image, Qwen-Image) that
+# the scripts here do not carry, besides those no script here carries (`args.NOT_CARRIED`).
+TRANSFORMER_DREAMBOOTH_NOT_CARRIED = {
+    "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen transformer "
+                         "in float8 instead",
+    **dict.fromkeys(["--text_encoder_lr", "--adam_weight_decay_text_encoder"],
+                    "the text encoder does not train (nor does it in upstream's script)"),
+    "--fsdp_text_encoder": "FSDP is not supported; the text encoder runs once, before training, and then leaves the "
+                           "accelerator",
+    **CAPTIONED_DATASET_NOT_CARRIED,
+}
+
+
 def add_dreambooth_args(parser):
     """The DreamBooth flags of the diffusers scripts, with their names and meanings."""
     group = parser.add_argument_group("DreamBooth")
@@ -36,6 +57,9 @@ def add_dreambooth_args(parser):
     group.add_argument("--sample_batch_size", type=int, default=4, help="batch size when generating class images")
     group.add_argument("--class_inference_steps", type=int, default=None,
                        help="denoising steps per generated class image (default: the pipeline's own)")
+    group.add_argument("--pre_compute_text_embeddings", action="store_true",
+                       help="accepted for upstream's commands: the frozen text encoders always embed the prompts "
+                            "once, before training")
 
 
 def list_images(folder):
@@ -49,6 +73,9 @@ def list_images(folder):
 def check_dreambooth_args(args):
     """Fail on bad DreamBooth inputs before any weights load; returns the instance images."""
     instance_images = list_images(args.instance_data_dir)
+    require(not (args.pre_compute_text_embeddings and getattr(args, "train_text_encoder", False)),
+            "--pre_compute_text_embeddings", True, "no --train_text_encoder with it (a text encoder that trains "
+            "embeds the prompts in every step)")
     require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir, "an existing folder")
     require(instance_images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
     require(args.instance_prompt.strip(), "--instance_prompt", args.instance_prompt, "a non-empty prompt")

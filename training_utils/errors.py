@@ -29,6 +29,14 @@ class RunStopped(Exception):
         self.exit_code = exit_code
 
 
+class WriteFailed(RunStopped):
+    """A file of the run's outputs could not be written; ``failure`` says which and why (`write_failure`)."""
+
+    def __init__(self, directory, failure):
+        super().__init__(f"could not write to {directory}: {failure}", WRITE_FAILED_EXIT_CODE)
+        self.failure = failure
+
+
 def write_failure(error):
     """Why a write failed, in a few words naming the file where the error does."""
     where = getattr(error, "filename", None)

@@ -24,11 +24,17 @@ import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, few, write_failure
+from .convert_lora import DIFFUSERS, write_converted
+from .errors import WRITE_ERRORS, WriteFailed, few, write_failure
 from .pipeline import modules_of, trainable_parameters
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TENSORS_NAME = "posthoc_ema_weights.safetensors"
+
+
+def converted_name(layout):
+    """The file name of a LoRA in another layout than diffusers', beside ``pytorch_lora_weights.safetensors``."""
+    return f"pytorch_lora_weights_{layout}.safetensors"
 
 
 def write_atomically(directory, write):
@@ -48,7 +54,7 @@ def write_atomically(directory, write):
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(path, target)
     except WRITE_ERRORS as error:
-        raise RunStopped(f"could not write to {directory}: {write_failure(error)}", WRITE_FAILED_EXIT_CODE) from None
+        raise WriteFailed(directory, write_failure(error)) from None
 
 
 def saved_tensors(directory):
@@ -124,6 +130,16 @@ class Export:
         """Write the live weights (the EMA's, swapped in by `save_with_ema`) as the EMA output's layout has them."""
         return self.save(directory)
 
+    def save_checkpoint(self, directory):
+        """Write the live trained weights into a checkpoint folder, loadable as the final output is. These files
+        are the checkpoint's only copy of the weights: resuming reads them back with `read_checkpoint`."""
+        return self.save(directory)
+
+    def read_checkpoint(self, directory):
+        """The trained tensors that `save_checkpoint` wrote into ``directory``, keyed like the trained parameters
+        (``<component>.<parameter name>``)."""
+        raise NotImplementedError
+
 
 class TensorsExport(Export):
     """The tensors as they are, keyed by parameter name, in one ``posthoc_ema_weights.safetensors``."""
@@ -135,10 +151,15 @@ class TensorsExport(Export):
         write_atomically(directory, lambda staging: save_file(tensors, Path(staging, TENSORS_NAME)))
         return Path(directory) / TENSORS_NAME
 
+    def read_checkpoint(self, directory):
+        return load_file(Path(directory) / TENSORS_NAME)
+
 
 class LoraExport(Export):
     """LoRA adapters on pipeline components, written as one ``pytorch_lora_weights.safetensors`` by
-    ``pipeline_class.save_lora_weights``, so that ``pipe.load_lora_weights(directory)`` loads it.
+    ``pipeline_class.save_lora_weights``, so that ``pipe.load_lora_weights(directory)`` loads it, and beside it
+    the same adapters in each other layout of ``formats`` (`convert_lora`: ``…_kohya.safetensors``,
+    ``…_comfyui.safetensors``) for the UI tools.
 
     ``adapter_configs`` holds each component's peft ``LoraConfig`` as JSON; it goes into the file as the
     adapter metadata. `of` makes one from the live modules.
@@ -146,14 +167,15 @@ class LoraExport(Export):
 
     kind = "lora"
 
-    def __init__(self, pipeline_class, adapter_configs, adapter_name="default", trained=None):
+    def __init__(self, pipeline_class, adapter_configs, adapter_name="default", trained=None, formats=(DIFFUSERS,)):
         super().__init__(trained)
         self.pipeline_class = pipeline_class
         self.adapter_configs = adapter_configs
         self.adapter_name = adapter_name
+        self.formats = list(formats)
 
     @classmethod
-    def of(cls, pipeline_class, trained, adapter_name="default"):
+    def of(cls, pipeline_class, trained, formats=(DIFFUSERS,), adapter_name="default"):
         """The export of the adapters on ``trained`` ({component: module}). Checks now, on the live modules,
         that ``save_lora_weights`` takes each component and that the trained parameters are exactly what
         peft saves, so that `save` from the parameters writes what peft would."""
@@ -170,20 +192,21 @@ class LoraExport(Export):
                                  f"{few(sorted(keys - saved_by_peft))}; only saved: "
                                  f"{few(sorted(saved_by_peft - keys))})")
             adapter_configs[component] = as_json(module.peft_config[adapter_name].to_dict())
-        return cls(pipeline_class, adapter_configs, adapter_name, trained)
+        return cls(pipeline_class, adapter_configs, adapter_name, trained, formats)
 
     def description(self):
         return {"kind": self.kind, "pipeline_module": importable_module(self.pipeline_class),
                 "pipeline_class": self.pipeline_class.__name__, "adapter_name": self.adapter_name,
-                "components": {component: {"lora_adapter_metadata": config}
-                               for component, config in self.adapter_configs.items()}}
+                "formats": self.formats, "components": {component: {"lora_adapter_metadata": config}
+                                                        for component, config in self.adapter_configs.items()}}
 
     @classmethod
     def from_description(cls, description):
         pipeline_class = import_class(description["pipeline_module"], description["pipeline_class"])
         adapter_configs = {component: spec["lora_adapter_metadata"]
                            for component, spec in description["components"].items()}
-        return cls(pipeline_class, adapter_configs, description.get("adapter_name", "default"))
+        return cls(pipeline_class, adapter_configs, description.get("adapter_name", "default"),
+                   formats=description.get("formats", [DIFFUSERS]))
 
     def write(self, tensors, directory):
         kwargs = {}
@@ -197,7 +220,19 @@ class LoraExport(Export):
         expected = {f"{component}.{key}": tensor for component in self.adapter_configs
                     for key, tensor in kwargs[f"{component}_lora_layers"].items()}
         verify_saved_tensors(load_file(path), expected, path)
+        for layout in self.formats:
+            if layout != DIFFUSERS:
+                write_atomically(directory, lambda staging: write_converted(
+                    path, Path(staging) / converted_name(layout), layout, family=self.pipeline_class.__name__))
         return path
+
+    def read_checkpoint(self, directory):
+        """The file's tensors by the live parameter names; a key that no live parameter has stays as it is."""
+        names = {}
+        for name in trainable_parameters(self.trained):
+            component, _, key = name.partition(".")
+            names[f"{component}.{remove_adapter_name(key, self.adapter_name)}"] = name
+        return {names.get(key, key): tensor for key, tensor in load_file(Path(directory) / LORA_WEIGHTS_NAME).items()}
 
 
 class ModelExport(Export):
@@ -253,6 +288,20 @@ class ModelExport(Export):
             save_model(module, self.folder(directory, component))
         return Path(directory)
 
+    def save_checkpoint(self, directory):
+        """Each trained model in its component's folder (``checkpoint-N/controlnet``), however many there are."""
+        for component, module in self.trained.items():
+            save_model(module, Path(directory) / component)
+        return Path(directory)
+
+    def read_checkpoint(self, directory):
+        """The trained parameters of each model's folder; the rest of its state (buffers, frozen weights) is not
+        trained and stays out."""
+        trained = trainable_parameters(self.trained)
+        return {f"{component}.{key}": tensor for component in self.trained
+                for key, tensor in saved_tensors(Path(directory) / component).items()
+                if f"{component}.{key}" in trained}
+
 
 class PipelineExport(ModelExport):
     """A full fine-tune's outputs: the raw weights as the whole pipeline, which ``from_pretrained(output_dir)``
@@ -268,8 +317,7 @@ class PipelineExport(ModelExport):
         return self.component_folder(directory)
 
     def save_ema(self, directory):
-        for component, module in self.trained.items():
-            save_model(module, Path(directory) / component)
+        self.save_checkpoint(directory)
         return self.component_folder(directory)
 
     def component_folder(self, directory):

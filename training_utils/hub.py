@@ -16,9 +16,10 @@ image = pipe("{prompt}").images[0]
 
 
 def write_model_card(output_dir, base_model, title, how_to_load, records=()):
-    """``README.md`` in ``output_dir``: base model, how to load, and the last validation's images.
+    """``README.md`` in ``output_dir``: base model, how to load, and for each validation prompt its progress
+    grid (each variant at every validated step) and the last validation's grid (every image of every variant).
 
-    ``records`` are the validation log records (``Validator`` returns them); their image paths are
+    ``records`` are the last validation's log records (``Validator`` returns them); their image paths are
     relative to ``output_dir``, so the card's pictures show on the hub and on disk alike.
     """
     lines = [
@@ -40,11 +41,15 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=()):
     ]
     if records:
         lines += ["", f"## Validation at step {records[-1]['step']}", ""]
+        shown_grids = set()
         for record in records:
-            lines.append(f"**{record['variant']}**, *{record['prompt']}*")
-            lines.append("")
-            lines.append(" ".join(f"![{record['variant']}]({path})" for path in record["images"]))
-            lines.append("")
+            if "grid" not in record:  # an input shown as it is (a ControlNet's conditioning image)
+                lines += [f"**{record['variant']}**, *{record['prompt']}*", "",
+                          " ".join(f"![{record['variant']}]({path})" for path in record["images"]), ""]
+            elif record["grid"] not in shown_grids:
+                shown_grids.add(record["grid"])
+                lines += [f"*{record['prompt']}*: each variant over the run, then at the last step", "",
+                          f"![progress]({record['progress']})", "", f"![step {record['step']}]({record['grid']})", ""]
     path = Path(output_dir) / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -3,7 +3,7 @@
 What a script computes in a step (its loss, its conditioning) stays in the script; what happens
 between steps is the same everywhere and lives here::
 
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)   # resumes if asked
     for batch in loop:                      # epochs, resuming mid-epoch, stops at max_train_steps
         with accelerator.accumulate(model):
@@ -18,6 +18,7 @@ step (as it was when that step ended, also mid-accumulation), or with ``--skip_c
 trains on the readable sample put in its place and counts it (``skipped_images`` in the logs).
 """
 
+import contextlib
 import math
 import signal
 import sys
@@ -32,6 +33,7 @@ from .args import trajectory_flags
 from .checkpointing import Checkpointer, resume_position
 from .data import BatchWithUnreadable, epoch_batches
 from .errors import RunStopped, UsageError
+from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
 from .validation import validation_due
 
@@ -66,20 +68,20 @@ class PreemptionSignals:
 class TrainingLoop:
     """Iterates the batches of a run, steps the optimizer, and does everything due after each step.
 
-    It owns the run's `Checkpointer` (the trained ``parameters``, ``ema`` and ``posthoc`` EMA are
-    what checkpoints hold besides accelerate's state) and resumes from ``--resume_from_checkpoint``
+    It owns the run's `Checkpointer` (what ``export`` writes of the trained weights, and the ``ema`` and
+    ``posthoc`` EMA, are what checkpoints hold besides accelerate's state) and resumes from ``--resume_from_checkpoint``
     when made, so build it after ``accelerator.prepare``. ``global_step`` is the number of completed
     optimizer steps; ``records`` holds the last validation's records as the model card shows them.
     """
 
-    def __init__(self, accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    def __init__(self, accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                  steps_per_epoch, ema=None, posthoc=None, validator=None):
         self.accelerator = accelerator
         self.args = args
         self.dataloader = dataloader
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.parameters = list(parameters.values())
+        self.parameters = list(trainable_parameters(export.trained).values())
         self.max_train_steps = max_train_steps
         self.steps_per_epoch = steps_per_epoch
         self.ema = ema
@@ -94,7 +96,7 @@ class TrainingLoop:
         # taken mid-accumulation must hold them as they were, or a resumed run would draw other noise.
         self._at_step_start = True
         self._step_start = None
-        self.checkpointer = Checkpointer(accelerator, args.output_dir, parameters, ema, args.checkpoints_total_limit,
+        self.checkpointer = Checkpointer(accelerator, args.output_dir, export, ema, args.checkpoints_total_limit,
                                          posthoc, trajectory_flags(args), args.resume_with_changed_args)
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
         # Images skipped on all processes up to the last completed step, counting those before a resume;
@@ -120,7 +122,7 @@ class TrainingLoop:
                               disable=not self.accelerator.is_local_main_process)
         if self.posthoc is not None:
             self.posthoc.start(self.args.output_dir, self.global_step, write=self.accelerator.is_main_process)
-        with self._signals:
+        with self._signals, self._progress_closed_on_stop():
             for epoch in range(first_epoch, num_epochs):
                 skip = batches_to_skip if epoch == first_epoch else 0
                 for batch in epoch_batches(self.accelerator, self.dataloader, epoch, skip):
@@ -134,11 +136,25 @@ class TrainingLoop:
                     yield batch
         self._progress.close()
 
+    @contextlib.contextmanager
+    def _progress_closed_on_stop(self):
+        """Close the progress bar before a stop propagates, so that it is drawn for the last time before the stop
+        is reported: the reason, not the bar, is the last line on the terminal."""
+        try:
+            yield
+        except RunStopped:
+            self._progress.close()
+            raise
+
     def backward_and_step(self, loss):
         """Backpropagate ``loss``, clip, step the optimizer and the lr schedule (accelerate holds the step
         back while accumulating), and after a completed optimizer step do what is due: logging, EMA
         updates, checkpoint, validation, preemption. Call inside ``accelerator.accumulate(...)``.
         Returns True when an optimizer step completed."""
+        with self._progress_closed_on_stop():
+            return self._backward_and_step(loss)
+
+    def _backward_and_step(self, loss):
         self.accelerator.backward(loss)
         if self.accelerator.sync_gradients:
             self.accelerator.clip_grad_norm_(self.parameters, self.args.max_grad_norm)

@@ -13,17 +13,35 @@ def make_optimizer(args, parameters, num_processes):
     learning_rate = args.learning_rate
     if args.scale_lr:
         learning_rate *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
-    optimizer_class = torch.optim.AdamW
+    parameters = list(parameters)
+    hyperparameters = dict(lr=learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                           weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
     if args.use_8bit_adam:
         try:
             import bitsandbytes
         except ImportError:
             raise UsageError("--use_8bit_adam", True, "bitsandbytes installed (pip install bitsandbytes)") from None
-        optimizer_class = bitsandbytes.optim.AdamW8bit
-    return optimizer_class(
-        list(parameters), lr=learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-    )
+        return bitsandbytes.optim.AdamW8bit(parameters, **hyperparameters)
+    return torch.optim.AdamW(parameters, **hyperparameters, **adamw_implementation(parameters))
+
+
+# The dtypes of torch's fused Adam(W) kernels on CUDA.
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def adamw_implementation(parameters):
+    """``{"fused": True}`` when every parameter is a CUDA tensor of a dtype the fused kernel takes: a few kernel
+    launches update them all, every operation of the update fused (a LoRA trains hundreds of small tensors, so the
+    launches are what a step of the optimizer costs); else ``{"foreach": True}``, torch's multi-tensor path.
+
+    Either way the optimizer state holds the same tensors (``exp_avg``, ``exp_avg_sq``, ``step``), and the choice
+    is saved in the state dict's parameter group: ``load_state_dict`` restores it, so a resumed run steps with the
+    kernel that the run it resumes used, and continues bitwise identically.
+    """
+    if parameters and all(parameter.device.type == "cuda" and parameter.dtype in FUSED_DTYPES
+                          for parameter in parameters):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def training_length(args, num_batches):

@@ -25,7 +25,6 @@ folders, ``validation/log.jsonl`` and ``checkpoint-<step>/``. Nothing here needs
 
 import collections
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -42,6 +41,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from . import tiny
+from .validation import read_log
 
 # A tiny run takes seconds; one that has not finished after this long hangs.
 RUN_TIMEOUT_S = 300
@@ -188,17 +188,11 @@ def launch_script(script, *args, processes=1, timeout=RUN_TIMEOUT_S, check=True,
     return result
 
 
-def read_log(output_dir):
-    """The records of ``output_dir/validation/log.jsonl``, in order:
-    ``{"step": int, "variant": "raw" or "ema" or ..., "prompt": str, "images": [paths relative to output_dir]}``."""
-    return [json.loads(line) for line in (Path(output_dir) / "validation" / "log.jsonl").read_text().splitlines()]
-
-
 def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_images=None):
     """The run in ``output_dir`` validated at ``steps`` (in order; the final step once) and nowhere else: each
     step's records are one per variant (``variants``: "raw", and "ema" with ``--use_ema``) and prompt (``prompts``;
-    by default those of the first step), and name images that exist (``num_images`` each, if given).
-    Returns the records."""
+    by default those of the first step), and name images that exist (``num_images`` each, if given), the step's
+    grid and the prompt's progress grid. Returns the records."""
     log = read_log(output_dir)
     if prompts is None:
         prompts = [record["prompt"] for record in log if record["step"] == log[0]["step"]
@@ -209,7 +203,14 @@ def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_
     for record in log:
         assert record["images"] and all((Path(output_dir) / path).is_file() for path in record["images"]), record
         assert num_images is None or len(record["images"]) == num_images, record
+        assert all((Path(output_dir) / record[grid]).is_file() for grid in ("grid", "progress")), record
     return log
+
+
+def rendered_images(output_dir):
+    """The validation images a run rendered (not its grids, nor a ControlNet's conditioning images)."""
+    return sorted(path for path in (Path(output_dir) / "validation").glob("step-*/*.png")
+                  if not path.name.startswith("grid-"))
 
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
@@ -256,6 +257,25 @@ def checkpoint_names(output_dir):
     return sorted((path.name for path in Path(output_dir).glob("checkpoint-*")), key=lambda name: int(name[11:]))
 
 
+def checkpoint_weight_files(checkpoint):
+    """The safetensors files of a checkpoint folder that hold weights, as a set of paths relative to it (each
+    process's random state left out): a test compares them with the final output's layout, to show that the
+    checkpoint holds each trained tensor once, where the stock loaders find it."""
+    checkpoint = Path(checkpoint)
+    return {path.relative_to(checkpoint).as_posix() for path in checkpoint.rglob("*.safetensors")
+            if not path.name.startswith("random_state_")}
+
+
+def assert_checkpoint_is_the_output(checkpoint, output_dir, files):
+    """``checkpoint`` (taken at the final step) holds exactly the weight ``files`` of ``output_dir``, bitwise
+    equal: it loads as the final output does. ``files`` are paths relative to both folders, or a dict of
+    ``{path in the checkpoint: path in output_dir}`` where they differ (a ControlNet's ``controlnet/…``)."""
+    files = files if isinstance(files, dict) else {name: name for name in files}
+    assert checkpoint_weight_files(checkpoint) == set(files), checkpoint_weight_files(checkpoint)
+    for in_checkpoint, in_output in files.items():
+        assert_same_files(Path(checkpoint) / in_checkpoint, Path(output_dir) / in_output)
+
+
 def assert_resumes_exactly(script, args_for, straight_dir, resumed_dir, step, weight_files, launch=launch_script):
     """The run in ``straight_dir``, resumed from its ``checkpoint-<step>``, ends with bitwise the same
     ``weight_files`` (paths relative to the output directory) as the run that went straight on.
@@ -278,12 +298,16 @@ def differing_keys(a, b):
     return [key for key in a if not torch.equal(a[key], b[key])]
 
 
+def assert_same_tensors(a, b, where=""):
+    """Two state dicts hold the same keys and bitwise-equal tensors."""
+    assert a.keys() == b.keys() and len(a) > 0, (where, sorted(a.keys() ^ b.keys())[:3])
+    different = differing_keys(a, b)
+    assert not different, f"{len(different)} of {len(a)} tensors differ in {where}, e.g. {different[0]}"
+
+
 def assert_same_files(a, b):
     """Two safetensors files hold the same keys and bitwise-equal tensors."""
-    a_tensors, b_tensors = load_file(a), load_file(b)
-    assert a_tensors.keys() == b_tensors.keys() and len(a_tensors) > 0, (str(a), str(b))
-    different = differing_keys(a_tensors, b_tensors)
-    assert not different, f"{len(different)} of {len(a_tensors)} tensors differ in {b}, e.g. {different[0]}"
+    assert_same_tensors(load_file(a), load_file(b), f"{a} and {b}")
 
 
 def assert_close_files(a, b, atol=1e-5):

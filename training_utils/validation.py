@@ -10,6 +10,7 @@ ends with the same weights as the same run without it.
 import contextlib
 import copy
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from itertools import groupby
@@ -18,14 +19,32 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from .ema import tensors_swapped_in
+from .grids import progress_grid, step_grid
 from .pipeline import modules_of
 from .posthoc_ema.synthesis import synthesize
 
+logger = logging.getLogger(__name__)
+
 VALIDATION_DIR = "validation"
 LOG_NAME = "log.jsonl"
+
+
+def grid_path(step, prompt_index):
+    """Where one validation's grid for one prompt goes, relative to the output folder."""
+    return f"{VALIDATION_DIR}/step-{step:06d}/grid-p{prompt_index:02d}.png"
+
+
+def progress_path(prompt_index):
+    """Where a prompt's progress grid goes, relative to the output folder."""
+    return f"{VALIDATION_DIR}/progress-p{prompt_index:02d}.png"
+
+
+def read_log(output_dir):
+    """The records of ``validation/log.jsonl``, oldest first ([] before the first validation)."""
+    path = Path(output_dir) / VALIDATION_DIR / LOG_NAME
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def validation_due(step, max_train_steps, validation_steps=None, validation_epochs=None, steps_per_epoch=None):
@@ -60,6 +79,10 @@ def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
     ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``, ...."""
     prompts = args.validation_prompt if prompts is None else prompts
     if not prompts:
+        return None
+    if args.num_validation_images == 0:
+        if accelerator.is_main_process:
+            logger.info("--num_validation_images 0: no validation images are rendered")
         return None
     return Validator(pipe, accelerator, args.output_dir, prompts, args.num_validation_images,
                      args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels, **kwargs)
@@ -133,8 +156,9 @@ class Validator:
         """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only).
 
         At the ``final`` step of a run with a post-hoc EMA, also render the EMA of each of
-        ``sigma_rels`` synthesized from the snapshots (variants ``ema_sigma_rel-<value>``) and write
-        one grid per prompt, a row per variant (raw, then the sweep), to choose the length by eye.
+        ``sigma_rels`` synthesized from the snapshots (variants ``ema_sigma_rel-<value>``), to choose the
+        length by eye. Each prompt gets a labelled grid, a row per variant (`grids.step_grid`), and its
+        progress grid over the run so far (`grids.progress_grid`); both go to the trackers too.
 
         Under several processes the pipeline calls (one per prompt and variant) are shared out
         round-robin and the images gathered on the main process, which alone writes files and logs:
@@ -181,9 +205,18 @@ class Validator:
                 pending.append(trackers.submit(self._log_conditioning_images, step))
                 self._log(ordered)
                 records = [record for record, _ in ordered]
-                if sweep:
-                    self._write_grids(step, [(record, images) for record, images in ordered
-                                             if record["variant"] != "ema"])
+                for future in pending:  # the progress grids read this step's images back
+                    future.result()
+                log = read_log(self.output_dir)
+                for index, prompt in enumerate(self.prompts):
+                    grid = step_grid(step, prompt, [(name, rendered[variant, index])
+                                                    for variant, (name, _) in enumerate(variants)])[0]
+                    grid.save(self.output_dir / grid_path(step, index))
+                    progress = progress_grid([record for record in log if record.get("progress") == progress_path(
+                        index)], prompt, self.output_dir)[0]
+                    progress.save(self.output_dir / progress_path(index))
+                    pending.append(trackers.submit(self._show, f"validation/grid/p{index:02d}", prompt, [grid],
+                                                   step))
             for future in pending:
                 future.result()
         self.accelerator.wait_for_everyone()
@@ -208,17 +241,6 @@ class Validator:
                          for position, sigma_rel in enumerate(self.sigma_rels)]
         return variants
 
-    def _write_grids(self, step, rendered):
-        """``validation/step-<step>/grid-pNN.png`` per prompt: one row per variant, one column per image."""
-        for index in range(len(self.prompts)):
-            rows = [images for position, (_, images) in enumerate(rendered) if position % len(self.prompts) == index]
-            width, height = rows[0][0].size
-            grid = Image.new("RGB", (width * len(rows[0]), height * len(rows)))
-            for row, images in enumerate(rows):
-                for column, image in enumerate(images):
-                    grid.paste(image.convert("RGB"), (column * width, row * height))
-            grid.save(self.output_dir / VALIDATION_DIR / f"step-{step:06d}" / f"grid-p{index:02d}.png")
-
     def _render(self, prompt_index):
         # CPU generators give the same noise on every device; one per image keeps a batched call
         # identical to rendering the images one at a time.
@@ -240,7 +262,8 @@ class Validator:
     def _record(self, step, variant, prompt_index, images):
         paths = [f"{VALIDATION_DIR}/step-{step:06d}/{variant}-p{prompt_index:02d}-{index:02d}.png"
                  for index in range(len(images))]
-        return {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths}
+        return {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths,
+                "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index)}
 
     def _log_conditioning_images(self, step):
         for index, (prompt, image) in enumerate(zip(self.prompts, self.conditioning_images)):

@@ -9,7 +9,7 @@
 
 Without ``--controlnet_model_name_or_path`` the ControlNet starts as a copy of the UNet's encoder.
 Only the ControlNet trains. The frozen text encoders run once per distinct caption before training, and
-with ``--cache_latents`` (which needs ``--center_crop``) the VAE runs once per image (both flips); the
+with ``--cache_latents`` the VAE runs once per image (both flips); the
 conditioning images are not cached, since the ControlNet reads them.
 
 SDXL's own VAE overflows in fp16: with ``--mixed_precision fp16`` pass an fp16-safe one (as above),
@@ -95,7 +95,8 @@ def main(args):
     #    accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
 
     def encode_text(captions):
         input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
@@ -126,7 +127,7 @@ def main(args):
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
         weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
         call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

@@ -12,7 +12,7 @@ adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), whi
 ``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
 checkpoints to resume from, and a model card. Missing class images are generated into
 ``--class_data_dir`` by the pipeline that trains, before training starts. A frozen text encoder
-embeds the prompts once, and ``--cache_latents`` (with ``--center_crop``) encodes each instance and
+embeds the prompts once, and ``--cache_latents`` encodes each instance and
 class image once (both flips), before training; what is cached stays off the accelerator except
 while validating.
 """
@@ -21,7 +21,8 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, add_refused_args, check_args,
+                                 export_formats, training_parser)
 from training_utils.cache import FrozenEncoders
 from training_utils.data import ImageTransform, make_dataloader, tokenize
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
@@ -40,13 +41,23 @@ from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
 
+# The flags of upstream's script that this one does not carry, besides those no script here carries: DeepFloyd IF's.
+REFUSED = {
+    **dict.fromkeys(["--tokenizer_max_length", "--text_encoder_use_attention_mask"],
+                    "DeepFloyd IF's T5 prompt options; Stable Diffusion's prompts are tokenized as its pipeline's "
+                    "encode_prompt does (CLIP, the tokenizer's length, no attention mask)"),
+    "--validation_images": "images for DeepFloyd IF's super-resolution stage; this script validates from prompts",
+    "--class_labels_conditioning": "DeepFloyd IF's stage-2 class labels; Stable Diffusion's UNet takes none",
+}
+
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0])
-    add_lora_args(parser, train_text_encoder=True)
+    add_lora_args(parser, StableDiffusionPipeline, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_dreambooth_args(parser)
     add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -78,7 +89,7 @@ def main(args):
         if args.train_text_encoder:
             text_encoder.gradient_checkpointing_enable()
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained)
+    export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -88,7 +99,8 @@ def main(args):
     #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
                                           frozen.on_device)
     # Each batch holds the instance images, then as many class images: one prompt per half.
@@ -115,7 +127,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora", config=tracker_config(args))
 

@@ -12,7 +12,7 @@ which ``Flux2KleinPipeline.load_lora_weights(output_dir)`` loads, validation ima
 checkpoints to resume from, and a model card. With ``--with_prior_preservation``, missing class images are
 generated into ``--class_data_dir`` by the pipeline that trains, before training starts. The text encoder
 (Qwen3) embeds the prompts once, before training, exactly as the pipeline's ``encode_prompt`` does, and
-``--cache_latents`` (with ``--center_crop``) encodes each image once (both flips); what is cached stays off the
+``--cache_latents`` encodes each image once (both flips); what is cached stays off the
 accelerator except while validating. Flags of the upstream script that this one does not carry stop the run
 with one line saying why.
 """
@@ -22,14 +22,15 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 
 from training_utils import flux2
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import (NOT_CARRIED, add_cache_args, add_lora_args, add_refused_args, check_args,
-                                 training_parser)
+from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, add_refused_args,
+                                 check_args, comma_separated, export_formats, training_parser)
 from training_utils.cache import FrozenEncoders
 from training_utils.data import ImageTransform, make_dataloader
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, instance_then_class_collate)
+from training_utils.dreambooth import (TRANSFORMER_DREAMBOOTH_NOT_CARRIED, add_dreambooth_args,
+                                       check_dreambooth_args, class_images_from_args, dreambooth_dataset,
+                                       instance_then_class_collate)
 from training_utils.ema import make_ema
-from training_utils.errors import exit_on_usage_error, require
+from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss, sample_flow_matching_timesteps, velocity)
@@ -48,43 +49,26 @@ from training_utils.validation import make_validator
 LORA_LAYERS = "to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj,attn.to_out"
 # The flags of upstream's script that this one does not carry, besides those no script here carries.
 REFUSED = {
-    **NOT_CARRIED,
-    "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen transformer "
-                         "in float8 instead",
     "--guidance_scale": "FLUX.2 [klein]'s transformer takes no guidance embedding (Flux2KleinPipeline passes none, "
                         "and upstream's script ignores the flag for it)",
-    **dict.fromkeys(["--text_encoder_lr", "--adam_weight_decay_text_encoder"],
-                    "the text encoder does not train (nor does it in upstream's script)"),
-    "--fsdp_text_encoder": "FSDP is not supported; the text encoder runs once, before training, and then leaves the "
-                           "accelerator",
-    **dict.fromkeys(["--dataset_name", "--dataset_config_name", "--image_column", "--caption_column",
-                     "--train_data_dir", "--max_train_samples"],
-                    "the images come from --instance_data_dir, captioned by --instance_prompt; a dataset with "
-                    "captions of its own is not carried yet"),
+    **TRANSFORMER_DREAMBOOTH_NOT_CARRIED,
 }
 
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50)
-    add_lora_args(parser)
+    add_lora_args(parser, Flux2KleinPipeline)
     add_dreambooth_args(parser)
     flux2.add_flux2_args(parser)
     add_flow_matching_args(parser, weighting_scheme="none")
-    parser.add_argument("--lora_layers", default=LORA_LAYERS,
-                        help="comma-separated names of the transformer's linear layers to adapt (or the ends of their "
-                             "names, e.g. single_transformer_blocks.0.attn.to_qkv_mlp_proj)")
+    add_lora_layers_arg(parser, LORA_LAYERS, "single_transformer_blocks.0.attn.to_qkv_mlp_proj")
     add_cache_args(parser)
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     check_flow_matching_args(args)
-    require(all(split_names(args.lora_layers)), "--lora_layers", args.lora_layers, "comma-separated layer names")
     flux2.check_flux2_args(args)
     return args
-
-
-def split_names(value):
-    return [name.strip() for name in value.split(",")]
 
 
 def main(args):
@@ -102,14 +86,14 @@ def main(args):
     prompt_settings = flux2.prompt_settings(pipe, args)
 
     # 3. A LoRA adapter on the transformer; the EMA tracks it. The text encoder and the VAE stay frozen.
-    add_lora(transformer, args.rank, linear_layers_named(transformer, split_names(args.lora_layers)),
+    add_lora(transformer, args.rank, linear_layers_named(transformer, comma_separated(args.lora_layers)),
              args.lora_alpha, args.lora_dropout)
     trained = {"transformer": transformer}
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained)
+    export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -119,7 +103,8 @@ def main(args):
     #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
                                           call_kwargs=prompt_settings)
     # Each batch holds the instance images, then as many class images: one prompt per half.
@@ -145,7 +130,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution, **prompt_settings})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora-flux2-klein", config=tracker_config(args))
 

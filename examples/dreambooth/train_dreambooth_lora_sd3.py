@@ -12,7 +12,7 @@ CLIP encoders' adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safe
 ``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
 checkpoints to resume from, and a model card. With ``--with_prior_preservation``, missing class
 images are generated into ``--class_data_dir`` by the pipeline that trains, before training starts.
-Frozen text encoders embed the prompts once, and ``--cache_latents`` (with ``--center_crop``) encodes
+Frozen text encoders embed the prompts once, and ``--cache_latents`` encodes
 each instance and class image once (both flips), before training; what is cached stays off the
 accelerator except while validating.
 """
@@ -21,7 +21,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import add_cache_args, add_lora_args, check_args, training_parser
+from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
+                                 export_formats, training_parser)
 from training_utils.cache import FrozenEncoders
 from training_utils.data import ImageTransform, make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
@@ -45,12 +46,11 @@ from training_utils.validation import make_validator
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=28)
-    add_lora_args(parser, train_text_encoder=True)
+    add_lora_args(parser, StableDiffusion3Pipeline, train_text_encoder=True)
     add_dreambooth_args(parser)
     add_sd3_args(parser)
     add_flow_matching_args(parser)
-    parser.add_argument("--lora_layers", default=",".join(ATTENTION_PROJECTIONS),
-                        help="comma-separated names of the transformer's modules to adapt (last parts of their names)")
+    add_lora_layers_arg(parser, ",".join(ATTENTION_PROJECTIONS), "to_q, or attn.to_q")
     parser.add_argument("--lora_blocks", default=None,
                         help="comma-separated transformer block indices to adapt, e.g. 0,12 (default: every block)")
     add_cache_args(parser)
@@ -58,14 +58,9 @@ def parse_args(argv=None):
     check_args(args)
     check_sd3_args(args)
     check_flow_matching_args(args)
-    require(all(split_names(args.lora_layers)), "--lora_layers", args.lora_layers, "comma-separated module names")
-    require(args.lora_blocks is None or all(name.isdigit() for name in split_names(args.lora_blocks)),
+    require(args.lora_blocks is None or all(name.isdigit() for name in comma_separated(args.lora_blocks)),
             "--lora_blocks", args.lora_blocks, "comma-separated block indices, e.g. 0,12")
     return args
-
-
-def split_names(value):
-    return [name.strip() for name in value.split(",")]
 
 
 def lora_target_modules(transformer, layers, blocks):
@@ -102,8 +97,8 @@ def main(args):
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
 
     # 3. LoRA adapters on the transformer (and maybe the two CLIP encoders, never T5); the EMA tracks them all.
-    blocks = [int(block) for block in split_names(args.lora_blocks)] if args.lora_blocks else None
-    target_modules = lora_target_modules(transformer, split_names(args.lora_layers), blocks)
+    blocks = [int(block) for block in comma_separated(args.lora_blocks)] if args.lora_blocks else None
+    target_modules = lora_target_modules(transformer, comma_separated(args.lora_layers), blocks)
     add_lora(transformer, args.rank, target_modules, args.lora_alpha, args.lora_dropout)
     trained = {"transformer": transformer}
     if args.train_text_encoder:
@@ -119,7 +114,7 @@ def main(args):
             if name != "transformer":
                 module.gradient_checkpointing_enable()
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained)
+    export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -129,7 +124,8 @@ def main(args):
     #    gigabytes). Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
                                           frozen.on_device)
     # Each batch holds the instance images, then as many class images: one prompt per half.
@@ -160,7 +156,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora-sd3", config=tracker_config(args))
 

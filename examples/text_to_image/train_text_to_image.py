@@ -88,7 +88,8 @@ def main(args):
     #    leave the accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
 
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
@@ -112,7 +113,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image", config=tracker_config(args))
 

@@ -14,7 +14,8 @@ checkpoints to resume from, and a model card.
 from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
+                                 training_parser)
 from training_utils.cache import FrozenEncoders
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate, tokenize)
@@ -35,7 +36,7 @@ from training_utils.validation import make_validator
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0])
-    add_lora_args(parser)
+    add_lora_args(parser, StableDiffusionPipeline)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
     args = parser.parse_args(argv)
@@ -62,7 +63,7 @@ def main(args):
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained)
+    export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -71,7 +72,8 @@ def main(args):
     #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
 
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
@@ -95,7 +97,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora", config=tracker_config(args))
 

@@ -24,7 +24,8 @@ checkpoints to resume from, and a model card.
 from diffusers import StableDiffusionXLPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
+                                 training_parser)
 from training_utils.cache import FrozenEncoders
 from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
                                  stack_collate)
@@ -48,7 +49,7 @@ from training_utils.validation import make_validator
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], resolution=1024)
     add_vae_args(parser)
-    add_lora_args(parser, train_text_encoder=True)
+    add_lora_args(parser, StableDiffusionXLPipeline, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
     args = parser.parse_args(argv)
@@ -90,7 +91,7 @@ def main(args):
             for text_encoder in text_encoders:
                 text_encoder.gradient_checkpointing_enable()
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained)
+    export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -99,7 +100,8 @@ def main(args):
     #    validation. Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
     frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload)
+                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
+                            seed=args.seed)
     if not args.train_text_encoder:
         def encode_text(captions):
             input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
@@ -136,7 +138,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={"height": args.resolution, "width": args.resolution})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora-sdxl", config=tracker_config(args))
 

@@ -51,6 +51,7 @@ from typing import Callable, Tuple
 
 import torch
 import torch.nn.functional as F
+from diffusers import StableDiffusionXLPipeline
 
 from training_utils.args import add_lora_args, training_parser
 from training_utils.errors import UsageError
@@ -327,7 +328,7 @@ class HostMemorySampler:
 def script_args(pipeline_path, scheme, rank):
     """The flags a script would parse for this run (the scripts' own parser, so every default is theirs)."""
     parser = training_parser("memory benchmark")
-    add_lora_args(parser)
+    add_lora_args(parser, StableDiffusionXLPipeline)
     argv = ["--pretrained_model_name_or_path", str(pipeline_path), "--rank", str(rank), "--use_ema",
             "--mixed_precision", MIXED_PRECISION, "--gradient_checkpointing"]
     if scheme != "none":

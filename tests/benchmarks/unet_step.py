@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from training_utils.accelerator import make_accelerator
 from training_utils.args import training_parser
 from training_utils.ema import make_ema
+from training_utils.export import TensorsExport
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
-from training_utils.pipeline import weight_dtype_for
+from training_utils.pipeline import trainable_parameters, weight_dtype_for
 
 CONFIGS = {
     # SDXL base's UNet (2.6B parameters).
@@ -123,7 +124,8 @@ def step_flops(unet, batch, device, weight_dtype):
 def looped_step_seconds(args, unet, batch, warmup, steps):
     """Median seconds per optimizer step of ``TrainingLoop`` with EMA, and of its EMA updates alone."""
     accelerator = make_accelerator(args)
-    parameters = {f"unet.{name}": p for name, p in unet.named_parameters() if p.requires_grad}
+    export = TensorsExport({"unet": unet})
+    parameters = trainable_parameters(export.trained)
     ema = make_ema(args, parameters, accelerator)
     examples = [{key: value[0].cpu() for key, value in batch.items()}] * (warmup + steps)
     dataloader = accelerator.prepare(torch.utils.data.DataLoader(examples, batch_size=1, shuffle=False))
@@ -131,7 +133,7 @@ def looped_step_seconds(args, unet, batch, warmup, steps):
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     model, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, parameters, max_train_steps,
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema)
 
     ema_times = []

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Teach Qwen-Image a subject from a few images (DreamBooth) with a LoRA on its transformer, by flow matching.
+
+    accelerate launch train_dreambooth_lora_qwen_image.py \\
+      --pretrained_model_name_or_path=Qwen/Qwen-Image \\
+      --instance_data_dir=dog --instance_prompt="a photo of sks dog" --output_dir=out \\
+      --rank=16 --use_ema --mixed_precision=bf16 --resolution=1024 --cache_latents --center_crop \\
+      --quantize_base=nf4 --validation_prompt "a photo of sks dog in a bucket"
+
+Writes ``pytorch_lora_weights.safetensors`` (with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``),
+which ``QwenImagePipeline.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
+checkpoints to resume from, and a model card. With ``--with_prior_preservation``, missing class images are
+generated into ``--class_data_dir`` by the pipeline that trains, before training starts. The text encoder
+(Qwen2.5-VL) embeds the prompts once, before training, exactly as the pipeline's ``encode_prompt`` does, and
+``--cache_latents`` encodes each image once (both flips); what is cached stays off the
+accelerator except while validating. Flags of the upstream script that this one does not carry stop the run
+with one line saying why.
+"""
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+from training_utils import qwen_image
+from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, add_refused_args,
+                                 check_args, comma_separated, export_formats, training_parser)
+from training_utils.cache import FrozenEncoders
+from training_utils.data import ImageTransform, make_dataloader
+from training_utils.dreambooth import (TRANSFORMER_DREAMBOOTH_NOT_CARRIED, add_dreambooth_args,
+                                       check_dreambooth_args, class_images_from_args, dreambooth_dataset,
+                                       instance_then_class_collate)
+from training_utils.ema import make_ema
+from training_utils.errors import exit_on_usage_error
+from training_utils.export import LoraExport, save_with_ema
+from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
+                                          flow_matching_loss, sample_flow_matching_timesteps, velocity)
+from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.loop import TrainingLoop
+from training_utils.lora import ATTENTION_PROJECTIONS, add_lora, linear_layers_named
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.quantization import quantization_config
+from training_utils.validation import make_validator
+
+# Upstream's default targets: the image stream's attention projections in every block; the text stream's
+# (add_q_proj, ..., to_add_out), the feed-forward layers and the modulations stay untouched.
+LORA_LAYERS = ",".join(ATTENTION_PROJECTIONS)
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = {
+    **dict.fromkeys(["--pretrained_tokenizer_4_name_or_path", "--pretrained_text_encoder_4_name_or_path"],
+                    "a leftover of upstream's HiDream script that its Qwen-Image script never reads; the tokenizer "
+                    "and the text encoder are the pipeline's"),
+    **TRANSFORMER_DREAMBOOTH_NOT_CARRIED,
+}
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50)
+    add_lora_args(parser, QwenImagePipeline)
+    add_dreambooth_args(parser)
+    qwen_image.add_qwen_image_args(parser)
+    add_flow_matching_args(parser, weighting_scheme="none")
+    add_lora_layers_arg(parser, LORA_LAYERS, "transformer_blocks.0.attn.add_q_proj")
+    add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
+    args = parser.parse_args(argv)
+    check_args(args)
+    check_flow_matching_args(args)
+    qwen_image.check_qwen_image_args(args)
+    return args
+
+
+def main(args):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    instance_images = check_dreambooth_args(args)
+    accelerator = make_accelerator(args)
+
+    # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
+    #    encoded by its own encode_prompt with the same settings everywhere: training, validation, class images.
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    quantization = quantization_config(args, weight_dtype, base=["transformer"], text_encoders=["text_encoder"])
+    pipe = load_pipeline(QwenImagePipeline, args, weight_dtype, quantization=quantization)
+    transformer, vae, text_encoder = pipe.transformer, pipe.vae, pipe.text_encoder
+    noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+    prompt_settings = qwen_image.prompt_settings(pipe, args)
+    # Every render (class images, validation) encodes so, without true CFG: that needs a negative prompt, which
+    # upstream's script gives none either (saying so keeps the pipeline's warning out of every call).
+    call_kwargs = {**prompt_settings, "true_cfg_scale": 1.0}
+
+    # 3. A LoRA adapter on the transformer; the EMA tracks it. The text encoder and the VAE stay frozen.
+    add_lora(transformer, args.rank, linear_layers_named(transformer, comma_separated(args.lora_layers)),
+             args.lora_alpha, args.lora_dropout)
+    trained = {"transformer": transformer}
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    parameters = trainable_parameters(trained)
+    export = LoraExport.of(type(pipe), trained, export_formats(args))
+    ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
+
+    # 4. Data: class images first (only the missing ones are generated; the fresh adapter changes nothing yet).
+    #    The frozen encoders run once, here, not in every step (the text encoder on the prompts; with
+    #    --cache_latents, the VAE on each image, as a one-frame video), then leave the accelerator until validation.
+    #    Optimizer, schedule, accelerate; the loop resumes if asked.
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    frozen = FrozenEncoders(qwen_image.OneFrameVAE(vae), [text_encoder], transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
+    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
+                                          call_kwargs=call_kwargs)
+    # Each batch holds the instance images, then as many class images: one prompt per half.
+    prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
+
+    def encode_prompts(prompts):
+        return qwen_image.encode_prompts(pipe, prompts, accelerator.device, prompt_settings)
+
+    # The template that wraps each prompt (and how much of it is dropped) is the pipeline's, not the tokenizer's; the
+    # function that encodes is named on its own, beside this one that calls it.
+    embeddings = frozen.text_embeddings(prompts, encode_prompts, [
+        pipe.tokenizer, pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, qwen_image.encode_prompts,
+        prompt_settings])
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
+    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                     instance_then_class_collate, args.seed))
+
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+
+    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+                               call_kwargs={"height": args.resolution, "width": args.resolution, **call_kwargs})
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+    accelerator.init_trackers("dreambooth-lora-qwen-image", config=tracker_config(args))
+
+    # 5. The loop: flow matching in the transformer's latent layout (`qwen_image`): the latents move on a straight
+    # line to noise and the transformer predicts the velocity, noise - latents. After each optimizer step the loop
+    # updates the EMA, checkpoints and validates when due (the final step included, once).
+    transformer.train()
+    for batch in loop:
+        with accelerator.accumulate(transformer):
+            latents = qwen_image.normalized_latents(pipe, frozen.latents(batch["images"]))
+            noise = torch.randn_like(latents)
+            timesteps, sigmas = sample_flow_matching_timesteps(
+                noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
+            # One prompt per half: the class prompt, if shorter, is padded and masked, as encode_prompt batches them.
+            repeats = latents.shape[0] // len(prompts)
+            prompt_embeds, prompt_mask = qwen_image.stack_prompts(
+                [embeddings[prompt] for prompt in prompts for _ in range(repeats)], latents.device)
+            # No guidance embedding: Qwen-Image's guidance is true CFG, at sampling only.
+            model_pred = transformer(**qwen_image.image_inputs(pipe, add_noise(latents, noise, sigmas), timesteps),
+                                     encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
+                                     return_dict=False)[0]
+            # With prior preservation, the instance half's loss plus the weighted class half's.
+            loss = flow_matching_loss(qwen_image.unpack(pipe, model_pred, latents), velocity(latents, noise), sigmas,
+                                      args.weighting_scheme,
+                                      args.prior_loss_weight if args.with_prior_preservation else None)
+            loop.backward_and_step(loss)
+
+    # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        saved = save_with_ema(export, args.output_dir, ema)
+        how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
+                                       prompt=(args.validation_prompt or [args.instance_prompt])[0])
+        finish_run(args, "DreamBooth LoRA (Qwen-Image)", how_to_load_text, loop.records, saved, "LoRA")
+    end_training(accelerator)
+
+
+if __name__ == "__main__":
+    with exit_on_usage_error():
+        main(parse_args())

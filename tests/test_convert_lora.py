@@ -1,0 +1,411 @@
+"""Converting diffusers-format LoRA files to kohya's and ComfyUI's layouts (training_utils.convert_lora).
+
+SD 1.x and SDXL: diffusers' own ``load_lora_weights`` reads kohya files, so a kohya file must change a fresh
+pipeline's weights exactly as the diffusers file does (lora_alpha != rank, text encoders included). Transformer
+families: no offline loader reads ComfyUI's layout, so each converted LoRA's effective weights, taken back to
+diffusers' names by diffusers' own single-file checkpoint converters (the original layout that ComfyUI's models
+have), must equal what peft applies in the diffusers model; a few names are checked against ComfyUI's mapping tables.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+                       SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
+                       StableDiffusionXLPipeline, ZImagePipeline, ZImageTransformer2DModel)
+from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
+                                                 convert_sd3_transformer_checkpoint_to_diffusers,
+                                                 convert_z_image_transformer_checkpoint_to_diffusers)
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from training_utils.convert_lora import METADATA_KEY, convert, formats_for, main, write_converted
+from training_utils.errors import UsageError
+from training_utils.export import LoraExport
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.pipeline import trainable_parameters
+
+UNET_PIPELINES = {"sd": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
+# (rank, lora_alpha) per component: alpha != rank everywhere, and differing between components.
+UNET_LORAS = {"unet": (4, 8.0), "text_encoder": (2, 3.0), "text_encoder_2": (3, 1.5)}
+
+
+def perturb(parameters, seed=0):
+    """Random adapter tensors, lora_B included (peft starts it at zero), as if trained."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in parameters:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+
+
+def lora_tensors(path):
+    with safe_open(path, "pt") as file:
+        return {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+
+
+@pytest.fixture(scope="module", params=sorted(UNET_PIPELINES))
+def unet_lora(request, tiny, tmp_path_factory):
+    """``(family, diffusers LoRA file)`` of a tiny SD 1.x or SDXL pipeline, LoRA on the UNet and every text
+    encoder (the second's MLP too), saved as our scripts save it."""
+    family = request.param
+    pipe = UNET_PIPELINES[family].from_pretrained(tiny[family])
+    trained = {"unet": pipe.unet, "text_encoder": pipe.text_encoder}
+    add_lora(pipe.unet, UNET_LORAS["unet"][0], ATTENTION_PROJECTIONS, alpha=UNET_LORAS["unet"][1])
+    add_lora(pipe.text_encoder, UNET_LORAS["text_encoder"][0], CLIP_ATTENTION_PROJECTIONS,
+             alpha=UNET_LORAS["text_encoder"][1])
+    if family == "sdxl":
+        add_lora(pipe.text_encoder_2, UNET_LORAS["text_encoder_2"][0], CLIP_ATTENTION_PROJECTIONS + ["fc1", "fc2"],
+                 alpha=UNET_LORAS["text_encoder_2"][1])
+        trained["text_encoder_2"] = pipe.text_encoder_2
+    perturb(trainable_parameters(trained).values())
+    return family, LoraExport.of(UNET_PIPELINES[family], trained).save(tmp_path_factory.mktemp(family))
+
+
+def weights_with_lora(family, tiny, lora_file):
+    """A fresh pipeline's UNet and text-encoder weights with ``lora_file`` loaded by diffusers and fused in."""
+    pipe = UNET_PIPELINES[family].from_pretrained(tiny[family])
+    if lora_file is not None:
+        pipe.load_lora_weights(lora_file)
+        pipe.fuse_lora(components=pipe._lora_loadable_modules)
+    return {f"{component}.{name.replace('base_layer.', '')}": tensor
+            for component in ("unet", "text_encoder", "text_encoder_2") if getattr(pipe, component, None) is not None
+            for name, tensor in getattr(pipe, component).state_dict().items() if "lora_" not in name}
+
+
+def test_a_kohya_file_changes_a_pipeline_exactly_as_the_diffusers_file_does(unet_lora, tiny, tmp_path):
+    family, diffusers_file = unet_lora
+    kohya_file = write_converted(diffusers_file, tmp_path / "kohya.safetensors", "kohya")
+    assert all(key.startswith(("lora_unet_", "lora_te")) for key in load_file(kohya_file))
+
+    base = weights_with_lora(family, tiny, None)
+    expected = weights_with_lora(family, tiny, diffusers_file)
+    converted = weights_with_lora(family, tiny, kohya_file)
+    changed = {name.split(".")[0] for name in base if not torch.equal(expected[name], base[name])}
+    assert changed == {"unet", "text_encoder"} | ({"text_encoder_2"} if family == "sdxl" else set())
+    assert converted.keys() == expected.keys()
+    different = [name for name in expected if not torch.equal(converted[name], expected[name])]
+    assert not different, different[:5]
+
+
+def expected_kohya_name(family, key):
+    """Each diffusers key's kohya module name, by the rules sd-scripts and ComfyUI use (see the module docstring)."""
+    component, _, path = key.partition(".")
+    if component == "unet":
+        return "lora_unet_" + path.replace(".", "_")
+    prefix = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}[component] if family == "sdxl" else "lora_te"
+    # transformers 5's CLIPTextModel has no `text_model.` level; CLIPTextModelWithProjection still has it.
+    path = path if path.startswith("text_model.") else f"text_model.{path}"
+    return f"{prefix}_{path.replace('.', '_')}"
+
+
+@pytest.mark.parametrize("to", ["kohya", "comfyui"])
+def test_every_adapter_tensor_is_in_the_converted_file_with_its_trained_alpha(unet_lora, to):
+    family, diffusers_file = unet_lora
+    tensors, metadata = lora_tensors(diffusers_file)
+    converted = convert(tensors, metadata, to)
+    modules = {key.rsplit(".lora_", 1)[0] for key in tensors}
+    expected_keys = set()
+    for module in modules:
+        name = expected_kohya_name(family, module)
+        expected_keys |= {f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"}
+        assert torch.equal(converted[f"{name}.lora_down.weight"], tensors[f"{module}.lora_A.weight"])
+        assert torch.equal(converted[f"{name}.lora_up.weight"], tensors[f"{module}.lora_B.weight"])
+        assert converted[f"{name}.alpha"].item() == UNET_LORAS[module.split(".")[0]][1]
+    assert converted.keys() == expected_keys
+    if family == "sd":
+        assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.alpha" in converted
+        assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in converted
+    else:
+        assert "lora_te1_text_model_encoder_layers_1_self_attn_out_proj.alpha" in converted
+        assert "lora_te2_text_model_encoder_layers_0_mlp_fc1.alpha" in converted
+
+
+def tiny_sd3_transformer():
+    """An SD3.5-style MMDiT: a dual-attention block (attn2) and a last, context-pre-only block."""
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=2,
+                                 attention_head_dim=8, num_attention_heads=4, joint_attention_dim=64,
+                                 caption_projection_dim=32, pooled_projection_dim=64, dual_attention_layers=(0,))
+
+
+def tiny_flux2_transformer():
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+
+
+def tiny_z_image_transformer():
+    torch.manual_seed(0)
+    return ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+                                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4],
+                                    axes_lens=[64, 32, 32])
+
+
+def tiny_qwen_image_transformer():
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                       axes_dims_rope=(8, 4, 4))
+
+
+def zero_biases_and_pos_embed(deltas):
+    """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints."""
+    completed = dict(deltas)
+    for key, delta in deltas.items():
+        completed[key.replace(".weight", ".bias")] = torch.zeros(delta.shape[0])
+    completed["pos_embed"] = torch.zeros(1)
+    return completed
+
+
+TRANSFORMERS = {
+    "sd3": (StableDiffusion3Pipeline, tiny_sd3_transformer,
+            lambda deltas: convert_sd3_transformer_checkpoint_to_diffusers(zero_biases_and_pos_embed(deltas))),
+    "flux2": (Flux2KleinPipeline, tiny_flux2_transformer, convert_flux2_transformer_checkpoint_to_diffusers),
+    "z_image": (ZImagePipeline, tiny_z_image_transformer, convert_z_image_transformer_checkpoint_to_diffusers),
+    # ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
+    "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
+}
+RANK, ALPHA = 4, 6.0
+# Per-module rank and alpha, so that fused q/k/v parts differ in both.
+RANK_PATTERN, ALPHA_PATTERN = {"to_v": 2}, {"to_k": 2.0}
+
+
+@pytest.fixture(scope="module", params=sorted(TRANSFORMERS))
+def transformer_lora(request, tmp_path_factory):
+    """``(family, transformer, diffusers LoRA file)``: LoRA on every linear and convolution layer of a tiny
+    transformer, with per-module ranks and alphas, saved by the pipeline's ``save_lora_weights``."""
+    family = request.param
+    pipeline_class, build, _ = TRANSFORMERS[family]
+    transformer = build()
+    targets = [name for name, module in transformer.named_modules()
+               if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, rank_pattern=RANK_PATTERN,
+                                       alpha_pattern=ALPHA_PATTERN))
+    perturb([parameter for name, parameter in transformer.named_parameters() if "lora_" in name])
+    path = LoraExport.of(pipeline_class, {"transformer": transformer}).save(tmp_path_factory.mktemp(family))
+    return family, transformer, path
+
+
+def peft_deltas(transformer):
+    """``{module path: weight change}`` that peft's layers add in the diffusers model."""
+    return {name: module.get_delta_weight("default").detach() for name, module in transformer.named_modules()
+            if isinstance(module, LoraLayer)}
+
+
+def comfyui_deltas(converted):
+    """``{original weight key: weight change}`` as ComfyUI computes it (``weight_adapter/lora.py``):
+    ``alpha / rank * up @ down``."""
+    deltas = {}
+    for key in converted:
+        if key.endswith(".alpha"):
+            name = key[:-len(".alpha")]
+            down, up = converted[f"{name}.lora_A.weight"], converted[f"{name}.lora_B.weight"]
+            product = (up.flatten(1) @ down.flatten(1)).reshape(up.shape[0], *down.shape[1:])
+            deltas[name.removeprefix("diffusion_model.") + ".weight"] = converted[key].item() / down.shape[0] * product
+    return deltas
+
+
+def test_comfyui_layout_puts_every_module_exactly_on_the_original_models_weights(transformer_lora):
+    family, transformer, path = transformer_lora
+    tensors, metadata = lora_tensors(path)
+    converted = convert(tensors, metadata, "comfyui", family=family)
+    assert all(key.startswith("diffusion_model.") for key in converted)
+    to_diffusers_names = TRANSFORMERS[family][2]
+    back = {key.removesuffix(".weight"): delta for key, delta in to_diffusers_names(comfyui_deltas(converted)).items()
+            if key.endswith(".weight")}
+    expected = peft_deltas(transformer)
+    assert back.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(back[name], expected[name], msg=name)
+
+
+def test_comfyui_alphas_keep_each_modules_trained_strength(transformer_lora):
+    family, _, path = transformer_lora
+    converted = convert(*lora_tensors(path), "comfyui", family=family)
+    for key, alpha in converted.items():
+        if key.endswith(".qkv.alpha"):  # fused: to_q's strength (to_k's and to_v's are absorbed into lora_B)
+            rank = converted[key.replace(".alpha", ".lora_A.weight")].shape[0]
+            assert alpha.item() / rank == ALPHA / RANK, key
+        elif key.endswith(".alpha"):  # the module's trained lora_alpha itself
+            assert alpha.item() == (ALPHA_PATTERN["to_k"] if key.endswith(".to_k.alpha") else ALPHA), key
+
+
+# Names from ComfyUI's tables (comfy/utils.py mmdit_to_diffusers, flux_to_diffusers, z_image_to_diffusers) and
+# diffusers' convert_flux2_transformer_checkpoint_to_diffusers: diffusers module -> ComfyUI's module.
+KNOWN_NAMES = {
+    "sd3": {"transformer_blocks.0.attn.to_k": "joint_blocks.0.x_block.attn.qkv",
+            "transformer_blocks.1.attn.add_v_proj": "joint_blocks.1.context_block.attn.qkv",
+            "transformer_blocks.0.attn2.to_q": "joint_blocks.0.x_block.attn2.qkv",
+            "transformer_blocks.0.attn.to_add_out": "joint_blocks.0.context_block.attn.proj",
+            "transformer_blocks.1.ff_context.net.0.proj": None,  # the last block has no context MLP
+            "transformer_blocks.0.ff.net.2": "joint_blocks.0.x_block.mlp.fc2",
+            "pos_embed.proj": "x_embedder.proj", "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+            "norm_out.linear": "final_layer.adaLN_modulation.1"},
+    "flux2": {"transformer_blocks.0.attn.to_v": "double_blocks.0.img_attn.qkv",
+              "transformer_blocks.0.attn.add_q_proj": "double_blocks.0.txt_attn.qkv",
+              "transformer_blocks.0.attn.to_out.0": "double_blocks.0.img_attn.proj",
+              "transformer_blocks.0.ff_context.linear_out": "double_blocks.0.txt_mlp.2",
+              "single_transformer_blocks.1.attn.to_qkv_mlp_proj": "single_blocks.1.linear1",
+              "single_transformer_blocks.0.attn.to_out": "single_blocks.0.linear2",
+              "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+              "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer", "x_embedder": "img_in"},
+    "z_image": {"layers.1.attention.to_k": "layers.1.attention.qkv",
+                "noise_refiner.0.attention.to_out.0": "noise_refiner.0.attention.out",
+                "context_refiner.0.feed_forward.w3": "context_refiner.0.feed_forward.w3",
+                "all_x_embedder.2-1": "x_embedder", "all_final_layer.2-1.adaLN_modulation.1":
+                "final_layer.adaLN_modulation.1"},
+    "qwen_image": {"transformer_blocks.1.attn.to_add_out": "transformer_blocks.1.attn.to_add_out",
+                   "transformer_blocks.0.img_mlp.net.0.proj": "transformer_blocks.0.img_mlp.net.0.proj",
+                   "img_in": "img_in", "norm_out.linear": "norm_out.linear"},
+}
+
+
+def test_known_modules_take_comfyuis_names(transformer_lora):
+    family, _, path = transformer_lora
+    tensors, metadata = lora_tensors(path)
+    converted = convert(tensors, metadata, "comfyui", family=family)
+    for diffusers_name, comfyui_name in KNOWN_NAMES[family].items():
+        if comfyui_name is None:
+            assert f"transformer.{diffusers_name}.lora_A.weight" not in tensors
+        else:
+            assert f"transformer.{diffusers_name}.lora_A.weight" in tensors
+            assert f"diffusion_model.{comfyui_name}.lora_B.weight" in converted, comfyui_name
+
+
+FLUX2_ATTENTION = "transformer.transformer_blocks.0.attn"
+QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
+
+
+def flux2_attention_lora(ranks, alphas, parts=("to_q", "to_k", "to_v")):
+    """A FLUX.2 LoRA on some of a block's q/k/v projections (width 32, input 16), with per-module ranks and
+    alphas in its metadata."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for part, rank in zip(parts, ranks):
+        tensors[f"{FLUX2_ATTENTION}.{part}.lora_A.weight"] = torch.randn(rank, 16, generator=generator)
+        tensors[f"{FLUX2_ATTENTION}.{part}.lora_B.weight"] = torch.randn(32, rank, generator=generator)
+    config = {"transformer.r": ranks[0], "transformer.lora_alpha": alphas[0],
+              "transformer.rank_pattern": dict(zip(parts, ranks)),
+              "transformer.alpha_pattern": dict(zip(parts, alphas))}
+    return tensors, {METADATA_KEY: json.dumps(config)}
+
+
+def part_delta(tensors, part, scale):
+    module = f"{FLUX2_ATTENTION}.{part}"
+    return scale * tensors[f"{module}.lora_B.weight"] @ tensors[f"{module}.lora_A.weight"]
+
+
+def fused_delta(converted):
+    down, up = converted[f"{QKV}.lora_A.weight"], converted[f"{QKV}.lora_B.weight"]
+    return converted[f"{QKV}.alpha"].item() / down.shape[0] * up @ down
+
+
+@pytest.mark.parametrize("ranks, alphas", [((4, 4, 4), (8.0, 8.0, 8.0)), ((4, 2, 3), (8.0, 1.0, 5.0))])
+def test_fused_qkv_is_exactly_the_stacked_parts_with_alpha_growing_with_the_rank(ranks, alphas):
+    tensors, metadata = flux2_attention_lora(ranks, alphas)
+    converted = convert(tensors, metadata, "comfyui", family="flux2")
+    assert set(converted) == {f"{QKV}.lora_A.weight", f"{QKV}.lora_B.weight", f"{QKV}.alpha"}
+    down, up, alpha = converted[f"{QKV}.lora_A.weight"], converted[f"{QKV}.lora_B.weight"], converted[f"{QKV}.alpha"]
+    assert down.shape == (sum(ranks), 16) and up.shape == (96, sum(ranks))
+    assert alpha.item() / sum(ranks) == pytest.approx(alphas[0] / ranks[0])
+    parts = [part_delta(tensors, part, alphas[i] / ranks[i]) for i, part in enumerate(("to_q", "to_k", "to_v"))]
+    torch.testing.assert_close(fused_delta(converted), torch.cat(parts))
+    if ranks == (4, 4, 4):  # alike parts: the tensors themselves, unscaled
+        assert torch.equal(down[4:8], tensors[f"{FLUX2_ATTENTION}.to_k.lora_A.weight"])
+        assert torch.equal(up[32:64, 4:8], tensors[f"{FLUX2_ATTENTION}.to_k.lora_B.weight"])
+        assert not up[:32, 4:].any() and not up[32:64, :4].any()
+        assert alpha.item() == 24.0
+
+
+def test_a_part_without_lora_gets_zero_rows_in_the_fused_layer():
+    tensors, metadata = flux2_attention_lora((4, 2), (8.0, 3.0), parts=("to_q", "to_v"))
+    q, k, v = fused_delta(convert(tensors, metadata, "comfyui", family="flux2")).chunk(3)
+    torch.testing.assert_close(q, part_delta(tensors, "to_q", 2.0))
+    assert not k.any()
+    torch.testing.assert_close(v, part_delta(tensors, "to_v", 1.5))
+
+
+def unet_module(rank=4, **config):
+    """A one-module UNet LoRA and its metadata (none when ``config`` is empty)."""
+    path = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    tensors = {f"{path}.lora_A.weight": torch.ones(rank, 8), f"{path}.lora_B.weight": torch.ones(8, rank)}
+    metadata = {METADATA_KEY: json.dumps({f"unet.{key}": value for key, value in config.items()})} if config else None
+    return tensors, metadata
+
+
+def kohya_alpha(tensors, metadata, **kwargs):
+    converted = convert(tensors, metadata, "kohya", **kwargs)
+    return converted["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.alpha"].item()
+
+
+def test_alpha_follows_peft_patterns_rslora_and_the_flag_for_files_without_metadata():
+    assert kohya_alpha(*unet_module(r=4, lora_alpha=8)) == 8
+    assert kohya_alpha(*unet_module(r=4, lora_alpha=8, alpha_pattern={"attn1.to_q": 2})) == 2
+    assert kohya_alpha(*unet_module(r=4, lora_alpha=8, alpha_pattern={"attn2.to_q": 2})) == 8
+    # rslora scales by alpha / sqrt(r); the tools by alpha / rank.
+    assert kohya_alpha(*unet_module(r=4, lora_alpha=8, use_rslora=True)) == pytest.approx(8 / math.sqrt(4) * 4)
+    assert kohya_alpha(*unet_module(), lora_alpha=5.0) == 5
+    with pytest.raises(UsageError, match="no adapter metadata for unet: pass --lora_alpha"):
+        kohya_alpha(*unet_module())
+    with pytest.raises(UsageError, match="--lora_alpha=3.0: expected nothing, or the file's own lora_alpha"):
+        kohya_alpha(*unet_module(r=4, lora_alpha=8), lora_alpha=3.0)
+
+
+def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
+    tensors, metadata = flux2_attention_lora((4, 4, 4), (8.0, 8.0, 8.0))
+    with pytest.raises(UsageError, match=r"--to='kohya': expected comfyui for a FLUX.2 LoRA \(kohya applies to the "
+                                         r"SD 1.x, SDXL families\)"):
+        convert(tensors, metadata, "kohya", family="flux2")
+    # Attention projections alone fit SD3, FLUX.2 and Qwen-Image, whose layouts differ.
+    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, which convert them differently"):
+        convert(tensors, metadata, "comfyui")
+    with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
+        convert(tensors, metadata, "comfyui", family="sd")
+    dora = {**unet_module()[0], "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_magnitude_vector":
+            torch.ones(8)}
+    with pytest.raises(UsageError, match="no DoRA"):
+        convert(dora, None, "kohya", lora_alpha=4.0)
+
+
+def test_formats_for_pipeline_classes_and_families():
+    assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
+    assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
+    for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "ZImagePipeline", "QwenImageEditPipeline"):
+        assert formats_for(name) == ("comfyui",), name
+    assert formats_for("WanPipeline") == ()
+
+
+def test_the_command_converts_a_file(unet_lora, tmp_path, capsys):
+    family, diffusers_file = unet_lora
+    main([str(diffusers_file), str(tmp_path / "out" / "comfyui.safetensors"), "--to", "comfyui"])
+    written = load_file(tmp_path / "out" / "comfyui.safetensors")
+    expected = convert(*lora_tensors(diffusers_file), "comfyui")
+    assert written.keys() == expected.keys() and all(torch.equal(written[key], expected[key]) for key in expected)
+    assert capsys.readouterr().out.startswith("wrote ")
+
+
+def command_error(capsys, *args):
+    """The one ``error:`` line of the command, which must exit with status 2 and no traceback."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(arg) for arg in args])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and stderr.count("\n") == 1 and stderr.startswith("error: "), stderr
+    return stderr.strip()
+
+
+def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys):
+    tensors, metadata = flux2_attention_lora((4, 4, 4), (8.0, 8.0, 8.0))
+    source = tmp_path / "flux2.safetensors"
+    save_file(tensors, source, metadata)
+    assert "--to='kohya': expected comfyui for a FLUX.2 LoRA" in command_error(
+        capsys, source, tmp_path / "out.safetensors", "--to", "kohya", "--family", "Flux2KleinPipeline")
+    assert "pass --family" in command_error(capsys, source, tmp_path / "out.safetensors", "--to", "comfyui")
+    assert "SRC=" in command_error(capsys, tmp_path / "missing.safetensors", tmp_path / "out.safetensors", "--to",
+                                   "comfyui")
+    assert "invalid choice" in command_error(capsys, source, tmp_path / "out.safetensors", "--to", "a1111")
+    assert not (tmp_path / "out.safetensors").exists()

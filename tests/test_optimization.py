@@ -1,0 +1,66 @@
+"""`training_utils.optimization.make_optimizer`: AdamW's implementation per device, and exact resume."""
+
+import io
+from types import SimpleNamespace
+
+import torch
+
+from training_utils.optimization import adamw_implementation, make_optimizer
+
+
+def optimizer_args(**overrides):
+    """The flags `make_optimizer` reads, at the scripts' defaults."""
+    return SimpleNamespace(**{"learning_rate": 1e-2, "scale_lr": False, "gradient_accumulation_steps": 1,
+                              "train_batch_size": 1, "use_8bit_adam": False, "adam_beta1": 0.9, "adam_beta2": 0.999,
+                              "adam_weight_decay": 1e-2, "adam_epsilon": 1e-8, **overrides})
+
+
+def fake_parameter(device, dtype=torch.float32):
+    # no GPU here: the choice reads only a tensor's device and dtype
+    return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+
+def test_cuda_parameters_get_the_fused_kernel():
+    assert adamw_implementation([fake_parameter("cuda:0"), fake_parameter("cuda:1", torch.bfloat16)]) == {
+        "fused": True}
+
+
+def test_anything_else_gets_foreach():
+    assert adamw_implementation([fake_parameter("cpu")]) == {"foreach": True}
+    assert adamw_implementation([fake_parameter("cuda:0"), fake_parameter("cpu")]) == {"foreach": True}
+    assert adamw_implementation([fake_parameter("cuda:0", torch.int8)]) == {"foreach": True}
+    assert adamw_implementation([]) == {"foreach": True}
+
+
+def test_the_cpu_optimizer_is_foreach_adamw():
+    optimizer = make_optimizer(optimizer_args(), [torch.nn.Parameter(torch.ones(3))], num_processes=1)
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.param_groups[0]["foreach"] is True and not optimizer.param_groups[0]["fused"]
+
+
+def train(parameters, optimizer, steps):
+    for _ in range(steps):
+        loss = sum((parameter.sin() ** 2).sum() for parameter in parameters)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_resuming_from_the_state_dict_continues_bitwise():
+    torch.manual_seed(0)
+    initial = [torch.randn(5, 3), torch.randn(7)]
+
+    straight = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+    train(straight, make_optimizer(optimizer_args(), straight, num_processes=1), 4)
+
+    resumed = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+    optimizer = make_optimizer(optimizer_args(), resumed, num_processes=1)
+    train(resumed, optimizer, 2)
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    saved.seek(0)
+    optimizer = make_optimizer(optimizer_args(), resumed, num_processes=1)
+    optimizer.load_state_dict(torch.load(saved))
+    train(resumed, optimizer, 2)
+    for expected, actual in zip(straight, resumed):
+        assert torch.equal(expected, actual)

@@ -1,0 +1,123 @@
+"""training_utils.z_image: Z-Image's prompt settings, latent layout and transformer inputs are the pipeline's own.
+
+The central check: sampling with a transformer that predicts exactly the training target follows the training
+path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
+what the pipeline's sampling loop gives the transformer at each noise level."""
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+from training_utils import z_image
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
+from training_utils.flow_matching import add_noise, velocity
+from training_utils.pipeline import training_noise_scheduler
+
+PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    pipe = ZImagePipeline.from_pretrained(tiny["z_image"])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def parse(*argv):
+    parser = training_parser("test")
+    z_image.add_z_image_args(parser)
+    args = parser.parse_args(["--pretrained_model_name_or_path", "unused", *map(str, argv)])
+    z_image.check_z_image_args(args)
+    return args
+
+
+def encoded_as_the_pipeline_does(pipe, prompts, settings):
+    """Our encoding, padded and cut back to each prompt's own embedding."""
+    with torch.no_grad():
+        padded, lengths = z_image.encode_prompts(pipe, prompts, "cpu", settings)
+    return [z_image.unpadded(embedding, length) for embedding, length in zip(padded, lengths)]
+
+
+def test_the_fixtures_tokenizer_keeps_the_prompts_words_whole(pipe):
+    ids = [pipe.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    assert [len(prompt_ids) for prompt_ids in ids] == [len(prompt.split()) for prompt in PROMPTS]
+    assert ids[0] != ids[1][: len(ids[0])]
+
+
+def test_unset_prompt_settings_are_the_pipelines_defaults_and_encode_as_it_does(pipe):
+    settings = z_image.prompt_settings(pipe, parse())
+    assert settings == {"max_sequence_length": 512}
+    prompts = list(PROMPTS)
+    embeddings = encoded_as_the_pipeline_does(pipe, prompts, settings)
+    assert prompts == PROMPTS  # untouched: the pipeline writes the chat-templated prompts into the list it gets
+    with torch.no_grad():
+        expected, negative = pipe.encode_prompt(list(PROMPTS))
+    # Each prompt's own tokens (its chat template included), no padding: lengths differ, and so do the embeddings.
+    assert [embedding.shape for embedding in embeddings] == [(23, 16), (25, 16)]
+    assert all(torch.equal(embedding, want) for embedding, want in zip(embeddings, expected, strict=True))
+    assert not torch.allclose(embeddings[0][-5:], embeddings[1][-5:])
+    assert len(negative) == 2  # the pipeline's default guidance also embeds the empty prompt; training does not
+
+
+def test_set_prompt_settings_reach_the_encoding(pipe):
+    settings = z_image.prompt_settings(pipe, parse("--max_sequence_length", 16))
+    assert settings == {"max_sequence_length": 16}
+    embeddings = encoded_as_the_pipeline_does(pipe, PROMPTS, settings)
+    with torch.no_grad():
+        expected, _ = pipe.encode_prompt(list(PROMPTS), max_sequence_length=16, do_classifier_free_guidance=False)
+    assert [embedding.shape for embedding in embeddings] == [(16, 16), (16, 16)]
+    assert all(torch.equal(embedding, want) for embedding, want in zip(embeddings, expected, strict=True))
+
+
+def test_a_bad_prompt_setting_fails_in_one_line():
+    with pytest.raises(UsageError) as error:
+        parse("--max_sequence_length", 0)
+    assert str(error.value) == "--max_sequence_length=0: expected a positive integer"
+
+
+def test_sampling_towards_the_training_target_follows_the_training_path(pipe, monkeypatch):
+    settings = z_image.prompt_settings(pipe, parse("--max_sequence_length", 32))
+    generator = torch.Generator().manual_seed(0)
+    vae_latents = torch.randn(1, 16, 16, 16, generator=generator)  # what the VAE makes of a 32-pixel image
+    latents = z_image.normalized_latents(pipe, vae_latents)
+    noise = torch.randn(latents.shape, generator=generator)
+    target = velocity(latents, noise)
+    # The transformer's outputs that the training step reads back as exactly the target.
+    target_outputs = [-target[0].unsqueeze(1)]
+    assert torch.equal(z_image.velocity_prediction(target_outputs), target)
+    calls, decoded = [], []
+
+    def transformer_predicting_the_target(x, t, cap_feats, **options):
+        calls.append({"x": x, "t": t, "cap_feats": cap_feats})
+        return ([output.clone() for output in target_outputs],)
+
+    def vae_decode(latents, return_dict=True):
+        decoded.append(latents)
+        return (torch.zeros(1, 3, 32, 32),)
+
+    monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
+    monkeypatch.setattr(pipe.vae, "decode", vae_decode)
+    pipe(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=4, guidance_scale=0.0, latents=noise,
+         output_type="pt", **settings)
+    # Straight from the noise to the latents the target points away from, handed to the VAE in its own scale.
+    torch.testing.assert_close(decoded[0], vae_latents, rtol=0, atol=1e-5)
+
+    # At each of the pipeline's noise levels, the training step's inputs at the same level of the training schedule
+    # (the same shift) are what the pipeline gives the transformer.
+    noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+    expected_prompt = encoded_as_the_pipeline_does(pipe, PROMPTS[:1], settings)
+    assert len(calls) == 4
+    for step, call in enumerate(calls):
+        index = (noise_scheduler.sigmas - pipe.scheduler.sigmas[step]).abs().argmin()
+        sigma, timestep = noise_scheduler.sigmas[index], noise_scheduler.timesteps[index : index + 1]
+        torch.testing.assert_close(sigma, pipe.scheduler.sigmas[step], rtol=0, atol=1e-6)
+        expected = z_image.image_inputs(add_noise(latents, noise, sigma), timestep)
+        assert len(call["x"]) == 1 and call["x"][0].shape == (16, 1, 16, 16)
+        torch.testing.assert_close(call["x"][0], expected["x"][0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(call["t"], expected["t"], rtol=0, atol=1e-6)
+        assert all(torch.equal(got, want) for got, want in zip(call["cap_feats"], expected_prompt, strict=True))
+    # The first step starts from pure noise at time 0; the schedule is shifted (statically) by the config's shift.
+    assert torch.equal(calls[0]["x"][0], noise[0].unsqueeze(1)) and calls[0]["t"].tolist() == [0.0]
+    assert pipe.scheduler.config.shift == 3 and not pipe.scheduler.config.use_dynamic_shifting
+    assert pipe.scheduler.sigmas[1] > 0.75  # unshifted, the second of 4 steps would be at 0.75

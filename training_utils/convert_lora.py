@@ -1,0 +1,445 @@
+"""Convert a diffusers-format LoRA file into the layouts that UI tools load: kohya's and ComfyUI's.
+
+    python -m training_utils.convert_lora SRC.safetensors DST.safetensors --to kohya|comfyui [--lora_alpha A]
+
+The input is what ``<Pipeline>.save_lora_weights`` writes: keys ``<component>.<module path>.lora_A.weight`` and
+``.lora_B.weight`` (component ``unet``, ``transformer``, ``text_encoder``, ``text_encoder_2``), and the safetensors
+metadata ``lora_adapter_metadata`` (diffusers' ``LORA_ADAPTER_METADATA_KEY``): a JSON object of each component's peft
+``LoraConfig``, its fields keyed ``<component>.<field>`` (diffusers' ``_pack_dict_with_prefix``).
+
+Formats
+- ``kohya`` (A1111/Forge, kohya sd-scripts; UNet families only: SD 1.x, SDXL): ``lora_unet_<diffusers module path,
+  dots as underscores>`` (the names sd-scripts gives the diffusers UNet it wraps, and that ComfyUI maps through
+  ``comfy.utils.unet_to_diffusers`` in ``comfy/lora.py`` ``model_lora_keys_unet``); text encoders ``lora_te_``
+  (SD 1.x) or ``lora_te1_``/``lora_te2_`` (SDXL; sd-scripts ``networks/lora.py`` ``LORA_PREFIX_TEXT_ENCODER1/2``)
+  followed by the CLIP module path under ``text_model.`` (``model_lora_keys_clip``'s
+  ``lora_te1_text_model_encoder_layers_{}_{}``; transformers 5 dropped that level from ``CLIPTextModel``'s names,
+  so it is put back). Tensors ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B), ``.alpha``.
+- ``comfyui`` (every family): for the UNet families the kohya file. For the transformer families ComfyUI's own
+  layout, ``diffusion_model.<module path in the original model>.lora_A.weight`` / ``.lora_B.weight`` / ``.alpha``:
+  the "generic lora format" key that ``model_lora_keys_unet`` maps for every weight of ComfyUI's model, which is
+  the original release's module tree. The renamings are those of ``comfy/utils.py`` ``mmdit_to_diffusers`` (SD3),
+  ``flux_to_diffusers`` and diffusers' ``convert_flux2_transformer_checkpoint_to_diffusers`` (FLUX.2),
+  ``z_image_to_diffusers`` (Z-Image); Qwen-Image's module names are diffusers' (``comfy/ldm/qwen_image/model.py``).
+  SD3's CLIP text encoders take the kohya names ``lora_te1_``/``lora_te2_`` there too.
+
+Fused layers: where the original model computes in one linear layer what diffusers splits (q, k and v into one
+``qkv``), the generic key has no way to address a slice of it (ComfyUI's slice targets, ``(key, (dim, offset,
+size))``, exist only for diffusers-named keys), so the parts' LoRAs are fused into one of rank ``r_q + r_k + r_v``:
+``lora_A`` the parts' ``lora_A`` stacked, ``lora_B`` block-diagonal (a part the LoRA does not train gets zero rows).
+Its product is exactly the parts' products stacked. Where the original orders a modulation's outputs (shift,
+scale) and diffusers (scale, shift) (``swap_scale_shift`` in ``comfy/utils.py``), ``lora_B``'s halves are swapped.
+
+The alpha rule: kohya, A1111 and ComfyUI (``comfy/weight_adapter/lora.py``: ``alpha / lora_down.shape[0]``) scale
+``up @ down`` by ``alpha / rank``, reading the alpha only from the ``.alpha`` tensor (they ignore safetensors
+metadata; with no ``.alpha`` the scale is 1). peft scales by ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+``use_rslora``), the module's ``lora_alpha`` coming from ``alpha_pattern`` where a pattern matches its name. So each
+module's ``.alpha`` is peft's scale times its rank: the trained ``lora_alpha`` itself (``--lora_alpha`` for a file
+without metadata). Upstream diffusers' ``convert_state_dict_to_kohya`` writes ``alpha = rank``, a wrong strength
+whenever the two differ. A fused layer keeps ``alpha / rank``: its alpha grows with its rank.
+
+Adding a family is one `Family` entry in `FAMILIES`: its pipelines, its text encoders' kohya prefixes and, for a
+transformer, the `Rename` rules of its original layout.
+"""
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .errors import UsageError, exit_on_usage_error, few, require
+
+FORMATS = ("kohya", "comfyui")
+DIFFUSERS = "diffusers"  # the layout converted from, which load_lora_weights reads
+FORMAT_USERS = {"kohya": "A1111, Forge, kohya tools; SD 1.x and SDXL", "comfyui": "ComfyUI"}
+METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
+DOWN, UP = "lora_A.weight", "lora_B.weight"  # peft's tensors, as diffusers files and ComfyUI's layout name them
+KOHYA_DOWN, KOHYA_UP = "lora_down.weight", "lora_up.weight"
+# transformers 5's CLIPTextModel lost the `text_model.` level above these; the tools' names still have it.
+CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.", "final_layer_norm.")
+
+
+def always(down, up):
+    return True
+
+
+def two_chunk_modulation(down, up):
+    """Whether an adaLN layer makes two chunks (shift and scale, as ``AdaLayerNormContinuous``) rather than six
+    (``AdaLayerNormZero``): SD3's last block, which ``mmdit_to_diffusers`` swaps and the others it does not."""
+    return up.shape[0] == 2 * down.shape[1]
+
+
+@dataclass(frozen=True)
+class Rename:
+    """Diffusers module paths that fully match ``pattern`` are the original model's module ``original`` (a
+    ``re.sub`` template), or its ``part``-th row block of ``parts`` where the original fuses ``parts`` layers.
+    ``swap_halves(down, up)`` says whether the original orders the outputs' two halves the other way round."""
+
+    pattern: str
+    original: str
+    part: int = 0
+    parts: int = 1
+    swap_halves: Callable | None = None
+
+
+def fused(pattern, original, names):
+    """The rules for diffusers layers ``names`` (in the original's row order) that ``original`` fuses; ``pattern``
+    has one ``{}`` where a name goes."""
+    return tuple(Rename(pattern.format(name), original, part, len(names)) for part, name in enumerate(names))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: which pipelines it covers (``pipelines``, a regular expression on the class name), its
+    denoiser component, the kohya prefix of each text encoder, and for a transformer the `Rename` rules of its
+    original layout, which ComfyUI's model has."""
+
+    name: str
+    title: str
+    pipelines: str
+    denoiser: str
+    text_encoders: dict = field(default_factory=dict)
+    original_layout: tuple = ()
+
+    @property
+    def formats(self):
+        # kohya's tools know only UNet models; ComfyUI takes the kohya file for those too.
+        return FORMATS if self.denoiser == "unet" else ("comfyui",)
+
+    @property
+    def components(self):
+        return {self.denoiser, *self.text_encoders}
+
+
+BLOCK = r"transformer_blocks\.(\d+)\."
+SD3_LAYOUT = (
+    *fused(BLOCK + r"attn\.{}", r"joint_blocks.\1.x_block.attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(BLOCK + r"attn\.{}", r"joint_blocks.\1.context_block.attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    *fused(BLOCK + r"attn2\.{}", r"joint_blocks.\1.x_block.attn2.qkv", ("to_q", "to_k", "to_v")),
+    Rename(BLOCK + r"attn\.to_out\.0", r"joint_blocks.\1.x_block.attn.proj"),
+    Rename(BLOCK + r"attn\.to_add_out", r"joint_blocks.\1.context_block.attn.proj"),
+    Rename(BLOCK + r"attn2\.to_out\.0", r"joint_blocks.\1.x_block.attn2.proj"),
+    Rename(BLOCK + r"norm1\.linear", r"joint_blocks.\1.x_block.adaLN_modulation.1"),
+    Rename(BLOCK + r"norm1_context\.linear", r"joint_blocks.\1.context_block.adaLN_modulation.1",
+           swap_halves=two_chunk_modulation),
+    Rename(BLOCK + r"ff\.net\.0\.proj", r"joint_blocks.\1.x_block.mlp.fc1"),
+    Rename(BLOCK + r"ff\.net\.2", r"joint_blocks.\1.x_block.mlp.fc2"),
+    Rename(BLOCK + r"ff_context\.net\.0\.proj", r"joint_blocks.\1.context_block.mlp.fc1"),
+    Rename(BLOCK + r"ff_context\.net\.2", r"joint_blocks.\1.context_block.mlp.fc2"),
+    Rename(r"pos_embed\.proj", "x_embedder.proj"),
+    Rename(r"context_embedder", "context_embedder"),
+    Rename(r"time_text_embed\.timestep_embedder\.linear_1", "t_embedder.mlp.0"),
+    Rename(r"time_text_embed\.timestep_embedder\.linear_2", "t_embedder.mlp.2"),
+    Rename(r"time_text_embed\.text_embedder\.linear_1", "y_embedder.mlp.0"),
+    Rename(r"time_text_embed\.text_embedder\.linear_2", "y_embedder.mlp.2"),
+    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
+    Rename(r"proj_out", "final_layer.linear"),
+)
+
+FLUX2_LAYOUT = (
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    Rename(BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    Rename(BLOCK + r"ff\.linear_in", r"double_blocks.\1.img_mlp.0"),
+    Rename(BLOCK + r"ff\.linear_out", r"double_blocks.\1.img_mlp.2"),
+    Rename(BLOCK + r"ff_context\.linear_in", r"double_blocks.\1.txt_mlp.0"),
+    Rename(BLOCK + r"ff_context\.linear_out", r"double_blocks.\1.txt_mlp.2"),
+    Rename(r"single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj", r"single_blocks.\1.linear1"),
+    Rename(r"single_transformer_blocks\.(\d+)\.attn\.to_out", r"single_blocks.\1.linear2"),
+    Rename(r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.linear", r"\1.lin"),
+    Rename(r"x_embedder", "img_in"),
+    Rename(r"context_embedder", "txt_in"),
+    Rename(r"time_guidance_embed\.timestep_embedder\.linear_1", "time_in.in_layer"),
+    Rename(r"time_guidance_embed\.timestep_embedder\.linear_2", "time_in.out_layer"),
+    Rename(r"time_guidance_embed\.guidance_embedder\.linear_1", "guidance_in.in_layer"),
+    Rename(r"time_guidance_embed\.guidance_embedder\.linear_2", "guidance_in.out_layer"),
+    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
+    Rename(r"proj_out", "final_layer.linear"),
+)
+
+Z_IMAGE_BLOCK = r"((?:layers|noise_refiner|context_refiner)\.\d+)\."
+Z_IMAGE_LAYOUT = (
+    *fused(Z_IMAGE_BLOCK + r"attention\.{}", r"\1.attention.qkv", ("to_q", "to_k", "to_v")),
+    Rename(Z_IMAGE_BLOCK + r"attention\.to_out\.0", r"\1.attention.out"),
+    Rename(Z_IMAGE_BLOCK + r"(feed_forward\.w[123]|adaLN_modulation\.0)", r"\1.\2"),
+    Rename(r"all_x_embedder\.2-1", "x_embedder"),
+    Rename(r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)", r"final_layer.\1"),
+    Rename(r"(t_embedder\.mlp\.[02]|cap_embedder\.1)", r"\1"),
+)
+
+QWEN_IMAGE_LAYOUT = (
+    Rename(BLOCK + r"((?:attn|img_mod|txt_mod|img_mlp|txt_mlp)\..+)", r"transformer_blocks.\1.\2"),
+    Rename(r"(img_in|txt_in|time_text_embed\.timestep_embedder\.linear_[12]|norm_out\.linear|proj_out)", r"\1"),
+)
+
+CLIP_PAIR = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+FAMILIES = {family.name: family for family in (
+    Family("sd", "SD 1.x", r"StableDiffusion(?!XL|3)\w*Pipeline", "unet", {"text_encoder": "lora_te"}),
+    Family("sdxl", "SDXL", r"StableDiffusionXL\w*Pipeline", "unet", CLIP_PAIR),
+    Family("sd3", "SD3", r"StableDiffusion3\w*Pipeline", "transformer", CLIP_PAIR, SD3_LAYOUT),
+    Family("flux2", "FLUX.2", r"Flux2\w*Pipeline", "transformer", {}, FLUX2_LAYOUT),
+    Family("z_image", "Z-Image", r"ZImage\w*Pipeline", "transformer", {}, Z_IMAGE_LAYOUT),
+    Family("qwen_image", "Qwen-Image", r"QwenImage\w*Pipeline", "transformer", {}, QWEN_IMAGE_LAYOUT),
+)}
+
+
+def family_of(name):
+    """The `Family` named ``name``, or covering the pipeline class named ``name``; None if none does."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    return next((family for family in FAMILIES.values() if re.fullmatch(family.pipelines, name)), None)
+
+
+def formats_for(name):
+    """The formats that apply to LoRAs of the pipeline class (or family) named ``name``: () for an unknown one."""
+    family = family_of(name)
+    return family.formats if family else ()
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module: its tensors and peft's scale for it (``lora_alpha / r``)."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self):
+        return self.down.shape[0]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a module's LoRA goes in the output: the module name, the tensor suffixes, and the row block it fills
+    of a fused layer."""
+
+    name: str
+    down_suffix: str
+    up_suffix: str
+    part: int = 0
+    parts: int = 1
+    swap_halves: Callable | None = None
+
+
+def convert(tensors, metadata, to, lora_alpha=None, family=None):
+    """The tensors of a diffusers-format LoRA (``tensors``, with the file's safetensors ``metadata``) in format
+    ``to``. The family is detected from the keys unless ``family`` (a family or pipeline class name) is given;
+    ``lora_alpha`` is the trained alpha of components the metadata does not describe. Raises `UsageError` for a
+    format that does not apply, keys it cannot place, or a missing alpha."""
+    require(to in FORMATS, "--to", to, f"one of {', '.join(FORMATS)}")
+    keys = split_keys(tensors)
+    chosen = chosen_family(family, keys)
+    require(to in chosen.formats, "--to", to,
+            f"{' or '.join(chosen.formats)} for a {chosen.title} LoRA ({to} applies to the "
+            f"{', '.join(f.title for f in FAMILIES.values() if to in f.formats)} families)")
+    configs = adapter_configs(metadata)
+    modules = {(component, path): LoraModule(tensors[down], tensors[up],
+                                             peft_scale(configs, component, path, tensors[down].shape[0], lora_alpha))
+               for (component, path), (down, up) in keys.items()}
+    targets = {key: target_of(chosen, *key) for key in modules}
+    return assemble(modules, targets)
+
+
+def split_keys(tensors):
+    """``{(component, module path): (lora_A key, lora_B key)}``; any other key is refused."""
+    pairs, unknown = {}, []
+    for key in tensors:
+        component, _, rest = key.partition(".")
+        path, _, suffix = rest.rpartition(".lora_")
+        if not component or not path or f"lora_{suffix}" not in (DOWN, UP):
+            unknown.append(key)
+            continue
+        pairs.setdefault((component, path), {})[f"lora_{suffix}"] = key
+    incomplete = [f"{component}.{path}" for (component, path), pair in pairs.items() if len(pair) != 2]
+    if unknown or incomplete:
+        raise UsageError(None, None, "not a diffusers LoRA of plain lora_A/lora_B pairs (no DoRA, bias or embedding "
+                                     f"adapters): unexpected keys {few(sorted(unknown) + sorted(incomplete))}")
+    return {key: (pair[DOWN], pair[UP]) for key, pair in pairs.items()}
+
+
+def chosen_family(name, keys):
+    """The family ``name`` names, or the one the keys fit; of several that fit, any one, if they all convert the
+    keys alike."""
+    if name is not None:
+        family = family_of(name)
+        require(family is not None, "--family", name, f"one of {', '.join(FAMILIES)} or a pipeline class of one")
+        unplaced = [f"{component}.{path}" for component, path in keys if not fits(family, component, path)]
+        require(not unplaced, "--family", name, f"a family whose models have {few(unplaced)}")
+        return family
+    components = {component for component, _ in keys}
+    fitting = [family for family in FAMILIES.values() if all(fits(family, *key) for key in keys)]
+    require(fitting, None, None, f"no known family has LoRA modules {few([f'{c}.{p}' for c, p in keys])} "
+                                 f"(components {', '.join(sorted(components))})")
+    likeliest = fitting
+    if components - {family.denoiser for family in FAMILIES.values()}:
+        # Trainers that train text encoders train them all: of the families that fit a file with text encoders
+        # (a UNet and one text encoder fit SD 1.x and SDXL), those with no text encoder beyond the file's.
+        fewest_extra = min(len(family.components - components) for family in fitting)
+        likeliest = [family for family in fitting if len(family.components - components) == fewest_extra]
+    plans = {family.name: [target_of(family, *key) for key in keys] for family in likeliest}
+    require(all(plan == plans[likeliest[0].name] for plan in plans.values()), None, None,
+            f"the keys fit the families {', '.join(plans)}, which convert them differently: pass --family")
+    return likeliest[0]
+
+
+def fits(family, component, path):
+    """Whether ``family``'s models have the module ``path`` of ``component`` (any path, for a UNet)."""
+    if component == family.denoiser:
+        return family.denoiser == "unet" or rename_of(family, path) is not None
+    return component in family.text_encoders
+
+
+def rename_of(family, path):
+    """The rule of ``family``'s original layout that ``path`` matches, with the match; None if none does."""
+    for rule in family.original_layout:
+        match = re.fullmatch(rule.pattern, path)
+        if match:
+            return rule, match
+    return None
+
+
+def target_of(family, component, path):
+    if component in family.text_encoders:
+        return Target(kohya_name(family.text_encoders[component], clip_path(path)), KOHYA_DOWN, KOHYA_UP)
+    if family.denoiser == "unet":
+        return Target(kohya_name("lora_unet", path), KOHYA_DOWN, KOHYA_UP)
+    rule, match = rename_of(family, path)
+    return Target(f"diffusion_model.{match.expand(rule.original)}", DOWN, UP, rule.part, rule.parts,
+                  rule.swap_halves)
+
+
+def kohya_name(prefix, path):
+    return f"{prefix}_{path.replace('.', '_')}"
+
+
+def clip_path(path):
+    """A CLIP text encoder's module path as the tools know it: under ``text_model.``."""
+    return f"text_model.{path}" if path.startswith(CLIP_TEXT_MODEL_CHILDREN) else path
+
+
+def adapter_configs(metadata):
+    """``{component: {LoraConfig field: value}}`` from the file's safetensors metadata; {} without it."""
+    raw = (metadata or {}).get(METADATA_KEY)
+    configs = {}
+    for key, value in (json.loads(raw) if raw else {}).items():
+        component, _, name = key.partition(".")
+        configs.setdefault(component, {})[name] = value
+    return configs
+
+
+def peft_scale(configs, component, path, rank, lora_alpha):
+    """peft's scale for the module ``path`` of ``component`` (``LoraLayer.update_layer``): its alpha over its rank,
+    or over the rank's square root with ``use_rslora``. The rank is the tensors' (``rank_pattern`` made it so)."""
+    config = configs.get(component)
+    if config is None:
+        require(lora_alpha is not None, None, None,
+                f"the file has no adapter metadata for {component}: pass --lora_alpha, the alpha it was trained with")
+        alpha, rslora = lora_alpha, False
+    else:
+        alpha = pattern_value(config.get("alpha_pattern") or {}, path, config["lora_alpha"])
+        require(lora_alpha is None or lora_alpha == config["lora_alpha"], "--lora_alpha", lora_alpha,
+                f"nothing, or the file's own lora_alpha for {component} ({config['lora_alpha']})")
+        rslora = config.get("use_rslora", False)
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def pattern_value(patterns, path, default):
+    """The value of the first of ``patterns`` that matches the end of the module path, as peft's ``get_pattern_key``
+    matches ``rank_pattern``/``alpha_pattern`` keys; ``default`` if none does."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", path):
+            return value
+    return default
+
+
+def assemble(modules, targets):
+    """The output tensors: each target's ``down``, ``up`` and ``alpha``, fusing the modules that share a target."""
+    grouped = {}
+    for key, target in targets.items():
+        grouped.setdefault(target.name, []).append((target, modules[key]))
+    converted = {}
+    for name, pieces in grouped.items():
+        target = pieces[0][0]
+        down, up, alpha = fuse(pieces) if target.parts > 1 else single(*pieces[0])
+        converted[f"{name}.{target.down_suffix}"] = down.contiguous()
+        converted[f"{name}.{target.up_suffix}"] = up.contiguous()
+        converted[f"{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+    return converted
+
+
+def single(target, module):
+    up = module.up
+    if target.swap_halves is not None and target.swap_halves(module.down, up):
+        first, second = up.chunk(2, dim=0)
+        up = torch.cat([second, first])
+    return module.down, up, module.scale * module.rank
+
+
+def fuse(pieces):
+    """One LoRA for a layer that fuses ``parts`` diffusers layers as row blocks: the parts' ``down`` stacked,
+    ``up`` block-diagonal, so that ``up @ down`` stacks the parts' products. Its scale is the first present part's;
+    the other parts' ``up`` absorb the ratio of their scale to it (1 where, as usual, all parts share alpha and rank).
+    A part without LoRA gets zero rows, as many as a present part has (q, k and v are alike in size here)."""
+    parts = pieces[0][0].parts
+    by_part = {target.part: module for target, module in pieces}
+    reference = by_part[min(by_part)]
+    rows = reference.up.shape[0]
+    require(all(module.up.dim() == 2 and module.up.shape[0] == rows for module in by_part.values()), None, None,
+            f"fusing {pieces[0][0].name} needs linear parts of equal size")
+    down = torch.cat([by_part[part].down for part in sorted(by_part)])
+    up = torch.zeros(rows * parts, down.shape[0], dtype=reference.up.dtype)
+    column = 0
+    for part in sorted(by_part):
+        module = by_part[part]
+        ratio = module.scale / reference.scale
+        up[part * rows:(part + 1) * rows, column:column + module.rank] = module.up if ratio == 1 else module.up * ratio
+        column += module.rank
+    return down, up, reference.scale * down.shape[0]
+
+
+def read_lora(path):
+    """The tensors and safetensors metadata of the LoRA file ``path`` (never unpickled)."""
+    try:
+        with safe_open(path, framework="pt") as file:
+            return {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+    except (OSError, SafetensorError) as error:
+        raise UsageError("SRC", str(path), f"a readable safetensors LoRA file ({error})") from None
+
+
+def write_converted(src_path, dst_path, to, lora_alpha=None, family=None):
+    """Convert the diffusers-format LoRA file ``src_path`` to format ``to`` (see `convert`) into ``dst_path``."""
+    tensors, metadata = read_lora(src_path)
+    converted = convert(tensors, metadata, to, lora_alpha, family)
+    Path(dst_path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(converted, str(dst_path), metadata={"format": "pt"})
+    return Path(dst_path)
+
+
+def main(argv=None):
+    from .args import TrainingArgumentParser  # here: args imports modules that may import this one
+
+    parser = TrainingArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", metavar="SRC", help="a diffusers-format LoRA .safetensors (save_lora_weights')")
+    parser.add_argument("dst", metavar="DST", help="the .safetensors file to write")
+    parser.add_argument("--to", required=True, choices=FORMATS, help="kohya (SD 1.x, SDXL) or comfyui (any family)")
+    parser.add_argument("--lora_alpha", type=float, default=None,
+                        help="the alpha the LoRA was trained with, for a file without adapter metadata")
+    parser.add_argument("--family", default=None,
+                        help=f"the model family ({', '.join(FAMILIES)}) where the keys fit several")
+    args = parser.parse_args(argv)
+    with exit_on_usage_error():
+        require(Path(args.src).is_file(), "SRC", args.src, "an existing .safetensors file")
+        path = write_converted(args.src, args.dst, args.to, args.lora_alpha, args.family)
+        print(f"wrote {path} ({args.to})")
+
+
+if __name__ == "__main__":
+    main()

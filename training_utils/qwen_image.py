@@ -1,0 +1,139 @@
+"""Qwen-Image's conditioning and latent layout for training, taken from the pipeline itself (`QwenImagePipeline`).
+
+The Qwen-Image transformer reads:
+
+- ``encoder_hidden_states`` and ``encoder_hidden_states_mask``: what ``pipe.encode_prompt`` returns, the Qwen2.5-VL
+  text encoder's last hidden states for the prompt wrapped in the pipeline's chat template, the template's system
+  turn dropped, cut at ``--max_sequence_length`` (`prompt_settings`; the pipeline's default unless set), zeros after
+  each prompt's tokens up to the batch's longest, and the mask of the real tokens (None when none is padding).
+  Each prompt is cached as its row of such a batch with its mask (`encode_prompts`); `stack_prompts` batches the
+  rows again as ``encode_prompt`` batches prompts, whatever batch each was encoded in (an instance prompt and a
+  shorter class prompt, cached apart, stack with the class prompt's padding masked);
+- ``hidden_states`` and ``img_shapes``: the VAE's latents, a one-frame video ``(B, C, 1, h, w)`` (`OneFrameVAE`
+  encodes images so), standardised with the per-channel ``latents_mean`` and ``latents_std`` of the VAE's
+  configuration (`normalized_latents`, the inverse of what the pipeline does before decoding), packed into tokens of
+  2×2 patches, with each image's (frames, rows, columns) of patches for the rotary position embedding
+  (`image_inputs`);
+- ``timestep``: the scheduler's timestep over 1000 in the latents' dtype. No ``guidance``: Qwen-Image guides by
+  true classifier-free guidance (a second pass on a negative prompt, at sampling only), and the pipeline passes a
+  guidance embedding only to a transformer configured with ``guidance_embeds``, which Qwen-Image's is not.
+
+Training draws its noise levels from the training scheduler's own schedule (`flow_matching`), which Qwen-Image's
+configuration (``use_dynamic_shifting``) leaves unshifted, as upstream's script trains (its ``shift=3.0`` has no
+effect on such a scheduler). The pipeline's sampling loop shifts its levels for the image size (``calculate_shift``
+on the configuration's ``base_shift``, ``max_shift``, ``base_image_seq_len`` and ``max_image_seq_len``, stretched to
+end at ``shift_terminal``): the levels it visits are points of the same path. Every piece is the pipeline's own (its
+static helpers, its ``encode_prompt`` and its call's defaults, the VAE's configuration), so training feeds the
+transformer what the pipeline's sampling loop feeds it at the same noise level.
+"""
+
+import inspect
+
+import torch
+from diffusers import AutoencoderKLQwenImage
+
+from .errors import UsageError, require
+
+# QwenImagePipeline refuses longer prompts (its check_inputs), so a longer setting would fail at the first validation.
+MAX_SEQUENCE_LENGTH_LIMIT = 1024
+
+
+def add_qwen_image_args(parser):
+    """The prompt-encoding flag of the diffusers Qwen-Image script; unset, the pipeline's own default applies."""
+    group = parser.add_argument_group("Qwen-Image")
+    group.add_argument("--max_sequence_length", type=int, default=None,
+                       help="text tokens per prompt at most (default: the pipeline's, 512)")
+
+
+def check_qwen_image_args(args):
+    """Fail in one line on a bad prompt length or image size, before any weights load: the size is checked against
+    the VAE's configuration, which loads without weights."""
+    require(args.max_sequence_length is None or 0 < args.max_sequence_length <= MAX_SEQUENCE_LENGTH_LIMIT,
+            "--max_sequence_length", args.max_sequence_length,
+            f"a positive integer of at most {MAX_SEQUENCE_LENGTH_LIMIT} (QwenImagePipeline's limit)")
+    scale = vae_scale_factor(args)
+    require(args.resolution % (2 * scale) == 0, "--resolution", args.resolution,
+            f"a multiple of {2 * scale}: the VAE divides the size by {scale}, and the latents are packed in 2×2 "
+            "patches")
+
+
+def vae_scale_factor(args):
+    """How many pixels make a latent along each side for ``--pretrained_model_name_or_path``'s VAE, worked out from
+    its configuration as the pipeline works it out from the loaded VAE."""
+    path, options = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
+    try:
+        return 2 ** len(AutoencoderKLQwenImage.load_config(path, subfolder="vae", **options)["temperal_downsample"])
+    except (OSError, ValueError, KeyError):
+        raise UsageError("--pretrained_model_name_or_path", path,
+                         "a Qwen-Image pipeline, whose vae configuration is Qwen-Image's VAE's") from None
+
+
+def prompt_settings(pipe, args):
+    """What the pipeline encodes prompts with, in training, validation and class images alike:
+    ``--max_sequence_length``, or where unset the default of the pipeline's call (which it passes to encode_prompt)."""
+    defaults = inspect.signature(type(pipe).__call__).parameters
+    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+
+
+def encode_prompts(pipe, prompts, device, settings):
+    """``(prompt_embeds, mask)`` of ``pipe.encode_prompt(prompts)``: the mask always a tensor (the pipeline gives
+    None when no prompt of the batch is padded), so that each prompt's row says how many of its tokens are real."""
+    prompt_embeds, mask = pipe.encode_prompt(prompts, device=device, **settings)
+    if mask is None:
+        mask = torch.ones(prompt_embeds.shape[:2], dtype=torch.long, device=prompt_embeds.device)
+    return prompt_embeds, mask
+
+
+def stack_prompts(rows, device):
+    """The transformer's text inputs on ``device`` for a batch whose samples' prompts have the `encode_prompts` rows
+    ``rows`` ``(embeds, mask)``, as ``encode_prompt`` returns them for the batch: each prompt's real tokens (the
+    first ones of its row), zeros after them up to the longest, and the mask of the real tokens, or None when no
+    prompt is padded."""
+    tokens = [embeds[: int(mask.sum())].to(device) for embeds, mask in rows]
+    length = max(len(real) for real in tokens)
+    prompt_embeds = torch.stack([torch.cat([real, real.new_zeros(length - len(real), real.shape[1])])
+                                 for real in tokens])
+    mask = torch.stack([torch.arange(length, device=device) < len(real) for real in tokens]).long()
+    return prompt_embeds, None if mask.all() else mask
+
+
+class OneFrameVAE(torch.nn.Module):
+    """The pipeline's video VAE as the image VAE that `cache.FrozenEncoders` drives: ``encode`` takes images
+    ``(B, 3, H, W)`` as one-frame videos, and the latents keep the frame axis, ``(B, C, 1, h, w)``, the layout
+    that the pipeline packs and decodes. It holds the pipeline's VAE itself: moving this moves it."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+        self.config = vae.config  # what describes it for the disk cache is the VAE's configuration
+
+    def encode(self, images):
+        return self.vae.encode(images.unsqueeze(2))
+
+
+def normalized_latents(pipe, latents):
+    """VAE latents ``(B, C, 1, h, w)`` as the transformer reads them: standardised per channel with the VAE
+    configuration's ``latents_mean`` and ``latents_std``, exactly inverting what the pipeline does before decoding
+    (``latents / (1 / std) + mean``)."""
+    config = pipe.vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inverse_std = (1.0 / torch.tensor(config.latents_std).view(shape)).to(latents.device, latents.dtype)
+    return (latents - mean) * inverse_std
+
+
+def image_inputs(pipe, noisy_latents, timesteps):
+    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+    passes them: the latents packed into tokens of 2×2 patches, each image's (frames, rows, columns) of patches, and
+    the timesteps in the latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back)."""
+    batch_size, channels, frames, height, width = noisy_latents.shape
+    return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
+            "img_shapes": [[(frames, height // 2, width // 2)]] * batch_size,
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+
+
+def unpack(pipe, tokens, like):
+    """The transformer's output tokens back in the layout of the latents ``like``, ``(B, C, 1, h, w)``."""
+    height, width = like.shape[-2:]
+    scale = pipe.vae_scale_factor  # the unpacking takes the image's size in pixels
+    return pipe._unpack_latents(tokens, height * scale, width * scale, scale)

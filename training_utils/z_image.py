@@ -1,0 +1,82 @@
+"""Z-Image's conditioning and latent layout for training, taken from the pipeline itself (`ZImagePipeline`).
+
+The Z-Image transformer takes lists, one tensor per image, positionally ``(x, t, cap_feats)``:
+
+- ``cap_feats``: the prompt embeddings ``pipe.encode_prompt`` returns, the text encoder's second-to-last hidden
+  states at the prompt's own tokens (the padding dropped), so each prompt's has its own length. The prompt length
+  is the pipeline's default unless ``--max_sequence_length`` says otherwise (`prompt_settings`). To be cached like
+  any embedding, a batch of them is padded into one tensor beside their lengths (`encode_prompts`), and cut back
+  to the pipeline's own (`unpadded`);
+- ``x``: the VAE latents shifted and scaled by the VAE's ``shift_factor`` and ``scaling_factor``, as the pipeline
+  undoes it before decoding (`normalized_latents`), each image as ``(C, 1, H, W)``: a frame axis, which the
+  transformer patchifies with the 2×2 spatial patches (`image_inputs`);
+- ``t``: ``(1000 - timestep) / 1000``, i.e. ``1 - sigma``: Z-Image counts time from the noise (0) to the image (1).
+
+It predicts the opposite of flow matching's velocity ``noise - x_0``: the pipeline negates its output before the
+scheduler steps, and `velocity_prediction` does the same, so the loss compares like with like. The training noise
+levels come from the training scheduler made from the pipeline's scheduler config (its static ``shift``, which is
+Z-Image's; the pipeline's resolution-dependent ``mu`` only applies with ``use_dynamic_shifting``, off for Z-Image).
+
+Every piece is the pipeline's own (its ``encode_prompt`` and that method's defaults, its VAE's config, its sampling
+loop's conventions), so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise
+level.
+"""
+
+import inspect
+
+import torch
+
+from .errors import require
+
+
+def add_z_image_args(parser):
+    """The prompt-encoding flag of the diffusers Z-Image script; unset, the pipeline's own default applies."""
+    group = parser.add_argument_group("Z-Image")
+    group.add_argument("--max_sequence_length", type=int, default=None,
+                       help="tokens per prompt, its chat template included (default: the pipeline's, 512)")
+
+
+def check_z_image_args(args):
+    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
+            args.max_sequence_length, "a positive integer")
+
+
+def prompt_settings(pipe, args):
+    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
+    ``--max_sequence_length``, or where unset the method's own default."""
+    defaults = inspect.signature(pipe.encode_prompt).parameters
+    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+
+
+def encode_prompts(pipe, prompts, device, settings):
+    """``(embeddings, lengths)``: ``pipe.encode_prompt``'s embedding of each prompt (no negative prompt: training
+    has no classifier-free guidance), zero-padded to the longest into one tensor ``(B, L, D)``, and each one's
+    length ``(B,)``."""
+    # A copy: the pipeline writes each prompt's chat-templated text into the list it is given.
+    embeddings, _ = pipe.encode_prompt(list(prompts), device=device, do_classifier_free_guidance=False, **settings)
+    lengths = torch.tensor([len(embedding) for embedding in embeddings], device=device)
+    return torch.nn.utils.rnn.pad_sequence(embeddings, batch_first=True), lengths
+
+
+def unpadded(embedding, length):
+    """One prompt's embedding from `encode_prompts`' padded rows: exactly what ``pipe.encode_prompt`` returned."""
+    return embedding[: int(length)]
+
+
+def normalized_latents(pipe, latents):
+    """VAE latents ``(B, C, H, W)`` as the transformer reads them: shifted and scaled by the VAE's config, the
+    inverse of what the pipeline does before decoding."""
+    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+
+
+def image_inputs(noisy_latents, timesteps):
+    """The transformer's image inputs for `normalized_latents` at the scheduler's ``timesteps``, as the pipeline's
+    denoising loop passes them: one ``(C, 1, H, W)`` tensor per image, and ``(1000 - timesteps) / 1000`` (the
+    pipeline's convention; the transformer multiplies it by its ``t_scale``, 1000)."""
+    return {"x": list(noisy_latents.unsqueeze(2).unbind(0)), "t": (1000 - timesteps) / 1000}
+
+
+def velocity_prediction(outputs):
+    """The transformer's outputs (one ``(C, 1, H, W)`` tensor per image) as the velocity the pipeline steps the
+    scheduler with, ``(B, C, H, W)``: stacked, and negated as the pipeline negates them."""
+    return -torch.stack(outputs).squeeze(2)
