@@ -6,8 +6,10 @@ fixtures (`SUBSTITUTES`), ``{tmpdir}`` by the run's folder; every other flag sta
 ``--resolution 64`` included. Upstream tests of scripts we do not have (``train_dreambooth_lora_sdxl.py``,
 ``train_text_to_image_sdxl.py``, FLUX.2 [dev], ...) are left out; upstream has no test for the Z-Image script.
 
-Here: every command parses with its script's own ``parse_args`` (no launch), and the commands that once failed
-(issue 13) run end to end. ``python -m tests.benchmarks.upstream_commands`` runs them all and prints a table.
+Here: every command parses with its script's own ``parse_args`` (no launch); what the ones that once failed
+(issue 13) ask for runs in the smoke tests (``--num_validation_images 0`` and ``--cache_latents`` with random
+crops in test_train_text_to_image_lora's runs). ``python -m tests.benchmarks.upstream_commands`` runs them all
+end to end and prints a table.
 """
 
 import functools
@@ -17,11 +19,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from safetensors.torch import load_file
 
-from helpers import EXAMPLES, launch, together
+from helpers import EXAMPLES, launch
 from training_utils.errors import UsageError
-from training_utils.testing import assert_same_tensors, checkpoint_names
+from training_utils.testing import checkpoint_names
 
 # Upstream's hub models and data, and the tiny fixture (`training_utils.tiny`) each stands for here.
 SUBSTITUTES = {
@@ -369,33 +370,3 @@ def test_every_upstream_command_parses_or_is_refused_in_one_line(upstream, fixtu
         args = script.parse_args(arguments)
         assert Path(args.output_dir) == tmp_path
         leave_checkpoints(tmp_path, run.checkpoints or ())
-
-
-# The upstream tests whose commands failed here before issue 13: --num_validation_images 0 (with a resume past
-# a pruned checkpoint and --checkpoints_total_limit on resume) and --cache_latents without --center_crop.
-# (DreamBooth's --pre_compute_text_embeddings, which upstream's tests pass only with DeepFloyd IF's flags, is
-# refused with them; tests/test_dreambooth.py shows it accepted.)
-ONCE_FAILING = ("text_to_image/test_text_to_image_lora.py::test_text_to_image_lora_checkpointing_checkpoints_total_"
-                "limit_removes_multiple_checkpoints",
-                "dreambooth/test_dreambooth_lora_sd3.py::test_dreambooth_lora_latent_caching")
-
-
-@pytest.mark.slow
-def test_the_upstream_commands_that_once_failed_run(tiny, tmp_path):
-    by_test = {upstream.test: upstream for upstream in UPSTREAM}
-    folders = {test: tmp_path / test.split("::")[1] for test in ONCE_FAILING}
-    # Each run asserts its checkpoints and files, as upstream's test does.
-    results = together({test: functools.partial(run_upstream_test, by_test[test], tiny, folders[test])
-                        for test in ONCE_FAILING})
-    lora, cached = (folders[test] for test in ONCE_FAILING)
-    # --num_validation_images 0 (and no prompt): nothing rendered. The resume went on from checkpoint-4, and the
-    # limit given only then pruned checkpoint-2 and -4; the last checkpoint holds the final adapter.
-    _, resumed = results[ONCE_FAILING[0]]
-    assert not (lora / "validation").exists()
-    assert any(line.startswith("resumed from") and line.endswith("checkpoint-4 at step 4")
-               for line in resumed.stdout.splitlines()), resumed.stdout[-2000:]
-    assert_same_tensors(load_file(lora / LORA), load_file(lora / "checkpoint-8" / LORA))
-    # --cache_latents with random crops (upstream's SD3 test passes no --center_crop): drawn once, and said so.
-    (caching,) = results[ONCE_FAILING[1]]
-    assert "caching latents without --center_crop" in caching.stdout + caching.stderr
-    assert load_file(cached / LORA) and all(key.startswith("transformer.") for key in load_file(cached / LORA))

@@ -207,16 +207,9 @@ class Validator:
                 records = [record for record, _ in ordered]
                 for future in pending:  # the progress grids read this step's images back
                     future.result()
-                log = read_log(self.output_dir)
-                for index, prompt in enumerate(self.prompts):
-                    grid = step_grid(step, prompt, [(name, rendered[variant, index])
-                                                    for variant, (name, _) in enumerate(variants)])[0]
-                    grid.save(self.output_dir / grid_path(step, index))
-                    progress = progress_grid([record for record in log if record.get("progress") == progress_path(
-                        index)], prompt, self.output_dir)[0]
-                    progress.save(self.output_dir / progress_path(index))
-                    pending.append(trackers.submit(self._show, f"validation/grid/p{index:02d}", prompt, [grid],
-                                                   step))
+                grids = self._write_grids(step, [name for name, _ in variants], rendered)
+                pending = [trackers.submit(self._show, f"validation/grid/p{index:02d}", prompt, [grid], step)
+                           for index, (prompt, grid) in enumerate(zip(self.prompts, grids))]
             for future in pending:
                 future.result()
         self.accelerator.wait_for_everyone()
@@ -240,6 +233,20 @@ class Validator:
             variants += [(f"ema_sigma_rel-{float(sigma_rel):g}", partial(synthesized, position))
                          for position, sigma_rel in enumerate(self.sigma_rels)]
         return variants
+
+    def _write_grids(self, step, variant_names, rendered):
+        """Write each prompt's grid of this step (`grids.step_grid`) and its progress grid over the run so far,
+        rebuilt from the log (`grids.progress_grid`); returns the step's grids."""
+        log = read_log(self.output_dir)
+        grids = []
+        for index, prompt in enumerate(self.prompts):
+            grid = step_grid(step, prompt, [(name, rendered[variant, index])
+                                            for variant, name in enumerate(variant_names)])[0]
+            grid.save(self.output_dir / grid_path(step, index))
+            records = [record for record in log if record.get("progress") == progress_path(index)]
+            progress_grid(records, prompt, self.output_dir)[0].save(self.output_dir / progress_path(index))
+            grids.append(grid)
+        return grids
 
     def _render(self, prompt_index):
         # CPU generators give the same noise on every device; one per image keeps a batched call
