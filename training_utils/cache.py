@@ -306,8 +306,9 @@ class FrozenEncoders:
     def _cache_latents(self, keys, sources, open_images):
         """``{key: CachedImage or UnreadableImage}`` for the images ``open_images[i]()`` of ``keys``, which
         ``sources`` identify (`image_source`)."""
-        crops = "center crop" if self.transform.center_crop else f"random crop drawn once (seed {self.seed})"
+        crops = "center crop"
         if not self.transform.center_crop:
+            crops = f"random crop drawn once (seed {self.seed})"
             logger.info(f"caching latents without --center_crop: each image's random crop is drawn once, now "
                         f"(seed {self.seed}), and kept for the whole run; flips are still drawn per sample")
         store = self._store("latents", {

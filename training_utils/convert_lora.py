@@ -417,10 +417,14 @@ def read_lora(path):
 def write_converted(src_path, dst_path, to, lora_alpha=None, family=None):
     """Convert the diffusers-format LoRA file ``src_path`` to format ``to`` (see `convert`) into ``dst_path``."""
     tensors, metadata = read_lora(src_path)
-    converted = convert(tensors, metadata, to, lora_alpha, family)
     Path(dst_path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(converted, str(dst_path), metadata={"format": "pt"})
+    save_converted(convert(tensors, metadata, to, lora_alpha, family), dst_path)
     return Path(dst_path)
+
+
+def save_converted(converted, path):
+    """Write `convert`'s tensors as a safetensors file (the tools read no metadata but the format)."""
+    save_file(converted, str(path), metadata={"format": "pt"})
 
 
 def main(argv=None):

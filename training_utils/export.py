@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .convert_lora import DIFFUSERS, write_converted
+from .convert_lora import DIFFUSERS, convert, save_converted
 from .errors import WRITE_ERRORS, WriteFailed, few, write_failure
 from .pipeline import modules_of, trainable_parameters
 
@@ -219,11 +220,18 @@ class LoraExport(Export):
         path = Path(directory) / LORA_WEIGHTS_NAME
         expected = {f"{component}.{key}": tensor for component in self.adapter_configs
                     for key, tensor in kwargs[f"{component}_lora_layers"].items()}
-        verify_saved_tensors(load_file(path), expected, path)
-        for layout in self.formats:
-            if layout != DIFFUSERS:
-                write_atomically(directory, lambda staging: write_converted(
-                    path, Path(staging) / converted_name(layout), layout, family=self.pipeline_class.__name__))
+        # Read back once: checked against memory, then converted (the conversion needs the file's metadata).
+        with safe_open(path, framework="pt") as file:
+            saved, metadata = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+        verify_saved_tensors(saved, expected, path)
+        converted = {converted_name(layout): convert(saved, metadata, layout, family=self.pipeline_class.__name__)
+                     for layout in self.formats if layout != DIFFUSERS}
+        if converted:
+            def write_converted(staging):
+                for name, tensors in converted.items():
+                    save_converted(tensors, Path(staging) / name)
+
+            write_atomically(directory, write_converted)
         return path
 
     def read_checkpoint(self, directory):
