@@ -122,6 +122,10 @@ def main(args):
     embeddings = frozen.text_embeddings(prompts, encode_prompts, [
         pipe.tokenizer, pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, qwen_image.encode_prompts,
         prompt_settings])
+    # One row per prompt, on the accelerator once: the class prompt, if shorter, padded and masked, as encode_prompt
+    # batches them.
+    prompt_embeds, prompt_mask = qwen_image.stack_prompts([embeddings[prompt] for prompt in prompts],
+                                                          accelerator.device)
     dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
@@ -148,14 +152,12 @@ def main(args):
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(
                 noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
-            # One prompt per half: the class prompt, if shorter, is padded and masked, as encode_prompt batches them.
-            repeats = latents.shape[0] // len(prompts)
-            prompt_embeds, prompt_mask = qwen_image.stack_prompts(
-                [embeddings[prompt] for prompt in prompts for _ in range(repeats)], latents.device)
+            repeats = latents.shape[0] // len(prompts)  # one prompt per half
             # No guidance embedding: Qwen-Image's guidance is true CFG, at sampling only.
             model_pred = transformer(**qwen_image.image_inputs(pipe, add_noise(latents, noise, sigmas), timesteps),
-                                     encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
-                                     return_dict=False)[0]
+                                     encoder_hidden_states=prompt_embeds.repeat_interleave(repeats, dim=0),
+                                     encoder_hidden_states_mask=None if prompt_mask is None
+                                     else prompt_mask.repeat_interleave(repeats, dim=0), return_dict=False)[0]
             # With prior preservation, the instance half's loss plus the weighted class half's.
             loss = flow_matching_loss(qwen_image.unpack(pipe, model_pred, latents), velocity(latents, noise), sigmas,
                                       args.weighting_scheme,
