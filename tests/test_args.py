@@ -97,6 +97,12 @@ BAD_INPUTS = [
     ("blank-second-validation-prompt", ["--validation_prompt", "a red circle", "   "], "--validation_prompt", None),
     ("hub-token-with-wandb", ["--hub_token", "hf_secret123", "--report_to", "wandb"], "--hub_token", None),
     ("hub-token-with-all", ["--hub_token", "hf_secret123", "--report_to", "all"], "--hub_token", None),
+    ("repeats-zero", ["--repeats", "0"], "--repeats", "0"),
+    ("caption-dropout-above-one", ["--caption_dropout", "1.5"], "--caption_dropout", "1.5"),
+    ("proportion-empty-prompts-negative", ["--proportion_empty_prompts=-0.1"], "--caption_dropout", "-0.1"),
+    ("validation-height-not-multiple-of-8", ["--validation_height", "30"], "--validation_height", "30"),
+    ("bucket-list-malformed", ["--aspect_ratio_buckets", "512x768"], "--aspect_ratio_buckets", "512x768"),
+    ("bucket-not-multiple-of-8", ["--aspect_ratio_buckets", "512,772;768,512"], "--aspect_ratio_buckets", "512,772"),
     ("missing-required-model", None, "--pretrained_model_name_or_path", None),
 ]
 

@@ -32,13 +32,13 @@ def test_cached_parameters_are_the_vae_encoding_of_each_draw_both_flips(tiny_sd_
     flips = set()
     for epoch in range(6):
         for key, image in enumerate(images):
-            pixels, original_size, crop_top_left = transform(image, sample_generator(0, epoch, key))
+            pixels, original_size, crop_top_left, size, _ = transform(image, sample_generator(0, epoch, key))
             flips.add(transform.draw_layout(*image.size, sample_generator(0, epoch, key)).flip)
             with torch.no_grad():
                 expected = vae.encode(pixels[None]).latent_dist.parameters[0]
             cached = cached_latent_parameters(cache[key], transform, sample_generator(0, epoch, key))
-            torch.testing.assert_close(cached[0], expected, atol=1e-5, rtol=1e-5)
-            assert cached[1:] == (original_size, crop_top_left)
+            torch.testing.assert_close(cached.pixels, expected, atol=1e-5, rtol=1e-5)
+            assert cached[1:] == (original_size, crop_top_left, size, None)
     assert flips == {False, True}
     assert not torch.allclose(cache[0].parameters[0], cache[0].parameters[1])
 
@@ -58,19 +58,18 @@ def test_cached_conditioning_gets_the_layout_the_cached_latents_were_drawn_with(
     for epoch in range(6):
         for key, (image, conditioning_image) in enumerate(zip(images, conditionings)):
             uncached_generator, cached_generator = sample_generator(0, epoch, key), sample_generator(0, epoch, key)
-            pixels, conditioning_pixels, original_size, crop_top_left = transform(
-                image, conditioning_image, uncached_generator)
+            uncached = transform(image, conditioning_image, uncached_generator)
             cached = cached_latent_parameters_with_conditioning(cache[key], conditioning_image, transform,
                                                                  cached_generator)
             with torch.no_grad():
-                expected = vae.encode(pixels[None]).latent_dist.parameters[0]
-            torch.testing.assert_close(cached[0], expected, atol=1e-5, rtol=1e-5)
-            assert torch.equal(cached[1], conditioning_pixels)
+                expected = vae.encode(uncached.pixels[None]).latent_dist.parameters[0]
+            torch.testing.assert_close(cached.pixels, expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(cached.conditioning_pixels, uncached.conditioning_pixels)
             # SDXL's time ids: the original size, and the crop measured after the flip.
-            assert cached[2:] == (original_size, crop_top_left)
+            assert cached[1:4] == uncached[1:4]
             # Both leave the generator in one state: the caption is drawn from it next.
             assert torch.equal(torch.rand(4, generator=cached_generator), torch.rand(4, generator=uncached_generator))
-            crops.add((key, cached[3]))
+            crops.add((key, cached.crop_top_left))
     assert crops == {(0, (0, 4)), (0, (0, 5)), (1, (6, 0))}
 
 
@@ -98,11 +97,11 @@ def test_frozen_encoders_draw_from_cached_dataset_images_what_the_transform_draw
         assert example["image"]["path"] == paths[index]  # undecoded, so an unreadable file can be named
         for epoch in range(4):
             drawn = frozen.dataset_image(example, sample_generator(0, epoch, index))
-            pixels, original_size, crop_top_left = transform(dataset[index]["image"], sample_generator(0, epoch, index))
+            pixels, *layout = transform(dataset[index]["image"], sample_generator(0, epoch, index))
             with torch.no_grad():
                 expected = tiny_sd_pipe.vae.encode(pixels[None]).latent_dist.parameters[0]
-            torch.testing.assert_close(drawn[0], expected, atol=1e-5, rtol=1e-5)
-            assert drawn[1:] == (original_size, crop_top_left)
+            torch.testing.assert_close(drawn.pixels, expected, atol=1e-5, rtol=1e-5)
+            assert drawn[1:] == tuple(layout)
 
 
 def test_frozen_encoders_without_caching_give_the_transforms_pixels_and_encode_in_the_step(tiny_sd_pipe, tmp_path):
@@ -113,7 +112,7 @@ def test_frozen_encoders_without_caching_give_the_transforms_pixels_and_encode_i
     pixels = [frozen.dataset_image(dataset[index], sample_generator(0, 1, index))[0] for index in range(2)]
     for index, drawn in enumerate(pixels):
         assert torch.equal(drawn, transform(dataset[index]["image"], sample_generator(0, 1, index))[0])
-        assert torch.equal(frozen.image_file(paths[index], sample_generator(0, 1, index))[0], drawn)
+        assert torch.equal(frozen.image_file(paths[index], sample_generator(0, 1, index)).pixels, drawn)
     images = torch.stack(pixels)
     torch.manual_seed(5)
     latents = frozen.latents(images)
@@ -127,9 +126,9 @@ def test_frozen_encoders_draw_cached_image_files_and_sample_batches_from_the_glo
     _, paths = two_image_dataset(tmp_path)
     transform = ImageTransform(32, center_crop=True, random_flip=True)
     frozen = FrozenEncoders(tiny_sd_pipe.vae, [], transform, "cpu", torch.float32, cache_latents=True)
-    frozen.cache_image_files(paths + paths[:1])  # a file listed twice is encoded once
-    assert list(frozen.latent_cache) == paths
-    parameters = torch.stack([frozen.image_file(path, sample_generator(0, 2, index))[0]
+    frozen.cache_image_files([(path, None) for path in paths + paths[:1]])  # a file listed twice is encoded once
+    assert list(frozen.latent_cache) == [(path, None) for path in paths]
+    parameters = torch.stack([frozen.image_file(path, sample_generator(0, 2, index)).pixels
                               for index, path in enumerate(paths)])
     for index, path in enumerate(paths):
         with Image.open(path) as image:
@@ -208,7 +207,7 @@ def test_a_random_crop_is_drawn_once_per_image_when_cached_and_kept_while_flips_
         top, left = cache[key].crop
         assert top == 0 and 0 <= left <= image.width * 32 // image.height - 32
         for epoch in range(6):
-            parameters, conditioning, original_size, crop_top_left = cached_latent_parameters_with_conditioning(
+            parameters, original_size, crop_top_left, _, conditioning = cached_latent_parameters_with_conditioning(
                 cache[key], image, transform, sample_generator(0, epoch, key))
             layout = transform.draw_layout(*image.size, sample_generator(0, epoch, key), crop=cache[key].crop)
             flips.add(layout.flip)

@@ -7,6 +7,8 @@ the tiny UNet's blocks takes about two minutes on two CPU cores). The counts are
 
 import argparse
 import contextlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from training_utils.ema import tensors_swapped_in
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.tiny import tiny_unet
 
+REPO = Path(__file__).resolve().parent.parent
 BACKEND = "aot_eager"
 STEPS = 3
 # aot_eager runs the graphs with eager's kernels: the weights come out bitwise equal (inductor's fused kernels
@@ -76,7 +79,7 @@ def test_compiled_training_matches_eager_and_validation_does_not_recompile():
     train(eager, torch.optim.AdamW(trained_parameters(eager).values(), lr=1e-3), STEPS)
 
     compiled = lora_unet()
-    assert compile_repeated_blocks(compiled, True, backend=BACKEND) == {"BasicTransformerBlock": 4}
+    assert compile_repeated_blocks(compiled, BACKEND) == {"BasicTransformerBlock": 4}
     optimizer = torch.optim.AdamW(trained_parameters(compiled).values(), lr=1e-3)
     before = compilation_count()
     train(compiled, optimizer, STEPS)
@@ -112,7 +115,7 @@ def test_a_model_without_repeated_blocks_is_compiled_whole():
     inputs = torch.randn(3, 8)
     expected = model(inputs)
     keys = model.state_dict().keys()
-    assert compile_repeated_blocks(model, True, backend=BACKEND) == {"NoBlocks": 1}
+    assert compile_repeated_blocks(model, BACKEND) == {"NoBlocks": 1}
     before = compilation_count()
     torch.testing.assert_close(model(inputs), expected, rtol=0, atol=TOLERANCE)
     assert compilation_count() - before == 1
@@ -123,14 +126,28 @@ def test_controlnet_compiles_the_blocks_it_shares_with_the_unet():
     from diffusers import ControlNetModel
 
     controlnet = ControlNetModel.from_unet(tiny_unet(), conditioning_embedding_out_channels=(16, 32))
-    assert compile_repeated_blocks(controlnet, True, backend=BACKEND) == {"BasicTransformerBlock": 2}
+    assert compile_repeated_blocks(controlnet, BACKEND) == {"BasicTransformerBlock": 2}
 
 
 def test_disabled_compiles_nothing_and_the_flag_parses():
     unet = tiny_unet()
-    assert compile_repeated_blocks(unet, False) == {}
+    assert compile_repeated_blocks(unet, None) == {}
     assert all(module._compiled_call_impl is None for module in unet.modules())
     parser = argparse.ArgumentParser()
     add_compile_args(parser)
-    assert parser.parse_args([]).torch_compile is False
-    assert parser.parse_args(["--torch_compile"]).torch_compile is True
+    assert parser.parse_args([]).torch_compile is None
+    assert parser.parse_args(["--torch_compile"]).torch_compile == "inductor"
+    assert parser.parse_args(["--torch_compile", "aot_eager"]).torch_compile == "aot_eager"
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "examples").glob("*/train_*.py")), ids=lambda path: path.stem)
+def test_every_script_compiles_its_trained_model_after_its_last_change_and_before_accelerate_wraps_it(script):
+    source = script.read_text()
+    call = re.search(r"\n    compile_repeated_blocks\((\w+), args\.torch_compile\)\n", source)
+    assert call, f"{script.name} does not call compile_repeated_blocks(<model>, args.torch_compile)"
+    model = call.group(1)
+    # After its adapter, casting and gradient checkpointing; before DDP may wrap it.
+    for before in ("prepare_components(", f"{model}.enable_gradient_checkpointing()"):
+        assert source.index(before) < call.start(), (script.name, before)
+    prepared = re.search(rf"\n +{model}, .*= accelerator\.prepare\(", source)
+    assert prepared and call.start() < prepared.start(), script.name

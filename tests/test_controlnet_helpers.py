@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
 from training_utils.args import training_parser
+from training_utils.buckets import validation_size
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_from_unet, controlnet_how_to_load, dataset_columns,
-                                       load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator,
-                                       pick_training_caption)
+                                       load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator)
+from training_utils.data import drop_caption, pick_caption
 from training_utils.errors import UsageError
 
 
@@ -38,21 +39,18 @@ def conditioning(tiny, index):
 def test_flags_follow_diffusers_and_name_the_dataset_columns(tiny, tmp_path):
     args = parse(tiny, tmp_path, "--conditioning_image_column", "hint")
     assert args.controlnet_model_name_or_path is None and args.validation_image is None
-    assert args.proportion_empty_prompts == 0.0 and args.tracker_project_name == "test_project"
+    assert args.caption_dropout == 0.0 and args.tracker_project_name == "test_project"
+    # Upstream's --proportion_empty_prompts is the shared --caption_dropout (checked with the shared flags).
+    assert parse(tiny, tmp_path, "--proportion_empty_prompts", 0.3).caption_dropout == 0.3
     assert dataset_columns(args) == {"--image_column": "image", "--caption_column": "text",
                                      "--conditioning_image_column": "hint"}
     assert parse(tiny, tmp_path, "--controlnet_model_name_or_path", "owner/controlnet").controlnet_model_name_or_path
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--proportion_empty_prompts", "-0.1"], "--proportion_empty_prompts=-0.1: expected a number in [0, 1]"),
-    (["--controlnet_model_name_or_path", "SD"], "expected a ControlNetModel folder (with config.json)"),
-])
-def test_bad_flags_are_usage_errors(tiny, tmp_path, flags, message):
-    flags = [tiny["sd"] if flag == "SD" else flag for flag in flags]
+def test_a_folder_that_is_not_a_controlnet_is_a_usage_error(tiny, tmp_path):
     with pytest.raises(UsageError) as error:
-        parse(tiny, tmp_path, *flags)
-    assert message in str(error.value)
+        parse(tiny, tmp_path, "--controlnet_model_name_or_path", tiny["sd"])
+    assert "expected a ControlNetModel folder (with config.json)" in str(error.value)
 
 
 def test_validation_pairs_pair_one_to_one_or_share_one_side(tiny, tmp_path):
@@ -91,15 +89,19 @@ def test_unpaired_or_unreadable_validation_images_are_usage_errors(tiny, tmp_pat
 
 
 def test_training_captions_are_emptied_in_the_given_proportion_and_reproducibly():
+    # What the ControlNet scripts draw for a sample's caption.
     def captions(proportion, seed):
         generator = torch.Generator().manual_seed(seed)
-        return [pick_training_caption(["a", "b"], proportion, generator) for _ in range(200)]
+        return [drop_caption(pick_caption(["a", "b"], generator), proportion, generator) for _ in range(200)]
 
     assert "" not in captions(0.0, 0) and set(captions(0.0, 0)) == {"a", "b"}
     assert set(captions(1.0, 0)) == {""}
     emptied = captions(0.3, 0).count("")
     assert 40 <= emptied <= 80
     assert captions(0.3, 1) == captions(0.3, 1) and captions(0.3, 1) != captions(0.3, 2)
+    # Without dropout nothing more is drawn: the captions are those that pick_caption alone draws.
+    generator = torch.Generator().manual_seed(0)
+    assert captions(0.0, 0) == [pick_caption(["a", "b"], generator) for _ in range(200)]
 
 
 @pytest.fixture(scope="module")
@@ -226,15 +228,18 @@ def test_validator_renders_each_prompt_with_its_conditioning_image(tiny, tmp_pat
                                   trackers=[], wait_for_everyone=lambda: None)
     assert make_controlnet_validator(run_args(tiny, tmp_path), pipe, accelerator, []) is None
     pairs = load_validation_pairs(args)
-    validator = make_controlnet_validator(args, pipe, accelerator, pairs,
-                                          call_kwargs={"height": 32, "width": 32, "output_type": "pil"})
+    # Trained mostly in a 16x32 bucket: the square conditioning images are rendered at that size.
+    size = validation_size(args, [(16, 32), (32, 32), (16, 32)])
+    assert size == {"height": 16, "width": 32} and all(image.size == (64, 64) for _, image in pairs)
+    validator = make_controlnet_validator(args, pipe, accelerator, pairs, call_kwargs={**size, "output_type": "pil"})
     assert validator.prompts == ["a", "b"]
     assert [kwargs["image"] for kwargs in validator.prompt_kwargs] == [image for _, image in pairs]
     assert validator.conditioning_paths == ["validation/conditioning-p00.png", "validation/conditioning-p01.png"]
     records = validator(1, final=True)
     assert [(record["variant"], record["prompt"]) for record in records] == [("raw", "a"), ("raw", "b")]
-    first, second = (np.asarray(Image.open(tmp_path / record["images"][0])) for record in records)
-    assert not np.array_equal(first, second)  # the same seed, another conditioning image
+    first, second = (Image.open(tmp_path / record["images"][0]) for record in records)
+    assert first.size == second.size == (32, 16)
+    assert not np.array_equal(np.asarray(first), np.asarray(second))  # the same seed, another conditioning image
 
 
 def test_how_to_load_names_the_pipeline_and_the_first_conditioning_image(tiny, tmp_path):

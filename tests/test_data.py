@@ -51,7 +51,7 @@ def generator(seed):
 
 def test_output_shape_dtype_and_range():
     image = Image.fromarray(np.array([[[0, 255, 128]] * 40] * 24, dtype=np.uint8))
-    pixels, original_size, crop = ImageTransform(16, center_crop=True)(image, generator(0))
+    pixels, original_size, crop, _, _ = ImageTransform(16, center_crop=True)(image, generator(0))
     assert pixels.shape == (3, 16, 16)
     assert pixels.dtype == torch.float32
     assert pixels.is_contiguous()
@@ -67,9 +67,9 @@ def test_grayscale_and_rgba_become_three_channels():
     gray = Image.fromarray(np.full((8, 8), 200, dtype=np.uint8), mode="L")
     rgba = Image.fromarray(np.full((8, 8, 4), 50, dtype=np.uint8), mode="RGBA")
     for image in (gray, rgba):
-        pixels, _, _ = ImageTransform(8, center_crop=True)(image, generator(0))
+        pixels = ImageTransform(8, center_crop=True)(image, generator(0)).pixels
         assert pixels.shape == (3, 8, 8)
-    pixels, _, _ = ImageTransform(8, center_crop=True)(gray, generator(0))
+    pixels = ImageTransform(8, center_crop=True)(gray, generator(0)).pixels
     assert torch.allclose(pixels, torch.full((3, 8, 8), 200 / 127.5 - 1.0), atol=1e-6)
 
 
@@ -78,7 +78,7 @@ def test_center_crop_takes_the_exact_centre(height, width):
     # the short side already equals the resolution, so nothing is resampled
     resolution = min(height, width)
     image = position_image(height, width)
-    pixels, original_size, (top, left) = ImageTransform(resolution, center_crop=True)(image, generator(0))
+    pixels, original_size, (top, left), _, _ = ImageTransform(resolution, center_crop=True)(image, generator(0))
     assert original_size == (height, width)
     assert (top, left) == ((height - resolution) // 2, (width - resolution) // 2)
     values = decode(pixels)
@@ -93,14 +93,14 @@ def test_center_crop_ignores_generator():
     image = position_image(32, 64)
     transform = ImageTransform(32, center_crop=True, random_flip=False)
     outputs = [transform(image, generator(seed)) for seed in range(5)]
-    for pixels, size, crop in outputs[1:]:
+    for pixels, size, crop, _, _ in outputs[1:]:
         assert torch.equal(pixels, outputs[0][0])
         assert crop == outputs[0][2] == (0, 16)
 
 
 def test_resize_scales_the_short_side_to_the_resolution():
     image = position_image(64, 96)
-    pixels, original_size, (top, left) = ImageTransform(32, center_crop=True)(image, generator(0))
+    pixels, original_size, (top, left), _, _ = ImageTransform(32, center_crop=True)(image, generator(0))
     # resized to 32 x 48: centre crop at left 8, and the original size is the size before resizing
     assert original_size == (64, 96)
     assert (top, left) == (0, 8)
@@ -113,7 +113,7 @@ def test_resize_scales_the_short_side_to_the_resolution():
 
 def test_small_image_is_upscaled():
     image = position_image(10, 20)
-    pixels, original_size, (top, left) = ImageTransform(16, center_crop=True)(image, generator(0))
+    pixels, original_size, (top, left), _, _ = ImageTransform(16, center_crop=True)(image, generator(0))
     assert pixels.shape == (3, 16, 16)
     assert original_size == (10, 20)
     assert top == 0 and left == (32 - 16) // 2
@@ -144,7 +144,7 @@ def test_random_crop_returns_its_position(height, width):
     transform = ImageTransform(32, center_crop=False, random_flip=False)
     positions = set()
     for seed in range(20):
-        pixels, original_size, (top, left) = transform(image, generator(seed))
+        pixels, original_size, (top, left), _, _ = transform(image, generator(seed))
         assert original_size == (height, width)
         assert 0 <= top <= height - 32 and 0 <= left <= width - 32
         assert not is_flipped(pixels)
@@ -159,7 +159,7 @@ def test_random_crop_with_flip_returns_position_in_flipped_image(height, width):
     transform = ImageTransform(32, center_crop=False, random_flip=True)
     flips = []
     for seed in range(30):
-        pixels, original_size, (top, left) = transform(image, generator(seed))
+        pixels, original_size, (top, left), _, _ = transform(image, generator(seed))
         flipped = is_flipped(pixels)
         flips.append(flipped)
         assert original_size == (height, width)
@@ -173,7 +173,7 @@ def test_center_crop_with_flip_reports_mirrored_left():
     transform = ImageTransform(32, center_crop=True, random_flip=True)
     seen = set()
     for seed in range(20):
-        pixels, _, (top, left) = transform(image, generator(seed))
+        pixels, _, (top, left), _, _ = transform(image, generator(seed))
         flipped = is_flipped(pixels)
         seen.add(flipped)
         # the centre crop's left is 9 in the image and 51 - 9 - 32 = 10 in the mirrored one
@@ -203,7 +203,7 @@ def test_no_flip_without_random_flip():
     image = position_image(32, 32)
     transform = ImageTransform(32, center_crop=False, random_flip=False)
     for seed in range(10):
-        pixels, _, crop = transform(image, generator(seed))
+        pixels, _, crop, _, _ = transform(image, generator(seed))
         assert crop == (0, 0)
         assert np.array_equal(decode(pixels), np.asarray(image, dtype=np.int64))
 

@@ -1,5 +1,7 @@
-"""training_utils.dreambooth: checked inputs, instance and class data, side-effect-free class images."""
+"""training_utils.dreambooth: checked inputs, instance and class data (prompts, repeats, caption dropout, buckets),
+side-effect-free class images."""
 
+import math
 import shutil
 from types import SimpleNamespace
 
@@ -9,16 +11,30 @@ import torch
 from PIL import Image
 
 from training_utils.args import TrainingArgumentParser
+from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.cache import FrozenEncoders
-from training_utils.data import ImageTransform
+from training_utils.data import ImageTransform, make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
-                                       generate_class_images, instance_then_class_collate, list_images)
+                                       dreambooth_prompts, generate_class_images, instance_then_class_collate,
+                                       list_images)
 from training_utils.errors import UsageError
 
 
 def solid(path, value, size=(12, 8)):
     Image.new("RGB", size, (value, value, value)).save(path)
     return path
+
+
+def gradient(path, size=(64, 16)):
+    """An image whose columns all differ: where a random crop lands shows in its pixels."""
+    width, height = size
+    Image.fromarray(np.tile(np.arange(width, dtype=np.uint8)[None, :, None], (height, 1, 3))).save(path)
+    return path
+
+
+def buckets_of(resolution, multiple=8):
+    """The on-the-fly buckets a script makes for ``--resolution`` (`AspectRatioBuckets.from_args`)."""
+    return AspectRatioBuckets(on_the_fly_buckets(resolution, multiple), multiple)
 
 
 def scaled(value):
@@ -123,7 +139,8 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
     assert len(dataset) == 5
     for index in range(5):
         example = dataset[index]
-        assert example.keys() == {"instance", "class"}
+        assert example.keys() == {"instance", "class", "prompt_dropped"}
+        assert not example["prompt_dropped"]
         assert example["instance"].shape == (3, 8, 8)
         # Solid grey images: the pixel value says which file was read.
         assert torch.all(example["instance"] == scaled(10 * (index % 3)))
@@ -133,13 +150,11 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
 def test_dataset_without_class_images_has_the_instance_images_only(instance_dir):
     dataset = dreambooth_dataset(list_images(instance_dir), None, pixels_of(ImageTransform(8)), 0)
     assert len(dataset) == 3
-    assert dataset[1].keys() == {"instance"}
+    assert dataset[1].keys() == {"instance", "prompt_dropped"}
 
 
 def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
-    gradient = np.tile(np.arange(64, dtype=np.uint8)[None, :, None], (16, 1, 3))
-    Image.fromarray(gradient).save(tmp_path / "wide.png")
-    images = list_images(tmp_path)
+    images = [gradient(tmp_path / "wide.png")]
 
     def crops(seed, epoch):
         dataset = dreambooth_dataset(images, None, pixels_of(ImageTransform(16)), seed)
@@ -153,35 +168,151 @@ def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
     assert any(not torch.equal(first, other) for other in others)
 
 
-def test_with_cached_latents_the_dataset_draws_the_flips_the_uncached_one_draws(tmp_path, tiny_sd_pipe):
-    for kind, colour in (("instance", (200, 30, 30)), ("class", (30, 30, 200))):
+@pytest.mark.parametrize("instance_sizes, buckets", [([(40, 32), (40, 32)], None),
+                                                    ([(40, 32), (24, 48)], buckets_of(32))])
+def test_with_cached_latents_the_dataset_draws_the_flips_the_uncached_one_draws(tmp_path, tiny_sd_pipe,
+                                                                                instance_sizes, buckets):
+    # With buckets the one class image pairs with instance images of two buckets: it is cached at both shapes.
+    for kind, colour, sizes in (("instance", (200, 30, 30), instance_sizes), ("class", (30, 30, 200), [(40, 32)])):
         (tmp_path / kind).mkdir()
-        for index in range(2):
-            image = Image.new("RGB", (40, 32), colour)
-            image.paste((0, 255, 0), (0, 0, 6 + 4 * index, 32))  # asymmetric: a flip changes the latents
+        for index, (width, height) in enumerate(sizes):
+            image = Image.new("RGB", (width, height), colour)
+            image.paste((0, 255, 0), (0, 0, 6 + 4 * index, height))  # asymmetric: a flip changes the latents
             image.save(tmp_path / kind / f"{index}.png")
-    transform = ImageTransform(32, center_crop=True, random_flip=True)
+    transform = ImageTransform(32, center_crop=True, random_flip=True, buckets=buckets)
     instance_images, class_images = list_images(tmp_path / "instance"), list_images(tmp_path / "class")
     uncached = dreambooth_dataset(instance_images, class_images, pixels_of(transform), 5)
     cached = dreambooth_dataset(instance_images, class_images, pixels_of(transform, tiny_sd_pipe.vae), 5)
+    stripe_on_the_left = set()
     for epoch in range(3):
         uncached.set_epoch(epoch)
         cached.set_epoch(epoch)
-        batch = instance_then_class_collate([cached[index] for index in range(2)])["images"]
-        pixels = instance_then_class_collate([uncached[index] for index in range(2)])["images"]
-        with torch.no_grad():
-            expected = tiny_sd_pipe.vae.encode(pixels).latent_dist.parameters
-        torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-5)
+        for index in range(2):
+            latents = instance_then_class_collate([cached[index]])["images"]
+            pixels = instance_then_class_collate([uncached[index]])["images"]
+            stripe_on_the_left.add(bool(pixels[0, 1, 0, 0] > 0))  # green: unflipped
+            with torch.no_grad():
+                expected = tiny_sd_pipe.vae.encode(pixels).latent_dist.parameters
+            torch.testing.assert_close(latents, expected, atol=1e-5, rtol=1e-5)
+    assert stripe_on_the_left == {False, True}  # both flips drawn
+    shapes = {tuple(uncached[index]["instance"].shape[1:]) for index in range(2)}
+    assert len(shapes) == (1 if buckets is None else 2)
 
 
-def test_the_collate_puts_the_instance_half_first():
-    examples = [{"instance": torch.full((3, 2, 2), float(i)), "class": torch.full((3, 2, 2), 10.0 + i)}
-                for i in range(3)]
+def test_the_collate_puts_the_instance_half_first_each_image_with_its_prompt():
+    examples = [{"instance": torch.full((3, 2, 2), float(i)), "class": torch.full((3, 2, 2), 10.0 + i),
+                 "prompt_dropped": torch.tensor(False)} for i in range(3)]
     batch = instance_then_class_collate(examples)
-    assert batch.keys() == {"images"}
+    assert batch.keys() == {"images", "prompt_index"}
     assert batch["images"][:, 0, 0, 0].tolist() == [0, 1, 2, 10, 11, 12]
-    instance_only = instance_then_class_collate([{"instance": e["instance"]} for e in examples])
+    # Without dropout, indexing the prompts' embeddings is what repeating each half's prompt was, bit for bit.
+    assert batch["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
+    prompt_embeds = torch.randn(2, 4, 8)
+    assert torch.equal(prompt_embeds[batch["prompt_index"]], prompt_embeds.repeat_interleave(3, dim=0))
+    instance_only = instance_then_class_collate([{"instance": e["instance"], "prompt_dropped": e["prompt_dropped"]}
+                                                 for e in examples])
     assert instance_only["images"][:, 0, 0, 0].tolist() == [0, 1, 2]
+    assert instance_only["prompt_index"].tolist() == [0, 0, 0]
+
+
+def prompt_args(with_prior_preservation, caption_dropout):
+    return SimpleNamespace(instance_prompt="a photo of sks dog", class_prompt="a photo of a dog",
+                           with_prior_preservation=with_prior_preservation, caption_dropout=caption_dropout)
+
+
+@pytest.mark.parametrize("with_prior_preservation, caption_dropout, expected", [
+    (False, 0.0, ["a photo of sks dog"]),
+    (True, 0.0, ["a photo of sks dog", "a photo of a dog"]),
+    (False, 0.3, ["a photo of sks dog", ""]),
+    (True, 1.0, ["a photo of sks dog", "a photo of a dog", ""]),
+])
+def test_the_prompts_are_the_instance_prompt_then_the_class_prompt_then_the_empty_one(
+        with_prior_preservation, caption_dropout, expected):
+    assert dreambooth_prompts(prompt_args(with_prior_preservation, caption_dropout)) == expected
+
+
+@pytest.mark.parametrize("with_prior_preservation", [False, True])
+def test_the_collates_prompt_index_drops_instance_prompts_and_never_a_class_prompt(with_prior_preservation):
+    prompts = dreambooth_prompts(prompt_args(with_prior_preservation, 0.3))
+    dropped = [False, True, True, False]
+    examples = [{"instance": torch.zeros(3, 2, 2), "prompt_dropped": torch.tensor(drop),
+                 **({"class": torch.ones(3, 2, 2)} if with_prior_preservation else {})} for drop in dropped]
+    batch = instance_then_class_collate(examples)
+    assert len(batch["prompt_index"]) == len(batch["images"])
+    instance, empty, cls = "a photo of sks dog", "", "a photo of a dog"
+    assert [prompts[index] for index in batch["prompt_index"]] == (
+        [instance, empty, empty, instance] + [cls] * 4 * with_prior_preservation)
+
+
+def test_repeats_see_each_instance_image_repeats_times_each_with_draws_of_its_own(tmp_path):
+    instance_images = [gradient(tmp_path / f"{index}.png") for index in range(2)]
+    (tmp_path / "class").mkdir()
+    class_images = [solid(tmp_path / "class" / f"{index}.png", 100 + 10 * index) for index in range(5)]
+    dataset = dreambooth_dataset(instance_images, class_images, pixels_of(ImageTransform(16)), 0, repeats=3)
+    # 2 images 3 times: 6 samples, more than the 5 class images, which cycle.
+    assert len(dataset) == 6
+    assert [example["instance"] for example in dataset.examples] == instance_images * 3
+    assert [example["class"] for example in dataset.examples] == class_images + class_images[:1]
+    # The same image, repeated, is cropped anew each time (the repeats are samples of their own), and again the
+    # same way for the same seed and epoch.
+    crops = [dataset[index]["instance"] for index in (0, 2, 4)]
+    assert any(not torch.equal(crops[0], other) for other in crops[1:])
+    assert all(torch.equal(crop, dataset[index]["instance"]) for crop, index in zip(crops, (0, 2, 4)))
+    assert len(dreambooth_dataset(instance_images, class_images, pixels_of(ImageTransform(16)), 0, repeats=2)) == 5
+
+
+def test_with_buckets_each_pair_trains_at_its_instance_images_bucket(tmp_path):
+    # Landscape, portrait, square and 4:1 instance images; square class images, each paired with several shapes.
+    sizes = [(64, 32), (32, 64), (48, 48), (96, 24)]
+    (tmp_path / "instance").mkdir()
+    (tmp_path / "class").mkdir()
+    instance_images = [solid(tmp_path / "instance" / f"{index}.png", 10 * index, size)
+                       for index, size in enumerate(sizes)]
+    class_images = [solid(tmp_path / "class" / f"{index}.png", 100 + 10 * index, (40, 40)) for index in range(3)]
+    transform = ImageTransform(32, center_crop=True, buckets=buckets_of(32))
+    dataset = dreambooth_dataset(instance_images, class_images, pixels_of(transform), 0, repeats=2)
+    expected = [transform.shape_of(*size) for size in sizes] * 2
+    assert len(set(expected)) == 4 and all(shape != (32, 32) for shape in expected[:2])
+    assert dataset.shapes == expected
+    for index, shape in enumerate(expected):
+        sample = dataset[index]
+        assert sample["instance"].shape[1:] == sample["class"].shape[1:] == shape
+        assert torch.all(sample["instance"] == scaled(10 * (index % 4)))
+        assert torch.all(sample["class"] == scaled(100 + 10 * (index % 3)))
+    # Batched by bucket: each batch is one tensor of one shape, its halves lined up.
+    batches = list(make_dataloader(dataset, 2, 0, instance_then_class_collate, seed=0))
+    assert len(batches) == 4
+    for batch in batches:
+        assert batch["images"].shape[0] == 4 and tuple(batch["images"].shape[2:]) in expected
+        assert batch["prompt_index"].tolist() == [0, 0, 1, 1]
+
+
+def test_caption_dropout_drops_instance_prompts_at_its_rate_reproducibly(tmp_path):
+    probability, repeats = 0.3, 1000
+    image = solid(tmp_path / "0.png", 10, size=(8, 8))
+    class_image = solid(tmp_path / "1.png", 20, size=(8, 8))
+
+    def prompt_index(seed, epoch, samples=repeats):
+        """The prompt_index of the dataset's first ``samples`` samples (their instance images', then their class
+        images')."""
+        dataset = dreambooth_dataset([image], [class_image], pixels_of(ImageTransform(8)), seed, repeats,
+                                     caption_dropout=probability)
+        dataset.set_epoch(epoch)
+        return instance_then_class_collate([dataset[index] for index in range(samples)])["prompt_index"]
+
+    index = prompt_index(0, 0)
+    instance_half, class_half = index.chunk(2)
+    assert torch.all(class_half == 1), "a class prompt was dropped"
+    assert set(instance_half.tolist()) == {0, 2}
+    # Binomial(1000, 0.3): 300 ± 14.5; 4 sigmas fail a correct implementation once in 16,000 seeds.
+    dropped = int((instance_half == 2).sum())
+    sigma = math.sqrt(repeats * probability * (1 - probability))
+    assert abs(dropped - repeats * probability) <= 4 * sigma, dropped
+    # The same seed and epoch draw the same drops; another epoch or seed others (compared on 100 samples).
+    assert torch.equal(index, prompt_index(0, 0))
+    assert torch.equal(prompt_index(0, 0, 100).chunk(2)[0], instance_half[:100])
+    assert not torch.equal(prompt_index(0, 1, 100).chunk(2)[0], instance_half[:100])
+    assert not torch.equal(prompt_index(1, 0, 100).chunk(2)[0], instance_half[:100])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,10 +81,15 @@ def test_a_folder_without_the_configurations_fails_in_one_line(tiny):
                                 "whose text_encoder and transformer configurations load")
 
 
-def test_sampling_towards_the_training_target_follows_the_training_path(pipe, parse, monkeypatch):
+# A square, and a non-square aspect-ratio bucket (24 pixels high, 40 wide): the tokens' position ids, which place
+# them for the rotary embedding, are the pipeline's for that height and width.
+@pytest.mark.parametrize("height, width", [(32, 32), (24, 40)])
+def test_sampling_towards_the_training_target_follows_the_training_path(pipe, parse, monkeypatch, height, width):
     settings = flux2.prompt_settings(pipe, parse("--max_sequence_length", 16))
     generator = torch.Generator().manual_seed(0)
-    vae_latents = torch.randn(1, 4, 16, 16, generator=generator)  # what the VAE makes of a 32-pixel image
+    scale = pipe.vae_scale_factor
+    # What the VAE makes of a height x width image.
+    vae_latents = torch.randn(1, 4, height // scale, width // scale, generator=generator)
     latents = flux2.normalized_latents(pipe, vae_latents)
     noise = torch.randn(latents.shape, generator=generator)
     target = velocity(latents, noise)
@@ -98,8 +103,8 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
         return (target_tokens,)
 
     monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
-    sampled = pipe(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=4, guidance_scale=1.0, latents=noise,
-                   output_type="latent", **settings).images
+    sampled = pipe(prompt=PROMPTS[0], height=height, width=width, num_inference_steps=4, guidance_scale=1.0,
+                   latents=noise, output_type="latent", **settings).images
     # Straight from the noise to the latents the target points away from, in the VAE's own layout and scale.
     torch.testing.assert_close(sampled, vae_latents, rtol=0, atol=1e-5)
 
@@ -113,6 +118,10 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         assert torch.equal(call["encoder_hidden_states"], prompt_embeds) and torch.equal(call["txt_ids"], text_ids)
         assert call["guidance"] is None
+    # Each token's (time, row, column, layer) ids: the image's rows and columns of 2×2 patches, row by row.
+    rows, columns = height // scale // 2, width // scale // 2
+    assert calls[0]["img_ids"][0, :, 1:3].tolist() == [[row, column] for row in range(rows)
+                                                       for column in range(columns)]
     # The first step starts from pure noise; the steps' noise levels are shifted for the image size by the pipeline.
     assert torch.equal(calls[0]["hidden_states"], pipe._pack_latents(noise))
     assert pipe.scheduler.sigmas[0] == 1 and pipe.scheduler.config.use_dynamic_shifting

@@ -1,6 +1,7 @@
 """TrainingLoop on a toy regression: step bookkeeping, due work, preemption and a broken loss."""
 
 import os
+import shutil
 import signal
 import traceback
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from training_utils.accelerator import end_training
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
 from training_utils.export import TensorsExport
-from training_utils.errors import RunStopped
+from training_utils.errors import RunStopped, UsageError
 from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
 from training_utils.optimization import training_length
 from training_utils.pipeline import trainable_parameters
@@ -56,8 +57,9 @@ class RecordingValidator:
 
 
 def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3,
-            posthoc_sigma_rels=None):
-    """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal."""
+            posthoc_sigma_rels=None, shapes=None):
+    """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal; ``shapes`` puts
+    the samples in aspect-ratio buckets."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     export = TensorsExport({"model": model})
@@ -70,8 +72,8 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
     def preprocess(index, generator):
         return {"x": inputs[index], "y": targets[index] + 0.1 * torch.randn(1, generator=generator)}
 
-    dataloader = accelerator.prepare(make_dataloader(TrainDataset(list(range(NUM_SAMPLES)), preprocess, seed=0),
-                                                     BATCH, 0, stack_collate, seed=0))
+    dataset = TrainDataset(list(range(NUM_SAMPLES)), preprocess, seed=0, shapes=shapes)
+    dataloader = accelerator.prepare(make_dataloader(dataset, BATCH, 0, stack_collate, seed=0))
     args = SimpleNamespace(gradient_accumulation_steps=1, checkpointing_steps=4, validation_steps=validation_steps,
                            validation_epochs=None, output_dir=str(output_dir), max_train_steps=max_train_steps,
                            num_train_epochs=1, ema_posthoc_snapshot_steps=3, resume_from_checkpoint=resume,
@@ -121,6 +123,20 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(accelerator, 
     _, _, expected_state, expected_ema = toy_run(accelerator, tmp_path / "b", max_train_steps=7)
     assert all(torch.equal(state[name], expected_state[name]) for name in state)
     assert all(torch.equal(ema[name], expected_ema[name]) for name in ema)
+
+
+def test_with_buckets_a_resumed_run_ends_as_the_straight_one_and_other_buckets_are_refused(accelerator, tmp_path):
+    shapes = [(8, 16)] * 5 + [(16, 8)] * 5  # 3 + 3 batches an epoch, the last of each filled up
+    toy_run(accelerator, tmp_path / "a", max_train_steps=9, shapes=shapes)
+    reset(accelerator)
+    _, _, straight, _ = toy_run(accelerator, tmp_path / "b", max_train_steps=9, shapes=shapes)
+    shutil.rmtree(tmp_path / "b" / "checkpoint-8")
+    reset(accelerator)
+    _, _, resumed, _ = toy_run(accelerator, tmp_path / "b", max_train_steps=9, resume="latest", shapes=shapes)
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+    reset(accelerator)
+    with pytest.raises(UsageError, match="other aspect-ratio buckets"):
+        toy_run(accelerator, tmp_path / "a", max_train_steps=9, resume="latest", shapes=[(8, 16), (16, 8)] * 5)
 
 
 def test_a_non_finite_loss_stops_before_anything_is_written(accelerator, tmp_path):

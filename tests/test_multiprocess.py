@@ -1,14 +1,16 @@
-"""The LoRA script on two CPU processes (gloo): no hang, one writer, a consistent EMA, exact resume, the
-encoding shared."""
+"""The LoRA script on two CPU processes (gloo), on images of mixed shapes in aspect-ratio buckets: no hang, one
+writer, a consistent EMA, exact resume, the encoding shared."""
 
 import json
 import shutil
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch_processes
+from training_utils.tiny import MIXED_SIZES, build_shapes
 from training_utils.testing import rendered_images
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
@@ -16,8 +18,17 @@ LORA = "pytorch_lora_weights.safetensors"
 DECAY = 0.9
 
 
-def flags(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
+@pytest.fixture(scope="module")
+def mixed_shapes(tmp_path_factory):
+    """36 captioned images in the six `tiny.MIXED_SIZES`, in five buckets: 18 batches of 2, 9 steps an epoch on each
+    process."""
+    path = tmp_path_factory.mktemp("mixed_shapes")
+    build_shapes(path, num_images=36, sizes=MIXED_SIZES)
+    return path
+
+
+def flags(tiny, data, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", data, "--use_aspect_ratio_buckets",
             "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--max_train_steps", 4,
             "--checkpointing_steps", 1, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", DECAY,
             "--seed", 3, "--report_to", "none", "--validation_prompt", "a red circle", "--num_validation_images", 1,
@@ -29,16 +40,16 @@ def log_records(output_dir):
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tiny, tmp_path_factory):
+def two_process_run(tiny, mixed_shapes, tmp_path_factory):
     """The text embeddings cached on disk, in ``output_dir / "features"``."""
     output_dir, _ = launch_processes(
         SCRIPT, lambda: tmp_path_factory.mktemp("two_processes"),
-        lambda output_dir: flags(tiny, output_dir, "--feature_cache_dir", output_dir / "features"))
+        lambda output_dir: flags(tiny, mixed_shapes, output_dir, "--feature_cache_dir", output_dir / "features"))
     return output_dir
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tiny, two_process_run, tmp_path_factory):
+def resumed_run(tiny, mixed_shapes, two_process_run, tmp_path_factory):
     """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint; the text embeddings
     cached in memory."""
     def prepare():
@@ -47,14 +58,16 @@ def resumed_run(tiny, two_process_run, tmp_path_factory):
         return output_dir
 
     resume = ["--resume_from_checkpoint", "latest", "--checkpoints_total_limit", 1]
-    output_dir, result = launch_processes(SCRIPT, prepare, lambda output_dir: flags(tiny, output_dir, *resume))
+    output_dir, result = launch_processes(SCRIPT, prepare,
+                                          lambda output_dir: flags(tiny, mixed_shapes, output_dir, *resume))
     return output_dir, result.stdout
 
 
 def test_only_the_main_process_writes_validation_and_outputs(two_process_run):
     records = log_records(two_process_run)
     assert [(r["step"], r["variant"]) for r in records] == [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")]
-    assert len(rendered_images(two_process_run)) == 4
+    # At the most common bucket, 24x40 (height x width): the 2:1 and the 4:3 landscapes train there.
+    assert [Image.open(path).size for path in rendered_images(two_process_run)] == [(40, 24)] * 4
     assert (two_process_run / LORA).is_file() and (two_process_run / "ema" / LORA).is_file()
     assert (two_process_run / "README.md").read_text().count("a red circle") >= 1
 

@@ -124,14 +124,20 @@ def test_the_one_frame_vae_encodes_images_as_the_pipelines_video_vae(pipe):
     assert parameters.shape == (2, 2 * pipe.vae.config.z_dim, 1, 16, 16) and torch.equal(parameters, expected)
 
 
-def test_sampling_towards_the_training_target_follows_the_training_path(pipe, parse, monkeypatch):
+# A square, and a non-square aspect-ratio bucket (24 pixels high, 40 wide): each image's (frames, rows, columns) of
+# patches, which place its tokens for the rotary embedding, are the pipeline's for that height and width.
+@pytest.mark.parametrize("height, width", [(32, 32), (24, 40)])
+def test_sampling_towards_the_training_target_follows_the_training_path(pipe, parse, monkeypatch, height, width):
     settings = qwen_image.prompt_settings(pipe, parse())
     generator = torch.Generator().manual_seed(0)
-    vae_latents = torch.randn(2, 4, 1, 16, 16, generator=generator)  # what the VAE makes of two 32-pixel images
+    latent_height, latent_width = height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+    # What the VAE makes of two height x width images.
+    vae_latents = torch.randn(2, 4, 1, latent_height, latent_width, generator=generator)
     latents = qwen_image.normalized_latents(pipe, vae_latents)
     noise = torch.randn(latents.shape, generator=generator)
     target = velocity(latents, noise)
-    packed_noise, target_tokens = (pipe._pack_latents(tensor, 2, 4, 16, 16) for tensor in (noise, target))
+    packed_noise, target_tokens = (pipe._pack_latents(tensor, 2, 4, latent_height, latent_width)
+                                   for tensor in (noise, target))
     # The transformer's output tokens that the training step reads back as exactly the target.
     assert torch.equal(qwen_image.unpack(pipe, target_tokens, latents), target)
     calls, decoded = [], []
@@ -142,11 +148,11 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
 
     def decode(latents, return_dict=True):
         decoded.append(latents)
-        return (torch.zeros(2, 3, 1, 32, 32),)
+        return (torch.zeros(2, 3, 1, height, width),)
 
     monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
     monkeypatch.setattr(pipe.vae, "decode", decode)
-    pipe(prompt=PROMPTS, height=32, width=32, num_inference_steps=4, true_cfg_scale=1.0, latents=packed_noise,
+    pipe(prompt=PROMPTS, height=height, width=width, num_inference_steps=4, true_cfg_scale=1.0, latents=packed_noise,
          output_type="np", **settings)
     # Straight from the noise to the latents the target points away from, given to the VAE in its own scale.
     torch.testing.assert_close(decoded[0], vae_latents, rtol=0, atol=1e-5)
@@ -159,7 +165,8 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step].expand(2)
         expected = qwen_image.image_inputs(pipe, add_noise(latents, noise, sigma), timestep)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
-        assert torch.equal(call["timestep"], expected["timestep"]) and call["img_shapes"] == expected["img_shapes"]
+        assert torch.equal(call["timestep"], expected["timestep"])
+        assert call["img_shapes"] == expected["img_shapes"] == [[(1, latent_height // 2, latent_width // 2)]] * 2
         assert torch.equal(call["encoder_hidden_states"], prompt_embeds)
         assert torch.equal(call["encoder_hidden_states_mask"], mask) and call["guidance"] is None
     # The first step starts from pure noise; the pipeline shifts the steps' noise levels for the image size with the

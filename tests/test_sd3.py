@@ -69,6 +69,24 @@ def test_prompt_embeddings_are_both_clips_padded_then_t5_and_pooled_is_both_proj
     assert torch.equal(pooled, torch.cat([first.text_embeds, second.text_embeds], dim=-1))
 
 
+def test_each_images_prompt_indexed_from_the_distinct_prompts_embeds_as_that_prompt_alone(sd3_pipe):
+    # What the DreamBooth script does: the instance, class and empty prompts are embedded once (in every step when
+    # the encoders train) and each image of a batch takes its own by `prompt_index`; upstream embeds every image's
+    # prompt. The two agree: no prompt's embedding depends on the others in its batch.
+    prompts = [PROMPTS[0], PROMPTS[1], ""]
+    prompt_index = torch.tensor([0, 2, 0, 1, 1, 1])
+
+    def embed(texts):
+        with torch.no_grad():
+            return encode_prompt(text_encoders(sd3_pipe), tokenize_prompt(tokenizers(sd3_pipe), texts, 16))
+
+    prompt_embeds, pooled = embed(prompts)
+    expected, expected_pooled = embed([prompts[index] for index in prompt_index])
+    torch.testing.assert_close(prompt_embeds[prompt_index], expected)
+    torch.testing.assert_close(pooled[prompt_index], expected_pooled)
+    assert not torch.allclose(prompt_embeds[2], prompt_embeds[0])  # the empty prompt is a prompt of its own
+
+
 def test_gradients_reach_the_clip_encoders_adapters(tiny):
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny["sd3"])  # its own copy: adapters are added
     for text_encoder in (pipe.text_encoder, pipe.text_encoder_2):

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
+from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.data import ImageTransform
 from training_utils.errors import UsageError
 from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
@@ -60,10 +61,25 @@ def test_prompt_embeddings_are_the_penultimate_layers_of_both_encoders_and_the_p
 def test_time_ids_of_a_known_crop_equal_the_pipelines():
     # A 64 x 48 (w x h) image resized to 43 x 32 and centre-cropped to 32: top 0, left (43 - 32) // 2 = 5.
     transform = ImageTransform(32, center_crop=True)
-    _, original_size, crop_top_left = transform(Image.new("RGB", (64, 48)), torch.Generator().manual_seed(0))
-    ids = time_ids(original_size, crop_top_left, (32, 32))
+    laid_out = transform(Image.new("RGB", (64, 48)), torch.Generator().manual_seed(0))
+    ids = time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)
     assert torch.equal(ids, torch.tensor([48.0, 64.0, 0.0, 5.0, 32.0, 32.0]))
     assert ids.dtype == torch.float32
+
+
+def test_time_ids_of_a_bucketed_image_hold_its_bucket_as_the_target_size(sdxl_pipe):
+    # A 70 x 50 (w x h) image goes to the 24 x 40 (h x w) bucket of resolution 32: resized to 40 x 29 and
+    # centre-cropped to it, top (29 - 24) // 2 = 2. It trains at 24 x 40, as the pipeline renders at height 24,
+    # width 40, and its time ids say so, not the 32 x 32 of --resolution.
+    buckets = AspectRatioBuckets(on_the_fly_buckets(32, 8), 8)
+    laid_out = ImageTransform(32, center_crop=True, buckets=buckets)(Image.new("RGB", (70, 50)),
+                                                                     torch.Generator().manual_seed(0))
+    assert laid_out.pixels.shape == (3, 24, 40) and laid_out.size == (24, 40)
+    ids = time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)
+    assert torch.equal(ids, torch.tensor([50.0, 70.0, 2.0, 0.0, 24.0, 40.0]))
+    expected = sdxl_pipe._get_add_time_ids((50, 70), (2, 0), (24, 40), torch.float32,
+                                           text_encoder_projection_dim=sdxl_pipe.text_encoder_2.config.projection_dim)
+    assert torch.equal(ids.unsqueeze(0), expected)
 
 
 def test_time_ids_match_the_pipelines_layout_and_fit_the_unet(sdxl_pipe):

@@ -14,7 +14,7 @@ from training_utils.errors import UsageError
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
                                     assert_validated_at, checkpoint_names, checkpoint_weight_files, differing_keys,
-                                    read_log, rendered_images)
+                                    most_common_bucket, read_log, rendered_images, reported_buckets)
 
 SCRIPT = "controlnet/train_controlnet.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -25,14 +25,20 @@ def conditioning(tiny, index):
     return tiny["shapes_controlnet"] / "conditioning" / f"{index:04d}.png"
 
 
-def common(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes_controlnet"],
-            "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
-            "--random_flip", "--use_ema", "--ema_decay", 0.9, "--seed", 3, "--proportion_empty_prompts", 0.3, *extra]
+def common(tiny, output_dir, *extra, mixed=False):
+    """Random crops and flips, 30% empty prompts. On 64px squares with upstream's --proportion_empty_prompts; or,
+    ``mixed``, on pictures of mixed shapes in aspect-ratio buckets, each seen twice an epoch, with the same flag
+    by its shared name."""
+    data = (["--train_data_dir", tiny["shapes_mixed"], "--use_aspect_ratio_buckets", "--repeats", 2,
+             "--caption_dropout", 0.3] if mixed else
+            ["--train_data_dir", tiny["shapes_controlnet"], "--proportion_empty_prompts", 0.3])
+    return ["--pretrained_model_name_or_path", tiny["sd"], *data, "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
+            "--seed", 3, *extra]
 
 
-def pretrained(tiny, output_dir, *extra):
-    return common(tiny, output_dir, "--controlnet_model_name_or_path", tiny["controlnet"], *extra)
+def pretrained(tiny, output_dir, *extra, mixed=False):
+    return common(tiny, output_dir, "--controlnet_model_name_or_path", tiny["controlnet"], *extra, mixed=mixed)
 
 
 def validation_flags(tiny, steps, images=(0, 1)):
@@ -41,24 +47,27 @@ def validation_flags(tiny, steps, images=(0, 1)):
 
 
 def cache_flags(tiny, output_dir, *extra):
-    """4 steps from tiny/controlnet with center crops, random flips and empty prompts, a checkpoint every 2 steps,
-    validating one prompt every 2 steps. Learning rate 1e-4: the VAE's float noise (its result depends on the
-    batch it encodes) reaches the weights through Adam in proportion to the learning rate, while a wrong
-    layout or caption would move them by about the learning rate itself, far beyond the tolerance."""
+    """4 steps from tiny/controlnet on the mixed shapes in buckets, with center crops, random flips, empty prompts
+    and repeats, a checkpoint every 2 steps, validating one prompt every 2 steps. Learning rate 1e-4: the VAE's
+    float noise (its result depends on the batch it encodes) reaches the weights through Adam in proportion to
+    the learning rate, while a wrong layout or caption would move them by about the learning rate itself, far
+    beyond the tolerance."""
     return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
                       "--checkpointing_steps", 2,
                       "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
-                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
+                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra,
+                      mixed=True)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
-    - full: from tiny/controlnet, 8 steps, validation every 3 (and at the final step), a checkpoint every 3, the
-      newest kept;
+    - full: from tiny/controlnet on the mixed shapes in buckets, 8 steps, validation every 3 (and at the final
+      step), a checkpoint every 3, the newest kept;
     - from_unet: no --controlnet_model_name_or_path (the ControlNet is made from the UNet), EMA decay 0, one image
-      for both prompts; the base model's folder (``../model``) is deleted as soon as the pipeline has loaded;
+      for both prompts, validating at 16x32; the base model's folder (``../model``) is deleted as soon as the
+      pipeline has loaded;
     - uncached, cached: `cache_flags` without and with --cache_latents (text always cached).
     """
     root = tmp_path_factory.mktemp("runs")
@@ -66,11 +75,12 @@ def runs(tiny, tmp_path_factory):
     shutil.copytree(tiny["sd"], model)
     wrapper = deleting_after_load(EXAMPLES / SCRIPT, [model], root)
     from_unet_args = common(tiny, root / "from_unet", "--max_train_steps", 4, *validation_flags(tiny, 2, images=(5,)),
-                            "--ema_decay", 0, "--checkpointing_steps", 1000)
+                            "--validation_height", 16, "--validation_width", 32, "--ema_decay", 0,
+                            "--checkpointing_steps", 1000)
     from_unet_args[1] = model
     results = launch_together({
         "full": (SCRIPT, *pretrained(tiny, root / "full", "--max_train_steps", 8, *validation_flags(tiny, 3),
-                                     "--checkpointing_steps", 3, "--checkpoints_total_limit", 1)),
+                                     "--checkpointing_steps", 3, "--checkpoints_total_limit", 1, mixed=True)),
         "from_unet": (wrapper, *from_unet_args),
         "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
         "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
@@ -90,9 +100,15 @@ def test_writes_raw_and_ema_controlnet_that_load_and_differ(tiny, runs):
     assert f"ema ControlNet: {output_dir / 'ema'}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(runs):
-    output_dir, _ = runs["full"]
-    assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
+def test_trains_in_several_buckets_and_validates_at_the_due_steps_in_the_most_common_one(runs):
+    output_dir, result = runs["full"]
+    buckets = reported_buckets(result.stderr)
+    assert len(buckets) >= 3, result.stderr[-3000:]
+    # The (square) conditioning images rendered at the most common bucket's size (the largest among equals).
+    height, width = most_common_bucket(buckets)
+    assert height != width
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), PROMPTS, num_images=1)
+    assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(width, height)}
     assert len(rendered_images(output_dir)) == 3 * 2 * 2
 
 
@@ -120,12 +136,13 @@ def test_keeps_the_newest_checkpoint_within_the_limit(runs):
 
 
 def test_resumed_run_that_never_validates_prunes_and_ends_with_the_same_weights(tiny, tmp_path, runs):
-    # From the full run's checkpoint-6, mid-epoch, with random flips and empty prompts: the uninterrupted run, bit
-    # for bit. The full run validated after writing checkpoint-6 and at the final step, the resumed one never:
-    # validation and checkpointing leave the weights, the EMA, the optimizer and the RNG untouched.
+    # From the full run's checkpoint-6, mid-epoch (of 12 bucketed batches), with random crops, flips, empty prompts
+    # and repeats: the uninterrupted run, bit for bit. The full run validated after writing checkpoint-6 and at the
+    # final step, the resumed one never: validation and checkpointing leave the weights, the EMA, the optimizer and
+    # the RNG untouched.
     def resumed_flags(output_dir):
         return pretrained(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
-                          "--checkpoints_total_limit", 2)
+                          "--checkpoints_total_limit", 2, mixed=True)
 
     assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [WEIGHTS, f"ema/{WEIGHTS}"],
                            launch=launch)
@@ -166,9 +183,11 @@ def test_controlnet_from_the_unet_trains_without_rereading_the_base_model(tiny, 
     # Started as the UNet's encoder, and moved away from it.
     assert not torch.equal(raw["conv_in.weight"], unet["conv_in.weight"])
     assert torch.any(raw["controlnet_mid_block.weight"] != 0)
-    # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts.
-    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS)
+    # The final step (4) is also a due step (every 2): validated once, raw and EMA; one image for both prompts,
+    # rendered at --validation_height x --validation_width.
+    log = assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS)
     assert sorted(p.name for p in (output_dir / "validation").glob("conditioning-*.png")) == ["conditioning-p00.png"]
+    assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(32, 16)}
 
 
 def test_ema_decay_zero_equals_the_raw_weights(runs):
@@ -209,7 +228,7 @@ def script():
         (["--validation_image", "IMAGE"], "expected one conditioning image per --validation_prompt (0)"),
         (["--validation_prompt", "a", "--validation_image", "missing.png"],
          "--validation_image='missing.png': expected an existing image file"),
-        (["--proportion_empty_prompts", 1.5], "--proportion_empty_prompts=1.5: expected a number in [0, 1]"),
+        (["--proportion_empty_prompts", 1.5], "--caption_dropout=1.5: expected a number in [0, 1]"),
         (["--controlnet_model_name_or_path", "SD"], "expected a ControlNetModel folder (with config.json)"),
     ],
 )
@@ -235,7 +254,8 @@ def test_validation_pairs_follow_the_upstream_rules(tiny, tmp_path, script):
 
 
 def test_cached_latents_train_as_the_uncached_run(tiny, runs):
-    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    (uncached, _), (cached, result) = runs["uncached"], runs["cached"]
+    assert len(reported_buckets(result.stderr)) >= 3, result.stderr[-3000:]
     initial = ControlNetModel.from_pretrained(tiny["controlnet"]).state_dict()
     for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
         cached_weights = assert_close_files(uncached / weights, cached / weights)

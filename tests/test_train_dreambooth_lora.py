@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, usage_error
 from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
-                                    assert_same_files, assert_validated_at, checkpoint_names, rendered_images)
+                                    assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
+                                    rendered_images, reported_buckets)
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -32,6 +34,13 @@ def prior_flags(class_dir):
             "--train_text_encoder", "--ema_decay", 0, "--max_train_steps", 3, "--checkpointing_steps", 1000]
 
 
+def bucketed(tiny):
+    """The 6 instance images of mixed shapes in aspect-ratio buckets, each seen twice an epoch (12 samples), the
+    instance prompt dropped with probability 0.3."""
+    return ["--instance_data_dir", tiny["instance_mixed"], "--use_aspect_ratio_buckets", "--caption_dropout", 0.3,
+            "--repeats", 2]
+
+
 def snapshot(folder):
     return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in sorted(folder.iterdir())}
 
@@ -45,18 +54,23 @@ def four_images(tiny, tmp_path_factory):
     return ["--instance_data_dir", folder, "--train_batch_size", 1]
 
 
-def cache_flags(class_dir, *extra):
-    """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder), validating
-    and checkpointing every 2. The 6 instance images pair with 3 class images, each drawn twice an epoch."""
-    return ["--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
+def cache_flags(tiny, class_dir, *extra):
+    """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder) on the `bucketed`
+    images, validating and checkpointing every 2. The 12 samples pair with 3 class images, each drawn 4 times an
+    epoch and laid out to its instance image's bucket; every bucket holds an even number of them (each image is
+    there twice), so there are 6 batches an epoch and step 2 falls mid-epoch."""
+    return [*bucketed(tiny), "--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir,
+            "--class_prompt", CLASS_PROMPT,
             "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
             "--checkpointing_steps", 2, "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
             "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
 
 
-def trained_text_encoder_flags(*extra):
-    """3 center-cropped steps without prior preservation, the text encoder trained with the UNet."""
-    return ["--center_crop", "--train_text_encoder", "--max_train_steps", 3, "--checkpointing_steps", 1000, *extra]
+def trained_text_encoder_flags(tiny, *extra):
+    """3 center-cropped steps on the `bucketed` images without prior preservation, the text encoder trained with
+    the UNet (embedding the instance and the empty prompt in every step)."""
+    return [*bucketed(tiny), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
+            "--checkpointing_steps", 1000, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +83,7 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
     - prior_first, prior_second: `prior_flags` twice with the same class folder (``../prior_class``): the first
       run fills it, the second finds it full;
     - uncached, cached: `cache_flags` without and with --cache_latents; the uncached run generates the class images
-      (``../class``) that the cached run then encodes once, with the instance images;
+      (``../class``) that the cached run then encodes once per bucket they are drawn into, with the instance images;
     - trained_text_encoder_uncached, trained_text_encoder_cached: `trained_text_encoder_flags` without and with
       --cache_latents.
     """
@@ -80,16 +94,16 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
                                  "--validation_inference_steps", 2, "--validation_steps", 3,
                                  "--checkpointing_steps", 3)),
         "prior_first": (SCRIPT, *common(tiny, root / "prior_first", *prior_flags(root / "prior_class"))),
-        "uncached": (SCRIPT, *common(tiny, root / "uncached", *cache_flags(root / "class"))),
+        "uncached": (SCRIPT, *common(tiny, root / "uncached", *cache_flags(tiny, root / "class"))),
         "trained_text_encoder_uncached": (SCRIPT, *common(tiny, root / "trained_text_encoder_uncached",
-                                                          *trained_text_encoder_flags())),
+                                                          *trained_text_encoder_flags(tiny))),
         "trained_text_encoder_cached": (SCRIPT, *common(tiny, root / "trained_text_encoder_cached",
-                                                        *trained_text_encoder_flags("--cache_latents"))),
+                                                        *trained_text_encoder_flags(tiny, "--cache_latents"))),
     })
     after_first = snapshot(root / "prior_class")
     results |= launch_together({
         "prior_second": (SCRIPT, *common(tiny, root / "prior_second", *prior_flags(root / "prior_class"))),
-        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(root / "class", "--cache_latents"))),
+        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(tiny, root / "class", "--cache_latents"))),
     })
     return {name: (root / name, result) for name, result in results.items()}, after_first
 
@@ -195,6 +209,18 @@ def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, fla
     assert not output_dir.exists() and not (tmp_path / "class").exists()
 
 
+@pytest.mark.parametrize("name", ["uncached", "cached"])
+def test_bucketed_runs_train_in_several_buckets_and_validate_at_the_most_common(runs, name):
+    output_dir, result = runs[name]
+    buckets = reported_buckets(result.stderr)
+    # The 6 images twice, in several buckets (each image's own bucket, for both repeats).
+    assert sum(buckets.values()) == 12 and len(buckets) > 2 and all(images % 2 == 0 for images in buckets.values())
+    # The most common bucket (of equally common ones, the largest); PIL gives (width, height).
+    height, width = most_common_bucket(buckets)
+    images = rendered_images(output_dir)
+    assert len(images) == 4 and all(Image.open(path).size == (width, height) for path in images)
+
+
 def test_cached_run_with_prior_preservation_matches_the_uncached_one(runs):
     (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     for name in (LORA, f"ema/{LORA}"):
@@ -212,7 +238,7 @@ def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, r
     class_dir = cached.parent / "class"
 
     def resumed_flags(output_dir):
-        return common(tiny, output_dir, *cache_flags(class_dir, "--cache_latents"))
+        return common(tiny, output_dir, *cache_flags(tiny, class_dir, "--cache_latents"))
 
     result = assert_resumes_exactly(SCRIPT, resumed_flags, cached, tmp_path, 2, [LORA, f"ema/{LORA}"], launch=launch)
     assert f"{class_dir} holds 3 class images; none generated" in result.stdout

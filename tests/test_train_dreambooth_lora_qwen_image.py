@@ -3,22 +3,26 @@
 That the training step feeds the transformer what the pipeline's sampling loop feeds it is `test_qwen_image`'s
 check."""
 
-import shutil
 
 import pytest
 import torch
 from diffusers import QwenImagePipeline
+from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, usage_error
-from training_utils.testing import (assert_lora_changes_pipeline_output, assert_resumes_exactly, assert_validated_at,
-                                    checkpoint_names)
+from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
+                                    assert_resumes_exactly, assert_validated_at, checkpoint_names, most_common_bucket,
+                                    reported_buckets)
 
 SCRIPT = "dreambooth/train_dreambooth_lora_qwen_image.py"
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
 # Shorter than the instance prompt: batched with it, its embedding is padded and masked.
 CLASS_PROMPT = "a triangle"
+# The instance pictures of mixed shapes (tiny's instance_mixed) in aspect-ratio buckets, each picture twice an epoch
+# (12 samples: an epoch of at least 6 batches of 2), 30% of the samples on the empty prompt.
+BUCKETED_SAMPLES = 12
 
 
 def common(tiny, output_dir, *extra):
@@ -29,39 +33,38 @@ def common(tiny, output_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def four_images(tiny, tmp_path_factory):
-    """Flags for 4 instance images, one per batch: 4 steps an epoch, so step 6 falls mid-epoch."""
-    folder = tmp_path_factory.mktemp("four")
-    for path in sorted(tiny["instance"].iterdir())[:4]:
-        shutil.copy(path, folder / path.name)
-    return ["--instance_data_dir", folder, "--train_batch_size", 1]
+def bucketed(tiny):
+    """The flags of `BUCKETED_SAMPLES`."""
+    return ["--instance_data_dir", tiny["instance_mixed"], "--use_aspect_ratio_buckets", "--repeats", 2,
+            "--caption_dropout", 0.3]
 
 
 @pytest.fixture(scope="module")
-def runs(tiny, four_images, tmp_path_factory):
+def runs(tiny, bucketed, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
-    - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3, the VAE
-      off the accelerator between steps (--offload);
+    - full: 8 `bucketed` steps, validating every 3 steps and at the end, checkpointing every 4 (step 4 falls
+      mid-epoch), the VAE off the accelerator between steps (--offload);
     - cached: the same 8 steps with --cache_latents, on disk (--feature_cache_dir ``../features``), neither
       validating nor checkpointing;
-    - prior_int8: prior preservation (class images in ``../class``, a shorter class prompt) on an int8 transformer
-      under bf16 autocast, an adapter on one projection of each stream (the image's attention output, the text's
-      values), gradient checkpointing, 3 steps.
+    - prior_int8: prior preservation (class images in ``../class``, cropped to each sample's bucket; a shorter class
+      prompt) on the `bucketed` pictures (the instance, class and empty prompts in one run: two of them padded
+      and masked) on an int8 transformer under bf16 autocast, an adapter on one projection of each stream (the
+      image's attention output, the text's values), gradient checkpointing, 3 steps.
     """
     root = tmp_path_factory.mktemp("runs")
     results = launch_together({
-        "full": (SCRIPT, *common(tiny, root / "full", *four_images, "--max_train_steps", 8,
+        "full": (SCRIPT, *common(tiny, root / "full", *bucketed, "--max_train_steps", 8,
                                  "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
                                  "--validation_inference_steps", 2, "--validation_steps", 3,
-                                 "--checkpointing_steps", 3, "--offload")),
-        "cached": (SCRIPT, *common(tiny, root / "cached", *four_images, "--max_train_steps", 8,
+                                 "--checkpointing_steps", 4, "--offload")),
+        "cached": (SCRIPT, *common(tiny, root / "cached", *bucketed, "--max_train_steps", 8,
                                    "--checkpointing_steps", 1000, "--cache_latents",
                                    "--feature_cache_dir", root / "features")),
-        "prior_int8": (SCRIPT, *common(tiny, root / "prior_int8", "--with_prior_preservation", "--class_data_dir",
-                                       root / "class", "--class_prompt", CLASS_PROMPT, "--num_class_images", 2,
-                                       "--sample_batch_size", 2, "--class_inference_steps", 2, "--max_train_steps", 3,
-                                       "--quantize_base", "int8", "--mixed_precision", "bf16",
+        "prior_int8": (SCRIPT, *common(tiny, root / "prior_int8", *bucketed, "--with_prior_preservation",
+                                       "--class_data_dir", root / "class", "--class_prompt", CLASS_PROMPT,
+                                       "--num_class_images", 2, "--sample_batch_size", 2, "--class_inference_steps", 2,
+                                       "--max_train_steps", 3, "--quantize_base", "int8", "--mixed_precision", "bf16",
                                        "--lora_layers", "to_out.0,add_v_proj",
                                        "--weighting_scheme", "logit_normal", "--gradient_checkpointing")),
     })
@@ -82,39 +85,48 @@ def test_writes_raw_and_ema_transformer_lora_on_upstreams_default_layers(runs):
     assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
 
 
-def test_validates_at_the_due_steps_and_the_final_step_once(runs):
-    output_dir, _ = runs["full"]
+def test_trains_in_buckets_and_validates_at_the_due_steps_in_the_most_common_one(runs):
+    output_dir, result = runs["full"]
+    buckets = reported_buckets(result.stderr)
+    assert len(buckets) >= 3 and sum(buckets.values()) == BUCKETED_SAMPLES, result.stderr[-3000:]
     log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    # Rendered at the most common bucket's size (the largest among equals), not the --resolution square.
+    height, width = most_common_bucket(buckets)
+    assert height != width
+    assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(width, height)}
     card = (output_dir / "README.md").read_text()
     assert "QwenImagePipeline" in card and "load_lora_weights" in card and log[-1]["progress"] in card
-    assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
+    assert checkpoint_names(output_dir) == ["checkpoint-4", "checkpoint-8"]
 
 
-def test_resumed_mid_epoch_run_ends_with_the_same_weights(tiny, four_images, tmp_path, runs):
-    # From the full run's checkpoint-6, mid-epoch, with random flips, never validating: the uninterrupted run (which
-    # validated after writing checkpoint-6 and at the end), bit for bit.
+def test_resumed_mid_epoch_run_ends_with_the_same_weights(tiny, bucketed, tmp_path, runs):
+    # From the full run's checkpoint-4, mid-epoch (of at least 6 bucketed batches), with random flips, empty prompts
+    # and repeats, never validating: the uninterrupted run (which validated after steps 3 and 6 and at the end), bit
+    # for bit.
     def resumed_flags(output_dir):
-        return common(tiny, output_dir, *four_images, "--max_train_steps", 8, "--checkpointing_steps", 1000)
+        return common(tiny, output_dir, *bucketed, "--max_train_steps", 8, "--checkpointing_steps", 1000)
 
-    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [LORA, f"ema/{LORA}"], launch=launch)
+    assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 4, [LORA, f"ema/{LORA}"], launch=launch)
 
 
 def test_cached_latents_train_like_encoding_every_step_and_prompts_embed_as_the_pipeline_does(tiny, runs):
-    (cached_dir, _), (encoded_dir, _) = runs["cached"], runs["full"]
+    (cached_dir, result), (encoded_dir, _) = runs["cached"], runs["full"]
     for name in (LORA, f"ema/{LORA}"):
         cached, encoded = load_file(cached_dir / name), load_file(encoded_dir / name)
         assert cached.keys() == encoded.keys()
         for key in cached:  # the VAE ran on other batch sizes: equal up to float rounding
             torch.testing.assert_close(cached[key], encoded[key], rtol=1e-4, atol=1e-5)
-    latents, text = (load_file(next((cached_dir.parent / "features").glob(f"{kind}-*/shard-*")))
-                     for kind in ("latents", "text_embeddings"))
-    # Each image's latent distribution, unflipped and flipped, as a one-frame video.
-    assert latents["0/parameters"].shape == (4, 2, 8, 1, 16, 16) and latents["0/indices"].tolist() == [0, 1, 2, 3]
-    # What the run trained on is bitwise what the pipeline's encode_prompt gives, at its default length.
+    features = cached_dir.parent / "features"
     pipe = QwenImagePipeline.from_pretrained(tiny["qwen_image"])
+    latents = assert_latents_cached_per_bucket(features, result.stderr, pipe.vae_scale_factor)
+    assert all(parameters.shape[2:4] == (8, 1) for parameters in latents.values())  # as a one-frame video
+    # What the run trained on, the instance prompt and (for the dropped samples) the empty one, is bitwise what the
+    # pipeline's encode_prompt gives for the two, at its default length: the empty prompt padded and masked.
+    text = load_file(next(features.glob("text_embeddings-*/shard-*")))
     with torch.no_grad():
-        prompt_embeds, mask = pipe.encode_prompt(INSTANCE_PROMPT, max_sequence_length=512)
-    assert mask is None and torch.equal(text["0/0"], prompt_embeds) and text["0/1"].tolist() == [[1] * 10]
+        prompt_embeds, mask = pipe.encode_prompt([INSTANCE_PROMPT, ""], max_sequence_length=512)
+    assert torch.equal(text["0/0"], prompt_embeds) and torch.equal(text["0/1"], mask)
+    assert mask.sum(1).tolist() == [10, 5]
 
 
 def test_prior_preservation_on_an_int8_base_generates_class_images_and_trains_the_named_layers(runs):

@@ -5,23 +5,33 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, usage_error
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
-                                    checkpoint_names, rendered_images)
+                                    checkpoint_names, most_common_bucket, rendered_images, reported_buckets)
 
 SCRIPT = "text_to_image/train_text_to_image.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
 EMA_UNET = "ema/" + UNET
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
+# The mixed-shape pictures (12, with 12 distinct captions) in aspect-ratio buckets, each picture twice an epoch (an
+# epoch of 12 batches), 30% of the captions dropped.
+BUCKETED = ["--use_aspect_ratio_buckets", "--repeats", 2, "--caption_dropout", 0.3]
+MIXED_IMAGES = 12
 
 
-def common(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
+def common(tiny, output_dir, *extra, data_dir=None):
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", data_dir or tiny["shapes"],
             "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
             "--random_flip", "--use_ema", "--ema_decay", 0.9, "--seed", 3, *extra]
+
+
+def bucketed(tiny, output_dir, *extra):
+    """`common` on the mixed-shape pictures with `BUCKETED`."""
+    return common(tiny, output_dir, *BUCKETED, *extra, data_dir=tiny["shapes_mixed"])
 
 
 def assert_same(a, b):
@@ -36,10 +46,11 @@ def assert_differ(a, b):
 
 
 def full_flags(tiny, output_dir):
-    """8 steps, validating every 3 steps (and at the final step 8), a checkpoint every 2, the newest 2 kept."""
-    return common(tiny, output_dir, "--max_train_steps", 8, "--validation_prompt", *PROMPTS, "--num_validation_images",
-                  1, "--validation_inference_steps", 2, "--validation_steps", 3, "--checkpointing_steps", 2,
-                  "--checkpoints_total_limit", 2)
+    """8 `bucketed` steps, validating every 3 steps (and at the final step 8), a checkpoint every 2, the newest 2
+    kept."""
+    return bucketed(tiny, output_dir, "--max_train_steps", 8, "--validation_prompt", *PROMPTS,
+                    "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 3,
+                    "--checkpointing_steps", 2, "--checkpoints_total_limit", 2)
 
 
 def decay_zero_flags(tiny, output_dir, *extra):
@@ -47,22 +58,24 @@ def decay_zero_flags(tiny, output_dir, *extra):
 
 
 def cache_flags(tiny, output_dir, *extra):
-    """4 center-cropped, randomly flipped steps, validating and checkpointing every 2.
+    """4 `bucketed`, center-cropped, randomly flipped steps, validating and checkpointing every 2, at a validation
+    size of its own.
 
     Adam moves every UNet weight by up to the learning rate per step however small its gradient, so
     float-level differences (the VAE's results depend on its batch) grow with it: at 1e-3 they reach
     7e-5, at 5e-5 4e-6, while ignoring the flips would still change weights by 2e-4."""
-    return common(tiny, output_dir, "--center_crop", "--learning_rate", 5e-5, "--max_train_steps", 4,
-                  "--checkpointing_steps", 2, "--validation_prompt", PROMPTS[0], "--num_validation_images", 1,
-                  "--validation_inference_steps", 2, "--validation_steps", 2, *extra)
+    return bucketed(tiny, output_dir, "--center_crop", "--learning_rate", 5e-5, "--max_train_steps", 4,
+                    "--checkpointing_steps", 2, "--validation_prompt", PROMPTS[0], "--num_validation_images", 1,
+                    "--validation_inference_steps", 2, "--validation_steps", 2, "--validation_height", 16,
+                    "--validation_width", 40, *extra)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together: full
-    (`full_flags`), decay_zero (3 steps with ``--ema_decay 0``), input_perturbation (the same with
-    ``--input_perturbation 0.1``), and uncached and cached (`cache_flags` with the VAE in the step, and with its
-    latents cached)."""
+    (`full_flags`, in buckets), decay_zero (3 steps on the square pictures with ``--ema_decay 0``),
+    input_perturbation (the same with ``--input_perturbation 0.1``), and uncached and cached (`cache_flags`, in
+    buckets, with the VAE in the step, and with its latents cached)."""
     root = tmp_path_factory.mktemp("runs")
     results = launch_together({
         "full": (SCRIPT, *full_flags(tiny, root / "full")),
@@ -113,13 +126,26 @@ def test_validates_raw_and_ema_at_the_due_steps_and_the_final_step_once(runs):
     assert checkpoint_names(output_dir) == ["checkpoint-6", "checkpoint-8"]
 
 
+def test_trains_in_several_buckets_and_validates_at_the_most_common(runs):
+    output_dir, result = runs["full"]
+    buckets = reported_buckets(result.stderr)
+    assert len(buckets) >= 3 and sum(buckets.values()) == 2 * MIXED_IMAGES, buckets  # --repeats 2
+    # Validation renders at the bucket that most samples train in (of equally common ones, the largest).
+    height, width = most_common_bucket(buckets)
+    assert (height, width) != (32, 32)
+    assert {Image.open(path).size for path in rendered_images(output_dir)} == {(width, height)}
+    # --caption_dropout's empty prompt is embedded once, with the captions.
+    assert f"text embeddings: {MIXED_IMAGES + 1} items" in result.stderr
+
+
 def test_resumed_run_that_never_validates_prunes_and_ends_with_the_uninterrupted_weights(tiny, tmp_path, runs):
-    # From the full run's checkpoint-6, mid-epoch, with random flips and an optimizer state for every UNet
-    # parameter: bit for bit. The full run validated after writing checkpoint-6 and at the final step, the resumed
-    # one never: validation and checkpointing leave the weights, the EMA, the optimizer and the RNG untouched.
+    # From the full run's checkpoint-6, mid-epoch (of 12 batches), in buckets, with random flips, repeats, dropped
+    # captions and an optimizer state for every UNet parameter: bit for bit. The full run validated after writing
+    # checkpoint-6 and at the final step, the resumed one never: validation and checkpointing leave the weights, the
+    # EMA, the optimizer and the RNG untouched.
     def resumed_flags(output_dir):
-        return common(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
-                      "--checkpoints_total_limit", 2)
+        return bucketed(tiny, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                        "--checkpoints_total_limit", 2)
 
     assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [UNET, EMA_UNET], launch=launch)
     assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
@@ -145,7 +171,8 @@ def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path):
 
 
 def test_cached_run_matches_the_uncached_one(tiny, runs):
-    (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
+    (uncached, _), (cached, result) = runs["uncached"], runs["cached"]
+    assert len(reported_buckets(result.stderr)) >= 3
     for name in (UNET, EMA_UNET):
         assert_close_files(uncached / name, cached / name)
     assert_differ(load_file(Path(tiny["sd"]) / UNET), load_file(cached / UNET))
@@ -154,3 +181,4 @@ def test_cached_run_matches_the_uncached_one(tiny, runs):
 def test_cached_run_validates_with_the_offloaded_encoders_back(runs):
     (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
+    assert {Image.open(path).size for path in rendered_images(cached)} == {(40, 16)}  # --validation_width/_height

@@ -1,6 +1,7 @@
 """Smoke tests: the text-to-image LoRA script end to end on the tiny fixtures, through ``accelerate launch``,
 ``--cache_latents`` included."""
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from training_utils.grids import progress_grid, step_grid
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_lora_changes_pipeline_output, assert_resumes_exactly, assert_same_files,
                                     assert_same_tensors, assert_validated_at, checkpoint_names,
-                                    checkpoint_weight_files, read_log, rendered_images)
+                                    checkpoint_weight_files, read_log, rendered_images, reported_buckets)
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -46,12 +47,14 @@ def full_flags(tiny, output_dir):
                   "--checkpoints_total_limit", 1)
 
 
-def cache_flags(tiny, output_dir, *extra):
-    """4 center-cropped steps, validating and checkpointing every 2, without an EMA."""
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"],
+def cache_flags(tiny, output_dir, *extra, data="shapes_mixed"):
+    """4 center-cropped steps, validating and checkpointing every 2 (mid-epoch), without an EMA; on images of mixed
+    shapes in aspect-ratio buckets, each seen twice an epoch, with a third of the captions dropped."""
+    buckets = ["--use_aspect_ratio_buckets", "--repeats", 2, "--caption_dropout", 0.3] if data == "shapes_mixed" else []
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny[data],
             "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
             "--center_crop", "--rank", 4, "--seed", 3, "--max_train_steps", 4, "--checkpointing_steps", 2,
-            *CACHE_VALIDATION, *extra]
+            *CACHE_VALIDATION, *buckets, *extra]
 
 
 def feature_flags(root):
@@ -73,10 +76,12 @@ def runs(tiny, tmp_path_factory):
       as the pipeline has loaded;
     - posthoc: 6 steps, post-hoc EMA snapshots every 2 steps and two more sigma_rels rendered at validation, a
       checkpoint at the end, ``--lora_alpha`` twice the rank, and every LoRA also in the kohya and ComfyUI layouts;
-    - `cache_run` (cache_latents, random_flip): `cache_flags` with and without ``--cache_latents`` and
-      ``--random_flip``; with both, the cache is on disk (`feature_flags`); with flips only, the VAE leaves the
-      accelerator between steps (``--offload``); random_crops_cached: the cached run with flips, without
-      ``--center_crop``, its cache in memory.
+    - compiled: `full_flags` with ``--torch_compile aot_eager`` (the graphs inductor would compile, without its
+      minutes of C++ compilation on a small CPU);
+    - `cache_run` (cache_latents, random_flip): `cache_flags` (aspect-ratio buckets) with and without
+      ``--cache_latents`` and ``--random_flip``; with both, the cache is on disk (`feature_flags`); with flips only,
+      the VAE leaves the accelerator between steps (``--offload``);
+    - square_cached, random_crops_cached: cached runs with flips on the square shapes, center-cropped and not.
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -87,6 +92,7 @@ def runs(tiny, tmp_path_factory):
     deleted_model_args[1] = model
     launches = {
         "full": (SCRIPT, *full_flags(tiny, root / "full")),
+        "compiled": (SCRIPT, *full_flags(tiny, root / "compiled"), "--torch_compile", "aot_eager"),
         "plain": (SCRIPT, *common(tiny, root / "plain", "--max_train_steps", 8, "--checkpointing_steps", 1000,
                                   "--validation_prompt", PROMPTS[0], "--num_validation_images", 0)),
         "deleted_model": (wrapper, *deleted_model_args),
@@ -103,9 +109,9 @@ def runs(tiny, tmp_path_factory):
             extra += feature_flags(root) if cache_latents and random_flip else []
             extra += ["--offload"] if random_flip and not cache_latents else []
             launches[name] = (SCRIPT, *cache_flags(tiny, root / name, *extra))
-    launches["random_crops_cached"] = (SCRIPT, *[flag for flag in cache_flags(tiny, root / "random_crops_cached",
-                                                                             "--cache_latents", "--random_flip")
-                                                if flag != "--center_crop"])
+    for name in ("square_cached", "random_crops_cached"):
+        flags = cache_flags(tiny, root / name, "--cache_latents", "--random_flip", data="shapes")
+        launches[name] = (SCRIPT, *[flag for flag in flags if name == "square_cached" or flag != "--center_crop"])
     results = launch_together(launches)
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -157,6 +163,18 @@ def test_resumed_run_prunes_and_ends_with_the_same_weights(tiny, tmp_path, runs)
 
     assert_resumes_exactly(SCRIPT, resumed_flags, runs["full"][0], tmp_path, 6, [LORA, f"ema/{LORA}"], launch=launch)
     assert checkpoint_names(tmp_path) == ["checkpoint-7", "checkpoint-8"]
+
+
+def test_a_compiled_run_ends_as_the_eager_one_and_compiles_nothing_after_its_first_validation(runs):
+    output_dir, result = runs["compiled"]
+    assert "--torch_compile: aot_eager compiles, at their first call, 4 BasicTransformerBlock" in result.stderr
+    compiled = re.findall(r"--torch_compile: (\d+) graphs compiled by step (\d+)", result.stderr)
+    assert [int(step) for _, step in compiled] == [3, 6, 8]
+    assert len({count for count, _ in compiled}) == 1  # neither training on nor the EMA swaps recompile
+    for name in (LORA, f"ema/{LORA}"):
+        assert_close_files(runs["full"][0] / name, output_dir / name, atol=1e-6)
+    validations = [(step, variant) for step in (3, 6, 8) for variant in ("raw", "ema") for _ in PROMPTS]
+    assert_close_validations(runs["full"][0], output_dir, validations, max_difference=1)
 
 
 def test_ema_decay_zero_equals_the_raw_weights(runs):
@@ -299,22 +317,36 @@ def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, r
         return cache_flags(tiny, output_dir, "--cache_latents", "--random_flip", *feature_flags(straight.parent))
 
     resumed = assert_resumes_exactly(SCRIPT, resumed_flags, straight, tmp_path, 2, [LORA], launch=launch)
-    assert "latents: reusing" in resumed.stderr
+    assert "latents 24x40: reusing" in resumed.stderr
 
 
 def test_a_second_run_on_the_feature_cache_runs_no_encoder_and_ends_bitwise_equal(tiny, tmp_path, runs):
     first = runs[cache_run(True, True)][0]
-    assert "text embeddings: encoding 36 items into" in runs[cache_run(True, True)][1].stderr
+    assert "text embeddings: encoding 13 items into" in runs[cache_run(True, True)][1].stderr  # and the empty one
     second = launch(SCRIPT, *cache_flags(tiny, tmp_path, "--cache_latents", "--random_flip",
                                          *feature_flags(first.parent))).stderr
-    for cached in ("text embeddings", "latents"):
-        assert f"{cached}: reusing {first.parent / 'features'}" in second and f"{cached}: encoding" not in second
+    reused = re.findall(rf"(text embeddings|latents \d+x\d+): reusing {first.parent / 'features'}", second)
+    assert "text embeddings" in reused and len(reused) == 1 + len(MIXED_BUCKETS)
+    assert ": encoding" not in second
     assert_same_files(first / LORA, tmp_path / LORA)
     assert_close_validations(first, tmp_path, [(2, "raw"), (4, "raw")], max_difference=0)
+
+
+# The buckets of the mixed shapes at 32 pixels, multiples of 8 (`tiny.MIXED_SIZES`: the 2:1 and 4:3 landscapes
+# share one; the 24-pixel square is not upscaled), and how many images each holds, each image seen twice an epoch.
+MIXED_BUCKETS = {(16, 64): 4, (24, 24): 4, (24, 40): 8, (32, 32): 4, (40, 24): 4}
+
+
+def test_trains_in_aspect_ratio_buckets_and_validates_at_the_most_common_one(runs):
+    output_dir, result = runs[cache_run(False, False)]
+    assert reported_buckets(result.stderr) == MIXED_BUCKETS
+    assert "bucket 24x40 (height x width): 8 images, 4 batches an epoch, none left over" in result.stderr
+    # At the most common bucket.
+    assert {Image.open(path).size for path in rendered_images(output_dir)} == {(40, 24)}
 
 
 def test_random_crops_are_cached_once_and_the_square_shapes_train_as_center_cropped(runs):
     # The shapes are square: resized to the resolution, every crop is the whole image, as the center crop is.
     output_dir, result = runs["random_crops_cached"]
     assert "random crop is drawn once, now (seed 3), and kept for the whole run" in result.stderr
-    assert_same_files(output_dir / LORA, runs[cache_run(True, True)][0] / LORA)
+    assert_same_files(output_dir / LORA, runs["square_cached"][0] / LORA)

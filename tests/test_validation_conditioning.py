@@ -42,8 +42,9 @@ def stub_accelerator(is_main_process=True):
 
 
 def make_validator(pipe, accelerator, output_dir, images, prompts=PROMPTS):
+    # Rendered at another size, and shape, than the 32x32 conditioning images (e.g. a bucket's).
     return Validator(pipe, accelerator, output_dir, prompts, num_images=1, num_inference_steps=2, seed=3,
-                     call_kwargs={"height": 32, "width": 32}, prompt_kwargs=[{"image": image} for image in images],
+                     call_kwargs={"height": 24, "width": 40}, prompt_kwargs=[{"image": image} for image in images],
                      conditioning_images=images)
 
 
@@ -116,8 +117,9 @@ def test_renders_each_prompt_with_its_conditioning_image_and_keeps_the_log_schem
     # Saved at construction, never again.
     assert sorted(path.name for path in (tmp_path / "validation").glob("conditioning-*")) == [
         "conditioning-p00.png", "conditioning-p01.png"]
-    rendered = [np.asarray(Image.open(tmp_path / record["images"][0])) for record in first]
-    assert not np.array_equal(rendered[0], rendered[1])
+    rendered = [Image.open(tmp_path / record["images"][0]) for record in first]
+    assert [image.size for image in rendered] == [(40, 24)] * 2  # the pipeline resized the conditioning images
+    assert not np.array_equal(np.asarray(rendered[0]), np.asarray(rendered[1]))
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

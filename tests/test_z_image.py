@@ -76,10 +76,14 @@ def test_a_bad_prompt_setting_fails_in_one_line():
     assert str(error.value) == "--max_sequence_length=0: expected a positive integer"
 
 
-def test_sampling_towards_the_training_target_follows_the_training_path(pipe, monkeypatch):
+# A square, and a non-square aspect-ratio bucket (24 pixels high, 40 wide): the latents keep their rows and columns.
+@pytest.mark.parametrize("height, width", [(32, 32), (24, 40)])
+def test_sampling_towards_the_training_target_follows_the_training_path(pipe, monkeypatch, height, width):
     settings = z_image.prompt_settings(pipe, parse("--max_sequence_length", 32))
     generator = torch.Generator().manual_seed(0)
-    vae_latents = torch.randn(1, 16, 16, 16, generator=generator)  # what the VAE makes of a 32-pixel image
+    scale = pipe.vae_scale_factor
+    # What the VAE makes of a height x width image.
+    vae_latents = torch.randn(1, 16, height // scale, width // scale, generator=generator)
     latents = z_image.normalized_latents(pipe, vae_latents)
     noise = torch.randn(latents.shape, generator=generator)
     target = velocity(latents, noise)
@@ -94,11 +98,11 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
 
     def vae_decode(latents, return_dict=True):
         decoded.append(latents)
-        return (torch.zeros(1, 3, 32, 32),)
+        return (torch.zeros(1, 3, height, width),)
 
     monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
     monkeypatch.setattr(pipe.vae, "decode", vae_decode)
-    pipe(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=4, guidance_scale=0.0, latents=noise,
+    pipe(prompt=PROMPTS[0], height=height, width=width, num_inference_steps=4, guidance_scale=0.0, latents=noise,
          output_type="pt", **settings)
     # Straight from the noise to the latents the target points away from, handed to the VAE in its own scale.
     torch.testing.assert_close(decoded[0], vae_latents, rtol=0, atol=1e-5)
@@ -113,7 +117,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
         sigma, timestep = noise_scheduler.sigmas[index], noise_scheduler.timesteps[index : index + 1]
         torch.testing.assert_close(sigma, pipe.scheduler.sigmas[step], rtol=0, atol=1e-6)
         expected = z_image.image_inputs(add_noise(latents, noise, sigma), timestep)
-        assert len(call["x"]) == 1 and call["x"][0].shape == (16, 1, 16, 16)
+        assert len(call["x"]) == 1 and call["x"][0].shape == (16, 1, height // scale, width // scale)
         torch.testing.assert_close(call["x"][0], expected["x"][0], rtol=0, atol=1e-5)
         torch.testing.assert_close(call["t"], expected["t"], rtol=0, atol=1e-6)
         assert all(torch.equal(got, want) for got, want in zip(call["cap_feats"], expected_prompt, strict=True))

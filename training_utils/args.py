@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from accelerate.utils import parse_flag_from_env
 
+from .buckets import add_bucket_args
 from .checkpointing import check_resume_from_checkpoint
+from .compile import add_compile_args
 from .convert_lora import DIFFUSERS, FORMAT_USERS, formats_for
 from .errors import UsageError, require
 from .quantization import add_quantization_args, check_quantization_args
@@ -73,8 +75,15 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     data.add_argument("--max_train_samples", type=int, default=None)
     data.add_argument("--cache_dir", default=None)
     data.add_argument("--resolution", type=int, default=resolution)
-    data.add_argument("--center_crop", action="store_true", help="crop the centre instead of a random square")
+    data.add_argument("--center_crop", action="store_true",
+                      help="crop the centre instead of a random square (or bucket-shaped rectangle)")
     data.add_argument("--random_flip", action="store_true")
+    add_bucket_args(data)
+    data.add_argument("--repeats", type=int, default=1,
+                      help="how many times each training image is seen an epoch (each time with draws of its own)")
+    data.add_argument("--caption_dropout", "--proportion_empty_prompts", dest="caption_dropout", type=float,
+                      default=0.0, help="the probability that a sample trains on the empty prompt instead of its "
+                                        "caption, for classifier-free guidance (never a class image's)")
     data.add_argument("--dataloader_num_workers", type=int, default=0)
     data.add_argument("--skip_corrupt_images", action="store_true",
                       help="train on the next readable sample in place of an image that cannot be read (counted in "
@@ -103,6 +112,7 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     train.add_argument("--max_grad_norm", type=float, default=1.0)
     train.add_argument("--allow_tf32", action="store_true")
     train.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
+    add_compile_args(train)
 
     checkpoints = parser.add_argument_group("checkpoints")
     checkpoints.add_argument("--checkpointing_steps", type=int, default=500)
@@ -128,6 +138,10 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
                                  "(default: 100 unless --validation_epochs)")
     validation.add_argument("--validation_epochs", type=int, default=None)
     validation.add_argument("--validation_inference_steps", type=int, default=validation_inference_steps)
+    validation.add_argument("--validation_height", type=int, default=None,
+                            help="default: --resolution, or with buckets the most common bucket's")
+    validation.add_argument("--validation_width", type=int, default=None,
+                            help="default: --resolution, or with buckets the most common bucket's")
 
     ema = parser.add_argument_group("EMA")
     ema.add_argument("--use_ema", action="store_true", help="keep an EMA of the trained parameters")
@@ -215,10 +229,12 @@ def add_cache_args(parser):
 TRAJECTORY_FREE_FLAGS = {
     "output_dir", "logging_dir", "report_to", "tracker_project_name", "push_to_hub", "hub_token", "hub_model_id",
     "validation_prompt", "validation_image", "num_validation_images", "validation_steps", "validation_epochs",
-    "validation_inference_steps", "validation_sigma_rels", "checkpointing_steps", "checkpoints_total_limit",
+    "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
+    "checkpointing_steps", "checkpoints_total_limit",
     "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
     "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
-    "gradient_checkpointing", "ema_posthoc_snapshot_steps", "sample_batch_size", "class_inference_steps",
+    "gradient_checkpointing", "torch_compile", "ema_posthoc_snapshot_steps", "sample_batch_size",
+    "class_inference_steps",
 }
 
 
@@ -249,10 +265,6 @@ NOT_CARRIED = {
                                                     "(diffusers' default), as fast on current PyTorch, nothing to "
                                                     "install",
     "--tokenizer_name": "the tokenizers are the pipeline's (--pretrained_model_name_or_path)",
-    "--repeats": "not carried yet (raise --num_train_epochs or --max_train_steps instead)",
-    "--caption_dropout": "not carried yet",
-    **dict.fromkeys(["--use_aspect_ratio_buckets", "--aspect_ratio_buckets"],
-                    "not carried yet: images are cropped to --resolution squares"),
 }
 
 
@@ -339,6 +351,15 @@ def check_args(args):
                  "checkpoints_total_limit"):
         value = getattr(args, flag)
         require(value is None or value > 0, f"--{flag}", value, "a positive integer")
+    require(args.repeats > 0, "--repeats", args.repeats, "a positive integer")
+    # Every model here needs multiples of 8 at least; the model's own multiple is checked once its config is read.
+    for height, width in args.aspect_ratio_buckets or ():
+        require(height % 8 == 0 and width % 8 == 0, "--aspect_ratio_buckets", f"{height},{width}",
+                "sides that are multiples of 8")
+    require(0 <= args.caption_dropout <= 1, "--caption_dropout", args.caption_dropout, "a number in [0, 1]")
+    for flag in ("validation_height", "validation_width"):
+        value = getattr(args, flag)
+        require(value is None or (value > 0 and value % 8 == 0), f"--{flag}", value, "a positive multiple of 8")
     require(args.lr_warmup_steps >= 0, "--lr_warmup_steps", args.lr_warmup_steps, "a non-negative integer")
     require(args.dataloader_num_workers >= 0, "--dataloader_num_workers", args.dataloader_num_workers,
             "a non-negative integer")

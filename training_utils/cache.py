@@ -10,7 +10,8 @@ and resumes exactly:
 * each image is cached unflipped and flipped, and a sample's flip is drawn from its per-sample
   generator by the same `ImageTransform.draw_layout` call the uncached path makes. A center crop is the
   same every epoch; a random crop is drawn once per image, when it is cached (from the run's seed and the
-  image's place), and kept, as the upstream scripts do: a cached run then sees one crop of each image;
+  image's place), and kept, as the upstream scripts do: a cached run then sees one crop of each image. With
+  aspect-ratio buckets each image is cached at its bucket, one store per bucket;
 * text embeddings are cached per distinct caption, so a caption drawn at random (`pick_caption`)
   still finds its embedding.
 
@@ -28,7 +29,7 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
-from .data import UNREADABLE_IMAGE_ERRORS, ImageTransform
+from .data import UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage
 from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,15 @@ CACHE_INDEX_COLUMN = "__cache_index__"
 
 
 class CachedImage:
-    """An image's original ``size`` (width, height), the ``crop`` (top, left) its latents were encoded from, and
-    its latent parameters, ``[unflipped, flipped]``."""
+    """An image's original ``size`` (width, height), the ``crop`` (top, left) and ``shape`` (height, width; None:
+    the transform's for the image) its latents were encoded from, and its latent parameters,
+    ``[unflipped, flipped]``."""
 
-    def __init__(self, size, crop, parameters):
+    def __init__(self, size, crop, parameters, shape=None):
         self.size = size
         self.crop = crop
         self.parameters = parameters
+        self.shape = shape
 
 
 class UnreadableImage(OSError):
@@ -51,27 +54,27 @@ class UnreadableImage(OSError):
     would have raised, so that `TrainDataset` replaces the sample."""
 
 
-def latent_chunk_encoder(open_images, transform, vae, device, dtype, crop_seed=0):
+def latent_chunk_encoder(open_images, transform, vae, device, dtype, crop_seed=0, shape=None):
     """``encode_chunk(indices)`` for `feature_store.encode_once`: the latent parameters of the images
-    ``open_images[index]()`` (PIL images), cropped as ``transform`` crops (a random crop drawn from
-    ``crop_seed`` and the index), unflipped and flipped, as a `Block` with ``parameters`` (``[n, 2, ...]``),
-    ``sizes`` (``[n, 2]``, width and height) and ``crops`` (``[n, 2]``, top and left); an image that cannot be
-    read is a `Block` error."""
-    unflipped = ImageTransform(transform.resolution, center_crop=transform.center_crop)
+    ``open_images[index]()`` (PIL images), cropped as ``transform`` crops (to ``shape``, by default the image's
+    own; a random crop drawn from ``crop_seed`` and the index), unflipped and flipped, as a `Block` with
+    ``parameters`` (``[n, 2, ...]``), ``sizes`` (``[n, 2]``, width and height) and ``crops`` (``[n, 2]``, top and
+    left); an image that cannot be read is a `Block` error. Every image of a chunk must train at one shape."""
+    unflipped = ImageTransform(transform.resolution, center_crop=transform.center_crop, buckets=transform.buckets)
 
     def encode_chunk(indices):
         readable, sizes, crops, pixels, errors = [], [], [], [], {}
         for index in indices:
             try:
                 image = open_images[index]()
-                both, _, crop = unflipped(image, torch.Generator().manual_seed(crop_seed * 1_000_003 + index))
+                laid_out = unflipped(image, torch.Generator().manual_seed(crop_seed * 1_000_003 + index), shape)
             except UNREADABLE_IMAGE_ERRORS as error:
                 errors[index] = f"{type(error).__name__}: {error}"
                 continue
             readable.append(index)
             sizes.append(image.size)
-            crops.append(crop)
-            pixels += [both, both.flip(-1)]
+            crops.append(laid_out.crop_top_left)
+            pixels += [laid_out.pixels, laid_out.pixels.flip(-1)]
         tensors = {}
         if readable:
             parameters = vae.encode(torch.stack(pixels).to(device, dtype)).latent_dist.parameters.cpu()
@@ -82,42 +85,43 @@ def latent_chunk_encoder(open_images, transform, vae, device, dtype, crop_seed=0
     return encode_chunk
 
 
-def cached_images(keys, blocks):
-    """``{key: CachedImage or UnreadableImage}`` from the blocks of `latent_chunk_encoder`, in ``keys``' order."""
+def cached_images(keys, blocks, shape=None):
+    """``{key: CachedImage or UnreadableImage}`` from the blocks of `latent_chunk_encoder` (for images cropped to
+    ``shape``), in ``keys``' order."""
     found = {}
     for block in blocks:
         for row, index in enumerate(block.indices.tolist()):
             found[index] = CachedImage(tuple(block.tensors["sizes"][row].tolist()),
-                                       tuple(block.tensors["crops"][row].tolist()), block.tensors["parameters"][row])
+                                       tuple(block.tensors["crops"][row].tolist()), block.tensors["parameters"][row],
+                                       shape)
         found.update({index: UnreadableImage(message) for index, message in block.errors.items()})
     return {key: found[index] for index, key in enumerate(keys)}
 
 
 def cached_latent_parameters(cached, transform, generator):
-    """What ``transform(image, generator)`` returns, with the cached latent parameters in place of the
-    pixels: ``(parameters, (height, width), crop_top_left)``; the flipped parameters when the draw flips."""
-    parameters, layout = _drawn(cached, transform, generator)
-    width, height = cached.size
-    return parameters, (height, width), layout.crop_top_left
+    """What ``transform(image, generator)`` returns (a `data.TrainingImage`), with the cached latent parameters in
+    place of the pixels: the flipped parameters when the draw flips."""
+    return _drawn(cached, transform, generator)[0]
 
 
 def cached_latent_parameters_with_conditioning(cached, conditioning_image, transform, generator):
     """What an `ImageWithConditioningTransform` returns for an image and its conditioning image, with the image's
     cached latent parameters in place of its pixels. The conditioning image (not cached: a ControlNet
     reads it) is laid out by the same draw, so it is flipped exactly when the latents are."""
-    parameters, layout = _drawn(cached, transform, generator)
-    width, height = cached.size
-    return parameters, transform.conditioning_pixels(conditioning_image, layout), (height, width), \
-        layout.crop_top_left
+    laid_out, layout = _drawn(cached, transform, generator)
+    return laid_out._replace(conditioning_pixels=transform.conditioning_pixels(conditioning_image, layout))
 
 
 def _drawn(cached, transform, generator):
-    """The parameters of one draw of ``transform``'s layout for a cached image, and that layout; the
-    draw takes from ``generator`` exactly what the uncached transform takes."""
+    """The `data.TrainingImage` of one draw of ``transform``'s layout for a cached image, with its cached
+    parameters as pixels, and that layout; the draw takes from ``generator`` exactly what the uncached transform
+    takes."""
     if isinstance(cached, UnreadableImage):
         raise cached
-    layout = transform.draw_layout(*cached.size, generator, crop=cached.crop)
-    return cached.parameters[int(layout.flip)], layout
+    layout = transform.draw_layout(*cached.size, generator, crop=cached.crop, shape=cached.shape)
+    width, height = cached.size
+    return TrainingImage(cached.parameters[int(layout.flip)], (height, width), layout.crop_top_left,
+                         layout.shape), layout
 
 
 def sample_latents(parameters):
@@ -237,10 +241,11 @@ class FrozenEncoders:
                              lambda: encoders_on(self.device, self.text_encoders), self.batch_size, store)
         return embeddings_by_caption(captions, blocks)
 
-    def cache_dataset_images(self, dataset, image_column):
+    def cache_dataset_images(self, dataset, image_column, shapes=None):
         """The examples to train on, for a `datasets.Dataset` with images in ``image_column``: the dataset
         itself, or, caching latents, the dataset with its images left undecoded (the cache holds them; a
-        `TrainDataset` still names the file of an unreadable one) and each row's index in `CACHE_INDEX_COLUMN`."""
+        `TrainDataset` still names the file of an unreadable one) and each row's index in `CACHE_INDEX_COLUMN`.
+        ``shapes`` (with aspect-ratio buckets) are the rows' training shapes, at which their latents are cached."""
         self.image_column = image_column
         if not self.cache_latents:
             return dataset
@@ -251,37 +256,39 @@ class FrozenEncoders:
         sources = [image_source(row[image_column]) for row in undecoded.select_columns(image_column)]
         self.latent_cache = self._cache_latents(
             list(range(len(dataset))), sources, [lambda index=index: images[index][image_column]
-                                                 for index in range(len(dataset))])
+                                                 for index in range(len(dataset))], shapes)
         return undecoded.add_column(CACHE_INDEX_COLUMN, list(range(len(dataset))))
 
     def dataset_image(self, example, generator):
-        """What ``transform(image, generator)`` returns for a row of `cache_dataset_images`' examples:
-        ``(pixels or cached latent parameters, original size, crop_top_left)``."""
+        """What ``transform(image, generator)`` returns for a row of `cache_dataset_images`' examples: a
+        `data.TrainingImage` of pixels or of the cached latent parameters."""
         if self.latent_cache is None:
             return self.transform(example[self.image_column], generator)
         return cached_latent_parameters(self.latent_cache[example[CACHE_INDEX_COLUMN]], self.transform, generator)
 
     def dataset_image_with_conditioning(self, example, conditioning_image, generator):
-        """`dataset_image` with a conditioning image (not cached: a ControlNet reads it) laid out as the image:
-        ``(pixels or cached latent parameters, conditioning pixels, original size, crop_top_left)``."""
+        """`dataset_image` with a conditioning image (not cached: a ControlNet reads it) laid out as the image, in
+        its ``conditioning_pixels``."""
         if self.latent_cache is None:
             return self.transform(example[self.image_column], conditioning_image, generator)
         return cached_latent_parameters_with_conditioning(self.latent_cache[example[CACHE_INDEX_COLUMN]],
                                                           conditioning_image, self.transform, generator)
 
-    def cache_image_files(self, paths):
-        """Caching latents, encode each of the image files ``paths`` once (`image_file` then draws from them)."""
+    def cache_image_files(self, files):
+        """Caching latents, encode each of the image ``files``, ``(path, shape)`` pairs, once, cropped to
+        ``shape`` (height, width; None: the transform's for the image); `image_file` then draws from them."""
         if self.cache_latents:
-            paths = list(dict.fromkeys(paths))
-            self.latent_cache = self._cache_latents(paths, [image_source(path) for path in paths],
-                                                    [lambda path=path: Image.open(path) for path in paths])
+            files = list(dict.fromkeys(files))
+            self.latent_cache = self._cache_latents(files, [image_source(path) for path, _ in files],
+                                                    [lambda path=path: Image.open(path) for path, _ in files],
+                                                    [shape for _, shape in files])
 
-    def image_file(self, path, generator):
-        """What ``transform(Image.open(path), generator)`` returns, from the cache when caching latents."""
+    def image_file(self, path, generator, shape=None):
+        """What ``transform(Image.open(path), generator, shape)`` returns, from the cache when caching latents."""
         if self.latent_cache is None:
             with Image.open(path) as image:
-                return self.transform(image, generator)
-        return cached_latent_parameters(self.latent_cache[path], self.transform, generator)
+                return self.transform(image, generator, shape)
+        return cached_latent_parameters(self.latent_cache[path, shape], self.transform, generator)
 
     def latents(self, images):
         """A batch's latents, before the VAE's scaling: drawn from the cached distributions (from the global
@@ -303,25 +310,36 @@ class FrozenEncoders:
             return None
         return FeatureStore(self.cache_dir, kind, {**determinants, "dtype": str(self.dtype)})
 
-    def _cache_latents(self, keys, sources, open_images):
+    def _cache_latents(self, keys, sources, open_images, shapes=None):
         """``{key: CachedImage or UnreadableImage}`` for the images ``open_images[i]()`` of ``keys``, which
-        ``sources`` identify (`image_source`)."""
+        ``sources`` identify (`image_source`), cropped to ``shapes[i]`` (None: the transform's for the image;
+        with aspect-ratio buckets, their training shapes): one cache per shape."""
         crops = "center crop"
         if not self.transform.center_crop:
             crops = f"random crop drawn once (seed {self.seed})"
             logger.info(f"caching latents without --center_crop: each image's random crop is drawn once, now "
                         f"(seed {self.seed}), and kept for the whole run; flips are still drawn per sample")
-        store = self._store("latents", {
-            "vae": describe(self.vae), "images": many(sources, "images"),
-            "transform": f"{self.transform.resolution}px {crops}, both flips"})
-        encode_chunk = latent_chunk_encoder(open_images, self.transform, self.vae, self.device, self.dtype,
-                                            self.seed)
-        blank = Image.new("RGB", (self.transform.resolution,) * 2)
-        blocks = encode_once("latents", len(keys), encode_chunk,
-                             lambda: _bytes_per_item(latent_chunk_encoder(
-                                 [lambda: blank], self.transform, self.vae, self.device, self.dtype)([0])),
-                             lambda: encoders_on(self.device, [self.vae]), self.batch_size, store)
-        return cached_images(keys, blocks)
+        by_shape = {}
+        for position, shape in enumerate(shapes or [None] * len(keys)):
+            by_shape.setdefault(shape, []).append(position)
+        cached = {}
+        for shape, positions in sorted(by_shape.items(), key=lambda item: item[0] or ()):
+            size = f"{self.transform.resolution}px" if shape is None else "{}x{}".format(*shape)
+            store = self._store("latents", {
+                "vae": describe(self.vae), "images": many([sources[p] for p in positions], "images"),
+                "transform": f"{size} {crops}, both flips"})
+            group = [open_images[position] for position in positions]
+            encode_chunk = latent_chunk_encoder(group, self.transform, self.vae, self.device, self.dtype,
+                                                self.seed, shape)
+            height, width = shape or (self.transform.resolution,) * 2
+            blank = Image.new("RGB", (width, height))
+            blocks = encode_once("latents" if shape is None else f"latents {size}", len(group), encode_chunk,
+                                 lambda: _bytes_per_item(latent_chunk_encoder(
+                                     [lambda: blank], self.transform, self.vae, self.device, self.dtype,
+                                     shape=(height, width))([0])),
+                                 lambda: encoders_on(self.device, [self.vae]), self.batch_size, store)
+            cached.update(cached_images([keys[p] for p in positions], blocks, shape))
+        return {key: cached[key] for key in keys}
 
 
 def _bytes_per_item(block):

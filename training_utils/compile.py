@@ -38,9 +38,12 @@ after the model has its final structure and dtypes. Past dynamo's recompile limi
 640 channels with and without grad on the input, 1280; validation: both widths).
 """
 
+import logging
 from collections import Counter
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Models whose classes declare no ``_repeated_blocks`` in the installed diffusers: the class of the blocks they
 # repeat, as diffusers names it for the models that do declare them.
@@ -53,9 +56,10 @@ REPEATED_BLOCKS = {
 
 def add_compile_args(parser):
     parser.add_argument(
-        "--torch_compile", action="store_true",
-        help="compile the trained model's repeated blocks with torch.compile (regional compilation): the first "
-             "steps and the first validation take longer while they compile, every later one runs faster")
+        "--torch_compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        help="compile the trained model's repeated blocks with torch.compile (regional compilation), with BACKEND "
+             "(default inductor; aot_eager traces without generating code, to debug): the first steps and the "
+             "first validation take longer while they compile, every later one runs faster")
 
 
 def repeated_block_classes(model):
@@ -63,9 +67,10 @@ def repeated_block_classes(model):
     return tuple(getattr(model, "_repeated_blocks", None) or REPEATED_BLOCKS.get(type(model).__name__, ()))
 
 
-def compile_repeated_blocks(model, enabled, backend="inductor", fullgraph=False):
-    """Compile ``model``'s repeated blocks in place, or the whole model if it has none; ``enabled`` False does
-    nothing. Compilation itself is lazy: it happens in the first forward pass of each block.
+def compile_repeated_blocks(model, backend, fullgraph=False):
+    """Compile ``model``'s repeated blocks in place with ``backend`` (``--torch_compile``), or the whole model if it
+    has none; ``backend`` None does nothing. Compilation itself is lazy: it happens in the first forward pass of
+    each block.
 
     Call it once the model has its final structure and dtypes (after adding LoRA, casting and enabling gradient
     checkpointing) and before ``accelerator.prepare``, which may wrap the model in DDP. Returns
@@ -75,7 +80,7 @@ def compile_repeated_blocks(model, enabled, backend="inductor", fullgraph=False)
     in that block instead of stopping the run. ``backend="aot_eager"`` traces the same graphs without generating
     code (the tests use it: inductor's C++ compile of even a tiny block takes minutes on a small CPU).
     """
-    if not enabled:
+    if backend is None:
         return {}
     names = repeated_block_classes(model)
     blocks = [module for module in model.modules() if type(module).__name__ in names]
@@ -83,7 +88,10 @@ def compile_repeated_blocks(model, enabled, backend="inductor", fullgraph=False)
         blocks = [model]
     for block in blocks:
         block.compile(backend=backend, fullgraph=fullgraph)
-    return dict(Counter(type(block).__name__ for block in blocks))
+    compiled = dict(Counter(type(block).__name__ for block in blocks))
+    logger.info(f"--torch_compile: {backend} compiles, at their first call, "
+                + ", ".join(f"{count} {name}" for name, count in compiled.items()))
+    return compiled
 
 
 def compilation_count():

@@ -10,11 +10,9 @@ import inspect
 import math
 from pathlib import Path
 
-import torch
 from diffusers import ControlNetModel
 from PIL import Image, UnidentifiedImageError
 
-from .data import pick_caption
 from .errors import UsageError, require
 from .hub import how_to_load
 from .pipeline import load_pipeline
@@ -42,15 +40,11 @@ def add_controlnet_args(parser, tracker_project_name):
     controlnet.add_argument("--validation_image", nargs="+", default=None,
                             help="conditioning images: one per --validation_prompt, one for all prompts, "
                                  "or several for one prompt")
-    controlnet.add_argument("--proportion_empty_prompts", type=float, default=0.0,
-                            help="fraction of captions replaced by the empty prompt")
     controlnet.add_argument("--tracker_project_name", default=tracker_project_name)
     add_quantization_args(parser, base="the frozen UNet")
 
 
 def check_controlnet_args(args):
-    require(0 <= args.proportion_empty_prompts <= 1, "--proportion_empty_prompts", args.proportion_empty_prompts,
-            "a number in [0, 1]")
     path = args.controlnet_model_name_or_path
     if path and Path(path).exists():
         require((Path(path) / "config.json").is_file(), "--controlnet_model_name_or_path", path,
@@ -79,13 +73,6 @@ def load_validation_pairs(args):
             raise UsageError("--validation_image", path, "an existing image file") from None
     count = max(len(prompts), len(paths))
     return [(prompts[i % len(prompts)], images[paths[i % len(paths)]]) for i in range(count)]
-
-
-def pick_training_caption(value, proportion_empty_prompts, generator):
-    """One of the example's captions, or, with probability ``--proportion_empty_prompts``, the empty prompt
-    (so the ControlNet also learns to follow the conditioning image alone)."""
-    caption = pick_caption(value, generator)
-    return "" if torch.rand((), generator=generator) < proportion_empty_prompts else caption
 
 
 def controlnet_from_unet(unet, vae_scale_factor):

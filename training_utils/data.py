@@ -12,7 +12,9 @@ the index and the files alone, so a resumed run skips exactly as the uninterrupt
 """
 
 import io
+import itertools
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -22,7 +24,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .buckets import BucketBatchSampler
 from .errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 # What PIL raises for missing, truncated or undecodable files (UnidentifiedImageError is an OSError).
@@ -89,61 +94,91 @@ def sample_generator(seed, epoch, index):
     return torch.Generator().manual_seed(hash((seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-class ImageTransform:
-    """Resize the short side, crop a square, maybe flip, and scale to [-1, 1] CHW float.
+class TrainingImage(NamedTuple):
+    """An image laid out for training: its pixels (CHW in [-1, 1]; or, from a latent cache, its latent
+    parameters), what SDXL-style micro-conditioning needs (the original (height, width), the crop's (top, left)
+    in resized coordinates, the (height, width) it trains at) and, for ControlNet, its conditioning image's pixels
+    laid out the same way (CHW in [0, 1])."""
 
-    Returns the tensor with what SDXL-style micro-conditioning needs: the original (height,
-    width) and the crop's (top, left) in resized coordinates.
+    pixels: torch.Tensor
+    original_size: tuple
+    crop_top_left: tuple
+    size: tuple
+    conditioning_pixels: torch.Tensor = None
+
+
+class ImageTransform:
+    """Resize to cover the training shape, crop it, maybe flip, and scale to [-1, 1] CHW float.
+
+    The training shape is a ``resolution`` square, or with ``buckets`` (`buckets.AspectRatioBuckets`) the
+    bucket of the image's aspect ratio. Calls return a `TrainingImage`.
     """
 
-    def __init__(self, resolution, center_crop=False, random_flip=False):
+    def __init__(self, resolution, center_crop=False, random_flip=False, buckets=None):
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
+        self.buckets = buckets
 
-    def __call__(self, image, generator):
-        layout = self.draw_layout(image.width, image.height, generator)
+    def __call__(self, image, generator, shape=None):
+        return self.lay_out(image, self.draw_layout(image.width, image.height, generator, shape=shape))
+
+    def lay_out(self, image, layout):
+        """``image`` as ``layout`` says, a `TrainingImage`."""
         pixels = _chw_tensor(self.apply_layout(image, layout) / 127.5 - 1.0)
-        return pixels, (image.height, image.width), layout.crop_top_left
+        return TrainingImage(pixels, (image.height, image.width), layout.crop_top_left, layout.shape)
 
-    def draw_layout(self, width, height, generator, crop=None):
+    def shape_of(self, width, height):
+        """The (height, width) an image of ``width``×``height`` trains at."""
+        if self.buckets is None:
+            return self.resolution, self.resolution
+        return self.buckets.shape_of(width, height)
+
+    def shapes(self, sizes):
+        """The training shape of each (width, height) of ``sizes``, or None without buckets (all are squares)."""
+        return None if self.buckets is None else [self.shape_of(*size) for size in sizes]
+
+    def draw_layout(self, width, height, generator, crop=None, shape=None):
         """The resize, crop and flip for an image of this size; all random draws happen here. A ``crop``
-        (top, left) drawn before (when the image's latents were cached) is kept: only the flip is drawn."""
-        scale = self.resolution / min(width, height)
-        width, height = max(self.resolution, round(width * scale)), max(self.resolution, round(height * scale))
+        (top, left) drawn before (when the image's latents were cached) is kept: only the flip is drawn. The
+        crop is ``shape`` (height, width), by default `shape_of` the image."""
+        crop_height, crop_width = shape or self.shape_of(width, height)
+        scale = max(crop_width / width, crop_height / height)
+        width, height = max(crop_width, round(width * scale)), max(crop_height, round(height * scale))
         if crop is not None:
             top, left = crop
         elif self.center_crop:
-            top, left = (height - self.resolution) // 2, (width - self.resolution) // 2
+            top, left = (height - crop_height) // 2, (width - crop_width) // 2
         else:
-            top = int(torch.randint(0, height - self.resolution + 1, (1,), generator=generator))
-            left = int(torch.randint(0, width - self.resolution + 1, (1,), generator=generator))
+            top = int(torch.randint(0, height - crop_height + 1, (1,), generator=generator))
+            left = int(torch.randint(0, width - crop_width + 1, (1,), generator=generator))
         flip = bool(self.random_flip and torch.rand((), generator=generator) < 0.5)
-        return Layout((width, height), top, left, flip, self.resolution)
+        return Layout((width, height), top, left, flip, (crop_height, crop_width))
 
     @staticmethod
     def apply_layout(image, layout):
         """``image`` resized, cropped and flipped as ``layout`` says, as HWC float32 in [0, 255]."""
+        height, width = layout.shape
         image = image.convert("RGB").resize(layout.size, Image.BILINEAR)
-        image = image.crop((layout.left, layout.top, layout.left + layout.resolution, layout.top + layout.resolution))
+        image = image.crop((layout.left, layout.top, layout.left + width, layout.top + height))
         if layout.flip:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         return np.asarray(image, dtype=np.float32)
 
 
 class Layout(NamedTuple):
-    """Where a square crop of ``resolution`` comes from: resized (width, height), crop corner, flip."""
+    """Where a crop of ``shape`` (height, width) comes from: resized (width, height), crop corner, flip."""
 
     size: tuple
     top: int
     left: int
     flip: bool
-    resolution: int
+    shape: tuple
 
     @property
     def crop_top_left(self):
         # After a flip the crop's left edge is measured in the mirrored image.
-        left = self.size[0] - self.left - self.resolution if self.flip else self.left
+        left = self.size[0] - self.left - self.shape[1] if self.flip else self.left
         return self.top, left
 
 
@@ -152,14 +187,13 @@ class ImageWithConditioningTransform(ImageTransform):
 
     The conditioning image is resized to the image's resized size (so one crop fits both, whatever
     its own size) and scaled to [0, 1], the diffusers ControlNet convention; the image goes to
-    [-1, 1]. Returns ``(pixels, conditioning_pixels, original_size, crop_top_left)``.
+    [-1, 1]. Returns a `TrainingImage` with ``conditioning_pixels``.
     """
 
     def __call__(self, image, conditioning_image, generator):
         layout = self.draw_layout(image.width, image.height, generator)
-        pixels = _chw_tensor(self.apply_layout(image, layout) / 127.5 - 1.0)
-        return pixels, self.conditioning_pixels(conditioning_image, layout), (image.height, image.width), \
-            layout.crop_top_left
+        return self.lay_out(image, layout)._replace(
+            conditioning_pixels=self.conditioning_pixels(conditioning_image, layout))
 
     def conditioning_pixels(self, conditioning_image, layout):
         """The conditioning image laid out as its image (``layout``), CHW in [0, 1]."""
@@ -179,6 +213,49 @@ def pick_caption(value, generator, flag="--caption_column"):
     raise UsageError(flag, value, "captions that are strings or lists of strings")
 
 
+def dropped(probability, generator):
+    """Whether a sample's caption is dropped (``--caption_dropout``, for classifier-free guidance): True with
+    ``probability``, drawn from the sample's generator only when ``probability`` is positive."""
+    return bool(probability > 0 and torch.rand((), generator=generator) < probability)
+
+
+def drop_caption(caption, probability, generator):
+    """The empty prompt if the caption is `dropped`, else ``caption``."""
+    return "" if dropped(probability, generator) else caption
+
+
+def captions_with_empty(values, caption_dropout):
+    """``values`` (captions, or lists of them) and, with ``caption_dropout``, the empty prompt that it draws, so
+    that its embedding is computed once, with the others."""
+    return [*values, ""] if caption_dropout > 0 else list(values)
+
+
+def image_sizes(values):
+    """The (width, height) of each image of ``values`` (paths, or datasets' undecoded ``{"path", "bytes"}``),
+    from their headers; (1, 1) for one that cannot be opened (it fails, and is replaced, when a sample reads it)."""
+    sizes = []
+    for value in values:
+        if isinstance(value, dict):
+            value = io.BytesIO(value["bytes"]) if value["bytes"] else value["path"]
+        try:
+            with Image.open(value) as image:
+                sizes.append(image.size)
+        except UNREADABLE_IMAGE_ERRORS:
+            sizes.append((1, 1))
+    return sizes
+
+
+def dataset_shapes(transform, dataset, column):
+    """With aspect-ratio buckets, the training shape (`ImageTransform.shape_of`) of each image in ``column`` of a
+    `datasets.Dataset`, read from the images' headers; None without."""
+    if transform.buckets is None:
+        return None
+    import datasets
+
+    undecoded = dataset.select_columns(column).cast_column(column, datasets.Image(decode=False))
+    return transform.shapes(image_sizes(row[column] for row in undecoded))
+
+
 def tokenize(tokenizer, texts):
     """Token ids padded to the tokenizer's maximum length, as the text encoders were trained."""
     return tokenizer(
@@ -194,16 +271,20 @@ def stack_collate(examples):
 class TrainDataset(torch.utils.data.Dataset):
     """A map-style dataset that runs ``preprocess(example, generator)`` with a per-sample generator.
 
-    ``examples`` is a `datasets.Dataset` or a list of dicts (e.g. of image paths). A sample whose
-    image cannot be read comes back as an `UnreadableSample` naming its file(s) and carrying the
-    next readable sample; `make_dataloader`'s collate turns it into a `BatchWithUnreadable`.
+    ``examples`` is a `datasets.Dataset` or a list of dicts (e.g. of image paths), seen ``repeats`` times an
+    epoch (``--repeats``: each repeat a sample of its own, with its own draws). ``shapes``, with aspect-ratio
+    buckets, gives each example's training (height, width): `make_dataloader` then batches by bucket. A sample
+    whose image cannot be read comes back as an `UnreadableSample` naming its file(s) and carrying the next
+    readable sample of the same shape; `make_dataloader`'s collate turns it into a `BatchWithUnreadable`.
     ``set_epoch`` is called by accelerate's loader at the start of each epoch.
     """
 
-    def __init__(self, examples, preprocess, seed):
+    def __init__(self, examples, preprocess, seed, repeats=1, shapes=None):
         self.examples = examples
         self.preprocess = preprocess
         self.seed = seed
+        self.repeats = repeats
+        self.shapes = shapes
         self.epoch = 0
         self._undecoded_examples = None
 
@@ -211,7 +292,10 @@ class TrainDataset(torch.utils.data.Dataset):
         self.epoch = epoch
 
     def __len__(self):
-        return len(self.examples)
+        return len(self.examples) * self.repeats
+
+    def shape_of(self, index):
+        return None if self.shapes is None else self.shapes[index % len(self.examples)]
 
     def __getitem__(self, index):
         try:
@@ -221,20 +305,24 @@ class TrainDataset(torch.utils.data.Dataset):
         return UnreadableSample(self.source_of(index), reason, self._substitute(index))
 
     def _load(self, index):
-        return self.preprocess(self.examples[index], sample_generator(self.seed, self.epoch, index))
+        return self.preprocess(self.examples[index % len(self.examples)],
+                               sample_generator(self.seed, self.epoch, index))
 
     def _substitute(self, index):
-        """The next readable sample after ``index`` (wrapping around), or None within the search limit."""
-        for offset in range(1, min(len(self), SUBSTITUTE_SEARCH_LIMIT + 1)):
+        """The next readable sample of the same shape after ``index`` (wrapping around), or None within the
+        search limit."""
+        candidates = ((index + offset) % len(self) for offset in range(1, len(self)))
+        same_shape = (other for other in candidates if self.shape_of(other) == self.shape_of(index))
+        for other in itertools.islice(same_shape, SUBSTITUTE_SEARCH_LIMIT):
             try:
-                return self._load((index + offset) % len(self))
+                return self._load(other)
             except UNREADABLE_IMAGE_ERRORS:
                 continue
         return None
 
     def source_of(self, index):
         """The image file(s) of sample ``index``: those that fail to open if that can be told, else all."""
-        row = self._undecoded()[index]
+        row = self._undecoded()[index % len(self.examples)]
         values = row.values() if isinstance(row, dict) else [row]
         images = [value for value in values if _image_reference(value) is not None]
         names = [_image_reference(value) or f"row {index}" for value in images]
@@ -309,16 +397,22 @@ class _CollateReplacingUnreadable:
 
 def make_dataloader(dataset, batch_size, num_workers, collate_fn, seed, shuffle=True):
     """A plain loader; ``accelerate.prepare`` swaps in its seedable sampler so each epoch's order
-    depends on (seed, epoch) alone, which is what makes resuming mid-epoch exact.
+    depends on (seed, epoch) alone, which is what makes resuming mid-epoch exact. A `TrainDataset` with
+    ``shapes`` (aspect-ratio buckets) is batched by bucket instead (`buckets.BucketBatchSampler`, whose order
+    depends on (seed, epoch) alone too); its buckets are reported.
 
     The loader gets its own generator: without one, every new iterator (each epoch, and once
     more after resuming) draws a worker base seed from the global RNG and shifts the noise that
     training draws from it.
     """
+    batching = {"batch_size": batch_size, "shuffle": shuffle, "drop_last": False}
+    if getattr(dataset, "shapes", None) is not None:
+        batching = {"batch_sampler": BucketBatchSampler(dataset, batch_size, seed)}
+        for line in batching["batch_sampler"].report():
+            logger.info(line)
     return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-        collate_fn=_CollateReplacingUnreadable(collate_fn),
-        worker_init_fn=_seed_worker, drop_last=False, generator=torch.Generator().manual_seed(seed),
+        dataset, num_workers=num_workers, collate_fn=_CollateReplacingUnreadable(collate_fn),
+        worker_init_fn=_seed_worker, generator=torch.Generator().manual_seed(seed), **batching,
     )
 
 

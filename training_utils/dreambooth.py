@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import IMAGE_EXTENSIONS, TrainDataset
+from .data import IMAGE_EXTENSIONS, TrainDataset, dropped, image_sizes
 from .errors import require
 from .pipeline import modules_of
 from .validation import preserved_state
@@ -94,28 +94,56 @@ def check_dreambooth_args(args):
     return instance_images
 
 
-def dreambooth_dataset(instance_images, class_images, encoders, seed):
-    """A `TrainDataset` of ``instance`` images and, with ``class_images``, ``class`` images: what
-    ``encoders.image_file`` gives for each (pixels, or the cached latent parameters, which it encodes here
-    when caching latents). Its length is that of the longer list; the shorter one cycles."""
+def dreambooth_prompts(args):
+    """The prompts a DreamBooth batch trains on, in the order of its ``prompt_index``: the instance prompt, with
+    prior preservation the class prompt, and with ``--caption_dropout`` the empty prompt."""
+    return [args.instance_prompt, *([args.class_prompt] if args.with_prior_preservation else []),
+            *([""] if args.caption_dropout > 0 else [])]
+
+
+def dreambooth_dataset(instance_images, class_images, encoders, seed, repeats=1, caption_dropout=0.0):
+    """A `TrainDataset` of ``instance`` images, each ``repeats`` times, and, with ``class_images``, ``class``
+    images: what ``encoders.image_file`` gives for each (pixels, or the cached latent parameters, which it
+    encodes here when caching latents). Its length is that of the longer list; the shorter one cycles.
+
+    With aspect-ratio buckets (in ``encoders.transform``) a sample trains at its instance image's bucket, and its
+    class image is resized to cover that shape and cropped to it (the two halves of a batch are one tensor).
+    With ``caption_dropout``, an instance sample trains on the empty prompt with that probability; a class
+    sample never does (`instance_then_class_collate` gives each sample's prompt).
+    """
+    transform = encoders.transform
+    shapes = None if transform.buckets is None else transform.shapes(image_sizes(instance_images)) * repeats
+    instance_images = list(instance_images) * repeats
     length = max(len(instance_images), len(class_images or ()))
     examples = [{"instance": instance_images[index % len(instance_images)]} for index in range(length)]
     if class_images:
         for index, example in enumerate(examples):
             example["class"] = class_images[index % len(class_images)]
-    encoders.cache_image_files(path for example in examples for path in example.values())
+    example_shapes = None if shapes is None else [shapes[index % len(shapes)] for index in range(length)]
+    encoders.cache_image_files((path, None if example_shapes is None else example_shapes[index])
+                               for index, example in enumerate(examples) for path in example.values())
+    for index, example in enumerate(examples):
+        example["shape"] = None if example_shapes is None else example_shapes[index]
 
     def preprocess(example, generator):
-        return {kind: encoders.image_file(path, generator)[0] for kind, path in example.items()}
+        sample = {kind: encoders.image_file(example[kind], generator, example["shape"]).pixels
+                  for kind in ("instance", "class") if kind in example}
+        sample["prompt_dropped"] = torch.tensor(dropped(caption_dropout, generator))
+        return sample
 
-    return TrainDataset(examples, preprocess, seed)
+    return TrainDataset(examples, preprocess, seed, shapes=example_shapes)
 
 
 def instance_then_class_collate(examples):
-    """``{"images": the instance images, then the class images}``: the two halves line up, so ``chunk(2)``
-    splits predictions into the instance and the class part, and prompts repeat with ``repeat_interleave``."""
+    """``{"images": the instance images, then the class images, "prompt_index": each image's prompt in
+    `dreambooth_prompts`}``: the two halves line up, so ``chunk(2)`` splits predictions into the instance and
+    the class part."""
+    with_class = "class" in examples[0]
+    empty_prompt = 2 if with_class else 1
+    instance_prompts = [empty_prompt if example["prompt_dropped"] else 0 for example in examples]
     return {"images": torch.cat([torch.stack([example[kind] for example in examples])
-                                 for kind in ("instance", "class") if kind in examples[0]])}
+                                 for kind in ("instance", "class") if kind in examples[0]]),
+            "prompt_index": torch.tensor(instance_prompts + [1] * len(examples) * with_class)}
 
 
 def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed, batch_size=4, schedulers=(),

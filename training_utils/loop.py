@@ -19,6 +19,8 @@ trains on the readable sample put in its place and counts it (``skipped_images``
 """
 
 import contextlib
+import hashlib
+import logging
 import math
 import signal
 import sys
@@ -31,11 +33,14 @@ from . import random_state
 from .accelerator import end_training
 from .args import trajectory_flags
 from .checkpointing import Checkpointer, resume_position
+from .compile import compilation_count
 from .data import BatchWithUnreadable, epoch_batches
 from .errors import RunStopped, UsageError
 from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
 from .validation import validation_due
+
+logger = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
 NON_FINITE_EXIT_CODE = 3
@@ -63,6 +68,12 @@ class PreemptionSignals:
 
     def _record(self, number, frame):
         self.received = signal.Signals(number).name
+
+
+def bucket_layout(dataloader):
+    """A digest of each sample's aspect-ratio bucket (`data.TrainDataset.shapes`), or None without buckets."""
+    shapes = getattr(dataloader.dataset, "shapes", None)
+    return None if shapes is None else hashlib.blake2b(repr(shapes).encode(), digest_size=16).hexdigest()
 
 
 class TrainingLoop:
@@ -104,15 +115,22 @@ class TrainingLoop:
         self._skipped_total = self.checkpointer.loaded_state.get("skipped_images", 0) if self.global_step else 0
         if accelerator.is_main_process:
             self._skipped_images = self._skipped_total
-        saved_steps_per_epoch = self.checkpointer.loaded_state.get("steps_per_epoch") if self.global_step else None
-        if saved_steps_per_epoch not in (None, steps_per_epoch):
+        self._bucket_layout = bucket_layout(dataloader)
+        saved = self.checkpointer.loaded_state if self.global_step else {}
+        if saved.get("steps_per_epoch") not in (None, steps_per_epoch):
             raise UsageError("--resume_from_checkpoint", args.resume_from_checkpoint,
-                             f"the data the checkpoint was trained on: it had {saved_steps_per_epoch} steps per epoch, "
-                             f"this run's data has {steps_per_epoch}, so the data position cannot be resumed")
+                             f"the data the checkpoint was trained on: it had {saved['steps_per_epoch']} steps per "
+                             f"epoch, this run's data has {steps_per_epoch}, so the data position cannot be resumed")
+        if saved.get("bucket_layout", self._bucket_layout) != self._bucket_layout:
+            raise UsageError("--resume_from_checkpoint", args.resume_from_checkpoint,
+                             "the data the checkpoint was trained on: its images fell into other aspect-ratio buckets, "
+                             "so the batches it trained would not be those of this run")
 
     def _checkpoint_state(self, skipped_images):
-        """What a checkpoint records of the loop: skipped images, and the epoch length its data position needs."""
-        return {"skipped_images": skipped_images, "steps_per_epoch": self.steps_per_epoch}
+        """What a checkpoint records of the loop: skipped images, and what its data position depends on (the epoch
+        length, and with aspect-ratio buckets each sample's bucket)."""
+        state = {"skipped_images": skipped_images, "steps_per_epoch": self.steps_per_epoch}
+        return state if self._bucket_layout is None else {**state, "bucket_layout": self._bucket_layout}
 
     def __iter__(self):
         first_epoch, batches_to_skip = resume_position(self.global_step, self.steps_per_epoch,
@@ -195,6 +213,9 @@ class TrainingLoop:
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
             self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
+            if getattr(self.args, "torch_compile", None):
+                # Validation compiles graphs of its own the first time; a count that grows after that is recompiling.
+                logger.info(f"--torch_compile: {compilation_count()} graphs compiled by step {step}")
         if preempted and step < self.max_train_steps:
             end_training(self.accelerator)
             raise RunStopped(f"stopped by {self._signals.received or 'a signal'} after step {step}; checkpoint saved, "

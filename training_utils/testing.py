@@ -26,6 +26,7 @@ folders, ``validation/log.jsonl`` and ``checkpoint-<step>/``. Nothing here needs
 import collections
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -205,6 +206,31 @@ def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_
         assert num_images is None or len(record["images"]) == num_images, record
         assert all((Path(output_dir) / record[grid]).is_file() for grid in ("grid", "progress")), record
     return log
+
+
+def reported_buckets(stderr):
+    """``{(height, width): images}`` of the aspect-ratio buckets a run reported, one line each
+    (`buckets.BucketBatchSampler.report`)."""
+    lines = re.findall(r"bucket (\d+)x(\d+) \(height x width\): (\d+) images?", stderr)
+    return {(int(height), int(width)): int(images) for height, width, images in lines}
+
+
+def assert_latents_cached_per_bucket(features_dir, stderr, vae_scale_factor, repeats=2):
+    """A run's ``--feature_cache_dir`` holds one latent store per aspect-ratio bucket it reported: each image once,
+    unflipped and flipped (though it trains ``repeats`` times an epoch), at the bucket's latent size. Returns
+    ``{latent (height, width): [images, flips, ...] tensor}``."""
+    stores = (load_file(shard)["0/parameters"] for shard in Path(features_dir).glob("latents-*/shard-*"))
+    latents = {tuple(parameters.shape[-2:]): parameters for parameters in stores}
+    assert {(height * vae_scale_factor, width * vae_scale_factor): repeats * len(parameters)
+            for (height, width), parameters in latents.items()} == reported_buckets(stderr)
+    assert all(parameters.shape[1] == 2 for parameters in latents.values())
+    return latents
+
+
+def most_common_bucket(buckets):
+    """The bucket of ``{(height, width): images}`` that validation renders at by default: the one with the most
+    images, the largest of equally common ones (`buckets.validation_size`)."""
+    return max(buckets, key=lambda shape: (buckets[shape], shape))
 
 
 def rendered_images(output_dir):

@@ -33,6 +33,9 @@ SHAPES = ("circle", "square", "triangle")
 EXTRA_WORDS = ("a", "an", "on", "of", "the", "background", "photo", "small", "big", "shape", "sks", "dog", "in")
 
 IMAGE_SIZE = 64
+# (width, height) of the pictures of mixed shapes: landscape 2:1 and 4:3, portrait 1:2, square, a square smaller
+# than the tests' 32-pixel resolution, and 4:1.
+MIXED_SIZES = [(64, 32), (32, 64), (48, 48), (64, 48), (24, 24), (96, 24)]
 SEED = 0
 
 
@@ -427,16 +430,18 @@ def build_controlnet(path):
 
 
 def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
-    """One synthetic picture and its mask: a coloured shape at a jittered position on a plain background.
+    """One synthetic picture and its mask: a coloured shape at a jittered position on a plain background, a
+    ``size`` square or ``size`` (width, height).
 
     Returns ``(image, mask)``; the mask is white where the shape is, black elsewhere.
     """
     rng = rng or random.Random(SEED)
-    image = Image.new("RGB", (size, size), BACKGROUNDS[background])
-    mask = Image.new("RGB", (size, size), (0, 0, 0))
-    extent = rng.randint(size // 3, size // 2)
-    left = rng.randint(2, size - extent - 2)
-    top = rng.randint(2, size - extent - 2)
+    width, height = (size, size) if isinstance(size, int) else size
+    image = Image.new("RGB", (width, height), BACKGROUNDS[background])
+    mask = Image.new("RGB", (width, height), (0, 0, 0))
+    extent = rng.randint(min(width, height) // 3, min(width, height) // 2)
+    left = rng.randint(2, width - extent - 2)
+    top = rng.randint(2, height - extent - 2)
     box = (left, top, left + extent, top + extent)
     for canvas, fill in ((image, COLORS[color]), (mask, (255, 255, 255))):
         draw = ImageDraw.Draw(canvas)
@@ -449,10 +454,11 @@ def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
     return image, mask
 
 
-def build_shapes(path, num_images=36, with_conditioning=False):
+def build_shapes(path, num_images=36, with_conditioning=False, sizes=(IMAGE_SIZE,)):
     """An imagefolder dataset: ``metadata.jsonl`` with ``file_name`` and ``text`` captions that describe the image.
 
-    ``with_conditioning`` adds a ``conditioning_image`` column (ControlNet layout): the shape's mask.
+    ``with_conditioning`` adds a ``conditioning_image`` column (ControlNet layout): the shape's mask. The images
+    take the ``sizes`` (see `draw_shape`) in turn.
     """
     path = Path(path)
     (path / "conditioning").mkdir(parents=True, exist_ok=True)
@@ -463,7 +469,7 @@ def build_shapes(path, num_images=36, with_conditioning=False):
         for index in range(num_images):
             shape, color, background = combos[index % len(combos)]
             row = {"file_name": f"{index:04d}.png"}
-            image, mask = draw_shape(shape, color, background, rng=rng)
+            image, mask = draw_shape(shape, color, background, sizes[index % len(sizes)], rng=rng)
             image.save(path / row["file_name"])
             if with_conditioning:
                 row["conditioning_image_file_name"] = f"conditioning/{index:04d}.png"
@@ -479,14 +485,27 @@ def build_shapes_controlnet(path):
     build_shapes(path, with_conditioning=True)
 
 
-def build_instance(path, num_images=6):
-    """A DreamBooth instance folder: a few pictures of one subject (a purple triangle), no captions."""
+def build_shapes_mixed(path):
+    """The shapes dataset, with conditioning images, in landscape, portrait, square, small and 4:1 pictures
+    (`MIXED_SIZES`), for aspect-ratio buckets."""
+    build_shapes(path, num_images=12, with_conditioning=True, sizes=MIXED_SIZES)
+
+
+def build_instance(path, num_images=6, sizes=(IMAGE_SIZE,)):
+    """A DreamBooth instance folder: a few pictures of one subject (a purple triangle), no captions; the images
+    take the ``sizes`` (see `draw_shape`) in turn."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED + 1)
     for index in range(num_images):
-        image, _ = draw_shape("triangle", "purple", rng.choice(list(BACKGROUNDS)), rng=rng)
+        image, _ = draw_shape("triangle", "purple", rng.choice(list(BACKGROUNDS)), sizes[index % len(sizes)],
+                              rng=rng)
         image.save(path / f"{index:04d}.png")
+
+
+def build_instance_mixed(path):
+    """The DreamBooth instance folder in the `MIXED_SIZES`, for aspect-ratio buckets."""
+    build_instance(path, sizes=MIXED_SIZES)
 
 
 FIXTURES = {
@@ -501,6 +520,8 @@ FIXTURES = {
     "shapes": build_shapes,
     "shapes_controlnet": build_shapes_controlnet,
     "instance": build_instance,
+    "shapes_mixed": build_shapes_mixed,
+    "instance_mixed": build_instance_mixed,
 }
 
 

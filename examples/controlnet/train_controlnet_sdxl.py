@@ -24,12 +24,14 @@ from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipe
 
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
+from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
+from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
-                                       load_validation_pairs, make_controlnet_validator, pick_training_caption)
-from training_utils.data import (ImageWithConditioningTransform, TrainDataset, load_train_dataset, make_dataloader,
-                                 stack_collate)
+                                       load_validation_pairs, make_controlnet_validator)
+from training_utils.data import (ImageWithConditioningTransform, TrainDataset, captions_with_empty, dataset_shapes,
+                                 drop_caption, load_train_dataset, make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
@@ -83,6 +85,7 @@ def main(args):
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *text_encoders])
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()
+    compile_repeated_blocks(controlnet, args.torch_compile)
     unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
     parameters = trainable_parameters(trained)
     export = ModelExport.of(trained)
@@ -90,10 +93,12 @@ def main(args):
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
     # 4. Data: the frozen encoders run once, here, not in every step (both text encoders on each distinct
-    #    caption and on the empty prompt that --proportion_empty_prompts draws; with --cache_latents, the VAE on
-    #    each target image, not on the conditioning image, which the ControlNet reads), then leave the
-    #    accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
-    transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip)
+    #    caption and on the empty prompt that --caption_dropout draws; with --cache_latents, the VAE on each
+    #    target image, not on the conditioning image, which the ControlNet reads), then leave the accelerator
+    #    until validation. A conditioning image is resized and cropped as its image is (to its bucket, with
+    #    buckets). Optimizer, schedule, accelerate; the loop resumes if asked.
+    transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip,
+                                               AspectRatioBuckets.from_args(args, pipe))
     frozen = FrozenEncoders(vae, text_encoders, transform, accelerator.device, weight_dtype,
                             cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
                             seed=args.seed)
@@ -102,31 +107,35 @@ def main(args):
         input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
         return encode_prompt(text_encoders, input_ids)
 
-    embeddings = frozen.text_embeddings([*dataset[args.caption_column], ""], encode_text, tokenizers)
-    examples = frozen.cache_dataset_images(dataset, args.image_column)
+    embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
+                                        encode_text, tokenizers)
+    shapes = dataset_shapes(transform, dataset, args.image_column)
+    examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
     def preprocess(example, generator):
-        # SDXL is told each image's original size and where it was cropped (after any flip).
-        image, conditioning_pixel_values, original_size, crop_top_left = frozen.dataset_image_with_conditioning(
-            example, example[args.conditioning_image_column], generator)
-        caption = pick_training_caption(example[args.caption_column], args.proportion_empty_prompts, generator)
+        laid_out = frozen.dataset_image_with_conditioning(example, example[args.conditioning_image_column],
+                                                          generator)
+        # An empty prompt now and then teaches the ControlNet to follow the conditioning image alone.
+        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
         prompt_embeds, pooled = embeddings[caption]
-        return {"image": image, "conditioning_pixel_values": conditioning_pixel_values,
+        # SDXL is told each image's original size, where it was cropped (after any flip) and the size it trains
+        # at (its bucket).
+        return {"image": laid_out.pixels, "conditioning_pixel_values": laid_out.conditioning_pixels,
                 "prompt_embeds": prompt_embeds, "text_embeds": pooled,
-                "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
+                "time_ids": time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
-        stack_collate, args.seed))
+        TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
+        args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     controlnet, optimizer, lr_scheduler = accelerator.prepare(controlnet, optimizer, lr_scheduler)
 
+    # The pipeline resizes each --validation_image to the validation size (with buckets, the most common one).
     validator = make_controlnet_validator(
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-        call_kwargs={"height": args.resolution, "width": args.resolution})
+        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device, call_kwargs=validation_size(args, shapes))
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))

@@ -23,11 +23,13 @@ from diffusers import StableDiffusionPipeline
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, add_refused_args, check_args,
                                  export_formats, training_parser)
+from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
+from training_utils.compile import compile_repeated_blocks
 from training_utils.data import ImageTransform, make_dataloader, tokenize
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, instance_then_class_collate)
+                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
@@ -88,6 +90,7 @@ def main(args):
         unet.enable_gradient_checkpointing()
         if args.train_text_encoder:
             text_encoder.gradient_checkpointing_enable()
+    compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
@@ -97,14 +100,15 @@ def main(args):
     #    The frozen encoders run once, here, not in every step (a frozen text encoder on the prompts; with
     #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
+                               AspectRatioBuckets.from_args(args, pipe))
     frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
                             cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
                             seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
                                           frozen.on_device)
-    # Each batch holds the instance images, then as many class images: one prompt per half.
-    prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
+    # Each batch holds the instance images, then as many class images; its "prompt_index" gives each image's prompt.
+    prompts = dreambooth_prompts(args)
 
     def encode_prompts(prompts):
         return text_encoder(tokenize(tokenizer, prompts).to(accelerator.device), return_dict=False)[0]
@@ -112,7 +116,7 @@ def main(args):
     if not args.train_text_encoder:
         embeddings = frozen.text_embeddings(prompts, encode_prompts, [tokenizer])
         frozen_prompt_embeds = torch.stack([embeddings[prompt] for prompt in prompts]).to(accelerator.device)
-    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
@@ -126,7 +130,7 @@ def main(args):
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs={"height": args.resolution, "width": args.resolution})
+                               call_kwargs=validation_size(args, dataset.shapes))
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora", config=tracker_config(args))
@@ -141,12 +145,14 @@ def main(args):
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
             noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+            # A trained text encoder embeds the few distinct prompts in every step; each image takes its own.
             prompt_embeds = encode_prompts(prompts) if args.train_text_encoder else frozen_prompt_embeds
-            encoder_hidden_states = prompt_embeds.repeat_interleave(latents.shape[0] // len(prompts), dim=0)
+            encoder_hidden_states = prompt_embeds[batch["prompt_index"]]
             model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             # The instance half's loss, plus the weighted class half's (prior preservation).
-            predictions, targets, steps = (x.chunk(len(prompts)) for x in (model_pred, target, timesteps))
+            halves = 2 if args.with_prior_preservation else 1
+            predictions, targets, steps = (x.chunk(halves) for x in (model_pred, target, timesteps))
             loss = diffusion_loss(predictions[0], targets[0], noise_scheduler, steps[0], args.snr_gamma)
             if args.with_prior_preservation:
                 prior_loss = diffusion_loss(predictions[1], targets[1], noise_scheduler, steps[1], args.snr_gamma)

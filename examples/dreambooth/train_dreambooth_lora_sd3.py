@@ -23,10 +23,12 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
+from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
+from training_utils.compile import compile_repeated_blocks
 from training_utils.data import ImageTransform, make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, instance_then_class_collate)
+                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error, require
 from training_utils.export import LoraExport, save_with_ema
@@ -113,6 +115,7 @@ def main(args):
         for name, module in trained.items():
             if name != "transformer":
                 module.gradient_checkpointing_enable()
+    compile_repeated_blocks(transformer, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
@@ -122,14 +125,15 @@ def main(args):
     #    The frozen encoders run once, here, not in every step (frozen text encoders on the prompts; with
     #    --cache_latents, the VAE on each image), then leave the accelerator until validation (T5 alone is
     #    gigabytes). Optimizer, schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
+                               AspectRatioBuckets.from_args(args, pipe))
     frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
                             cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
                             seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
                                           frozen.on_device)
-    # Each batch holds the instance images, then as many class images: one prompt per half.
-    prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
+    # Each batch holds the instance images, then as many class images; its "prompt_index" gives each image's prompt.
+    prompts = dreambooth_prompts(args)
     tokenizers = [pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3]
 
     def encode_prompts(prompts):
@@ -140,7 +144,7 @@ def main(args):
         embeddings = frozen.text_embeddings(prompts, encode_prompts, [*tokenizers, args.max_sequence_length])
         frozen_prompt_embeds = [torch.stack(parts).to(accelerator.device)
                                 for parts in zip(*(embeddings[prompt] for prompt in prompts))]
-    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
@@ -155,7 +159,7 @@ def main(args):
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs={"height": args.resolution, "width": args.resolution})
+                               call_kwargs=validation_size(args, dataset.shapes))
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora-sd3", config=tracker_config(args))
@@ -172,12 +176,12 @@ def main(args):
             timesteps, sigmas = sample_flow_matching_timesteps(
                 noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
             noisy_latents = add_noise(latents, noise, sigmas)
+            # Trained text encoders embed the few distinct prompts in every step; each image takes its own.
             prompt_embeds, pooled_embeds = (encode_prompts(prompts) if args.train_text_encoder
                                             else frozen_prompt_embeds)
-            repeats = latents.shape[0] // len(prompts)
             model_pred = transformer(hidden_states=noisy_latents, timestep=timesteps,
-                                     encoder_hidden_states=prompt_embeds.repeat_interleave(repeats, dim=0),
-                                     pooled_projections=pooled_embeds.repeat_interleave(repeats, dim=0),
+                                     encoder_hidden_states=prompt_embeds[batch["prompt_index"]],
+                                     pooled_projections=pooled_embeds[batch["prompt_index"]],
                                      return_dict=False)[0]
             if args.precondition_outputs:  # the velocity turned into an estimate of x_0, which is regressed
                 model_pred, target = noisy_latents - sigmas * model_pred, latents

@@ -24,11 +24,13 @@ from training_utils import z_image
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, add_refused_args,
                                  check_args, comma_separated, export_formats, training_parser)
+from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
+from training_utils.compile import compile_repeated_blocks
 from training_utils.data import ImageTransform, make_dataloader
 from training_utils.dreambooth import (TRANSFORMER_DREAMBOOTH_NOT_CARRIED, add_dreambooth_args,
                                        check_dreambooth_args, class_images_from_args, dreambooth_dataset,
-                                       instance_then_class_collate)
+                                       dreambooth_prompts, instance_then_class_collate)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
@@ -92,6 +94,7 @@ def main(args):
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    compile_repeated_blocks(transformer, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
@@ -101,14 +104,15 @@ def main(args):
     #    The frozen encoders run once, here, not in every step (the text encoder on the prompts; with
     #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
+                               AspectRatioBuckets.from_args(args, pipe))
     frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
                             cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
                             seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
                                           call_kwargs=prompt_settings)
-    # Each batch holds the instance images, then as many class images: one prompt per half.
-    prompts = [args.instance_prompt] + ([args.class_prompt] if args.with_prior_preservation else [])
+    # Each batch holds the instance images, then as many class images; its "prompt_index" gives each image's prompt.
+    prompts = dreambooth_prompts(args)
 
     def encode_prompts(prompts):
         return z_image.encode_prompts(pipe, prompts, accelerator.device, prompt_settings)
@@ -118,7 +122,7 @@ def main(args):
     embeddings = frozen.text_embeddings(prompts, encode_prompts,
                                         [pipe.tokenizer, pipe.tokenizer.chat_template, prompt_settings])
     prompt_embeds = [z_image.unpadded(*embeddings[prompt]).to(accelerator.device) for prompt in prompts]
-    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed)
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
@@ -129,7 +133,7 @@ def main(args):
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs={"height": args.resolution, "width": args.resolution, **prompt_settings})
+                               call_kwargs={**validation_size(args, dataset.shapes), **prompt_settings})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora-z-image", config=tracker_config(args))
@@ -144,9 +148,8 @@ def main(args):
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(
                 noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
-            repeats = latents.shape[0] // len(prompts)
             outputs = transformer(**z_image.image_inputs(add_noise(latents, noise, sigmas), timesteps),
-                                  cap_feats=[embeds for embeds in prompt_embeds for _ in range(repeats)],
+                                  cap_feats=[prompt_embeds[index] for index in batch["prompt_index"].tolist()],
                                   return_dict=False)[0]
             # With prior preservation, the instance half's loss plus the weighted class half's.
             loss = flow_matching_loss(z_image.velocity_prediction(outputs), velocity(latents, noise), sigmas,

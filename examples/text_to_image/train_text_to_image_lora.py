@@ -16,9 +16,11 @@ from diffusers import StableDiffusionPipeline
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
+from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
-from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
-                                 stack_collate, tokenize)
+from training_utils.compile import compile_repeated_blocks
+from training_utils.data import (ImageTransform, TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
+                                 load_train_dataset, make_dataloader, pick_caption, stack_collate, tokenize)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
@@ -62,6 +64,7 @@ def main(args):
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+    compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
@@ -70,7 +73,8 @@ def main(args):
     # 4. Data: the frozen encoders run once, here, not in every step (the text encoder on each distinct caption;
     #    with --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
+                               AspectRatioBuckets.from_args(args, pipe))
     frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
                             cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
                             seed=args.seed)
@@ -78,17 +82,19 @@ def main(args):
     def encode_text(captions):
         return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
 
-    embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, [tokenizer])
-    examples = frozen.cache_dataset_images(dataset, args.image_column)
+    embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
+                                        encode_text, [tokenizer])
+    shapes = dataset_shapes(transform, dataset, args.image_column)
+    examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
     def preprocess(example, generator):
-        image, _, _ = frozen.dataset_image(example, generator)
-        caption = pick_caption(example[args.caption_column], generator)
+        image = frozen.dataset_image(example, generator).pixels
+        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
         return {"image": image, "encoder_hidden_states": embeddings[caption]}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
-        stack_collate, args.seed))
+        TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
+        args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
@@ -96,7 +102,7 @@ def main(args):
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs={"height": args.resolution, "width": args.resolution})
+                               call_kwargs=validation_size(args, shapes))
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora", config=tracker_config(args))

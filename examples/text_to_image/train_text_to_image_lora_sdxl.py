@@ -12,8 +12,8 @@ The frozen VAE runs in the mixed-precision dtype; SDXL's own VAE overflows in fp
 or train in bf16. That VAE replaces the pipeline's, for training and validation alike.
 
 Frozen text encoders run once per distinct caption before training, not in every step; with
-``--cache_latents`` (which needs ``--center_crop``) the VAE encodes each image once too. Cached encoders
-leave the accelerator until validation. Results match the uncached run to float tolerance.
+``--cache_latents`` the VAE encodes each image once too. Cached encoders leave the accelerator until
+validation. With ``--center_crop``, results match the uncached run to float tolerance.
 
 Writes ``pytorch_lora_weights.safetensors`` (UNet and, with ``--train_text_encoder``, both text-encoder
 adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
@@ -26,9 +26,11 @@ from diffusers import StableDiffusionXLPipeline
 from training_utils.accelerator import end_training, make_accelerator, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
+from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
-from training_utils.data import (ImageTransform, TrainDataset, load_train_dataset, make_dataloader, pick_caption,
-                                 stack_collate)
+from training_utils.compile import compile_repeated_blocks
+from training_utils.data import (ImageTransform, TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
+                                 load_train_dataset, make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
@@ -90,15 +92,18 @@ def main(args):
         if args.train_text_encoder:
             for text_encoder in text_encoders:
                 text_encoder.gradient_checkpointing_enable()
+    compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
     # 4. Data: the frozen encoders run once, here, not in every step (unless trained, both text encoders on each
-    #    distinct caption; with --cache_latents, the VAE on each image), then leave the accelerator until
-    #    validation. Optimizer, schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip)
+    #    distinct caption and on the empty prompt that --caption_dropout draws; with --cache_latents, the VAE on
+    #    each image), then leave the accelerator until validation. Optimizer, schedule, accelerate; the loop
+    #    resumes if asked.
+    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
+                               AspectRatioBuckets.from_args(args, pipe))
     frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
                             cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
                             seed=args.seed)
@@ -107,25 +112,29 @@ def main(args):
             input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
             return encode_prompt(text_encoders, input_ids)
 
-        embeddings = frozen.text_embeddings(dataset[args.caption_column], encode_text, tokenizers)
-    examples = frozen.cache_dataset_images(dataset, args.image_column)
+        embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
+                                            encode_text, tokenizers)
+    shapes = dataset_shapes(transform, dataset, args.image_column)
+    examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
     def preprocess(example, generator):
-        # SDXL is told each image's original size and where it was cropped (after any flip).
-        image, original_size, crop_top_left = frozen.dataset_image(example, generator)
-        caption = pick_caption(example[args.caption_column], generator)
+        laid_out = frozen.dataset_image(example, generator)
+        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
+        # Trained text encoders encode each batch's captions in the step, a dropped one as the empty prompt.
         if args.train_text_encoder:
             input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
             text = {"input_ids": input_ids[0], "input_ids_2": input_ids_2[0]}
         else:
             prompt_embeds, pooled = embeddings[caption]
             text = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-        return {"image": image, **text,
-                "time_ids": time_ids(original_size, crop_top_left, (args.resolution, args.resolution))}
+        # SDXL is told each image's original size, where it was cropped (after any flip) and the size it trains at
+        # (its bucket).
+        return {"image": laid_out.pixels, **text,
+                "time_ids": time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)}
 
     dataloader = accelerator.prepare(make_dataloader(
-        TrainDataset(examples, preprocess, args.seed), args.train_batch_size, args.dataloader_num_workers,
-        stack_collate, args.seed))
+        TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
+        args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
@@ -137,7 +146,7 @@ def main(args):
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs={"height": args.resolution, "width": args.resolution})
+                               call_kwargs=validation_size(args, shapes))
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora-sdxl", config=tracker_config(args))
