@@ -182,6 +182,18 @@ def deleting_after_load(script, folders, directory):
     return wrapper
 
 
+def controlnet_flags(tiny, model, output_dir, *extra, mixed=False):
+    """A ControlNet script's flags on the tiny ``model`` fixture: random crops and flips, 30% empty prompts. On 64px
+    squares with upstream's --proportion_empty_prompts; or, ``mixed``, on pictures of mixed shapes in aspect-ratio
+    buckets, each seen twice an epoch, with the same flag by its shared name."""
+    data = (["--train_data_dir", tiny["shapes_mixed"], "--use_aspect_ratio_buckets", "--repeats", 2,
+             "--caption_dropout", 0.3] if mixed else
+            ["--train_data_dir", tiny["shapes_controlnet"], "--proportion_empty_prompts", 0.3])
+    return ["--pretrained_model_name_or_path", tiny[model], *data, "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
+            "--seed", 3, *extra]
+
+
 def usage_error(script, *args):
     """The one ``error:`` line of ``python examples/<script> args``, run in this process (a launch spends seconds
     importing), which must stop at its input checks with exit status 2 and no traceback. Every script makes its

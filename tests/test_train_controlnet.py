@@ -9,7 +9,7 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from PIL import Image
 
-from helpers import EXAMPLES, deleting_after_load, launch, launch_together, usage_error
+from helpers import EXAMPLES, controlnet_flags, deleting_after_load, launch, launch_together, usage_error
 from training_utils.errors import UsageError
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
@@ -26,15 +26,7 @@ def conditioning(tiny, index):
 
 
 def common(tiny, output_dir, *extra, mixed=False):
-    """Random crops and flips, 30% empty prompts. On 64px squares with upstream's --proportion_empty_prompts; or,
-    ``mixed``, on pictures of mixed shapes in aspect-ratio buckets, each seen twice an epoch, with the same flag
-    by its shared name."""
-    data = (["--train_data_dir", tiny["shapes_mixed"], "--use_aspect_ratio_buckets", "--repeats", 2,
-             "--caption_dropout", 0.3] if mixed else
-            ["--train_data_dir", tiny["shapes_controlnet"], "--proportion_empty_prompts", 0.3])
-    return ["--pretrained_model_name_or_path", tiny["sd"], *data, "--output_dir", output_dir, "--resolution", 32,
-            "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
-            "--seed", 3, *extra]
+    return controlnet_flags(tiny, "sd", output_dir, *extra, mixed=mixed)
 
 
 def pretrained(tiny, output_dir, *extra, mixed=False):

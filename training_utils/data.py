@@ -135,8 +135,8 @@ class ImageTransform:
         return self.buckets.shape_of(width, height)
 
     def shapes(self, sizes):
-        """The training shape of each (width, height) of ``sizes``, or None without buckets (all are squares)."""
-        return None if self.buckets is None else [self.shape_of(*size) for size in sizes]
+        """The training shape of each (width, height) of ``sizes``."""
+        return [self.shape_of(*size) for size in sizes]
 
     def draw_layout(self, width, height, generator, crop=None, shape=None):
         """The resize, crop and flip for an image of this size; all random draws happen here. A ``crop``
