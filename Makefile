@@ -13,7 +13,7 @@ install:
 
 # A real LoRA training run, with EMA and validation, on the embedded tiny model and dataset.
 demo: install
-	$(PYTHON) -m training_utils.tiny --output_dir tiny
+	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny
 	rm -rf $(DEMO_DIR)
 	$(LAUNCH) examples/text_to_image/train_text_to_image_lora.py \
 	  --pretrained_model_name_or_path tiny/sd --train_data_dir tiny/shapes --output_dir $(DEMO_DIR) \

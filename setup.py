@@ -8,7 +8,7 @@ setup(
     packages=find_packages(include=["training_utils", "training_utils.*"]),
     python_requires=">=3.10",
     extras_require={
-        "test": ["pytest", "pytest-timeout", "psutil", "torchao"],  # torchao: the int8 base runs on the CPU
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "psutil", "torchao"],  # torchao: the int8 base runs on the CPU
         "quantization": ["torchao", "bitsandbytes"],
     },
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],

@@ -5,28 +5,24 @@ import pytest
 
 import helpers
 
-# Files whose tests launch whole training runs: `pytest -m "not slow"` is the quick subset (CI runs all).
-SLOW_FILES = ("test_train_", "test_resilience", "test_multiprocess", "test_parallel_validation", "test_copied_script")
-
-
 def pytest_collection_modifyitems(items):
+    """Mark slow each test that launches training runs, itself (marked so) or through a fixture (`helpers.launching`):
+    ``pytest -m "not slow"`` is the quick subset, which `helpers.only_in_slow_tests` keeps true."""
     for item in items:
-        if item.path.name.startswith(SLOW_FILES):
+        fixtures = [definition for definitions in item._fixtureinfo.name2fixturedefs.values()
+                    for definition in definitions]
+        if any(getattr(definition.func, "launches", False) for definition in fixtures):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.hookimpl(trylast=True)  # last before the final counts: what a log's tail shows
-def pytest_terminal_summary(terminalreporter):
-    if helpers.HANG_REPORTS:
-        terminalreporter.section("runs that hung")
-        for report in helpers.HANG_REPORTS:
-            terminalreporter.write_line(report)
+def pytest_runtest_setup(item):
+    helpers.running_slow_test[0] = item.get_closest_marker("slow") is not None
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """``{fixture name: path}`` of every tiny fixture of ``training_utils.tiny``."""
-    from training_utils.tiny import build
+    """``{fixture name: path}`` of every tiny fixture of ``training_utils.testing.tiny``."""
+    from training_utils.testing.tiny import build
 
     return build(tmp_path_factory.mktemp("tiny"))
 

@@ -2,16 +2,20 @@
 full (`run_bounded`), runs launched together, the one retry of a two-process run that hung (`launch_processes`),
 and a script's input errors checked in this process (`usage_error`)."""
 
+import atexit
 import collections
 import contextlib
 import functools
+import importlib.util
 import io
 import os
 import re
 import runpy
 import signal
 import sys
+import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
@@ -20,6 +24,7 @@ import psutil
 import pytest
 
 from training_utils.testing import RUN_TIMEOUT_S, launch_environment, launch_script, run_captured
+from warm_runner import WarmServer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -37,7 +42,19 @@ class RunHung(AssertionError):
 def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S, cwd=REPO):
     """``subprocess.run(command)`` in ``cwd``, output captured, that cannot hang the suite (`run_captured`): on
     timeout it raises `RunHung` with what `_stop_tree` saw of the processes and the stacks they printed."""
-    result, states = run_captured(command, env, timeout, cwd, stop=_stop_tree)
+    return _unless_hung(*run_captured(command, env, timeout, cwd, stop=_stop_tree), timeout)
+
+
+def run_warm(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S, cwd=REPO):
+    """`run_bounded` for a single-process ``accelerate launch``, whose script a child of the session's warm server
+    runs (`warm_runner`): the same argv and environment, no interpreter to start, nothing to import."""
+    only_in_slow_tests()
+    return _unless_hung(*warm_server().run(command, env, timeout, cwd, stop=_stop_tree), timeout)
+
+
+def _unless_hung(result, states, timeout):
+    """``result``, or `RunHung` with what `_stop_tree` saw of a run stopped after ``timeout`` seconds (``states``)
+    and the stacks its processes printed."""
     if states is not None:
         log, marker, stacks = result.stderr.partition(STACKS_MARKER)
         raise RunHung(f"no result within {timeout} s (a hang?). The end of its log:\n"
@@ -45,6 +62,20 @@ def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S, cwd=REPO):
                       f"The stacks of its workers:\n{_readable_stderr(marker + stacks)[-8000:]}\n"
                       f"Its processes when it was stopped:\n{states}")
     return result
+
+
+_warm = {}
+_warm_lock = threading.Lock()
+
+
+def warm_server():
+    """The session's `warm_runner.WarmServer`, started at the first warm launch (it imports for about 10 s) and
+    stopped when the session ends."""
+    with _warm_lock:
+        if "server" not in _warm:
+            _warm["server"] = WarmServer.start(SUBPROCESS_ENV)
+            atexit.register(_warm["server"].stop)
+    return _warm["server"]
 
 
 def _readable_stderr(text):
@@ -110,10 +141,32 @@ def _describe(process, cpu_before):
         return f"pid {process.pid}: {error!r}"
 
 
-def launch(script, *args, **options):
+def launching(fixture):
+    """Mark a fixture function that launches training runs: conftest marks every test that uses it slow."""
+    fixture.launches = True
+    return fixture
+
+
+# Whether the running test is marked slow (conftest sets it before each test's fixtures run).
+running_slow_test = [True]
+
+
+def only_in_slow_tests():
+    """Stop a test that launches a run but is not marked slow, so that ``-m "not slow"`` stays the quick subset:
+    mark it ``@pytest.mark.slow``, or its fixture `launching`."""
+    if not running_slow_test[0]:
+        raise AssertionError(f"{os.environ.get('PYTEST_CURRENT_TEST')} launches a run but is not marked slow")
+
+
+def launch(script, *args, processes=1, quiet=False, **options):
     """`training_utils.testing.launch_script` on ``examples/<script>`` (or an absolute path) with this checkout's
-    training_utils, a hang reported in full (`run_bounded`)."""
-    return launch_script(EXAMPLES / script, *args, env=REPO_ON_PATH, run=run_bounded, **options)
+    training_utils, a hang reported in full. A single-process run's script runs in the warm server (`run_warm`)
+    unless ``TESTS_COLD_LAUNCH=1``; a multi-process run, and a ``quiet`` one (what users see of the launcher),
+    through ``accelerate launch`` itself (`run_bounded`)."""
+    only_in_slow_tests()
+    warm = processes == 1 and not quiet and os.environ.get("TESTS_COLD_LAUNCH") != "1"
+    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet, env=REPO_ON_PATH,
+                         run=run_warm if warm else run_bounded, **options)
 
 
 # A run keeps one core busy (its imports, then its single-threaded steps) and holds under 1 GB: so many at once, on
@@ -139,8 +192,10 @@ def launch_together(launches, **options):
 
 # A two-process tiny run takes about 10 s.
 MULTIPROCESS_TIMEOUT_S = 120
-# Every hang `launch_processes` met, for the end of pytest's report (conftest's pytest_terminal_summary).
-HANG_REPORTS = []
+
+
+class RunHungWarning(UserWarning):
+    """A run that hung and was made again: its report, in pytest's warnings summary (from every xdist worker)."""
 
 
 def launch_processes(script, prepare, args_for, processes=2):
@@ -148,8 +203,8 @@ def launch_processes(script, prepare, args_for, processes=2):
     ``prepare()`` returns and on the arguments ``args_for(output_dir)``.
 
     Should a run hang at exit (a race in torch's gloo teardown that `training_utils.accelerator.end_training`
-    avoids), the hang is reported in full (the processes' states and stacks) at the end of pytest's report
-    and the run is made once more in a fresh folder; a second hang fails the test.
+    avoids), the hang is reported in full (the processes' states and stacks) in pytest's warnings summary
+    (`RunHungWarning`) and the run is made once more in a fresh folder; a second hang fails the test.
     """
     for attempt in (1, 2):
         output_dir = prepare()
@@ -157,9 +212,9 @@ def launch_processes(script, prepare, args_for, processes=2):
             return output_dir, launch(script, *args_for(output_dir), processes=processes,
                                       timeout=MULTIPROCESS_TIMEOUT_S)
         except RunHung as hang:
-            HANG_REPORTS.append(f"{os.environ.get('PYTEST_CURRENT_TEST')}, attempt {attempt}: {hang}")
             if attempt == 2:
                 raise
+            warnings.warn(f"{os.environ.get('PYTEST_CURRENT_TEST')}, attempt {attempt}: {hang}", RunHungWarning)
 
 
 def deleting_after_load(script, folders, directory):
@@ -176,6 +231,9 @@ def deleting_after_load(script, folders, directory):
         "        shutil.rmtree(folder)\n"
         "    return pipe\n"
         "pipeline.load_pipeline = load_then_delete\n"
+        "for module in list(sys.modules.values()):  # those that took it by name before (a warm runner's)\n"
+        "    if getattr(module, 'load_pipeline', None) is load:\n"
+        "        module.load_pipeline = load_then_delete\n"
         f"sys.argv[0] = {str(script)!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
@@ -192,6 +250,16 @@ def controlnet_flags(tiny, model, output_dir, *extra, mixed=False):
     return ["--pretrained_model_name_or_path", tiny[model], *data, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
             "--seed", 3, *extra]
+
+
+@functools.cache
+def import_script(script):
+    """The module of ``examples/<script>``, imported by path (its ``main`` does not run)."""
+    path = EXAMPLES / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def usage_error(script, *args):
@@ -216,8 +284,9 @@ def usage_error(script, *args):
 
 
 def launched_usage_error(result):
-    """`usage_error`'s line, from the result of a run launched with ``check=False, quiet=True`` that its input checks
-    stopped: through ``accelerate launch --quiet`` too, no traceback and a failed exit status."""
+    """`usage_error`'s line, from the result of a run launched with ``check=False`` that its checks stopped: one
+    line, no traceback and a failed exit status (launched with ``quiet=True``: through ``accelerate launch --quiet``
+    too)."""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr[-2000:]
     return errors[0]

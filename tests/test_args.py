@@ -4,18 +4,12 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 
-from training_utils.args import (
-    TrainingArgumentParser,
-    add_cache_args,
-    add_diffusion_loss_args,
-    add_lora_args,
-    add_refused_args,
-    check_args,
-    export_formats,
-    is_hub_id,
-    training_parser,
-)
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
+                                 training_parser)
+from training_utils.checkpointing import trajectory_flags
 from training_utils.errors import UsageError, exit_on_usage_error
+from training_utils.parser import TrainingArgumentParser, add_refused_args
+from training_utils.pipeline import is_hub_id
 
 
 @pytest.fixture
@@ -333,7 +327,6 @@ def test_bf16_needs_a_gpu_that_supports_it(model_dir, monkeypatch, capsys):
 
 
 def test_trajectory_flags_record_what_decides_training_and_nothing_secret(model_dir, tmp_path):
-    from training_utils.args import trajectory_flags
 
     args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path),
                             "--hub_token", "hf_secret", "--validation_prompt", "a red circle", "--seed", "5"])

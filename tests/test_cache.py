@@ -245,7 +245,8 @@ def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_
     assert list(embeddings) == captions
     with torch.no_grad():
         for caption in captions:
-            torch.testing.assert_close(embeddings[caption], encode([caption])[0], atol=1e-5, rtol=1e-5)
+            (row,) = embeddings[caption]
+            torch.testing.assert_close(row, encode([caption])[0], atol=1e-5, rtol=1e-5)
 
 
 def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption(caplog):
@@ -265,6 +266,23 @@ def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_
     # The host memory the cache will hold is said before encoding: 3 captions of 1 MiB of hidden states (and 4
     # bytes pooled).
     assert "text embeddings: 3 items, about 3.0 MiB of host memory in each of 1 process(es)" in caplog.text
+
+
+@pytest.mark.parametrize("captions", [["a", "b", "c"], ["a", "b"]])
+def test_a_part_returned_once_for_all_the_captions_is_each_captions_whole(captions):
+    # Like FluxPipeline.encode_prompt: (prompt_embeds, pooled_prompt_embeds) a row per prompt, and text_ids
+    # (sequence length, 3) once for all of them, here as many rows as one chunk of captions could have.
+    def encode(texts):
+        codes = torch.tensor([float(ord(text)) for text in texts])
+        return codes[:, None, None].expand(-1, 2, 4), codes[:, None], torch.arange(6.0).reshape(2, 3)
+
+    frozen = FrozenEncoders(None, [], ImageTransform(32), "cpu", torch.float32, batch_size=2)
+    embeddings = frozen.text_embeddings(captions, encode)
+    for caption in captions:
+        hidden, pooled, text_ids = embeddings[caption]
+        assert torch.equal(hidden, torch.full((2, 4), float(ord(caption))))
+        assert torch.equal(pooled, torch.tensor([float(ord(caption))]))
+        assert torch.equal(text_ids, torch.arange(6.0).reshape(2, 3))
 
 
 def counting_text_encoder(text_encoder, tokenizer, calls):
@@ -301,7 +319,7 @@ def test_a_disk_cache_is_reused_without_running_or_moving_an_encoder_and_gives_t
         second = cached(again, device="cuda:0")  # the accelerator, which nothing reaches
     assert again == [] and set(moves) == {"cpu"}
     assert first[0].keys() == second[0].keys()
-    assert all(torch.equal(first[0][caption], second[0][caption]) for caption in first[0])
+    assert all(torch.equal(first[0][caption][0], second[0][caption][0]) for caption in first[0])
     for (parameters, *layout), (parameters_again, *layout_again) in zip(first[1], second[1]):
         assert torch.equal(parameters, parameters_again) and layout == layout_again
 

@@ -16,7 +16,7 @@ import torch
 from training_utils.compile import add_compile_args, compilation_count, compile_repeated_blocks
 from training_utils.ema import tensors_swapped_in
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
-from training_utils.tiny import tiny_unet
+from training_utils.testing.tiny.parts import tiny_unet
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND = "aot_eager"
@@ -149,5 +149,5 @@ def test_every_script_compiles_its_trained_model_after_its_last_change_and_befor
     # After its adapter, casting and gradient checkpointing; before DDP may wrap it.
     for before in ("prepare_components(", f"{model}.enable_gradient_checkpointing()"):
         assert source.index(before) < call.start(), (script.name, before)
-    prepared = re.search(rf"\n +{model}, .*= accelerator\.prepare\(", source)
-    assert prepared and call.start() < prepared.start(), script.name
+    prepared = source.index("= prepare_trained(accelerator, trained, ")
+    assert call.start() < prepared, script.name

@@ -23,9 +23,10 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from training_utils.convert_lora import METADATA_KEY, convert, formats_for, main, write_converted
+from training_utils.convert_lora import METADATA_KEY, convert, main, write_converted
 from training_utils.errors import UsageError
 from training_utils.export import LoraExport
+from training_utils.families import family_of, formats_for
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import trainable_parameters
 
@@ -375,9 +376,19 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
 def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
-    for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "ZImagePipeline", "QwenImageEditPipeline"):
+    for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
+                 "QwenImagePipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("WanPipeline") == ()
+
+
+@pytest.mark.parametrize("name", ["FluxPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
+                                  "Flux2KleinPipelineX"])
+def test_a_family_is_matched_by_its_pipeline_class_exactly(name):
+    # FLUX.1's pipeline is not FLUX.2's, an edit pipeline is not its base's: a look-alike name matches no family
+    # until a family module names it.
+    assert family_of(name) is None and formats_for(name) == ()
+    assert family_of("Flux2KleinPipeline").name == "flux2" and family_of("flux2").name == "flux2"
 
 
 def test_the_command_converts_a_file(unet_lora, tmp_path, capsys):

@@ -6,6 +6,8 @@ import shutil
 import sys
 import textwrap
 
+import pytest
+
 import training_utils.testing
 from helpers import EXAMPLES, REPO, run_bounded
 
@@ -20,6 +22,7 @@ def users_smoke_test():
     return test
 
 
+@pytest.mark.slow  # a pytest that launches the script
 def test_a_copied_script_passes_its_users_smoke_test(tmp_path):
     project, site_packages = tmp_path / "my_project", tmp_path / "site-packages"
     project.mkdir()

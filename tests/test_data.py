@@ -20,7 +20,7 @@ from training_utils.data import (
     tokenize,
 )
 from training_utils.errors import UsageError
-from training_utils.tiny import COLORS, SHAPES
+from training_utils.testing.tiny.data import COLORS, SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = {"--image_column": "image", "--caption_column": "text"}

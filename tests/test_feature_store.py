@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training_utils import feature_store, tiny
+from training_utils import feature_store
+from training_utils.testing.tiny import parts as tiny
 from training_utils.errors import UsageError
 from training_utils.feature_store import Block, FeatureStore, describe, encode_once
 

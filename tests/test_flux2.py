@@ -1,4 +1,4 @@
-"""training_utils.flux2: FLUX.2 [klein]'s prompt settings, latent layout and transformer inputs are the pipeline's own.
+"""training_utils.families.flux2: FLUX.2 [klein]'s prompt settings, latent layout and transformer inputs are the pipeline's own.
 
 The central check: sampling with a transformer that predicts exactly the training target follows the training
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline
 
-from training_utils import flux2
+from training_utils.families import flux2
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.flow_matching import add_noise, velocity
@@ -27,9 +27,9 @@ def pipe(tiny):
 def parse(tiny):
     def parse(*argv):
         parser = training_parser("test")
-        flux2.add_flux2_args(parser)
+        flux2.add_args(parser)
         args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["flux2_klein"]), *map(str, argv)])
-        flux2.check_flux2_args(args)
+        flux2.check_args(args)
         return args
 
     return parse
@@ -73,10 +73,10 @@ def test_bad_prompt_settings_fail_in_one_line_from_the_configurations(parse, fla
 
 def test_a_folder_without_the_configurations_fails_in_one_line(tiny):
     parser = training_parser("test")
-    flux2.add_flux2_args(parser)
+    flux2.add_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["sd"]), "--text_encoder_out_layers", "1"])
     with pytest.raises(UsageError) as error:
-        flux2.check_flux2_args(args)
+        flux2.check_args(args)
     assert str(error.value) == (f"--pretrained_model_name_or_path={str(tiny['sd'])!r}: expected a FLUX.2 pipeline "
                                 "whose text_encoder and transformer configurations load")
 
@@ -95,7 +95,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     target = velocity(latents, noise)
     # The transformer's output tokens that the training step reads back as exactly the target.
     target_tokens = pipe._pack_latents(target)
-    assert torch.equal(flux2.unpack(pipe, target_tokens, latents), target)
+    assert torch.equal(flux2.prediction(pipe, target_tokens, latents), target)
     calls = []
 
     def transformer_predicting_the_target(**inputs):
@@ -113,7 +113,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux2.image_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = flux2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         assert torch.equal(call["encoder_hidden_states"], prompt_embeds) and torch.equal(call["txt_ids"], text_ids)

@@ -40,6 +40,7 @@ def assert_stopped(pid):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow  # seconds before the hang is called one
 def test_a_hung_run_fails_with_the_states_and_stacks_of_its_workers_and_leaves_none_running(tmp_path):
     pid_file = tmp_path / "worker.pid"
     with pytest.raises(RunHung, match="no result within 3 s") as failure:
@@ -51,6 +52,7 @@ def test_a_hung_run_fails_with_the_states_and_stacks_of_its_workers_and_leaves_n
     assert_stopped(worker)
 
 
+@pytest.mark.slow  # seconds before the hang is called one
 def test_a_hung_run_without_psutil_fails_with_its_stacks_and_leaves_none_running(tmp_path):
     # training_utils.testing's own runner, for a user's CI: no psutil, the process tree read from /proc.
     pid_file = tmp_path / "worker.pid"
@@ -70,12 +72,12 @@ def test_a_hung_multiprocess_run_is_reported_and_made_again_in_a_fresh_folder(tm
         return "second result"
 
     monkeypatch.setattr(helpers, "launch", hanging_once)
-    monkeypatch.setattr(helpers, "HANG_REPORTS", [])
     folders = iter([tmp_path / "a", tmp_path / "b"])
-    output_dir, result = launch_processes("job.py", lambda: next(folders), lambda folder: [folder])
+    with pytest.warns(helpers.RunHungWarning, match="attempt 1: no result within 120 s") as reports:
+        output_dir, result = launch_processes("job.py", lambda: next(folders), lambda folder: [folder])
     assert (output_dir, result) == (tmp_path / "b", "second result")
     assert attempts == [(tmp_path / "a",), (tmp_path / "b",)]
-    assert len(helpers.HANG_REPORTS) == 1 and "attempt 1: no result within 120 s" in helpers.HANG_REPORTS[0]
+    assert len(reports) == 1
 
 
 def test_a_multiprocess_run_that_hangs_twice_fails(monkeypatch):
@@ -83,10 +85,9 @@ def test_a_multiprocess_run_that_hangs_twice_fails(monkeypatch):
         raise RunHung("no result within 120 s")
 
     monkeypatch.setattr(helpers, "launch", hanging)
-    monkeypatch.setattr(helpers, "HANG_REPORTS", [])
-    with pytest.raises(RunHung):
+    with pytest.warns(helpers.RunHungWarning) as reports, pytest.raises(RunHung):
         launch_processes("job.py", lambda: "folder", lambda folder: [])
-    assert len(helpers.HANG_REPORTS) == 2
+    assert len(reports) == 1  # the first hang; the second fails the test
 
 
 @pytest.mark.parametrize("run", [run_bounded, run_with_timeout])

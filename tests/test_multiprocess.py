@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch_processes
-from training_utils.tiny import MIXED_SIZES, build_shapes
+from helpers import launch_processes, launching
 from training_utils.testing import rendered_images
+from training_utils.testing.tiny.data import MIXED_SIZES, build_shapes
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -40,6 +40,7 @@ def log_records(output_dir):
 
 
 @pytest.fixture(scope="module")
+@launching
 def two_process_run(tiny, mixed_shapes, tmp_path_factory):
     """The text embeddings cached on disk, in ``output_dir / "features"``."""
     output_dir, _ = launch_processes(
@@ -49,6 +50,7 @@ def two_process_run(tiny, mixed_shapes, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@launching
 def resumed_run(tiny, mixed_shapes, two_process_run, tmp_path_factory):
     """Resumed on two processes from the first run's checkpoint-2, keeping one checkpoint; the text embeddings
     cached in memory."""

@@ -33,9 +33,25 @@ def test_anything_else_gets_foreach():
 
 
 def test_the_cpu_optimizer_is_foreach_adamw():
-    optimizer = make_optimizer(optimizer_args(), [torch.nn.Parameter(torch.ones(3))], num_processes=1)
+    optimizer = make_optimizer(optimizer_args(), {"unet.weight": torch.nn.Parameter(torch.ones(3))}, num_processes=1)
     assert type(optimizer) is torch.optim.AdamW
     assert optimizer.param_groups[0]["foreach"] is True and not optimizer.param_groups[0]["fused"]
+
+
+def named(parameters):
+    """``parameters`` by name, as the scripts give them: a transformer's and a text encoder's."""
+    return dict(zip(["transformer.weight", "text_encoder.weight"], parameters, strict=True))
+
+
+def test_the_text_encoders_take_their_own_learning_rate_and_weight_decay_where_set():
+    parameters = named([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))])
+    optimizer = make_optimizer(optimizer_args(scale_lr=True, train_batch_size=4, text_encoder_lr=5e-6,
+                                              adam_weight_decay_text_encoder=1e-3), parameters, num_processes=2)
+    assert [(group["params"], group["lr"], group["weight_decay"]) for group in optimizer.param_groups] == [
+        ([parameters["transformer.weight"]], 1e-2 * 4 * 2, 1e-2), ([parameters["text_encoder.weight"]], 5e-6, 1e-3)]
+    # Unset (as in the scripts without upstream's flags), they take the others'.
+    optimizer = make_optimizer(optimizer_args(), parameters, num_processes=1)
+    assert [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups] == [(1e-2, 1e-2)] * 2
 
 
 def train(parameters, optimizer, steps):
@@ -51,15 +67,15 @@ def test_resuming_from_the_state_dict_continues_bitwise():
     initial = [torch.randn(5, 3), torch.randn(7)]
 
     straight = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
-    train(straight, make_optimizer(optimizer_args(), straight, num_processes=1), 4)
+    train(straight, make_optimizer(optimizer_args(), named(straight), num_processes=1), 4)
 
     resumed = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
-    optimizer = make_optimizer(optimizer_args(), resumed, num_processes=1)
+    optimizer = make_optimizer(optimizer_args(), named(resumed), num_processes=1)
     train(resumed, optimizer, 2)
     saved = io.BytesIO()
     torch.save(optimizer.state_dict(), saved)
     saved.seek(0)
-    optimizer = make_optimizer(optimizer_args(), resumed, num_processes=1)
+    optimizer = make_optimizer(optimizer_args(), named(resumed), num_processes=1)
     optimizer.load_state_dict(torch.load(saved))
     train(resumed, optimizer, 2)
     for expected, actual in zip(straight, resumed):

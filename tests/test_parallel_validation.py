@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import REPO, launch, launch_processes
+from helpers import REPO, launch, launch_processes, launching
 from training_utils.testing import rendered_images
 
 JOB = REPO / "tests" / "parallel_validation_job.py"
@@ -12,6 +12,7 @@ PROMPTS = ["a red circle", "a blue square", "a green triangle"]
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, tmp_path_factory):
     """``{processes: output_dir}`` of the job on one and on two processes."""
     output_dirs = {1: tmp_path_factory.mktemp("processes1")}

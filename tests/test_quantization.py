@@ -14,7 +14,7 @@ from diffusers import (ControlNetModel, StableDiffusionControlNetPipeline, Stabl
 from PIL import Image
 from transformers import TorchAoConfig as TransformersTorchAoConfig
 
-from helpers import launch, launch_together, usage_error
+from helpers import launch, launch_together, launching, usage_error
 from training_utils.args import training_parser
 from training_utils.controlnet import add_controlnet_args, load_controlnet_pipeline
 from training_utils.errors import UsageError
@@ -162,6 +162,7 @@ VALIDATION = ["--validation_prompt", "a red circle", "--num_validation_images", 
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}``: sd, `sd_flags` validating every 2 steps; sd3, 3 int8 steps of the SD3
     script with its text encoders quantised too and LoRA on the CLIP encoders; controlnet, `controlnet_flags`."""
@@ -170,8 +171,8 @@ def runs(tiny, tmp_path_factory):
         "sd": (SD_SCRIPT, *sd_flags(tiny, root / "sd", *VALIDATION)),
         "sd3": (SD3_SCRIPT, "--pretrained_model_name_or_path", tiny["sd3"], "--instance_data_dir", tiny["instance"],
                 "--instance_prompt", "a photo of sks dog", "--output_dir", root / "sd3", "--resolution", 32,
-                "--train_batch_size", 2, "--max_train_steps", 3, "--use_ema", "--ema_decay", 0.9,
-                "--mixed_precision", "bf16", "--quantize_base", "int8", "--quantize_text_encoders",
+                "--train_batch_size", 2, "--max_train_steps", 3, "--learning_rate", 1e-3, "--use_ema", "--ema_decay",
+                0.9, "--mixed_precision", "bf16", "--quantize_base", "int8", "--quantize_text_encoders",
                 "--train_text_encoder", *VALIDATION),
         "controlnet": (CONTROLNET_SCRIPT, *controlnet_flags(tiny, root / "controlnet")),
     })

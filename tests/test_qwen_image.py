@@ -1,4 +1,4 @@
-"""training_utils.qwen_image: Qwen-Image's prompt encoding, latent layout and transformer inputs are the pipeline's own.
+"""training_utils.families.qwen_image: Qwen-Image's prompt encoding, latent layout and transformer inputs are the pipeline's own.
 
 The central check: sampling with a transformer that predicts exactly the training target follows the training
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
@@ -10,11 +10,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-from training_utils import qwen_image
+from training_utils.families import qwen_image
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.flow_matching import add_noise, velocity
-from training_utils.tiny import _vocabulary
+from training_utils.testing.tiny.parts import vocabulary
 
 # Two prompts of different lengths: batched, the shorter one is padded and masked.
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
@@ -31,9 +31,9 @@ def pipe(tiny):
 def parse(tiny):
     def parse(*argv):
         parser = training_parser("test")
-        qwen_image.add_qwen_image_args(parser)
+        qwen_image.add_args(parser)
         args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["qwen_image"]), *map(str, argv)])
-        qwen_image.check_qwen_image_args(args)
+        qwen_image.check_args(args)
         return args
 
     return parse
@@ -46,7 +46,7 @@ def test_the_tiny_tokenizer_drops_the_templates_system_turn_as_qwens_does(pipe):
     tokens = pipe.tokenizer.tokenize(system_turn)
     assert len(tokens) == pipe.prompt_template_encode_start_idx
     assert tokens[:3] == ["<|im_start|>", "system", "Ċ"] and tokens[-3:] == ["<|im_start|>", "user", "Ċ"]
-    assert all(len(pipe.tokenizer.tokenize(" " + word)) == 1 for word in _vocabulary())
+    assert all(len(pipe.tokenizer.tokenize(" " + word)) == 1 for word in vocabulary())
     first, second = (pipe.tokenizer(prompt).input_ids for prompt in PROMPTS)
     assert len(first) == 5 and len(second) == 7 and first != second
 
@@ -76,6 +76,12 @@ def test_set_prompt_settings_reach_the_encoding(pipe, parse):
     assert prompt_embeds.shape[:2] == (2, 8) and mask.tolist() == [[1] * 8] * 2
 
 
+def stacked(rows):
+    """The transformer's text inputs for samples with these rows, as a tuple."""
+    inputs = qwen_image.text_inputs(rows)
+    return inputs["encoder_hidden_states"], inputs["encoder_hidden_states_mask"]
+
+
 def test_rows_encoded_apart_stack_as_encode_prompt_batches_them(pipe, parse):
     settings = qwen_image.prompt_settings(pipe, parse())
     with torch.no_grad():
@@ -83,13 +89,13 @@ def test_rows_encoded_apart_stack_as_encode_prompt_batches_them(pipe, parse):
         apart = [qwen_image.encode_prompts(pipe, [prompt], "cpu", settings) for prompt in PROMPTS]
         expected_embeds, expected_mask = pipe.encode_prompt(PROMPTS, max_sequence_length=512)
     # Rows of one batch stack back into it bitwise; rows encoded apart (e.g. cached in other chunks) to float noise.
-    stacked_embeds, stacked_mask = qwen_image.stack_prompts(list(zip(*together)), "cpu")
+    stacked_embeds, stacked_mask = stacked(list(zip(*together)))
     assert torch.equal(stacked_embeds, expected_embeds) and torch.equal(stacked_mask, expected_mask)
-    stacked_embeds, stacked_mask = qwen_image.stack_prompts([(embeds[0], mask[0]) for embeds, mask in apart], "cpu")
+    stacked_embeds, stacked_mask = stacked([(embeds[0], mask[0]) for embeds, mask in apart])
     torch.testing.assert_close(stacked_embeds, expected_embeds, rtol=1e-5, atol=1e-6)
     assert torch.equal(stacked_mask, expected_mask) and not stacked_embeds[0, 10:].any()
     # The longer prompt's row, padded in its batch, stacks alone unpadded and unmasked.
-    alone_embeds, alone_mask = qwen_image.stack_prompts([(together[0][0], together[1][0])] * 2, "cpu")
+    alone_embeds, alone_mask = stacked([(together[0][0], together[1][0])] * 2)
     assert alone_mask is None and alone_embeds.shape[1] == 10
 
 
@@ -108,10 +114,10 @@ def test_a_size_the_latents_cannot_pack_fails_in_one_line_from_the_vae_configura
     assert str(error.value) == ("--resolution=34: expected a multiple of 4: the VAE divides the size by 2, and the "
                                 "latents are packed in 2×2 patches")
     parser = training_parser("test")
-    qwen_image.add_qwen_image_args(parser)
+    qwen_image.add_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["sd"])])
     with pytest.raises(UsageError) as error:
-        qwen_image.check_qwen_image_args(args)
+        qwen_image.check_args(args)
     assert str(error.value) == (f"--pretrained_model_name_or_path={str(tiny['sd'])!r}: expected a Qwen-Image "
                                 "pipeline, whose vae configuration is Qwen-Image's VAE's")
 
@@ -139,7 +145,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     packed_noise, target_tokens = (pipe._pack_latents(tensor, 2, 4, latent_height, latent_width)
                                    for tensor in (noise, target))
     # The transformer's output tokens that the training step reads back as exactly the target.
-    assert torch.equal(qwen_image.unpack(pipe, target_tokens, latents), target)
+    assert torch.equal(qwen_image.prediction(pipe, target_tokens, latents), target)
     calls, decoded = [], []
 
     def transformer_predicting_the_target(**inputs):
@@ -159,11 +165,11 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
 
     with torch.no_grad():
         rows = list(zip(*qwen_image.encode_prompts(pipe, PROMPTS, "cpu", settings)))
-    prompt_embeds, mask = qwen_image.stack_prompts(rows, "cpu")
+    prompt_embeds, mask = stacked(rows)
     assert mask is not None and len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step].expand(2)
-        expected = qwen_image.image_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = qwen_image.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"])
         assert call["img_shapes"] == expected["img_shapes"] == [[(1, latent_height // 2, latent_width // 2)]] * 2

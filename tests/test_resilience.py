@@ -1,14 +1,13 @@
 """End to end on the LoRA script: preemption, exact resume with gradient accumulation, incomplete
 checkpoints, resuming past the end, and unreadable images (stop with a checkpoint, or skip).
 
-The script runs under plain ``python`` (one process needs no ``accelerate launch``), so the test can
-signal it directly.
+The script runs as under plain ``python`` (one process needs no ``accelerate launch``), in the warm runner, so the
+test can signal it directly.
 """
 
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from functools import partial
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import EXAMPLES, REPO, SUBPROCESS_ENV, run_bounded, together
+from helpers import EXAMPLES, REPO, SUBPROCESS_ENV, launching, run_warm, together, warm_server
 from training_utils.testing import RUN_TIMEOUT_S
 
 SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
@@ -37,7 +36,7 @@ def flags(tiny, output_dir, *extra, data_dir=None):
 
 
 def run(*args, check=True):
-    result = run_bounded([sys.executable, str(SCRIPT), *map(str, args)])
+    result = run_warm([sys.executable, SCRIPT, *args])
     if check and result.returncode != 0:
         raise AssertionError(f"failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return result
@@ -81,14 +80,13 @@ def preempt(tiny, output_dir):
     """(exit status, stderr) of the run of `flags`, sent SIGTERM from outside as soon as its first checkpoint
     appears."""
     stdout, stderr = output_dir.parent / "preempted.out", output_dir.parent / "preempted.err"
-    with open(stdout, "w") as out, open(stderr, "w") as err:
-        process = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, flags(tiny, output_dir))], stdout=out,
-                                   stderr=err, env=SUBPROCESS_ENV, cwd=REPO)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (output_dir / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=RUN_TIMEOUT_S)
+    process = warm_server().spawn([sys.executable, SCRIPT, *flags(tiny, output_dir)], SUBPROCESS_ENV, REPO, stdout,
+                                  stderr)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (output_dir / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=RUN_TIMEOUT_S)
     return returncode, stderr.read_text()
 
 
@@ -106,6 +104,7 @@ def corrupt_flags(tiny, output_dir, data_dir, *extra):
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, corrupt_data, tmp_path_factory):
     """``{name: (output_dir, result)}`` of the runs that start from scratch, made together: uninterrupted (`flags`);
     preempted (the same, `preempt`ed: its result is (exit status, stderr)); corrupt_stopped and corrupt_skipped
@@ -128,6 +127,7 @@ def last_checkpoint_step(output_dir):
 
 
 @pytest.fixture(scope="module")
+@launching
 def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
     """``{name: (output_dir, result)}`` of the runs that resume one of `runs` in a copy of it, made together:
 

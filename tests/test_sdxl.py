@@ -1,4 +1,4 @@
-"""training_utils.sdxl: SDXL's conditioning equals what StableDiffusionXLPipeline computes; the VAE flag's check."""
+"""training_utils.families.sdxl: SDXL's conditioning equals what StableDiffusionXLPipeline computes; the VAE flag's check."""
 
 import json
 
@@ -8,9 +8,9 @@ from PIL import Image
 
 from training_utils.args import training_parser
 from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
-from training_utils.data import ImageTransform
+from training_utils.data import ImageTransform, tokenize
 from training_utils.errors import UsageError
-from training_utils.sdxl import add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt, vae_components
+from training_utils.families.sdxl import add_args, check_vae_path, encode_prompts, time_ids, vae_components
 
 PROMPTS = ["a red circle on a white background", "a blue square"]
 
@@ -25,9 +25,8 @@ def sdxl_pipe(tiny):
 
 
 def encode(pipe, prompts):
-    input_ids = tokenize_prompt([pipe.tokenizer, pipe.tokenizer_2], prompts)
     with torch.no_grad():
-        return encode_prompt([pipe.text_encoder, pipe.text_encoder_2], input_ids)
+        return encode_prompts(pipe, prompts, "cpu", {})
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS])
@@ -46,7 +45,7 @@ def test_prompt_embeddings_equal_the_pipelines_encode_prompt(sdxl_pipe, prompts)
 
 def test_prompt_embeddings_are_the_penultimate_layers_of_both_encoders_and_the_projection(sdxl_pipe):
     prompt_embeds, pooled = encode(sdxl_pipe, PROMPTS)
-    ids_1, ids_2 = tokenize_prompt([sdxl_pipe.tokenizer, sdxl_pipe.tokenizer_2], PROMPTS)
+    ids_1, ids_2 = tokenize(sdxl_pipe.tokenizer, PROMPTS), tokenize(sdxl_pipe.tokenizer_2, PROMPTS)
     with torch.no_grad():
         first = sdxl_pipe.text_encoder(ids_1, output_hidden_states=True)
         second = sdxl_pipe.text_encoder_2(ids_2, output_hidden_states=True)
@@ -106,7 +105,7 @@ def test_the_unet_accepts_the_conditioning(sdxl_pipe):
 
 def test_vae_flag_defaults_to_the_pipelines_vae():
     parser = training_parser("test")
-    add_vae_args(parser)
+    add_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", "x"])
     assert args.pretrained_vae_model_name_or_path is None
     assert vae_components(None, torch.float32) == {}

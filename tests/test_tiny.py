@@ -1,7 +1,7 @@
-"""The offline fixtures of training_utils.tiny: a usable tokenizer, a pipeline that renders, a truthful dataset."""
+"""The offline fixtures of training_utils.testing.tiny: a usable tokenizer, a pipeline that renders, a true dataset."""
 
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -10,11 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from training_utils import tiny as tiny_module
-from training_utils.tiny import BACKGROUNDS, COLORS, SHAPES, main, tiny_clip_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
-
+from training_utils.testing import tiny as tiny_module
+from training_utils.testing.tiny import main
+from training_utils.testing.tiny.data import BACKGROUNDS, COLORS, SHAPES
+from training_utils.testing.tiny.parts import tiny_clip_tokenizer
 
 @pytest.mark.parametrize(
     "first, second",
@@ -146,11 +145,14 @@ def test_main_builds_named_fixture(tmp_path, capsys):
     assert (tmp_path / "shapes" / "metadata.jsonl").is_file()
 
 
-def test_module_cli_unknown_name(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "training_utils.tiny", "--output_dir", str(tmp_path), "bogus"],
-                            capture_output=True, text=True, cwd=REPO)
-    assert result.returncode != 0
-    assert "bogus" in result.stderr
+def test_module_cli_unknown_name(tmp_path, monkeypatch, capsys):
+    # As `python -m training_utils.testing.tiny` runs it (its __main__), in this process.
+    monkeypatch.setattr(sys, "argv", ["tiny", "--output_dir", str(tmp_path), "bogus"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("training_utils.testing.tiny", run_name="__main__", alter_sys=True)
+    assert exited.value.code != 0
+    assert "unknown fixture 'bogus'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")

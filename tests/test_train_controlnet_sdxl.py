@@ -9,7 +9,7 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
-from helpers import EXAMPLES, controlnet_flags, deleting_after_load, launch, launch_together, usage_error
+from helpers import EXAMPLES, controlnet_flags, deleting_after_load, launch, launch_together, launching, usage_error
 from training_utils.errors import UsageError
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
@@ -51,6 +51,7 @@ def cache_flags(tiny, output_dir, *extra):
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 

@@ -9,7 +9,7 @@ from diffusers import StableDiffusionPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, usage_error
+from helpers import launch, launch_together, launching, usage_error
 from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     rendered_images, reported_buckets)
@@ -74,6 +74,7 @@ def trained_text_encoder_flags(tiny, *extra):
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, and a `snapshot` of the prior
     preservation runs' class folder after the first. Launched together, but for the runs that find the class

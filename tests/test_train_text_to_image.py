@@ -8,7 +8,7 @@ from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, usage_error
+from helpers import launch, launch_together, launching, usage_error
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
                                     checkpoint_names, most_common_bucket, rendered_images, reported_buckets)
@@ -71,6 +71,7 @@ def cache_flags(tiny, output_dir, *extra):
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together: full
     (`full_flags`, in buckets), decay_zero (3 steps on the square pictures with ``--ema_decay 0``),

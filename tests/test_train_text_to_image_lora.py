@@ -13,8 +13,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from diffusers import StableDiffusionPipeline
-from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, launched_usage_error, run_bounded,
-                     usage_error)
+from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, launched_usage_error, launching,
+                     run_bounded, usage_error)
 from training_utils import convert_lora
 from training_utils.export import converted_name
 from training_utils.grids import progress_grid, step_grid
@@ -67,6 +67,7 @@ def cache_run(cache_latents, random_flip):
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 
@@ -219,6 +220,7 @@ def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, fla
     assert not output_dir.exists()
 
 
+@pytest.mark.slow
 def test_bad_input_fails_with_one_line_also_through_accelerate_launch(tiny, tmp_path):
     # A bad flag, checked as the arguments are parsed, and a bad dataset column, checked by main() before it
     # makes the accelerator: each one line, without the launcher's traceback, and a failed launch.

@@ -10,7 +10,7 @@ from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, usage_error
+from helpers import launch, launch_together, launching, usage_error
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
                                     checkpoint_weight_files, most_common_bucket, read_log, rendered_images,
@@ -87,6 +87,7 @@ def cache_flags(tiny, data_dir, output_dir, *extra):
 
 
 @pytest.fixture(scope="module")
+@launching
 def runs(tiny, decoder_only_vae, mixed_shapes, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together:
 

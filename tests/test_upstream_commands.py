@@ -13,18 +13,17 @@ end to end and prints a table.
 """
 
 import functools
-import importlib.util
 import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from helpers import EXAMPLES, launch
+from helpers import EXAMPLES, import_script, launch
 from training_utils.errors import UsageError
 from training_utils.testing import checkpoint_names
 
-# Upstream's hub models and data, and the tiny fixture (`training_utils.tiny`) each stands for here.
+# Upstream's hub models and data, and the tiny fixture (`training_utils.testing.tiny`) each stands for here.
 SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-pipe": "sd",
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
@@ -298,16 +297,6 @@ def command(flags, fixtures, output_dir):
         flag, equals, value = word.partition("=")
         arguments.append(flag + equals + substitute(value) if equals and flag.startswith("--") else substitute(word))
     return arguments
-
-
-@functools.cache
-def import_script(script):
-    """The module of ``examples/<script>``, imported by path (its ``main`` does not run)."""
-    path = EXAMPLES / script
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_upstream_test(upstream, fixtures, output_dir, launch=launch):

@@ -1,4 +1,4 @@
-"""training_utils.z_image: Z-Image's prompt settings, latent layout and transformer inputs are the pipeline's own.
+"""training_utils.families.z_image: Z-Image's prompt settings, latent layout and transformer inputs are the pipeline's own.
 
 The central check: sampling with a transformer that predicts exactly the training target follows the training
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
-from training_utils import z_image
+from training_utils.families import z_image
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.flow_matching import add_noise, velocity
@@ -26,9 +26,9 @@ def pipe(tiny):
 
 def parse(*argv):
     parser = training_parser("test")
-    z_image.add_z_image_args(parser)
+    z_image.add_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", "unused", *map(str, argv)])
-    z_image.check_z_image_args(args)
+    z_image.check_args(args)
     return args
 
 
@@ -36,7 +36,7 @@ def encoded_as_the_pipeline_does(pipe, prompts, settings):
     """Our encoding, padded and cut back to each prompt's own embedding."""
     with torch.no_grad():
         padded, lengths = z_image.encode_prompts(pipe, prompts, "cpu", settings)
-    return [z_image.unpadded(embedding, length) for embedding, length in zip(padded, lengths)]
+    return z_image.text_inputs(list(zip(padded, lengths)))["cap_feats"]
 
 
 def test_the_fixtures_tokenizer_keeps_the_prompts_words_whole(pipe):
@@ -89,7 +89,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     target = velocity(latents, noise)
     # The transformer's outputs that the training step reads back as exactly the target.
     target_outputs = [-target[0].unsqueeze(1)]
-    assert torch.equal(z_image.velocity_prediction(target_outputs), target)
+    assert torch.equal(z_image.prediction(pipe, target_outputs, latents), target)
     calls, decoded = [], []
 
     def transformer_predicting_the_target(x, t, cap_feats, **options):
@@ -116,7 +116,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
         index = (noise_scheduler.sigmas - pipe.scheduler.sigmas[step]).abs().argmin()
         sigma, timestep = noise_scheduler.sigmas[index], noise_scheduler.timesteps[index : index + 1]
         torch.testing.assert_close(sigma, pipe.scheduler.sigmas[step], rtol=0, atol=1e-6)
-        expected = z_image.image_inputs(add_noise(latents, noise, sigma), timestep)
+        expected = z_image.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
         assert len(call["x"]) == 1 and call["x"][0].shape == (16, 1, height // scale, width // scale)
         torch.testing.assert_close(call["x"][0], expected["x"][0], rtol=0, atol=1e-5)
         torch.testing.assert_close(call["t"], expected["t"], rtol=0, atol=1e-6)

@@ -1,4 +1,5 @@
-"""The run's `Accelerator`, made from the flags, and the run's end on every process together.
+"""The run's `Accelerator`, made from the flags; what trains, prepared by it; and the run's end on every process
+together.
 
 The accelerator writes trackers under the output folder, draws each epoch's data order from (seed, epoch)
 alone, and seeds every RNG.
@@ -32,6 +33,15 @@ def make_accelerator(args):
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
     return accelerator
+
+
+def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
+    """accelerate's ``prepare`` of what trains: the modules of ``trained`` (``{component: module}``, wrapped where
+    several processes train), the optimizer and its schedule. Returns the prepared modules by component name, which
+    the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
+    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports."""
+    prepared = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
+    return dict(zip(trained, prepared)), *prepared[len(trained):]
 
 
 def end_training(accelerator):

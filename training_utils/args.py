@@ -6,12 +6,9 @@ stops the run with one line on stderr naming the flag, the value and what was ex
     error: --resolution=500: expected a positive multiple of 8
 """
 
-import argparse
 import json
 import math
 import os
-import re
-import sys
 from pathlib import Path
 
 import torch
@@ -20,40 +17,12 @@ from accelerate.utils import parse_flag_from_env
 from .buckets import add_bucket_args
 from .checkpointing import check_resume_from_checkpoint
 from .compile import add_compile_args
-from .convert_lora import DIFFUSERS, FORMAT_USERS, formats_for
-from .errors import UsageError, require
+from .convert_lora import DIFFUSERS, FORMAT_USERS
+from .errors import require
+from .families import formats_for
+from .parser import TrainingArgumentParser
+from .pipeline import is_hub_id
 from .quantization import add_quantization_args, check_quantization_args
-
-# A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def is_hub_id(value):
-    """Whether ``value`` reads as a hub id ("name" or "owner/name"), not as a local path."""
-    return HUB_ID.match(value) is not None and not value.startswith(".")
-
-
-class TrainingArgumentParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line, like the checks that follow parsing.
-
-    ``refused`` (``{flag: why}``) are flags of the upstream scripts that are refused in one line saying why
-    (`add_refused_args`), each unless the script added a flag of that name itself: they are added when parsing
-    starts, after everything the script added."""
-
-    def __init__(self, *args, refused=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.refused = dict(refused or {})
-
-    def parse_known_args(self, args=None, namespace=None):
-        refused = {flag: why for flag, why in self.refused.items() if flag not in self._option_string_actions}
-        if refused:
-            add_refused_args(self, refused)
-        self.refused = {}
-        return super().parse_known_args(args, namespace)
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512):
@@ -164,13 +133,18 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
 def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     """The LoRA flags, and those of a quantised base (`quantization.add_quantization_args`): an adapter trains
     beside a frozen base, which may be quantised. The file formats offered are those that apply to LoRAs of
-    ``pipeline_class`` (`convert_lora.formats_for`)."""
+    ``pipeline_class`` (`families.formats_for`). With ``train_text_encoder``, the text encoders may train too, with
+    an optimizer setting of their own (upstream's flags; SD3's script gives them upstream's defaults)."""
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--rank", type=int, default=4)
     lora.add_argument("--lora_alpha", type=float, default=None, help="default: the rank (scale 1)")
     lora.add_argument("--lora_dropout", type=float, default=0.0)
     if train_text_encoder:
         lora.add_argument("--train_text_encoder", action="store_true", help="also train LoRA on the text encoder(s)")
+        lora.add_argument("--text_encoder_lr", type=float, default=None,
+                          help="the text encoders' learning rate (default: --learning_rate)")
+        lora.add_argument("--adam_weight_decay_text_encoder", type=float, default=None,
+                          help="the text encoders' weight decay (default: --adam_weight_decay)")
     formats = formats_for(pipeline_class.__name__)
     lora.add_argument("--export_formats", nargs="+", choices=[DIFFUSERS, *formats], default=[DIFFUSERS],
                       help=f"the LoRA file layouts written beside each other, for every LoRA written (raw, EMA, "
@@ -223,27 +197,6 @@ def add_cache_args(parser):
                             "(the text encoders, and a VAE whose latents are cached, always are)")
 
 
-# The flags that leave the training trajectory alone (where outputs go, what is logged and validated, checkpoint
-# cadence, how long to go on, memory and loading options); every other flag is recorded in each checkpoint, and
-# resuming with another value is refused unless --resume_with_changed_args.
-TRAJECTORY_FREE_FLAGS = {
-    "output_dir", "logging_dir", "report_to", "tracker_project_name", "push_to_hub", "hub_token", "hub_model_id",
-    "validation_prompt", "validation_image", "num_validation_images", "validation_steps", "validation_epochs",
-    "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
-    "checkpointing_steps", "checkpoints_total_limit",
-    "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
-    "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
-    "gradient_checkpointing", "torch_compile", "ema_posthoc_snapshot_steps", "sample_batch_size",
-    "class_inference_steps",
-}
-
-
-def trajectory_flags(args):
-    """The run's flags that decide its training trajectory, as JSON values by flag name."""
-    return {name: json.loads(json.dumps(value, default=str)) for name, value in sorted(vars(args).items())
-            if name not in TRAJECTORY_FREE_FLAGS}
-
-
 # Flags of the upstream diffusers scripts that no script here carries, and why; a script refuses those its
 # upstream counterpart has (`add_refused_args`), with reasons of its own beside these.
 NOT_CARRIED = {
@@ -266,27 +219,6 @@ NOT_CARRIED = {
                                                     "install",
     "--tokenizer_name": "the tokenizers are the pipeline's (--pretrained_model_name_or_path)",
 }
-
-
-class RefusedFlag(argparse.Action):
-    """A flag accepted only to stop the run, as soon as it is parsed, with one line saying why it is refused."""
-
-    def __init__(self, option_strings, dest, why, **kwargs):
-        super().__init__(option_strings, dest, nargs="?", default=None, help=f"not supported: {why}", **kwargs)
-        self.why = why
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        raise UsageError(None, None, f"{option_string} is not supported here: {self.why}")
-
-
-def add_refused_args(parser, refused):
-    """Add ``refused`` (``{flag: why}``), flags of the upstream script that this one does not carry: given one,
-    with or without a value, parsing stops with one line saying why, before anything loads (never silently
-    ignored, never a bare "unrecognized arguments"). A flag the parser already has, from a shared group that
-    this script does not read, is replaced."""
-    group = parser.add_argument_group("upstream flags not supported here", conflict_handler="resolve")
-    for flag, why in refused.items():
-        group.add_argument(flag, action=RefusedFlag, why=why)
 
 
 def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
@@ -365,6 +297,9 @@ def check_args(args):
             "a non-negative integer")
     require(args.learning_rate > 0 and math.isfinite(args.learning_rate), "--learning_rate", args.learning_rate,
             "a positive number")
+    text_encoder_lr = getattr(args, "text_encoder_lr", None)
+    require(text_encoder_lr is None or (text_encoder_lr > 0 and math.isfinite(text_encoder_lr)), "--text_encoder_lr",
+            text_encoder_lr, "a positive number")
     require(0 <= args.ema_decay < 1, "--ema_decay", args.ema_decay, "a number in [0, 1)")
     require(args.max_grad_norm > 0, "--max_grad_norm", args.max_grad_norm, "a positive number")
     if getattr(args, "rank", None) is not None:

@@ -139,27 +139,41 @@ def distinct_captions(values):
 
 
 def text_chunk_encoder(captions, encode):
-    """``encode_chunk(indices)`` for `feature_store.encode_once`: ``encode(list of captions)``, a batch tensor or
-    a tuple of them (e.g. SDXL's hidden states and pooled embeddings), as a `Block` on the CPU."""
+    """``encode_chunk(indices)`` for `feature_store.encode_once`: ``encode(list of captions)`` as a `Block` on the
+    CPU, a row per caption.
+
+    ``encode`` returns a tensor or a tuple of them, its parts (e.g. SDXL's hidden states and pooled embeddings):
+    what a family's ``encode_prompts`` or a pipeline's ``encode_prompt`` returns. A part is batch-first (a row per
+    caption), or one for all the captions, as FLUX.1's ``text_ids`` are: such a part does not start with one row
+    when one caption is encoded, and each caption's row is the whole of it."""
+    shared = []  # whether each part is one for all the captions, found by encoding one caption
+
+    def parts_of(texts):
+        encoded = encode(texts)
+        return (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
+
     def encode_chunk(indices):
-        encoded = encode([captions[index] for index in indices])
-        parts = {"embeddings": encoded} if isinstance(encoded, torch.Tensor) else dict(enumerate(encoded))
-        return Block(torch.tensor(indices, dtype=torch.int64),
-                     {str(name): part.cpu() for name, part in parts.items()}, {})
+        parts = parts_of([captions[index] for index in indices])
+        if not shared:
+            one = parts if len(indices) == 1 else parts_of([captions[indices[0]]])
+            shared.extend(part.dim() == 0 or part.shape[0] != 1 for part in one)
+        rows = {}
+        for number, (part, whole) in enumerate(zip(parts, shared, strict=True)):
+            if whole or part.shape[0] != len(indices):
+                part = part.expand(len(indices), *part.shape)
+            rows[str(number)] = part.cpu()
+        return Block(torch.tensor(indices, dtype=torch.int64), rows, {})
 
     return encode_chunk
 
 
 def embeddings_by_caption(captions, blocks):
-    """``{caption: embedding}`` from the blocks of `text_chunk_encoder`, in ``captions``' order; an embedding is
-    a tensor, or a tuple of them if ``encode`` returned a tuple."""
+    """``{caption: row}`` from the blocks of `text_chunk_encoder`, in ``captions``' order; a row is a tuple of
+    tensors, one per part of what ``encode`` returned."""
     found = {}
     for block in blocks:
-        if "embeddings" in block.tensors:
-            rows = block.tensors["embeddings"]
-        else:
-            rows = zip(*(block.tensors[str(part)] for part in range(len(block.tensors))))
-        found.update(zip(block.indices.tolist(), rows))
+        parts = [block.tensors[str(number)] for number in range(len(block.tensors))]
+        found.update(zip(block.indices.tolist(), zip(*parts)))
     return {caption: found[index] for index, caption in enumerate(captions)}
 
 
@@ -226,8 +240,9 @@ class FrozenEncoders:
             vae.to(device)
 
     def text_embeddings(self, captions, encode, depends_on=()):
-        """``{caption: embedding}`` for each distinct caption of ``captions`` (strings, or lists of them), from
-        ``encode(list of captions)``, which runs the frozen text encoders. ``depends_on`` lists what else the
+        """``{caption: row}`` for each distinct caption of ``captions`` (strings, or lists of them), from ``encode(list
+        of captions)``, which runs the frozen text encoders (`text_chunk_encoder`): a row is a tuple of tensors, the
+        caption's slice of each part that ``encode`` returns. ``depends_on`` lists what else the
         embeddings depend on (tokenizers, settings such as a maximum length): with ``cache_dir`` it keys the
         cache, with the text encoders, their dtype, ``encode``'s code and the captions."""
         captions = distinct_captions(captions)

@@ -46,6 +46,26 @@ EARLIER_EMA_FILE = "ema.safetensors"
 # accelerate writes with torch.save, which reports a failed write as a RuntimeError.
 CHECKPOINT_WRITE_ERRORS = (*WRITE_ERRORS, RuntimeError)
 
+# The flags that leave the training trajectory alone (where outputs go, what is logged and validated, checkpoint
+# cadence, how long to go on, memory and loading options); every other flag is recorded in each checkpoint, and
+# resuming with another value is refused unless --resume_with_changed_args.
+TRAJECTORY_FREE_FLAGS = {
+    "output_dir", "logging_dir", "report_to", "tracker_project_name", "push_to_hub", "hub_token", "hub_model_id",
+    "validation_prompt", "validation_image", "num_validation_images", "validation_steps", "validation_epochs",
+    "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
+    "checkpointing_steps", "checkpoints_total_limit",
+    "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
+    "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
+    "gradient_checkpointing", "torch_compile", "ema_posthoc_snapshot_steps", "sample_batch_size",
+    "class_inference_steps",
+}
+
+
+def trajectory_flags(args):
+    """The run's flags that decide its training trajectory, as JSON values by flag name."""
+    return {name: json.loads(json.dumps(value, default=str)) for name, value in sorted(vars(args).items())
+            if name not in TRAJECTORY_FREE_FLAGS}
+
 
 def complete_checkpoints(output_dir):
     """``[(step, path)]`` of the complete checkpoints under ``output_dir``, oldest first."""

@@ -26,7 +26,9 @@ Formats
 Fused layers: where the original model computes in one linear layer what diffusers splits (q, k and v into one
 ``qkv``), the generic key has no way to address a slice of it (ComfyUI's slice targets, ``(key, (dim, offset,
 size))``, exist only for diffusers-named keys), so the parts' LoRAs are fused into one of rank ``r_q + r_k + r_v``:
-``lora_A`` the parts' ``lora_A`` stacked, ``lora_B`` block-diagonal (a part the LoRA does not train gets zero rows).
+``lora_A`` the parts' ``lora_A`` stacked, ``lora_B`` block-diagonal, each part's rows where the original's layer has
+them (parts may differ in size: FLUX.1's single blocks fuse q, k and v with an MLP projection four times wider; a
+part the LoRA does not train gets zero rows).
 Its product is exactly the parts' products stacked. Where the original orders a modulation's outputs (shift,
 scale) and diffusers (scale, shift) (``swap_scale_shift`` in ``comfy/utils.py``), ``lora_B``'s halves are swapped.
 
@@ -38,15 +40,15 @@ module's ``.alpha`` is peft's scale times its rank: the trained ``lora_alpha`` i
 without metadata). Upstream diffusers' ``convert_state_dict_to_kohya`` writes ``alpha = rank``, a wrong strength
 whenever the two differ. A fused layer keeps ``alpha / rank``: its alpha grows with its rank.
 
-Adding a family is one `Family` entry in `FAMILIES`: its pipelines, its text encoders' kohya prefixes and, for a
-transformer, the `Rename` rules of its original layout.
+A family's layout is its module's ``FAMILY`` (`training_utils.families`): its pipelines, its text encoders' kohya
+prefixes and, for a transformer, the `Rename` rules of its original layout.
 """
 
 import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,8 +56,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .errors import UsageError, exit_on_usage_error, few, require
+from .families import FAMILIES, family_of
+from .families.layout import FORMATS
+from .parser import TrainingArgumentParser
 
-FORMATS = ("kohya", "comfyui")
 DIFFUSERS = "diffusers"  # the layout converted from, which load_lora_weights reads
 FORMAT_USERS = {"kohya": "A1111, Forge, kohya tools; SD 1.x and SDXL", "comfyui": "ComfyUI"}
 METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
@@ -63,144 +67,6 @@ DOWN, UP = "lora_A.weight", "lora_B.weight"  # peft's tensors, as diffusers file
 KOHYA_DOWN, KOHYA_UP = "lora_down.weight", "lora_up.weight"
 # transformers 5's CLIPTextModel lost the `text_model.` level above these; the tools' names still have it.
 CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.", "final_layer_norm.")
-
-
-def always(down, up):
-    return True
-
-
-def two_chunk_modulation(down, up):
-    """Whether an adaLN layer makes two chunks (shift and scale, as ``AdaLayerNormContinuous``) rather than six
-    (``AdaLayerNormZero``): SD3's last block, which ``mmdit_to_diffusers`` swaps and the others it does not."""
-    return up.shape[0] == 2 * down.shape[1]
-
-
-@dataclass(frozen=True)
-class Rename:
-    """Diffusers module paths that fully match ``pattern`` are the original model's module ``original`` (a
-    ``re.sub`` template), or its ``part``-th row block of ``parts`` where the original fuses ``parts`` layers.
-    ``swap_halves(down, up)`` says whether the original orders the outputs' two halves the other way round."""
-
-    pattern: str
-    original: str
-    part: int = 0
-    parts: int = 1
-    swap_halves: Callable | None = None
-
-
-def fused(pattern, original, names):
-    """The rules for diffusers layers ``names`` (in the original's row order) that ``original`` fuses; ``pattern``
-    has one ``{}`` where a name goes."""
-    return tuple(Rename(pattern.format(name), original, part, len(names)) for part, name in enumerate(names))
-
-
-@dataclass(frozen=True)
-class Family:
-    """A model family: which pipelines it covers (``pipelines``, a regular expression on the class name), its
-    denoiser component, the kohya prefix of each text encoder, and for a transformer the `Rename` rules of its
-    original layout, which ComfyUI's model has."""
-
-    name: str
-    title: str
-    pipelines: str
-    denoiser: str
-    text_encoders: dict = field(default_factory=dict)
-    original_layout: tuple = ()
-
-    @property
-    def formats(self):
-        # kohya's tools know only UNet models; ComfyUI takes the kohya file for those too.
-        return FORMATS if self.denoiser == "unet" else ("comfyui",)
-
-    @property
-    def components(self):
-        return {self.denoiser, *self.text_encoders}
-
-
-BLOCK = r"transformer_blocks\.(\d+)\."
-SD3_LAYOUT = (
-    *fused(BLOCK + r"attn\.{}", r"joint_blocks.\1.x_block.attn.qkv", ("to_q", "to_k", "to_v")),
-    *fused(BLOCK + r"attn\.{}", r"joint_blocks.\1.context_block.attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
-    *fused(BLOCK + r"attn2\.{}", r"joint_blocks.\1.x_block.attn2.qkv", ("to_q", "to_k", "to_v")),
-    Rename(BLOCK + r"attn\.to_out\.0", r"joint_blocks.\1.x_block.attn.proj"),
-    Rename(BLOCK + r"attn\.to_add_out", r"joint_blocks.\1.context_block.attn.proj"),
-    Rename(BLOCK + r"attn2\.to_out\.0", r"joint_blocks.\1.x_block.attn2.proj"),
-    Rename(BLOCK + r"norm1\.linear", r"joint_blocks.\1.x_block.adaLN_modulation.1"),
-    Rename(BLOCK + r"norm1_context\.linear", r"joint_blocks.\1.context_block.adaLN_modulation.1",
-           swap_halves=two_chunk_modulation),
-    Rename(BLOCK + r"ff\.net\.0\.proj", r"joint_blocks.\1.x_block.mlp.fc1"),
-    Rename(BLOCK + r"ff\.net\.2", r"joint_blocks.\1.x_block.mlp.fc2"),
-    Rename(BLOCK + r"ff_context\.net\.0\.proj", r"joint_blocks.\1.context_block.mlp.fc1"),
-    Rename(BLOCK + r"ff_context\.net\.2", r"joint_blocks.\1.context_block.mlp.fc2"),
-    Rename(r"pos_embed\.proj", "x_embedder.proj"),
-    Rename(r"context_embedder", "context_embedder"),
-    Rename(r"time_text_embed\.timestep_embedder\.linear_1", "t_embedder.mlp.0"),
-    Rename(r"time_text_embed\.timestep_embedder\.linear_2", "t_embedder.mlp.2"),
-    Rename(r"time_text_embed\.text_embedder\.linear_1", "y_embedder.mlp.0"),
-    Rename(r"time_text_embed\.text_embedder\.linear_2", "y_embedder.mlp.2"),
-    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
-    Rename(r"proj_out", "final_layer.linear"),
-)
-
-FLUX2_LAYOUT = (
-    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
-    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
-    Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
-    Rename(BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
-    Rename(BLOCK + r"ff\.linear_in", r"double_blocks.\1.img_mlp.0"),
-    Rename(BLOCK + r"ff\.linear_out", r"double_blocks.\1.img_mlp.2"),
-    Rename(BLOCK + r"ff_context\.linear_in", r"double_blocks.\1.txt_mlp.0"),
-    Rename(BLOCK + r"ff_context\.linear_out", r"double_blocks.\1.txt_mlp.2"),
-    Rename(r"single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj", r"single_blocks.\1.linear1"),
-    Rename(r"single_transformer_blocks\.(\d+)\.attn\.to_out", r"single_blocks.\1.linear2"),
-    Rename(r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.linear", r"\1.lin"),
-    Rename(r"x_embedder", "img_in"),
-    Rename(r"context_embedder", "txt_in"),
-    Rename(r"time_guidance_embed\.timestep_embedder\.linear_1", "time_in.in_layer"),
-    Rename(r"time_guidance_embed\.timestep_embedder\.linear_2", "time_in.out_layer"),
-    Rename(r"time_guidance_embed\.guidance_embedder\.linear_1", "guidance_in.in_layer"),
-    Rename(r"time_guidance_embed\.guidance_embedder\.linear_2", "guidance_in.out_layer"),
-    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
-    Rename(r"proj_out", "final_layer.linear"),
-)
-
-Z_IMAGE_BLOCK = r"((?:layers|noise_refiner|context_refiner)\.\d+)\."
-Z_IMAGE_LAYOUT = (
-    *fused(Z_IMAGE_BLOCK + r"attention\.{}", r"\1.attention.qkv", ("to_q", "to_k", "to_v")),
-    Rename(Z_IMAGE_BLOCK + r"attention\.to_out\.0", r"\1.attention.out"),
-    Rename(Z_IMAGE_BLOCK + r"(feed_forward\.w[123]|adaLN_modulation\.0)", r"\1.\2"),
-    Rename(r"all_x_embedder\.2-1", "x_embedder"),
-    Rename(r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)", r"final_layer.\1"),
-    Rename(r"(t_embedder\.mlp\.[02]|cap_embedder\.1)", r"\1"),
-)
-
-QWEN_IMAGE_LAYOUT = (
-    Rename(BLOCK + r"((?:attn|img_mod|txt_mod|img_mlp|txt_mlp)\..+)", r"transformer_blocks.\1.\2"),
-    Rename(r"(img_in|txt_in|time_text_embed\.timestep_embedder\.linear_[12]|norm_out\.linear|proj_out)", r"\1"),
-)
-
-CLIP_PAIR = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
-FAMILIES = {family.name: family for family in (
-    Family("sd", "SD 1.x", r"StableDiffusion(?!XL|3)\w*Pipeline", "unet", {"text_encoder": "lora_te"}),
-    Family("sdxl", "SDXL", r"StableDiffusionXL\w*Pipeline", "unet", CLIP_PAIR),
-    Family("sd3", "SD3", r"StableDiffusion3\w*Pipeline", "transformer", CLIP_PAIR, SD3_LAYOUT),
-    Family("flux2", "FLUX.2", r"Flux2\w*Pipeline", "transformer", {}, FLUX2_LAYOUT),
-    Family("z_image", "Z-Image", r"ZImage\w*Pipeline", "transformer", {}, Z_IMAGE_LAYOUT),
-    Family("qwen_image", "Qwen-Image", r"QwenImage\w*Pipeline", "transformer", {}, QWEN_IMAGE_LAYOUT),
-)}
-
-
-def family_of(name):
-    """The `Family` named ``name``, or covering the pipeline class named ``name``; None if none does."""
-    if name in FAMILIES:
-        return FAMILIES[name]
-    return next((family for family in FAMILIES.values() if re.fullmatch(family.pipelines, name)), None)
-
-
-def formats_for(name):
-    """The formats that apply to LoRAs of the pipeline class (or family) named ``name``: () for an unknown one."""
-    family = family_of(name)
-    return family.formats if family else ()
 
 
 @dataclass(frozen=True)
@@ -225,7 +91,7 @@ class Target:
     down_suffix: str
     up_suffix: str
     part: int = 0
-    parts: int = 1
+    sizes: tuple = (1,)
     swap_halves: Callable | None = None
 
 
@@ -312,7 +178,7 @@ def target_of(family, component, path):
     if family.denoiser == "unet":
         return Target(kohya_name("lora_unet", path), KOHYA_DOWN, KOHYA_UP)
     rule, match = rename_of(family, path)
-    return Target(f"diffusion_model.{match.expand(rule.original)}", DOWN, UP, rule.part, rule.parts,
+    return Target(f"diffusion_model.{match.expand(rule.original)}", DOWN, UP, rule.part, rule.sizes,
                   rule.swap_halves)
 
 
@@ -368,7 +234,7 @@ def assemble(modules, targets):
     converted = {}
     for name, pieces in grouped.items():
         target = pieces[0][0]
-        down, up, alpha = fuse(pieces) if target.parts > 1 else single(*pieces[0])
+        down, up, alpha = fuse(pieces) if len(target.sizes) > 1 else single(*pieces[0])
         converted[f"{name}.{target.down_suffix}"] = down.contiguous()
         converted[f"{name}.{target.up_suffix}"] = up.contiguous()
         converted[f"{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
@@ -384,23 +250,26 @@ def single(target, module):
 
 
 def fuse(pieces):
-    """One LoRA for a layer that fuses ``parts`` diffusers layers as row blocks: the parts' ``down`` stacked,
-    ``up`` block-diagonal, so that ``up @ down`` stacks the parts' products. Its scale is the first present part's;
-    the other parts' ``up`` absorb the ratio of their scale to it (1 where, as usual, all parts share alpha and rank).
-    A part without LoRA gets zero rows, as many as a present part has (q, k and v are alike in size here)."""
-    parts = pieces[0][0].parts
+    """One LoRA for a layer that fuses several diffusers layers as row blocks: the parts' ``down`` stacked, ``up``
+    block-diagonal, so that ``up @ down`` stacks the parts' products, each in its rows of the fused layer. Its scale
+    is the first present part's; the other parts' ``up`` absorb the ratio of their scale to it (1 where, as usual,
+    all parts share alpha and rank). The parts' sizes are the target's relative ones (``Rename.sizes``) times what
+    the present parts have per unit, which they must agree on; a part without LoRA gets zero rows."""
+    sizes = pieces[0][0].sizes
     by_part = {target.part: module for target, module in pieces}
     reference = by_part[min(by_part)]
-    rows = reference.up.shape[0]
-    require(all(module.up.dim() == 2 and module.up.shape[0] == rows for module in by_part.values()), None, None,
-            f"fusing {pieces[0][0].name} needs linear parts of equal size")
+    unit = reference.up.shape[0] // sizes[min(by_part)]
+    require(all(module.up.dim() == 2 and module.up.shape[0] == unit * sizes[part] for part, module in by_part.items()),
+            None, None, f"fusing {pieces[0][0].name} needs linear parts whose rows are as {':'.join(map(str, sizes))}")
+    offsets = [unit * sum(sizes[:part]) for part in range(len(sizes) + 1)]
     down = torch.cat([by_part[part].down for part in sorted(by_part)])
-    up = torch.zeros(rows * parts, down.shape[0], dtype=reference.up.dtype)
+    up = torch.zeros(offsets[-1], down.shape[0], dtype=reference.up.dtype)
     column = 0
     for part in sorted(by_part):
         module = by_part[part]
         ratio = module.scale / reference.scale
-        up[part * rows:(part + 1) * rows, column:column + module.rank] = module.up if ratio == 1 else module.up * ratio
+        up[offsets[part]:offsets[part + 1], column:column + module.rank] = (module.up if ratio == 1
+                                                                            else module.up * ratio)
         column += module.rank
     return down, up, reference.scale * down.shape[0]
 
@@ -428,8 +297,6 @@ def save_converted(converted, path):
 
 
 def main(argv=None):
-    from .args import TrainingArgumentParser  # here: args imports modules that may import this one
-
     parser = TrainingArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", metavar="SRC", help="a diffusers-format LoRA .safetensors (save_lora_weights')")
     parser.add_argument("dst", metavar="DST", help="the .safetensors file to write")

@@ -264,8 +264,10 @@ def tokenize(tokenizer, texts):
 
 
 def stack_collate(examples):
-    """Batch a list of ``{name: tensor}`` samples into ``{name: stacked tensor}``."""
-    return {key: torch.stack([example[key] for example in examples]) for key in examples[0]}
+    """Batch a list of ``{name: value}`` samples into ``{name: batch}``: tensors stacked, anything else (a prompt)
+    listed."""
+    return {key: torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+            for key, values in ((key, [example[key] for example in examples]) for key in examples[0])}
 
 
 class TrainDataset(torch.utils.data.Dataset):

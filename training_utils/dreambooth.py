@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import IMAGE_EXTENSIONS, TrainDataset, dropped, image_sizes
+from .data import IMAGE_EXTENSIONS, TrainDataset, drop_caption, image_sizes
 from .errors import require
 from .pipeline import modules_of
 from .validation import preserved_state
@@ -28,17 +28,21 @@ CAPTIONED_DATASET_NOT_CARRIED = dict.fromkeys(
     "is not carried yet")
 
 
-# The flags of upstream's DreamBooth scripts for the flow-matching transformers (FLUX.2, Z-Image, Qwen-Image) that
-# the scripts here do not carry, besides those no script here carries (`args.NOT_CARRIED`).
-TRANSFORMER_DREAMBOOTH_NOT_CARRIED = {
-    "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen transformer "
-                         "in float8 instead",
-    **dict.fromkeys(["--text_encoder_lr", "--adam_weight_decay_text_encoder"],
-                    "the text encoder does not train (nor does it in upstream's script)"),
-    "--fsdp_text_encoder": "FSDP is not supported; the text encoder runs once, before training, and then leaves the "
-                           "accelerator",
-    **CAPTIONED_DATASET_NOT_CARRIED,
-}
+def transformer_dreambooth_refusals(text_encoder_trains):
+    """The flags of upstream's DreamBooth scripts for the flow-matching transformers that a script here does not
+    carry, besides those no script here carries (`args.NOT_CARRIED`), with reasons true of it: whether its text
+    encoder trains (``text_encoder_trains``: then it takes upstream's text-encoder optimizer flags) or not."""
+    refused = {
+        "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen "
+                             "transformer in float8 instead",
+        "--fsdp_text_encoder": "FSDP is not supported; the text encoder runs once, before training, and then leaves "
+                               "the accelerator",
+        **CAPTIONED_DATASET_NOT_CARRIED,
+    }
+    if not text_encoder_trains:
+        refused.update(dict.fromkeys(["--text_encoder_lr", "--adam_weight_decay_text_encoder"],
+                                     "the text encoder does not train in this script"))
+    return refused
 
 
 def add_dreambooth_args(parser):
@@ -95,21 +99,23 @@ def check_dreambooth_args(args):
 
 
 def dreambooth_prompts(args):
-    """The prompts a DreamBooth batch trains on, in the order of its ``prompt_index``: the instance prompt, with
+    """The prompts a DreamBooth run trains on, which the frozen text encoders embed once: the instance prompt, with
     prior preservation the class prompt, and with ``--caption_dropout`` the empty prompt."""
     return [args.instance_prompt, *([args.class_prompt] if args.with_prior_preservation else []),
             *([""] if args.caption_dropout > 0 else [])]
 
 
-def dreambooth_dataset(instance_images, class_images, encoders, seed, repeats=1, caption_dropout=0.0):
+def dreambooth_dataset(instance_images, class_images, encoders, seed, repeats=1, caption_dropout=0.0,
+                       instance_prompt="", class_prompt=None):
     """A `TrainDataset` of ``instance`` images, each ``repeats`` times, and, with ``class_images``, ``class``
     images: what ``encoders.image_file`` gives for each (pixels, or the cached latent parameters, which it
-    encodes here when caching latents). Its length is that of the longer list; the shorter one cycles.
+    encodes here when caching latents), with each one's prompt. Its length is that of the longer list; the shorter
+    one cycles.
 
     With aspect-ratio buckets (in ``encoders.transform``) a sample trains at its instance image's bucket, and its
     class image is resized to cover that shape and cropped to it (the two halves of a batch are one tensor).
-    With ``caption_dropout``, an instance sample trains on the empty prompt with that probability; a class
-    sample never does (`instance_then_class_collate` gives each sample's prompt).
+    With ``caption_dropout``, an instance sample trains on the empty prompt instead of ``instance_prompt`` with
+    that probability; a class sample never does (it trains on ``class_prompt``).
     """
     transform = encoders.transform
     shapes = None if transform.buckets is None else transform.shapes(image_sizes(instance_images)) * repeats
@@ -128,22 +134,21 @@ def dreambooth_dataset(instance_images, class_images, encoders, seed, repeats=1,
     def preprocess(example, generator):
         sample = {kind: encoders.image_file(example[kind], generator, example["shape"]).pixels
                   for kind in ("instance", "class") if kind in example}
-        sample["prompt_dropped"] = torch.tensor(dropped(caption_dropout, generator))
+        sample["prompt"] = drop_caption(instance_prompt, caption_dropout, generator)
+        if "class" in sample:
+            sample["class_prompt"] = class_prompt
         return sample
 
     return TrainDataset(examples, preprocess, seed, shapes=example_shapes)
 
 
 def instance_then_class_collate(examples):
-    """``{"images": the instance images, then the class images, "prompt_index": each image's prompt in
-    `dreambooth_prompts`}``: the two halves line up, so ``chunk(2)`` splits predictions into the instance and
-    the class part."""
-    with_class = "class" in examples[0]
-    empty_prompt = 2 if with_class else 1
-    instance_prompts = [empty_prompt if example["prompt_dropped"] else 0 for example in examples]
-    return {"images": torch.cat([torch.stack([example[kind] for example in examples])
-                                 for kind in ("instance", "class") if kind in examples[0]]),
-            "prompt_index": torch.tensor(instance_prompts + [1] * len(examples) * with_class)}
+    """``{"images": the instance images, then the class images, "prompts": each image's prompt}``: the two halves
+    line up, so ``chunk(2)`` splits predictions into the instance and the class part."""
+    kinds = [kind for kind in ("instance", "class") if kind in examples[0]]
+    return {"images": torch.cat([torch.stack([example[kind] for example in examples]) for kind in kinds]),
+            "prompts": [example["prompt"] for example in examples]
+                       + [example["class_prompt"] for example in examples if "class" in example]}
 
 
 def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed, batch_size=4, schedulers=(),

@@ -34,7 +34,8 @@ from .errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: text embeddings as numbered parts (a tuple per caption), whatever the encoding returned.
+FORMAT_VERSION = 2
 SHARD_BYTES = 256 * 2**20
 # How much of each weight tensor identifies a module: its first and last elements (a fine-tune changes them
 # all), read from a few pages rather than from the whole memory-mapped file.

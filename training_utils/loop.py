@@ -31,8 +31,7 @@ from tqdm.auto import tqdm
 
 from . import random_state
 from .accelerator import end_training
-from .args import trajectory_flags
-from .checkpointing import Checkpointer, resume_position
+from .checkpointing import Checkpointer, resume_position, trajectory_flags
 from .compile import compilation_count
 from .data import BatchWithUnreadable, epoch_batches
 from .errors import RunStopped, UsageError

@@ -9,11 +9,18 @@ from .errors import UsageError
 
 
 def make_optimizer(args, parameters, num_processes):
-    """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters``, with ``--scale_lr`` applied."""
+    """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters`` (``{"<component>.<name>": parameter}``), with
+    ``--scale_lr`` applied. The text encoders' parameters take ``--text_encoder_lr`` and
+    ``--adam_weight_decay_text_encoder`` where the script has them set (upstream's flags); else the others' own."""
     learning_rate = args.learning_rate
     if args.scale_lr:
         learning_rate *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
-    parameters = list(parameters)
+    text_encoder = {name: parameter for name, parameter in parameters.items() if name.startswith("text_encoder")}
+    groups = [{"params": [parameter for name, parameter in parameters.items() if name not in text_encoder]}]
+    if text_encoder:
+        groups.append({"params": list(text_encoder.values()),
+                       "lr": getattr(args, "text_encoder_lr", None) or learning_rate,
+                       "weight_decay": getattr(args, "adam_weight_decay_text_encoder", None) or args.adam_weight_decay})
     hyperparameters = dict(lr=learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                            weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
     if args.use_8bit_adam:
@@ -21,8 +28,8 @@ def make_optimizer(args, parameters, num_processes):
             import bitsandbytes
         except ImportError:
             raise UsageError("--use_8bit_adam", True, "bitsandbytes installed (pip install bitsandbytes)") from None
-        return bitsandbytes.optim.AdamW8bit(parameters, **hyperparameters)
-    return torch.optim.AdamW(parameters, **hyperparameters, **adamw_implementation(parameters))
+        return bitsandbytes.optim.AdamW8bit(groups, **hyperparameters)
+    return torch.optim.AdamW(groups, **hyperparameters, **adamw_implementation(list(parameters.values())))
 
 
 # The dtypes of torch's fused Adam(W) kernels on CUDA.

@@ -4,10 +4,20 @@ The scripts never load a component on its own: the pipeline built here is the on
 (its modules are the live ones) and the one that renders validation images.
 """
 
+import re
+
 import torch
 from diffusers import DDPMScheduler
 
 from .quantization import follow_autocast, is_quantized
+
+# A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def is_hub_id(value):
+    """Whether ``value`` reads as a hub id ("name" or "owner/name"), not as a local path."""
+    return HUB_ID.match(value) is not None and not value.startswith(".")
 
 
 def weight_dtype_for(mixed_precision):

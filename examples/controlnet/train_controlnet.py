@@ -18,7 +18,7 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
@@ -27,18 +27,19 @@ from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_un
                                        controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator)
 from training_utils.data import (ImageWithConditioningTransform, TrainDataset, captions_with_empty, dataset_shapes,
-                                 drop_caption, load_train_dataset, make_dataloader, pick_caption, stack_collate,
-                                 tokenize)
+                                 drop_caption, load_train_dataset, make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import ModelExport, save_with_ema
+from training_utils.families import sd
 from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
 
 
@@ -65,13 +66,14 @@ def main(args):
     quantization = quantization_config(args, weight_dtype, base=["unet"], text_encoders=["text_encoder"])
     pipe = load_controlnet_pipeline(StableDiffusionControlNetPipeline, StableDiffusionPipeline, args, weight_dtype,
                                     quantization)
-    controlnet, unet, vae = pipe.controlnet, pipe.unet, pipe.vae
-    text_encoder, tokenizer = pipe.text_encoder, pipe.tokenizer
+    controlnet, unet, text_encoders = pipe.controlnet, pipe.unet, [pipe.text_encoder]
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+    settings = sd.prompt_settings(pipe, args)
+    call_kwargs = sd.call_kwargs(pipe, settings)
 
     # 3. Only the ControlNet trains; the UNet, VAE and text encoder are frozen. The EMA tracks the ControlNet.
     trained = {"controlnet": controlnet}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()
     compile_repeated_blocks(controlnet, args.torch_compile)
@@ -88,15 +90,15 @@ def main(args):
     #    schedule, accelerate; the loop resumes if asked.
     transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip,
                                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
-                            seed=args.seed)
+    frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
 
-    def encode_text(captions):
-        return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
+    def encode_prompts(prompts):
+        return sd.encode_prompts(pipe, prompts, accelerator.device, settings)
 
     embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
-                                        encode_text, [tokenizer])
+                                        encode_prompts, sd.prompt_dependencies(pipe, settings))
     shapes = dataset_shapes(transform, dataset, args.image_column)
     examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
@@ -104,46 +106,49 @@ def main(args):
         laid_out = frozen.dataset_image_with_conditioning(example, example[args.conditioning_image_column],
                                                           generator)
         # An empty prompt now and then teaches the ControlNet to follow the conditioning image alone.
-        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
+        prompt = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
         return {"image": laid_out.pixels, "conditioning_pixel_values": laid_out.conditioning_pixels,
-                "encoder_hidden_states": embeddings[caption]}
+                "prompt": prompt}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
         args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    controlnet, optimizer, lr_scheduler = accelerator.prepare(controlnet, optimizer, lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    prompt_rows = cached_rows(embeddings, accelerator.device)
 
     # The pipeline resizes each --validation_image to the validation size (with buckets, the most common one).
     validator = make_controlnet_validator(
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device, call_kwargs=validation_size(args, shapes))
+        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+        call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
-    # 5. The loop: the denoising loss through the ControlNet-guided UNet; after each optimizer step the
-    # loop updates the EMA, checkpoints and validates when due (the final step included, once).
-    controlnet.train()
+    # 5. The loop: the denoising loss on the family's latents and conditioning (`sd`), through the ControlNet-guided
+    # UNet; after each optimizer step the loop updates the EMA, checkpoints and validates when due (the final step
+    # included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(controlnet):
-            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
+        with accelerator.accumulate(*models.values()):
+            latents = sd.normalized_latents(pipe, frozen.latents(batch["image"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            encoder_hidden_states = batch["encoder_hidden_states"]
+            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
+            text = sd.text_inputs(prompt_rows(batch["prompt"]))
             # The ControlNet turns the conditioning image into residuals for the frozen UNet's skip connections.
-            down_residuals, mid_residual = controlnet(
-                noisy_latents, timesteps, encoder_hidden_states,
-                controlnet_cond=batch["conditioning_pixel_values"].to(weight_dtype), return_dict=False)
-            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False,
-                              down_block_additional_residuals=down_residuals,
-                              mid_block_additional_residual=mid_residual)[0]
+            down_residuals, mid_residual = models["controlnet"](
+                **inputs, **text, controlnet_cond=batch["conditioning_pixel_values"].to(weight_dtype),
+                return_dict=False)
+            output = unet(**inputs, **text, down_block_additional_residuals=down_residuals,
+                          mid_block_additional_residual=mid_residual, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
-            loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
-
+            loss = diffusion_loss(sd.prediction(pipe, output, latents), target, noise_scheduler, timesteps,
+                                  args.snr_gamma)
             loop.backward_and_step(loss)
 
     # 6. Save the raw and EMA ControlNet from memory, check the files against it, and write the model card.

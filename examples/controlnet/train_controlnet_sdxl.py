@@ -22,7 +22,7 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
@@ -36,26 +36,26 @@ from training_utils.diffusion import diffusion_loss, prediction_target, sample_n
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import ModelExport, save_with_ema
+from training_utils.families import sdxl
 from training_utils.hub import finish_run
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
-from training_utils.sdxl import (add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt,
-                                 vae_components, vae_how_to_load)
 
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0])
-    add_vae_args(parser)
+    sdxl.add_args(parser)
     add_controlnet_args(parser, tracker_project_name="sd_xl_train_controlnet")
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
-    check_vae_path(args.pretrained_vae_model_name_or_path)
+    sdxl.check_args(args)
     check_controlnet_args(args)
     return args
 
@@ -71,18 +71,19 @@ def main(args):
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     quantization = quantization_config(args, weight_dtype, base=["unet"],
                                        text_encoders=["text_encoder", "text_encoder_2"])
-    vae_replacement = vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
+    vae_replacement = sdxl.vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
     pipe = load_controlnet_pipeline(StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, args, weight_dtype,
                                     quantization, **vae_replacement)
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
-    controlnet, unet, vae = pipe.controlnet, pipe.unet, pipe.vae
-    text_encoders, tokenizers = [pipe.text_encoder, pipe.text_encoder_2], [pipe.tokenizer, pipe.tokenizer_2]
+    controlnet, unet, text_encoders = pipe.controlnet, pipe.unet, [pipe.text_encoder, pipe.text_encoder_2]
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+    settings = sdxl.prompt_settings(pipe, args)
+    call_kwargs = sdxl.call_kwargs(pipe, settings)
 
     # 3. Only the ControlNet trains; the UNet, VAE and both text encoders are frozen. The EMA tracks the ControlNet.
     trained = {"controlnet": controlnet}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *text_encoders])
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()
     compile_repeated_blocks(controlnet, args.torch_compile)
@@ -99,16 +100,15 @@ def main(args):
     #    buckets). Optimizer, schedule, accelerate; the loop resumes if asked.
     transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip,
                                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(vae, text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
-                            seed=args.seed)
+    frozen = FrozenEncoders(sdxl.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
 
-    def encode_text(captions):
-        input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
-        return encode_prompt(text_encoders, input_ids)
+    def encode_prompts(prompts):
+        return sdxl.encode_prompts(pipe, prompts, accelerator.device, settings)
 
     embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
-                                        encode_text, tokenizers)
+                                        encode_prompts, sdxl.prompt_dependencies(pipe, settings))
     shapes = dataset_shapes(transform, dataset, args.image_column)
     examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
@@ -116,58 +116,58 @@ def main(args):
         laid_out = frozen.dataset_image_with_conditioning(example, example[args.conditioning_image_column],
                                                           generator)
         # An empty prompt now and then teaches the ControlNet to follow the conditioning image alone.
-        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
-        prompt_embeds, pooled = embeddings[caption]
+        prompt = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
         # SDXL is told each image's original size, where it was cropped (after any flip) and the size it trains
         # at (its bucket).
-        return {"image": laid_out.pixels, "conditioning_pixel_values": laid_out.conditioning_pixels,
-                "prompt_embeds": prompt_embeds, "text_embeds": pooled,
-                "time_ids": time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)}
+        return {"image": laid_out.pixels, "conditioning_pixel_values": laid_out.conditioning_pixels, "prompt": prompt,
+                "time_ids": sdxl.time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
         args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    controlnet, optimizer, lr_scheduler = accelerator.prepare(controlnet, optimizer, lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    prompt_rows = cached_rows(embeddings, accelerator.device)
 
     # The pipeline resizes each --validation_image to the validation size (with buckets, the most common one).
     validator = make_controlnet_validator(
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device, call_kwargs=validation_size(args, shapes))
+        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+        call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
-    # 5. The loop: the denoising loss through the ControlNet-guided UNet, both given SDXL's conditioning;
-    # after each optimizer step the loop updates the EMA, checkpoints and validates when due (the final step
-    # included, once).
-    controlnet.train()
+    # 5. The loop: the denoising loss on the family's latents and conditioning (`sdxl`), each image's
+    # micro-conditioning beside its prompt's, through the ControlNet-guided UNet; after each optimizer step the loop
+    # updates the EMA, checkpoints and validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(controlnet):
-            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
+        with accelerator.accumulate(*models.values()):
+            latents = sdxl.normalized_latents(pipe, frozen.latents(batch["image"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            prompt_embeds = batch["prompt_embeds"]
-            added_cond_kwargs = {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"]}
+            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
+            text = sdxl.text_inputs(prompt_rows(batch["prompt"]))
+            text["added_cond_kwargs"]["time_ids"] = batch["time_ids"]
             # The ControlNet turns the conditioning image into residuals for the frozen UNet's skip connections.
-            down_residuals, mid_residual = controlnet(
-                noisy_latents, timesteps, prompt_embeds, added_cond_kwargs=added_cond_kwargs,
-                controlnet_cond=batch["conditioning_pixel_values"].to(weight_dtype), return_dict=False)
-            model_pred = unet(noisy_latents, timesteps, prompt_embeds, added_cond_kwargs=added_cond_kwargs,
-                              down_block_additional_residuals=down_residuals,
-                              mid_block_additional_residual=mid_residual, return_dict=False)[0]
+            down_residuals, mid_residual = models["controlnet"](
+                **inputs, **text, controlnet_cond=batch["conditioning_pixel_values"].to(weight_dtype),
+                return_dict=False)
+            output = unet(**inputs, **text, down_block_additional_residuals=down_residuals,
+                          mid_block_additional_residual=mid_residual, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
-            loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
-
+            loss = diffusion_loss(sdxl.prediction(pipe, output, latents), target, noise_scheduler, timesteps,
+                                  args.snr_gamma)
             loop.backward_and_step(loss)
 
     # 6. Save the raw and EMA ControlNet from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        vae_fields = vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe)
+        vae_fields = sdxl.vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe)
         finish_run(args, "ControlNet for SDXL", controlnet_how_to_load(args, pipe, **vae_fields), loop.records, saved,
                    "ControlNet")
     end_training(accelerator)

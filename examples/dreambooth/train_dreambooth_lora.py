@@ -17,29 +17,31 @@ class image once (both flips), before training; what is cached stays off the acc
 while validating.
 """
 
-import torch
 from diffusers import StableDiffusionPipeline
 
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, add_refused_args, check_args,
-                                 export_formats, training_parser)
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
+                                 training_parser)
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data import ImageTransform, make_dataloader, tokenize
+from training_utils.data import ImageTransform, make_dataloader
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
                                        dreambooth_dataset, dreambooth_prompts, instance_then_class_collate)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
+from training_utils.families import sd
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows, encoded_rows
 from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
 
@@ -70,26 +72,32 @@ def main(args):
     instance_images = check_dreambooth_args(args)
     accelerator = make_accelerator(args)
 
-    # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
+    # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
+    #    encoded as its own encode_prompt does, with the same settings everywhere: training, validation, class images.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     quantization = quantization_config(args, weight_dtype, base=["unet"], text_encoders=["text_encoder"])
     pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype, quantization=quantization)
-    unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
+    unet, text_encoders = pipe.unet, [pipe.text_encoder]
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+    settings = sd.prompt_settings(pipe, args)
+    call_kwargs = sd.call_kwargs(pipe, settings)
 
     # 3. LoRA adapters on the UNet's (and maybe the text encoder's) attention; the EMA tracks them all.
     add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
     trained = {"unet": unet}
     if args.train_text_encoder:
-        add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
-        trained["text_encoder"] = text_encoder
-    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator.
-    cached_text_encoders = [] if args.train_text_encoder else [text_encoder]
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *cached_text_encoders])
+        trained["text_encoder"] = pipe.text_encoder
+        add_lora(trained["text_encoder"], args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+    # Unless it trains, the text encoder runs once, to cache the prompts' embeddings, and stays off the accelerator;
+    # if it does, it runs in every step, on the accelerator.
+    if args.train_text_encoder:
+        text_encoders = []
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-        if args.train_text_encoder:
-            text_encoder.gradient_checkpointing_enable()
+        for name, module in trained.items():
+            if name != "unet":
+                module.gradient_checkpointing_enable()
     compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
@@ -102,62 +110,62 @@ def main(args):
     #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
-                            seed=args.seed)
-    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
-                                          frozen.on_device)
-    # Each batch holds the instance images, then as many class images; its "prompt_index" gives each image's prompt.
-    prompts = dreambooth_prompts(args)
+    frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
+    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
+                                          call_kwargs=call_kwargs)
 
     def encode_prompts(prompts):
-        return text_encoder(tokenize(tokenizer, prompts).to(accelerator.device), return_dict=False)[0]
+        return sd.encode_prompts(pipe, prompts, accelerator.device, settings)
 
     if not args.train_text_encoder:
-        embeddings = frozen.text_embeddings(prompts, encode_prompts, [tokenizer])
-        frozen_prompt_embeds = torch.stack([embeddings[prompt] for prompt in prompts]).to(accelerator.device)
-    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout)
+        embeddings = frozen.text_embeddings(dreambooth_prompts(args), encode_prompts,
+                                            sd.prompt_dependencies(pipe, settings))
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout,
+                                 args.instance_prompt, args.class_prompt)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    if args.train_text_encoder:
-        unet, text_encoder, optimizer, lr_scheduler = accelerator.prepare(unet, text_encoder, optimizer, lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    if args.train_text_encoder:  # the step encodes its prompts through the wrapped encoder, so gradients sync
+        prompt_rows = encoded_rows(lambda prompts: sd.encode_prompts(pipe, prompts, accelerator.device, settings,
+                                                                     text_encoders=models))
     else:
-        unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+        prompt_rows = cached_rows(embeddings, accelerator.device)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs=validation_size(args, dataset.shapes))
+                               call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora", config=tracker_config(args))
 
-    # 5. The loop: DreamBooth's loss; after each optimizer step the loop updates the EMA,
-    # checkpoints and validates when due (the final step included, once).
-    for module in trained.values():
-        module.train()
+    # 5. The loop: DreamBooth's denoising loss on the family's latents and conditioning (`sd`), each image on its
+    # prompt's embedding; with prior preservation the loss adds the class half's, weighted. After each optimizer step
+    # the loop updates the EMA, checkpoints and validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(unet, text_encoder):
-            latents = frozen.latents(batch["images"]) * vae.config.scaling_factor
+        with accelerator.accumulate(*models.values()):
+            latents = sd.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            # A trained text encoder embeds the few distinct prompts in every step; each image takes its own.
-            prompt_embeds = encode_prompts(prompts) if args.train_text_encoder else frozen_prompt_embeds
-            encoder_hidden_states = prompt_embeds[batch["prompt_index"]]
-            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
+            text = sd.text_inputs(prompt_rows(batch["prompts"]))
+            output = models["unet"](**inputs, **text, return_dict=False)[0]
+            prediction = sd.prediction(pipe, output, latents)
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             # The instance half's loss, plus the weighted class half's (prior preservation).
             halves = 2 if args.with_prior_preservation else 1
-            predictions, targets, steps = (x.chunk(halves) for x in (model_pred, target, timesteps))
+            predictions, targets, steps = (x.chunk(halves) for x in (prediction, target, timesteps))
             loss = diffusion_loss(predictions[0], targets[0], noise_scheduler, steps[0], args.snr_gamma)
             if args.with_prior_preservation:
                 prior_loss = diffusion_loss(predictions[1], targets[1], noise_scheduler, steps[1], args.snr_gamma)
                 loss = loss + args.prior_loss_weight * prior_loss
-
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.

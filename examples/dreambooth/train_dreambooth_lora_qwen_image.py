@@ -20,29 +20,31 @@ with one line saying why.
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
-from training_utils import qwen_image
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
-from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, add_refused_args,
-                                 check_args, comma_separated, export_formats, training_parser)
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
+                                 export_formats, training_parser)
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import ImageTransform, make_dataloader
-from training_utils.dreambooth import (TRANSFORMER_DREAMBOOTH_NOT_CARRIED, add_dreambooth_args,
-                                       check_dreambooth_args, class_images_from_args, dreambooth_dataset,
-                                       dreambooth_prompts, instance_then_class_collate)
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
+                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
+                                       transformer_dreambooth_refusals)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
+from training_utils.families import qwen_image
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
-                                          flow_matching_loss, sample_flow_matching_timesteps, velocity)
+                                          flow_matching_loss, sample_flow_matching_timesteps)
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
 
@@ -54,7 +56,7 @@ REFUSED = {
     **dict.fromkeys(["--pretrained_tokenizer_4_name_or_path", "--pretrained_text_encoder_4_name_or_path"],
                     "a leftover of upstream's HiDream script that its Qwen-Image script never reads; the tokenizer "
                     "and the text encoder are the pipeline's"),
-    **TRANSFORMER_DREAMBOOTH_NOT_CARRIED,
+    **transformer_dreambooth_refusals(text_encoder_trains=False),
 }
 
 
@@ -62,7 +64,7 @@ def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50)
     add_lora_args(parser, QwenImagePipeline)
     add_dreambooth_args(parser)
-    qwen_image.add_qwen_image_args(parser)
+    qwen_image.add_args(parser)
     add_flow_matching_args(parser, weighting_scheme="none")
     add_lora_layers_arg(parser, LORA_LAYERS, "transformer_blocks.0.attn.add_q_proj")
     add_cache_args(parser)
@@ -70,7 +72,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_flow_matching_args(args)
-    qwen_image.check_qwen_image_args(args)
+    qwen_image.check_args(args)
     return args
 
 
@@ -80,22 +82,20 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
-    #    encoded by its own encode_prompt with the same settings everywhere: training, validation, class images.
+    #    encoded as its own encode_prompt does, with the same settings everywhere: training, validation, class images.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     quantization = quantization_config(args, weight_dtype, base=["transformer"], text_encoders=["text_encoder"])
     pipe = load_pipeline(QwenImagePipeline, args, weight_dtype, quantization=quantization)
-    transformer, vae, text_encoder = pipe.transformer, pipe.vae, pipe.text_encoder
+    transformer, text_encoders = pipe.transformer, [pipe.text_encoder]
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
-    prompt_settings = qwen_image.prompt_settings(pipe, args)
-    # Every render (class images, validation) encodes so, without true CFG: that needs a negative prompt, which
-    # upstream's script gives none either (saying so keeps the pipeline's warning out of every call).
-    call_kwargs = {**prompt_settings, "true_cfg_scale": 1.0}
+    settings = qwen_image.prompt_settings(pipe, args)
+    call_kwargs = qwen_image.call_kwargs(pipe, settings)
 
     # 3. A LoRA adapter on the transformer; the EMA tracks it. The text encoder and the VAE stay frozen.
     add_lora(transformer, args.rank, linear_layers_named(transformer, comma_separated(args.lora_layers)),
              args.lora_alpha, args.lora_dropout)
     trained = {"transformer": transformer}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     compile_repeated_blocks(transformer, args.torch_compile)
@@ -106,38 +106,31 @@ def main(args):
 
     # 4. Data: class images first (only the missing ones are generated; the fresh adapter changes nothing yet).
     #    The frozen encoders run once, here, not in every step (the text encoder on the prompts; with
-    #    --cache_latents, the VAE on each image, as a one-frame video), then leave the accelerator until validation.
-    #    Optimizer, schedule, accelerate; the loop resumes if asked.
+    #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
+    #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(qwen_image.OneFrameVAE(vae), [text_encoder], transform, accelerator.device,
+    frozen = FrozenEncoders(qwen_image.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
     class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
                                           call_kwargs=call_kwargs)
-    # Each batch holds the instance images, then as many class images; its "prompt_index" gives each image's prompt.
-    prompts = dreambooth_prompts(args)
 
     def encode_prompts(prompts):
-        return qwen_image.encode_prompts(pipe, prompts, accelerator.device, prompt_settings)
+        return qwen_image.encode_prompts(pipe, prompts, accelerator.device, settings)
 
-    # The template that wraps each prompt (and how much of it is dropped) is the pipeline's, not the tokenizer's; the
-    # function that encodes is named on its own, beside this one that calls it.
-    embeddings = frozen.text_embeddings(prompts, encode_prompts, [
-        pipe.tokenizer, pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, qwen_image.encode_prompts,
-        prompt_settings])
-    # One row per prompt, on the accelerator once: a shorter prompt (the class prompt, the empty one) padded and
-    # masked, as encode_prompt batches them; each batch takes its images' rows.
-    prompt_embeds, prompt_mask = qwen_image.stack_prompts([embeddings[prompt] for prompt in prompts],
-                                                          accelerator.device)
-    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout)
+    embeddings = frozen.text_embeddings(dreambooth_prompts(args), encode_prompts,
+                                        qwen_image.prompt_dependencies(pipe, settings))
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout,
+                                 args.instance_prompt, args.class_prompt)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    prompt_rows = cached_rows(embeddings, accelerator.device)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
@@ -146,25 +139,21 @@ def main(args):
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora-qwen-image", config=tracker_config(args))
 
-    # 5. The loop: flow matching in the transformer's latent layout (`qwen_image`): the latents move on a straight
-    # line to noise and the transformer predicts the velocity, noise - latents. After each optimizer step the loop
-    # updates the EMA, checkpoints and validates when due (the final step included, once).
-    transformer.train()
+    # 5. The loop: flow matching in the transformer's own layout and conventions (the family module's): the latents
+    # move on a straight line to noise and the transformer predicts the velocity, noise - latents. Each image trains
+    # on its prompt's embedding; with prior preservation the loss adds the class half's, weighted. After each
+    # optimizer step the loop updates the EMA, checkpoints and validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(transformer):
+        with accelerator.accumulate(*models.values()):
             latents = qwen_image.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = torch.randn_like(latents)
-            timesteps, sigmas = sample_flow_matching_timesteps(
-                noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
-            # No guidance embedding: Qwen-Image's guidance is true CFG, at sampling only.
-            model_pred = transformer(**qwen_image.image_inputs(pipe, add_noise(latents, noise, sigmas), timesteps),
-                                     encoder_hidden_states=prompt_embeds[batch["prompt_index"]],
-                                     encoder_hidden_states_mask=None if prompt_mask is None
-                                     else prompt_mask[batch["prompt_index"]], return_dict=False)[0]
-            # With prior preservation, the instance half's loss plus the weighted class half's.
-            loss = flow_matching_loss(qwen_image.unpack(pipe, model_pred, latents), velocity(latents, noise), sigmas,
-                                      args.weighting_scheme,
-                                      args.prior_loss_weight if args.with_prior_preservation else None)
+            timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
+            inputs = qwen_image.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
+            text = qwen_image.text_inputs(prompt_rows(batch["prompts"]))
+            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            loss = flow_matching_loss(qwen_image.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.

@@ -20,7 +20,7 @@ accelerator except while validating.
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
 from training_utils.buckets import AspectRatioBuckets, validation_size
@@ -28,38 +28,46 @@ from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import ImageTransform, make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate)
+                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
+                                       transformer_dreambooth_refusals)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error, require
 from training_utils.export import LoraExport, save_with_ema
+from training_utils.families import sd3
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
-                                          flow_matching_loss, sample_flow_matching_timesteps, velocity)
+                                          flow_matching_loss, sample_flow_matching_timesteps)
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows, encoded_rows
 from training_utils.quantization import quantization_config
-from training_utils.sd3 import add_sd3_args, check_sd3_args, encode_prompt, tokenize_prompt
 from training_utils.validation import make_validator
+
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = transformer_dreambooth_refusals(text_encoder_trains=True)
 
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=28)
     add_lora_args(parser, StableDiffusion3Pipeline, train_text_encoder=True)
+    parser.set_defaults(text_encoder_lr=5e-6, adam_weight_decay_text_encoder=1e-3)  # upstream's
     add_dreambooth_args(parser)
-    add_sd3_args(parser)
-    add_flow_matching_args(parser)
+    sd3.add_args(parser)
+    add_flow_matching_args(parser, precondition_outputs=1)
     add_lora_layers_arg(parser, ",".join(ATTENTION_PROJECTIONS), "to_q, or attn.to_q")
     parser.add_argument("--lora_blocks", default=None,
                         help="comma-separated transformer block indices to adapt, e.g. 0,12 (default: every block)")
     add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
-    check_sd3_args(args)
     check_flow_matching_args(args)
+    sd3.check_args(args)
     require(args.lora_blocks is None or all(name.isdigit() for name in comma_separated(args.lora_blocks)),
             "--lora_blocks", args.lora_blocks, "comma-separated block indices, e.g. 0,12")
     return args
@@ -89,27 +97,31 @@ def main(args):
     instance_images = check_dreambooth_args(args)
     accelerator = make_accelerator(args)
 
-    # 2. The pipeline, once. Its modules train, render validation images and generate the class images.
+    # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
+    #    encoded as its own encode_prompt does, with the same settings everywhere: training, validation, class images.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     quantization = quantization_config(args, weight_dtype, base=["transformer"],
                                        text_encoders=["text_encoder", "text_encoder_2", "text_encoder_3"])
     pipe = load_pipeline(StableDiffusion3Pipeline, args, weight_dtype, quantization=quantization)
-    transformer, vae = pipe.transformer, pipe.vae
-    text_encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
+    transformer, text_encoders = pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+    settings = sd3.prompt_settings(pipe, args)
+    call_kwargs = sd3.call_kwargs(pipe, settings)
 
     # 3. LoRA adapters on the transformer (and maybe the two CLIP encoders, never T5); the EMA tracks them all.
     blocks = [int(block) for block in comma_separated(args.lora_blocks)] if args.lora_blocks else None
-    target_modules = lora_target_modules(transformer, comma_separated(args.lora_layers), blocks)
-    add_lora(transformer, args.rank, target_modules, args.lora_alpha, args.lora_dropout)
+    add_lora(transformer, args.rank, lora_target_modules(transformer, comma_separated(args.lora_layers), blocks),
+             args.lora_alpha, args.lora_dropout)
     trained = {"transformer": transformer}
     if args.train_text_encoder:
-        for name, text_encoder in (("text_encoder", pipe.text_encoder), ("text_encoder_2", pipe.text_encoder_2)):
-            add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
-            trained[name] = text_encoder
-    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator.
-    cached_text_encoders = [] if args.train_text_encoder else text_encoders
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *cached_text_encoders])
+        for name in ("text_encoder", "text_encoder_2"):
+            trained[name] = getattr(pipe, name)
+            add_lora(trained[name], args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator;
+    # if they do, all three run in every step, on the accelerator.
+    if args.train_text_encoder:
+        text_encoders = []
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
         for name, module in trained.items():
@@ -121,75 +133,61 @@ def main(args):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Data: class images first (only the missing ones are generated; the fresh adapters change nothing yet).
-    #    The frozen encoders run once, here, not in every step (frozen text encoders on the prompts; with
-    #    --cache_latents, the VAE on each image), then leave the accelerator until validation (T5 alone is
-    #    gigabytes). Optimizer, schedule, accelerate; the loop resumes if asked.
+    # 4. Data: class images first (only the missing ones are generated; the fresh adapter changes nothing yet).
+    #    The frozen encoders run once, here, not in every step (the text encoder on the prompts; with
+    #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
+    #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
-                            seed=args.seed)
-    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype,
-                                          frozen.on_device)
-    # Each batch holds the instance images, then as many class images; its "prompt_index" gives each image's prompt.
-    prompts = dreambooth_prompts(args)
-    tokenizers = [pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3]
+    frozen = FrozenEncoders(sd3.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
+    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
+                                          call_kwargs=call_kwargs)
 
     def encode_prompts(prompts):
-        input_ids = tokenize_prompt(tokenizers, prompts, args.max_sequence_length)
-        return encode_prompt(text_encoders, [ids.to(accelerator.device) for ids in input_ids])
+        return sd3.encode_prompts(pipe, prompts, accelerator.device, settings)
 
     if not args.train_text_encoder:
-        embeddings = frozen.text_embeddings(prompts, encode_prompts, [*tokenizers, args.max_sequence_length])
-        frozen_prompt_embeds = [torch.stack(parts).to(accelerator.device)
-                                for parts in zip(*(embeddings[prompt] for prompt in prompts))]
-    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout)
+        embeddings = frozen.text_embeddings(dreambooth_prompts(args), encode_prompts,
+                                            sd3.prompt_dependencies(pipe, settings))
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout,
+                                 args.instance_prompt, args.class_prompt)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    if args.train_text_encoder:  # the step calls the wrapped encoders, so gradients sync across processes
-        transformer, text_encoders[0], text_encoders[1], optimizer, lr_scheduler = accelerator.prepare(
-            transformer, text_encoders[0], text_encoders[1], optimizer, lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    if args.train_text_encoder:  # the step encodes its prompts through the wrapped encoders, so gradients sync
+        prompt_rows = encoded_rows(lambda prompts: sd3.encode_prompts(pipe, prompts, accelerator.device, settings,
+                                                                      text_encoders=models))
     else:
-        transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+        prompt_rows = cached_rows(embeddings, accelerator.device)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs=validation_size(args, dataset.shapes))
+                               call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("dreambooth-lora-sd3", config=tracker_config(args))
 
-    # 5. The loop: flow matching. Latents move on a straight line to noise, x_t = (1 - sigma) x_0 + sigma noise,
-    # and the transformer predicts the velocity noise - x_0. After each optimizer step the loop updates the EMA,
-    # checkpoints and validates when due (the final step included, once).
-    for module in trained.values():
-        module.train()
+    # 5. The loop: flow matching in the transformer's own layout and conventions (the family module's): the latents
+    # move on a straight line to noise and the transformer predicts the velocity, noise - latents. Each image trains
+    # on its prompt's embedding; with prior preservation the loss adds the class half's, weighted. After each
+    # optimizer step the loop updates the EMA, checkpoints and validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(transformer, *text_encoders[:2]):
-            latents = (frozen.latents(batch["images"]) - vae.config.shift_factor) * vae.config.scaling_factor
+        with accelerator.accumulate(*models.values()):
+            latents = sd3.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = torch.randn_like(latents)
-            timesteps, sigmas = sample_flow_matching_timesteps(
-                noise_scheduler, args, latents.shape[0], latents.device, latents.dtype, latents.ndim)
-            noisy_latents = add_noise(latents, noise, sigmas)
-            # Trained text encoders embed the few distinct prompts in every step; each image takes its own.
-            prompt_embeds, pooled_embeds = (encode_prompts(prompts) if args.train_text_encoder
-                                            else frozen_prompt_embeds)
-            model_pred = transformer(hidden_states=noisy_latents, timestep=timesteps,
-                                     encoder_hidden_states=prompt_embeds[batch["prompt_index"]],
-                                     pooled_projections=pooled_embeds[batch["prompt_index"]],
-                                     return_dict=False)[0]
-            if args.precondition_outputs:  # the velocity turned into an estimate of x_0, which is regressed
-                model_pred, target = noisy_latents - sigmas * model_pred, latents
-            else:
-                target = velocity(latents, noise)
-            # With prior preservation, the instance half's loss plus the weighted class half's.
-            loss = flow_matching_loss(model_pred, target, sigmas, args.weighting_scheme,
-                                      args.prior_loss_weight if args.with_prior_preservation else None)
+            timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
+            inputs = sd3.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
+            text = sd3.text_inputs(prompt_rows(batch["prompts"]))
+            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            loss = flow_matching_loss(sd3.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.

@@ -13,18 +13,19 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionPipeline
 
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import (ImageTransform, TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
-                                 load_train_dataset, make_dataloader, pick_caption, stack_collate, tokenize)
+                                 load_train_dataset, make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
+from training_utils.families import sd
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
@@ -32,6 +33,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
 
@@ -51,17 +53,20 @@ def main(args):
     dataset = load_train_dataset(args, {"--image_column": args.image_column, "--caption_column": args.caption_column})
     accelerator = make_accelerator(args)
 
-    # 2. The pipeline, once. Its modules are the ones we train and the ones validation renders with.
+    # 2. The pipeline, once. Its modules are the ones we train and the ones validation renders with. Prompts are
+    #    encoded as its own encode_prompt does, with the same settings everywhere: training and validation.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     quantization = quantization_config(args, weight_dtype, base=["unet"], text_encoders=["text_encoder"])
     pipe = load_pipeline(StableDiffusionPipeline, args, weight_dtype, quantization=quantization)
-    unet, vae, text_encoder, tokenizer = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
+    unet, text_encoders = pipe.unet, [pipe.text_encoder]
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+    settings = sd.prompt_settings(pipe, args)
+    call_kwargs = sd.call_kwargs(pipe, settings)
 
     # 3. A LoRA adapter on the UNet's attention; the EMA tracks the adapter tensors only.
     add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
     trained = {"unet": unet}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, text_encoder])
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     compile_repeated_blocks(unet, args.torch_compile)
@@ -75,51 +80,54 @@ def main(args):
     #    schedule, accelerate; the loop resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(vae, [text_encoder], transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
-                            seed=args.seed)
+    frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
 
-    def encode_text(captions):
-        return text_encoder(tokenize(tokenizer, captions).to(accelerator.device), return_dict=False)[0]
+    def encode_prompts(prompts):
+        return sd.encode_prompts(pipe, prompts, accelerator.device, settings)
 
     embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
-                                        encode_text, [tokenizer])
+                                        encode_prompts, sd.prompt_dependencies(pipe, settings))
     shapes = dataset_shapes(transform, dataset, args.image_column)
     examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
     def preprocess(example, generator):
         image = frozen.dataset_image(example, generator).pixels
-        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
-        return {"image": image, "encoder_hidden_states": embeddings[caption]}
+        prompt = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
+        return {"image": image, "prompt": prompt}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
         args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    prompt_rows = cached_rows(embeddings, accelerator.device)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs=validation_size(args, shapes))
+                               call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora", config=tracker_config(args))
 
-    # 5. The loop: the denoising loss; after each optimizer step the loop updates the EMA,
-    # checkpoints and validates when due (the final step included, once).
-    unet.train()
+    # 5. The loop: the denoising loss on the family's latents and conditioning (`sd`); after each optimizer step the
+    # loop updates the EMA, checkpoints and validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(unet):
-            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
+        with accelerator.accumulate(*models.values()):
+            latents = sd.normalized_latents(pipe, frozen.latents(batch["image"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            model_pred = unet(noisy_latents, timesteps, batch["encoder_hidden_states"], return_dict=False)[0]
+            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
+            text = sd.text_inputs(prompt_rows(batch["prompt"]))
+            output = models["unet"](**inputs, **text, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
-            loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
-
+            loss = diffusion_loss(sd.prediction(pipe, output, latents), target, noise_scheduler, timesteps,
+                                  args.snr_gamma)
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.

@@ -23,7 +23,7 @@ checkpoints to resume from, and a model card.
 
 from diffusers import StableDiffusionXLPipeline
 
-from training_utils.accelerator import end_training, make_accelerator, tracker_config
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
 from training_utils.buckets import AspectRatioBuckets, validation_size
@@ -35,6 +35,7 @@ from training_utils.diffusion import diffusion_loss, prediction_target, sample_n
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
+from training_utils.families import sdxl
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
@@ -42,21 +43,20 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows, encoded_rows
 from training_utils.quantization import quantization_config
-from training_utils.sdxl import (add_vae_args, check_vae_path, encode_prompt, time_ids, tokenize_prompt,
-                                 vae_components, vae_how_to_load)
 from training_utils.validation import make_validator
 
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], resolution=1024)
-    add_vae_args(parser)
+    sdxl.add_args(parser)
     add_lora_args(parser, StableDiffusionXLPipeline, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
-    check_vae_path(args.pretrained_vae_model_name_or_path)
+    sdxl.check_args(args)
     return args
 
 
@@ -66,32 +66,36 @@ def main(args):
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once (with the replacement VAE, if any). Its modules train and render validation images.
+    #    Prompts are encoded as its own encode_prompt does, with the same settings everywhere: training and validation.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
-    vae_replacement = vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
+    vae_replacement = sdxl.vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
     quantization = quantization_config(args, weight_dtype, base=["unet"],
                                        text_encoders=["text_encoder", "text_encoder_2"])
     pipe = load_pipeline(StableDiffusionXLPipeline, args, weight_dtype, quantization=quantization, **vae_replacement)
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
-    unet, vae = pipe.unet, pipe.vae
-    text_encoders, tokenizers = [pipe.text_encoder, pipe.text_encoder_2], [pipe.tokenizer, pipe.tokenizer_2]
+    unet, text_encoders = pipe.unet, [pipe.text_encoder, pipe.text_encoder_2]
     noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+    settings = sdxl.prompt_settings(pipe, args)
+    call_kwargs = sdxl.call_kwargs(pipe, settings)
 
     # 3. LoRA adapters on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
     add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
     trained = {"unet": unet}
     if args.train_text_encoder:
-        for name, text_encoder in zip(("text_encoder", "text_encoder_2"), text_encoders):
-            add_lora(text_encoder, args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
-            trained[name] = text_encoder
-    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator.
-    cached_text_encoders = [] if args.train_text_encoder else text_encoders
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[vae, *cached_text_encoders])
+        for name in ("text_encoder", "text_encoder_2"):
+            trained[name] = getattr(pipe, name)
+            add_lora(trained[name], args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator;
+    # if they do, they run in every step, on the accelerator.
+    if args.train_text_encoder:
+        text_encoders = []
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-        if args.train_text_encoder:
-            for text_encoder in text_encoders:
-                text_encoder.gradient_checkpointing_enable()
+        for name, module in trained.items():
+            if name != "unet":
+                module.gradient_checkpointing_enable()
     compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = LoraExport.of(type(pipe), trained, export_formats(args))
@@ -104,80 +108,71 @@ def main(args):
     #    resumes if asked.
     transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
                                AspectRatioBuckets.from_args(args, pipe))
-    frozen = FrozenEncoders(vae, cached_text_encoders, transform, accelerator.device, weight_dtype,
-                            cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir, offload=args.offload,
-                            seed=args.seed)
-    if not args.train_text_encoder:
-        def encode_text(captions):
-            input_ids = [ids.to(accelerator.device) for ids in tokenize_prompt(tokenizers, captions)]
-            return encode_prompt(text_encoders, input_ids)
+    frozen = FrozenEncoders(sdxl.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
 
+    def encode_prompts(prompts):
+        return sdxl.encode_prompts(pipe, prompts, accelerator.device, settings)
+
+    if not args.train_text_encoder:
         embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
-                                            encode_text, tokenizers)
+                                            encode_prompts, sdxl.prompt_dependencies(pipe, settings))
     shapes = dataset_shapes(transform, dataset, args.image_column)
     examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
     def preprocess(example, generator):
         laid_out = frozen.dataset_image(example, generator)
-        caption = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
-        # Trained text encoders encode each batch's captions in the step, a dropped one as the empty prompt.
-        if args.train_text_encoder:
-            input_ids, input_ids_2 = tokenize_prompt(tokenizers, caption)
-            text = {"input_ids": input_ids[0], "input_ids_2": input_ids_2[0]}
-        else:
-            prompt_embeds, pooled = embeddings[caption]
-            text = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+        prompt = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
         # SDXL is told each image's original size, where it was cropped (after any flip) and the size it trains at
         # (its bucket).
-        return {"image": laid_out.pixels, **text,
-                "time_ids": time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)}
+        return {"image": laid_out.pixels, "prompt": prompt,
+                "time_ids": sdxl.time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
         args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    if args.train_text_encoder:
-        unet, *text_encoders, optimizer, lr_scheduler = accelerator.prepare(unet, *text_encoders, optimizer,
-                                                                            lr_scheduler)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    if args.train_text_encoder:  # the step encodes its prompts through the wrapped encoders, so gradients sync
+        prompt_rows = encoded_rows(lambda prompts: sdxl.encode_prompts(pipe, prompts, accelerator.device, settings,
+                                                                       text_encoders=models))
     else:
-        unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+        prompt_rows = cached_rows(embeddings, accelerator.device)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs=validation_size(args, shapes))
+                               call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers("text-to-image-lora-sdxl", config=tracker_config(args))
 
-    # 5. The loop: the denoising loss with SDXL's conditioning; after each optimizer step the loop
-    # updates the EMA, checkpoints and validates when due (the final step included, once).
-    for module in trained.values():
-        module.train()
+    # 5. The loop: the denoising loss on the family's latents and conditioning (`sdxl`), each image's micro-
+    # conditioning beside its prompt's; after each optimizer step the loop updates the EMA, checkpoints and validates
+    # when due (the final step included, once).
+    for model in models.values():
+        model.train()
     for batch in loop:
-        with accelerator.accumulate(unet, *text_encoders):
-            latents = frozen.latents(batch["image"]) * vae.config.scaling_factor
+        with accelerator.accumulate(*models.values()):
+            latents = sdxl.normalized_latents(pipe, frozen.latents(batch["image"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-            if args.train_text_encoder:
-                prompt_embeds, pooled = encode_prompt(text_encoders, [batch["input_ids"], batch["input_ids_2"]])
-            else:
-                prompt_embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-            added_cond_kwargs = {"text_embeds": pooled, "time_ids": batch["time_ids"]}
-            model_pred = unet(noisy_latents, timesteps, prompt_embeds, added_cond_kwargs=added_cond_kwargs,
-                              return_dict=False)[0]
+            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
+            text = sdxl.text_inputs(prompt_rows(batch["prompt"]))
+            text["added_cond_kwargs"]["time_ids"] = batch["time_ids"]
+            output = models["unet"](**inputs, **text, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
-            loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
-
+            loss = diffusion_loss(sdxl.prediction(pipe, output, latents), target, noise_scheduler, timesteps,
+                                  args.snr_gamma)
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
         how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
-                                       **vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe))
+                                       **sdxl.vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe))
         finish_run(args, "Text-to-image LoRA for SDXL", how_to_load_text, loop.records, saved, "LoRA")
     end_training(accelerator)
 

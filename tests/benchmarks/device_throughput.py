@@ -272,7 +272,7 @@ class Worker:
             torch.cuda.set_per_process_memory_fraction(min(1.0, configuration.memory_limit_gb * 1e9 / total))
         self.model = build(self.family, self.size, self.device, configuration.rank, configuration.quantize_base)
         compile_repeated_blocks(self.model, configuration.backend if configuration.mode == "compiled" else None)
-        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        trained = {name: parameter for name, parameter in self.model.named_parameters() if parameter.requires_grad}
         self.optimizer = make_optimizer(SimpleNamespace(
             learning_rate=1e-4, scale_lr=False, use_8bit_adam=False, adam_beta1=0.9, adam_beta2=0.999,
             adam_weight_decay=1e-2, adam_epsilon=1e-8), trained, num_processes=1)

@@ -7,7 +7,7 @@ What it builds. The real architecture from its real config (SDXL base; SD3.5-med
 under ``--with_t5``), random weights, saved once as a diffusers pipeline folder under ``--fixtures_dir``
 in bf16, the dtype the run loads them in (as hub repositories ship fp16/bf16 variants). Modules are made
 on the meta device and filled tensor by tensor, so building takes seconds per billion parameters and
-holds one component at a time. Tokenizers are `training_utils.tiny`'s: they do not weigh anything.
+holds one component at a time. Tokenizers are `training_utils.testing.tiny`'s: they do not weigh anything.
 
 What it measures. Each ``--quantize_base`` runs in a fresh process (peaks must not mix), which does
 what `train_text_to_image_lora_sdxl.py` and `train_dreambooth_lora_sd3.py` do in their steps 2 and 3:
@@ -110,7 +110,7 @@ def sdxl_components():
     from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel
 
-    from training_utils.tiny import tiny_clip_tokenizer
+    from training_utils.testing.tiny.parts import tiny_clip_tokenizer
 
     with torch.device("meta"):
         modules = {
@@ -134,7 +134,7 @@ def sd35m_components():
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection
 
-    from training_utils.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from training_utils.testing.tiny.parts import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     with torch.device("meta"):
         modules = {
@@ -383,7 +383,7 @@ def lora_step_peak(model, pipe, args, parameters, ema, device, weight_dtype):
 
     denoiser = getattr(pipe, model.base)
     denoiser.train()
-    optimizer = make_optimizer(args, parameters.values(), num_processes=1)
+    optimizer = make_optimizer(args, parameters, num_processes=1)
     inputs = model.step_inputs(pipe, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -1,12 +1,12 @@
 """A wider SD 1.x pipeline than the tiny test fixture, for a CPU figure closer to real workloads.
 
-Same VAE, text encoder and tokenizer as ``training_utils.tiny``; the UNet has SD's two-layer blocks
+Same VAE, text encoder and tokenizer as ``training_utils.testing.tiny``; the UNet has SD's two-layer blocks
 and four times the channels (about 17M parameters instead of 0.4M).
 """
 
 from pathlib import Path
 
-from training_utils import tiny
+from training_utils.testing.tiny import parts as tiny
 
 
 def build_wide_sd(path):
@@ -28,7 +28,7 @@ def build_wide_sd(path):
 
 def model_path(name, fixtures_dir, tiny_fixture="sd"):
     """The pipeline folder for ``name``, built under ``fixtures_dir`` if missing: "tiny" is the
-    ``tiny_fixture`` of `training_utils.tiny` (the script's own model family), "wide" the wider SD 1.x
+    ``tiny_fixture`` of `training_utils.testing.tiny` (the script's own model family), "wide" the wider SD 1.x
     pipeline; any other ``name`` is a path, returned as it is."""
     if name == "tiny":
         path = Path(fixtures_dir) / tiny_fixture

@@ -95,7 +95,7 @@ def text_to_image_lora_sdxl_step(pipe, noise_scheduler, weight_dtype, cached_lat
 class Script(NamedTuple):
     path: str              # under examples/
     bare_step: Callable    # (pipe, noise_scheduler, weight_dtype, cached_latents) -> step(batch) -> loss
-    tiny_fixture: str      # the `training_utils.tiny` pipeline that --model tiny means
+    tiny_fixture: str      # the `training_utils.testing.tiny` pipeline that --model tiny means
 
 
 SCRIPTS = {
@@ -305,7 +305,7 @@ def measure(options):
     if data is None:
         data = fixtures / "shapes"
         if not (data / "metadata.jsonl").exists():
-            from training_utils.tiny import build
+            from training_utils.testing.tiny import build
 
             build(fixtures, ["shapes"])
     module = load_script(script.path)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from training_utils.testing import launch_command, launch_environment
-from training_utils.tiny import build
+from training_utils.testing.tiny import build
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "examples/text_to_image/train_text_to_image_lora.py"

@@ -130,7 +130,7 @@ def looped_step_seconds(args, unet, batch, warmup, steps):
     examples = [{key: value[0].cpu() for key, value in batch.items()}] * (warmup + steps)
     dataloader = accelerator.prepare(torch.utils.data.DataLoader(examples, batch_size=1, shuffle=False))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters.values(), accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     model, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,

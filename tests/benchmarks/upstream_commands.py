@@ -52,7 +52,7 @@ def main(argv=None):
     parser.add_argument("--only", default="", help="run the tests whose name holds this")
     parser.add_argument("--keep", type=Path, default=None, help="a folder for the fixtures and runs (kept)")
     args = parser.parse_args(argv)
-    from training_utils.tiny import build
+    from training_utils.testing.tiny import build
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="upstream_commands_"))
     chosen = [upstream for upstream in UPSTREAM if args.only in upstream.test]

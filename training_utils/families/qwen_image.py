@@ -1,4 +1,5 @@
-"""Qwen-Image's conditioning and latent layout for training, taken from the pipeline itself (`QwenImagePipeline`).
+"""Qwen-Image: its conditioning and latent layout for training, taken from the pipeline itself (`QwenImagePipeline`),
+and its LoRA layout in ComfyUI.
 
 The Qwen-Image transformer reads:
 
@@ -6,14 +7,14 @@ The Qwen-Image transformer reads:
   text encoder's last hidden states for the prompt wrapped in the pipeline's chat template, the template's system
   turn dropped, cut at ``--max_sequence_length`` (`prompt_settings`; the pipeline's default unless set), zeros after
   each prompt's tokens up to the batch's longest, and the mask of the real tokens (None when none is padding).
-  Each prompt is cached as its row of such a batch with its mask (`encode_prompts`); `stack_prompts` batches the
+  Each prompt is cached as its row of such a batch with its mask (`encode_prompts`); `text_inputs` batches the
   rows again as ``encode_prompt`` batches prompts, whatever batch each was encoded in (an instance prompt and a
   shorter class prompt, cached apart, stack with the class prompt's padding masked);
 - ``hidden_states`` and ``img_shapes``: the VAE's latents, a one-frame video ``(B, C, 1, h, w)`` (`OneFrameVAE`
   encodes images so), standardised with the per-channel ``latents_mean`` and ``latents_std`` of the VAE's
   configuration (`normalized_latents`, the inverse of what the pipeline does before decoding), packed into tokens of
   2×2 patches, with each image's (frames, rows, columns) of patches for the rotary position embedding
-  (`image_inputs`);
+  (`model_inputs`);
 - ``timestep``: the scheduler's timestep over 1000 in the latents' dtype. No ``guidance``: Qwen-Image guides by
   true classifier-free guidance (a second pass on a negative prompt, at sampling only), and the pipeline passes a
   guidance embedding only to a transformer configured with ``guidance_embeds``, which Qwen-Image's is not.
@@ -24,7 +25,8 @@ effect on such a scheduler). The pipeline's sampling loop shifts its levels for 
 on the configuration's ``base_shift``, ``max_shift``, ``base_image_seq_len`` and ``max_image_seq_len``, stretched to
 end at ``shift_terminal``): the levels it visits are points of the same path. Every piece is the pipeline's own (its
 static helpers, its ``encode_prompt`` and its call's defaults, the VAE's configuration), so training feeds the
-transformer what the pipeline's sampling loop feeds it at the same noise level.
+transformer what the pipeline's sampling loop feeds it at the same noise level; its output tokens are unpacked into
+the latents' layout (`prediction`), where the loss compares them with the velocity.
 """
 
 import inspect
@@ -32,20 +34,27 @@ import inspect
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from .errors import UsageError, require
+from ..errors import UsageError, require
+from .layout import BLOCK, Family, Rename
 
 # QwenImagePipeline refuses longer prompts (its check_inputs), so a longer setting would fail at the first validation.
 MAX_SEQUENCE_LENGTH_LIMIT = 1024
+# ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
+COMFYUI_LAYOUT = (
+    Rename(BLOCK + r"((?:attn|img_mod|txt_mod|img_mlp|txt_mlp)\..+)", r"transformer_blocks.\1.\2"),
+    Rename(r"(img_in|txt_in|time_text_embed\.timestep_embedder\.linear_[12]|norm_out\.linear|proj_out)", r"\1"),
+)
+FAMILY = Family("qwen_image", "Qwen-Image", ("QwenImagePipeline",), "transformer", {}, COMFYUI_LAYOUT)
 
 
-def add_qwen_image_args(parser):
+def add_args(parser):
     """The prompt-encoding flag of the diffusers Qwen-Image script; unset, the pipeline's own default applies."""
     group = parser.add_argument_group("Qwen-Image")
     group.add_argument("--max_sequence_length", type=int, default=None,
                        help="text tokens per prompt at most (default: the pipeline's, 512)")
 
 
-def check_qwen_image_args(args):
+def check_args(args):
     """Fail in one line on a bad prompt length or image size, before any weights load: the size is checked against
     the VAE's configuration, which loads without weights."""
     require(args.max_sequence_length is None or 0 < args.max_sequence_length <= MAX_SEQUENCE_LENGTH_LIMIT,
@@ -75,6 +84,21 @@ def prompt_settings(pipe, args):
     return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
 
 
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings, without true
+    classifier-free guidance, which needs a negative prompt that upstream's script gives none either (saying so
+    keeps the pipeline's warning out of every call)."""
+    return {**settings, "true_cfg_scale": 1.0}
+
+
+def prompt_dependencies(pipe, settings):
+    """What the prompts' embeddings depend on besides the text encoder's weights, for the disk cache's key: the
+    encoding code, the tokenizer, and the pipeline's template that wraps each prompt (and how much of it is
+    dropped), which is not the tokenizer's."""
+    return [encode_prompts, pipe.tokenizer, pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx,
+            settings]
+
+
 def encode_prompts(pipe, prompts, device, settings):
     """``(prompt_embeds, mask)`` of ``pipe.encode_prompt(prompts)``: the mask always a tensor (the pipeline gives
     None when no prompt of the batch is padded), so that each prompt's row says how many of its tokens are real."""
@@ -84,17 +108,17 @@ def encode_prompts(pipe, prompts, device, settings):
     return prompt_embeds, mask
 
 
-def stack_prompts(rows, device):
-    """The transformer's text inputs on ``device`` for a batch whose samples' prompts have the `encode_prompts` rows
-    ``rows`` ``(embeds, mask)``, as ``encode_prompt`` returns them for the batch: each prompt's real tokens (the
-    first ones of its row), zeros after them up to the longest, and the mask of the real tokens, or None when no
-    prompt is padded."""
-    tokens = [embeds[: int(mask.sum())].to(device) for embeds, mask in rows]
+def text_inputs(rows):
+    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``
+    ``(embeds, mask)``, as ``encode_prompt`` returns them for the batch: each prompt's real tokens (the first ones
+    of its row), zeros after them up to the longest, and the mask of the real tokens, or None when no prompt is
+    padded."""
+    tokens = [embeds[: int(mask.sum())] for embeds, mask in rows]
     length = max(len(real) for real in tokens)
     prompt_embeds = torch.stack([torch.cat([real, real.new_zeros(length - len(real), real.shape[1])])
                                  for real in tokens])
-    mask = torch.stack([torch.arange(length, device=device) < len(real) for real in tokens]).long()
-    return prompt_embeds, None if mask.all() else mask
+    mask = torch.stack([torch.arange(length, device=prompt_embeds.device) < len(real) for real in tokens]).long()
+    return {"encoder_hidden_states": prompt_embeds, "encoder_hidden_states_mask": None if mask.all() else mask}
 
 
 class OneFrameVAE(torch.nn.Module):
@@ -111,6 +135,11 @@ class OneFrameVAE(torch.nn.Module):
         return self.vae.encode(images.unsqueeze(2))
 
 
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's video VAE, taking them as one-frame videos."""
+    return OneFrameVAE(pipe.vae)
+
+
 def normalized_latents(pipe, latents):
     """VAE latents ``(B, C, 1, h, w)`` as the transformer reads them: standardised per channel with the VAE
     configuration's ``latents_mean`` and ``latents_std``, exactly inverting what the pipeline does before decoding
@@ -122,7 +151,7 @@ def normalized_latents(pipe, latents):
     return (latents - mean) * inverse_std
 
 
-def image_inputs(pipe, noisy_latents, timesteps):
+def model_inputs(pipe, noisy_latents, timesteps):
     """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens of 2×2 patches, each image's (frames, rows, columns) of patches, and
     the timesteps in the latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back)."""
@@ -132,8 +161,9 @@ def image_inputs(pipe, noisy_latents, timesteps):
             "timestep": timesteps.to(noisy_latents.dtype) / 1000}
 
 
-def unpack(pipe, tokens, like):
-    """The transformer's output tokens back in the layout of the latents ``like``, ``(B, C, 1, h, w)``."""
-    height, width = like.shape[-2:]
+def prediction(pipe, output, latents):
+    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``, ``(B, C, 1, h, w)``:
+    the velocity it predicts."""
+    height, width = latents.shape[-2:]
     scale = pipe.vae_scale_factor  # the unpacking takes the image's size in pixels
-    return pipe._unpack_latents(tokens, height * scale, width * scale, scale)
+    return pipe._unpack_latents(output, height * scale, width * scale, scale)

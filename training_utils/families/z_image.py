@@ -1,20 +1,21 @@
-"""Z-Image's conditioning and latent layout for training, taken from the pipeline itself (`ZImagePipeline`).
+"""Z-Image: its conditioning and latent layout for training, taken from the pipeline itself (`ZImagePipeline`), and
+its LoRA layout in ComfyUI.
 
 The Z-Image transformer takes lists, one tensor per image, positionally ``(x, t, cap_feats)``:
 
 - ``cap_feats``: the prompt embeddings ``pipe.encode_prompt`` returns, the text encoder's second-to-last hidden
   states at the prompt's own tokens (the padding dropped), so each prompt's has its own length. The prompt length
   is the pipeline's default unless ``--max_sequence_length`` says otherwise (`prompt_settings`). To be cached like
-  any embedding, a batch of them is padded into one tensor beside their lengths (`encode_prompts`), and cut back
-  to the pipeline's own (`unpadded`);
+  any embedding, a batch of them is padded into one tensor beside their lengths (`encode_prompts`), and each row is
+  cut back to the pipeline's own (`text_inputs`);
 - ``x``: the VAE latents shifted and scaled by the VAE's ``shift_factor`` and ``scaling_factor``, as the pipeline
   undoes it before decoding (`normalized_latents`), each image as ``(C, 1, H, W)``: a frame axis, which the
-  transformer patchifies with the 2×2 spatial patches (`image_inputs`);
+  transformer patchifies with the 2×2 spatial patches (`model_inputs`);
 - ``t``: ``(1000 - timestep) / 1000``, i.e. ``1 - sigma``: Z-Image counts time from the noise (0) to the image (1).
 
 It predicts the opposite of flow matching's velocity ``noise - x_0``: the pipeline negates its output before the
-scheduler steps, and `velocity_prediction` does the same, so the loss compares like with like. The training noise
-levels come from the training scheduler made from the pipeline's scheduler config (its static ``shift``, which is
+scheduler steps, and `prediction` does the same, so the loss compares like with like. The training noise levels
+come from the training scheduler made from the pipeline's scheduler config (its static ``shift``, which is
 Z-Image's; the pipeline's resolution-dependent ``mu`` only applies with ``use_dynamic_shifting``, off for Z-Image).
 
 Every piece is the pipeline's own (its ``encode_prompt`` and that method's defaults, its VAE's config, its sampling
@@ -26,17 +27,30 @@ import inspect
 
 import torch
 
-from .errors import require
+from ..errors import require
+from .layout import Family, Rename, fused
+
+# The original release's module tree (ComfyUI's Z-Image model): comfy/utils.py z_image_to_diffusers, read backwards.
+BLOCK = r"((?:layers|noise_refiner|context_refiner)\.\d+)\."
+COMFYUI_LAYOUT = (
+    *fused(BLOCK + r"attention\.{}", r"\1.attention.qkv", ("to_q", "to_k", "to_v")),
+    Rename(BLOCK + r"attention\.to_out\.0", r"\1.attention.out"),
+    Rename(BLOCK + r"(feed_forward\.w[123]|adaLN_modulation\.0)", r"\1.\2"),
+    Rename(r"all_x_embedder\.2-1", "x_embedder"),
+    Rename(r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)", r"final_layer.\1"),
+    Rename(r"(t_embedder\.mlp\.[02]|cap_embedder\.1)", r"\1"),
+)
+FAMILY = Family("z_image", "Z-Image", ("ZImagePipeline",), "transformer", {}, COMFYUI_LAYOUT)
 
 
-def add_z_image_args(parser):
+def add_args(parser):
     """The prompt-encoding flag of the diffusers Z-Image script; unset, the pipeline's own default applies."""
     group = parser.add_argument_group("Z-Image")
     group.add_argument("--max_sequence_length", type=int, default=None,
                        help="tokens per prompt, its chat template included (default: the pipeline's, 512)")
 
 
-def check_z_image_args(args):
+def check_args(args):
     require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
             args.max_sequence_length, "a positive integer")
 
@@ -46,6 +60,17 @@ def prompt_settings(pipe, args):
     ``--max_sequence_length``, or where unset the method's own default."""
     defaults = inspect.signature(pipe.encode_prompt).parameters
     return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+
+
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
+    return dict(settings)
+
+
+def prompt_dependencies(pipe, settings):
+    """What the prompts' embeddings depend on besides the text encoder's weights, for the disk cache's key: the
+    encoding code, the tokenizer, its chat template (not part of its vocabulary) and the settings."""
+    return [encode_prompts, pipe.tokenizer, pipe.tokenizer.chat_template, settings]
 
 
 def encode_prompts(pipe, prompts, device, settings):
@@ -58,9 +83,15 @@ def encode_prompts(pipe, prompts, device, settings):
     return torch.nn.utils.rnn.pad_sequence(embeddings, batch_first=True), lengths
 
 
-def unpadded(embedding, length):
-    """One prompt's embedding from `encode_prompts`' padded rows: exactly what ``pipe.encode_prompt`` returned."""
-    return embedding[: int(length)]
+def text_inputs(rows):
+    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``: each
+    prompt's embedding cut back to its own length, exactly what ``pipe.encode_prompt`` returned."""
+    return {"cap_feats": [embedding[: int(length)] for embedding, length in rows]}
+
+
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's."""
+    return pipe.vae
 
 
 def normalized_latents(pipe, latents):
@@ -69,14 +100,14 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def image_inputs(noisy_latents, timesteps):
+def model_inputs(pipe, noisy_latents, timesteps):
     """The transformer's image inputs for `normalized_latents` at the scheduler's ``timesteps``, as the pipeline's
     denoising loop passes them: one ``(C, 1, H, W)`` tensor per image, and ``(1000 - timesteps) / 1000`` (the
     pipeline's convention; the transformer multiplies it by its ``t_scale``, 1000)."""
     return {"x": list(noisy_latents.unsqueeze(2).unbind(0)), "t": (1000 - timesteps) / 1000}
 
 
-def velocity_prediction(outputs):
+def prediction(pipe, output, latents):
     """The transformer's outputs (one ``(C, 1, H, W)`` tensor per image) as the velocity the pipeline steps the
     scheduler with, ``(B, C, H, W)``: stacked, and negated as the pipeline negates them."""
-    return -torch.stack(outputs).squeeze(2)
+    return -torch.stack(output).squeeze(2)

@@ -1,18 +1,20 @@
-"""FLUX.2's conditioning and latent layout for training, taken from the pipeline itself (`Flux2KleinPipeline`).
+"""FLUX.2 ([klein]): its conditioning and latent layout for training, taken from the pipeline itself
+(`Flux2KleinPipeline`), and its LoRA layout in ComfyUI.
 
 The FLUX.2 transformer reads:
 
-- ``encoder_hidden_states`` and ``txt_ids``: what ``pipe.encode_prompt`` returns, the text encoder's hidden
-  states at a few layers stacked on the feature axis, and their position ids. The layers and the prompt length
-  are the pipeline's defaults unless ``--text_encoder_out_layers`` and ``--max_sequence_length`` say otherwise
-  (`prompt_settings`), and the same settings go to every call of the pipeline (validation, class images);
+- ``encoder_hidden_states`` and ``txt_ids``: what ``pipe.encode_prompt`` returns (`encode_prompts`), the text
+  encoder's hidden states at a few layers stacked on the feature axis, and their position ids. The layers and the
+  prompt length are the pipeline's defaults unless ``--text_encoder_out_layers`` and ``--max_sequence_length`` say
+  otherwise (`prompt_settings`), and the same settings go to every call of the pipeline (validation, class images);
 - ``hidden_states`` and ``img_ids``: the VAE latents folded into 2×2 patches, standardised with the VAE's
   batch-norm statistics (`normalized_latents`), packed into a sequence of tokens, and their position ids
-  (`image_inputs`);
+  (`model_inputs`);
 - ``timestep``: the scheduler's timestep over 1000, and no guidance embedding (the pipeline passes none).
 
-Every piece is the pipeline's own (its static helpers, its ``encode_prompt`` and that method's defaults), so
-training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
+Its output tokens are unpacked into the latents' layout (`prediction`), where the loss compares them with the
+velocity. Every piece is the pipeline's own (its static helpers, its ``encode_prompt`` and that method's defaults),
+so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
 """
 
 import inspect
@@ -21,10 +23,37 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from transformers import AutoConfig
 
-from .errors import UsageError, require
+from ..errors import UsageError, require
+from ..prompts import stacked
+from .layout import BLOCK, Family, Rename, always, fused
+
+# The original release's module tree (ComfyUI's FLUX.2 model): diffusers'
+# convert_flux2_transformer_checkpoint_to_diffusers, read backwards.
+COMFYUI_LAYOUT = (
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    Rename(BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    Rename(BLOCK + r"ff\.linear_in", r"double_blocks.\1.img_mlp.0"),
+    Rename(BLOCK + r"ff\.linear_out", r"double_blocks.\1.img_mlp.2"),
+    Rename(BLOCK + r"ff_context\.linear_in", r"double_blocks.\1.txt_mlp.0"),
+    Rename(BLOCK + r"ff_context\.linear_out", r"double_blocks.\1.txt_mlp.2"),
+    Rename(r"single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj", r"single_blocks.\1.linear1"),
+    Rename(r"single_transformer_blocks\.(\d+)\.attn\.to_out", r"single_blocks.\1.linear2"),
+    Rename(r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.linear", r"\1.lin"),
+    Rename(r"x_embedder", "img_in"),
+    Rename(r"context_embedder", "txt_in"),
+    Rename(r"time_guidance_embed\.timestep_embedder\.linear_1", "time_in.in_layer"),
+    Rename(r"time_guidance_embed\.timestep_embedder\.linear_2", "time_in.out_layer"),
+    Rename(r"time_guidance_embed\.guidance_embedder\.linear_1", "guidance_in.in_layer"),
+    Rename(r"time_guidance_embed\.guidance_embedder\.linear_2", "guidance_in.out_layer"),
+    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
+    Rename(r"proj_out", "final_layer.linear"),
+)
+FAMILY = Family("flux2", "FLUX.2", ("Flux2KleinPipeline", "Flux2Pipeline"), "transformer", {}, COMFYUI_LAYOUT)
 
 
-def add_flux2_args(parser):
+def add_args(parser):
     """The prompt-encoding flags of the diffusers FLUX.2 scripts; unset, the pipeline's own defaults apply."""
     group = parser.add_argument_group("FLUX.2")
     group.add_argument("--max_sequence_length", type=int, default=None,
@@ -34,7 +63,7 @@ def add_flux2_args(parser):
                             "(default: the pipeline's, 9 18 27 for FLUX.2 [klein])")
 
 
-def check_flux2_args(args):
+def check_args(args):
     """Fail in one line on a bad prompt setting, before any weights load: ``--text_encoder_out_layers`` is
     checked against the text encoder's and the transformer's configurations, which load without weights."""
     require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
@@ -73,6 +102,32 @@ def prompt_settings(pipe, args):
                                              or defaults["text_encoder_out_layers"].default)}
 
 
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
+    return dict(settings)
+
+
+def prompt_dependencies(pipe, settings):
+    """What the prompts' embeddings depend on besides the text encoder's weights, for the disk cache's key: the
+    encoding code, the tokenizer, its chat template (not part of its vocabulary) and the settings."""
+    return [encode_prompts, pipe.tokenizer, pipe.tokenizer.chat_template, settings]
+
+
+def encode_prompts(pipe, prompts, device, settings):
+    """``(prompt_embeds, text_ids)`` of ``pipe.encode_prompt``, one row per prompt."""
+    return pipe.encode_prompt(prompts, device=device, **settings)
+
+
+def text_inputs(rows):
+    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``."""
+    return {"encoder_hidden_states": stacked(rows, 0), "txt_ids": stacked(rows, 1)}
+
+
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's."""
+    return pipe.vae
+
+
 def normalized_latents(pipe, latents):
     """VAE latents ``(B, C, H, W)`` as the transformer reads them: 2×2 patches folded into the channels, then
     standardised with the VAE's batch-norm running statistics, as the pipeline encodes images (sampling undoes
@@ -84,7 +139,7 @@ def normalized_latents(pipe, latents):
     return (patches - mean) / std
 
 
-def image_inputs(pipe, noisy_latents, timesteps):
+def model_inputs(pipe, noisy_latents, timesteps):
     """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens, their position ids, and the timesteps in the latents' dtype over
     1000 (the pipeline's scale; the transformer multiplies it back)."""
@@ -93,7 +148,8 @@ def image_inputs(pipe, noisy_latents, timesteps):
             "timestep": timesteps.to(noisy_latents.dtype) / 1000}
 
 
-def unpack(pipe, tokens, like):
-    """The transformer's output tokens back in the layout of the latents ``like``, placed by their position ids."""
-    height, width = like.shape[-2:]
-    return pipe._unpack_latents_with_ids(tokens, pipe._prepare_latent_ids(like).to(tokens.device), height, width)
+def prediction(pipe, output, latents):
+    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``, placed by their
+    position ids: the velocity it predicts."""
+    height, width = latents.shape[-2:]
+    return pipe._unpack_latents_with_ids(output, pipe._prepare_latent_ids(latents).to(output.device), height, width)

@@ -1,0 +1,311 @@
+"""Smoke tests of the flow-matching transformers' DreamBooth LoRA scripts, one row of `FAMILIES` each: every script
+end to end on its tiny fixture, with the same runs and the same checks.
+
+That each family's training step feeds its transformer what the pipeline's sampling loop feeds it is the family's
+own unit test (``test_<family>.py``); here each script runs:
+
+- full: 8 steps on the instance pictures of mixed shapes in aspect-ratio buckets, each twice an epoch (12 samples,
+  an epoch of at least 6 batches of 2), 30% of them on the empty prompt, random flips, validating every 3 steps
+  and at the end, checkpointing every 4 (mid-epoch), the VAE off the accelerator between steps (--offload);
+- cached: the same 8 steps with --cache_latents, on disk (--feature_cache_dir ``../features``), neither validating
+  nor checkpointing;
+- prior: prior preservation (class images in ``../class``, cropped to each sample's bucket) on the same pictures,
+  with the family's own choices (`Family.prior_flags`: an int8 base, other layers, ...), 3 steps;
+- resumed: the full run resumed from its checkpoint-4, checkpointing every step and keeping two.
+
+A new family is one row.
+"""
+
+import shutil
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline, QwenImagePipeline, StableDiffusion3Pipeline, ZImagePipeline
+from PIL import Image
+from safetensors.torch import load_file
+
+from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
+from training_utils.families import flux2, qwen_image, sd3, z_image
+from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
+                                    assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
+                                    reported_buckets)
+
+LORA = "pytorch_lora_weights.safetensors"
+INSTANCE_PROMPT = "a photo of sks triangle"
+# Shorter than the instance prompt: batched with it, its embedding is padded (and masked where the model masks).
+CLASS_PROMPT = "a triangle"
+BUCKETED_SAMPLES = 12
+PRIOR = ("--with_prior_preservation", "--class_prompt", CLASS_PROMPT, "--num_class_images", 2,
+         "--sample_batch_size", 2, "--class_inference_steps", 2, "--max_train_steps", 3)
+INT8 = ("--quantize_base", "int8", "--mixed_precision", "bf16")
+REFUSED_EVERYWHERE = [
+    (["--optimizer", "prodigy"], "--optimizer is not supported here: AdamW is the only optimizer here "
+                                 "(--use_8bit_adam for bitsandbytes' 8-bit AdamW); Prodigy is not carried"),
+    (["--caption_column", "text"], "--caption_column is not supported here: the images come from "
+                                   "--instance_data_dir, captioned by --instance_prompt; a dataset with captions of "
+                                   "its own is not carried yet"),
+    (["--lora_layers", "to_q,,to_k"], "--lora_layers='to_q,,to_k': expected comma-separated layer names"),
+    (["--weighting_scheme", "logit_normal", "--logit_std", 0], "--logit_std=0.0: expected a positive number"),
+]
+NO_TEXT_ENCODER_TRAINING = [
+    (["--text_encoder_lr", 1e-5], "--text_encoder_lr is not supported here: the text encoder does not train in this "
+                                  "script"),
+    (["--do_fp8_training"], "--do_fp8_training is not supported here: torchao's float8 training is not carried; "
+                            "--quantize_base fp8 loads the frozen transformer in float8 instead"),
+]
+
+
+def attention(blocks, layers, prefix="transformer_blocks"):
+    """The module names ``<prefix>.<block>.attn.<layer>`` of every block and layer."""
+    return {f"{prefix}.{block}.attn.{layer}" for block in blocks for layer in layers}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformer family's DreamBooth script and what its runs must show."""
+
+    name: str  # the row's id, and its tiny fixture
+    script: str
+    pipeline: type
+    module: ModuleType  # its `training_utils.families` module
+    adapted: set  # the transformer's modules that upstream's default --lora_layers adapt
+    prior_flags: tuple  # what the prior run adds to `PRIOR`
+    prior_adapted: set  # the modules the prior run adapts (a "text_encoder" component: its encoders train)
+    flags: tuple = ()  # what every run adds (the family's prompt settings)
+    validation_size: tuple = None  # (height, width) asked for; by default the most common bucket's
+    refused: list = field(default_factory=list)  # (flags, message) of the family's own refusals and checks
+
+
+FAMILIES = [
+    Family("flux2_klein", "dreambooth/train_dreambooth_lora_flux2_klein.py", Flux2KleinPipeline, flux2,
+           attention([0], ["to_q", "to_k", "to_v", "to_out.0"])
+           | attention([0, 1], ["to_qkv_mlp_proj", "to_out"], "single_transformer_blocks"),
+           # Compiled too (aot_eager traces the graphs inductor would compile), on other text-encoder layers.
+           (*INT8, "--lora_layers", "to_qkv_mlp_proj", "--text_encoder_out_layers", 1, 2, -1, "--weighting_scheme",
+            "logit_normal", "--gradient_checkpointing", "--torch_compile", "aot_eager"),
+           attention([0, 1], ["to_qkv_mlp_proj"], "single_transformer_blocks"), ("--max_sequence_length", 32),
+           refused=[
+               (["--guidance_scale", 1], "--guidance_scale is not supported here: FLUX.2 [klein]'s transformer takes "
+                                         "no guidance embedding (Flux2KleinPipeline passes none, and upstream's "
+                                         "script ignores the flag for it)"),
+               (["--text_encoder_out_layers", 10, 20, 30],
+                "--text_encoder_out_layers=[10, 20, 30]: expected indices of the text encoder's hidden states, from "
+                "-29 to 28 (it has 28 layers)"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("z_image", "dreambooth/train_dreambooth_lora_z_image.py", ZImagePipeline, z_image,
+           {f"{block}.attention.{layer}" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")
+            for layer in ("to_q", "to_k", "to_v", "to_out.0")},
+           (*INT8, "--lora_layers", "feed_forward.w2", "--weighting_scheme", "logit_normal",
+            "--gradient_checkpointing"),
+           {f"{block}.feed_forward.w2" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")},
+           ("--max_sequence_length", 32),
+           refused=[
+               (["--guidance_scale", 1], "--guidance_scale is not supported here: Z-Image's transformer takes no "
+                                         "guidance embedding (upstream's script ignores the flag); validation and "
+                                         "class images use ZImagePipeline's own classifier-free guidance"),
+               (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("qwen_image", "dreambooth/train_dreambooth_lora_qwen_image.py", QwenImagePipeline, qwen_image,
+           attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),
+           # An adapter on one projection of each stream: the image's attention output, the text's values.
+           (*INT8, "--lora_layers", "attn.to_out.0,add_v_proj", "--gradient_checkpointing"),
+           attention([0, 1], ["to_out.0", "add_v_proj"]),
+           refused=[
+               (["--pretrained_text_encoder_4_name_or_path", "meta-llama/Meta-Llama-3.1-8B-Instruct"],
+                "--pretrained_text_encoder_4_name_or_path is not supported here: a leftover of upstream's HiDream "
+                "script that its Qwen-Image script never reads; the tokenizer and the text encoder are the "
+                "pipeline's"),
+               (["--max_sequence_length", 2048],
+                "--max_sequence_length=2048: expected a positive integer of at most 1024 (QwenImagePipeline's "
+                "limit)")]),
+    Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
+           attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),
+           # Block 0 only, the CLIP encoders' adapters (they embed the batch's prompts in every step) at their own
+           # learning rate, cached latents, an EMA equal to the raw weights; the velocity loss with cosmap weights.
+           ("--lora_blocks", 0, "--train_text_encoder", "--text_encoder_lr", 1e-3, "--cache_latents", "--ema_decay",
+            0, "--precondition_outputs", 0, "--weighting_scheme", "cosmap", "--gradient_checkpointing"),
+           attention([0], ["to_q", "to_k", "to_v", "to_out.0"]) | {"text_encoder"},
+           validation_size=(32, 48),  # no bucket's
+           refused=[
+               (["--lora_blocks", "0,x"], "--lora_blocks='0,x': expected comma-separated block indices, e.g. 0,12"),
+               (["--text_encoder_lr", 0], "--text_encoder_lr=0.0: expected a positive number")]),
+]
+FAMILY_IDS = [family.name for family in FAMILIES]
+
+
+def common(tiny, family, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny[family.name], "--instance_data_dir", tiny["instance_mixed"],
+            "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip", "--use_ema",
+            "--ema_decay", 0.9, "--rank", 4, "--seed", 3, "--use_aspect_ratio_buckets", "--repeats", 2,
+            "--caption_dropout", 0.3, *family.flags, *extra]
+
+
+def full_flags(tiny, family, output_dir):
+    size = ["--validation_height", family.validation_size[0], "--validation_width", family.validation_size[1]] \
+        if family.validation_size else []
+    return common(tiny, family, output_dir, "--max_train_steps", 8, "--validation_prompt", "a sks triangle",
+                  "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 3, *size,
+                  "--checkpointing_steps", 4, "--offload")
+
+
+def resumed_flags(tiny, family, output_dir):
+    """The full run's training flags, never validating, checkpointing at every step and keeping two."""
+    return common(tiny, family, output_dir, "--max_train_steps", 8, "--checkpointing_steps", 1,
+                  "--checkpoints_total_limit", 2, "--resume_from_checkpoint", "latest")
+
+
+@pytest.fixture(scope="module")
+@launching
+def runs(tiny, tmp_path_factory):
+    """``{(family name, run): (output_dir, result)}`` of every family's runs, launched together; the resumed runs
+    once the full ones have left their checkpoint-4."""
+    root = tmp_path_factory.mktemp("dreambooth_transformers")
+    launches = {}
+    for family in FAMILIES:
+        folder = root / family.name
+        launches[family.name, "full"] = (family.script, *full_flags(tiny, family, folder / "full"))
+        launches[family.name, "cached"] = (family.script, *common(
+            tiny, family, folder / "cached", "--max_train_steps", 8, "--checkpointing_steps", 1000, "--cache_latents",
+            "--feature_cache_dir", folder / "features"))
+        launches[family.name, "prior"] = (family.script, *common(
+            tiny, family, folder / "prior", *PRIOR, "--class_data_dir", folder / "class", *family.prior_flags))
+    results = launch_together(launches)
+    resumed = {}
+    for family in FAMILIES:
+        folder = root / family.name / "resumed"
+        shutil.copytree(root / family.name / "full" / "checkpoint-4", folder / "checkpoint-4")
+        resumed[family.name, "resumed"] = (family.script, *resumed_flags(tiny, family, folder))
+    results.update(launch_together(resumed))
+    return {(name, run): (root / name / run, result) for (name, run), result in results.items()}
+
+
+@pytest.fixture(params=FAMILIES, ids=FAMILY_IDS)
+def family(request):
+    return request.param
+
+
+def adapted_modules(lora):
+    """The modules a LoRA file adapts: the transformer's by their path, and "text_encoder" for the text encoders."""
+    return {key.split(".lora")[0].removeprefix("transformer.") if key.startswith("transformer.") else "text_encoder"
+            for key in lora}
+
+
+def test_writes_raw_and_ema_transformer_lora_on_upstreams_default_layers(runs, family):
+    output_dir, result = runs[family.name, "full"]
+    raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
+    assert raw.keys() == ema.keys() and all(key.startswith("transformer.") and "lora" in key for key in raw)
+    assert adapted_modules(raw) == family.adapted
+    assert all(raw[key].shape == ema[key].shape and raw[key].dtype == torch.float32 for key in raw)
+    assert any(not torch.equal(raw[key], ema[key]) for key in raw)
+    assert f"raw LoRA: {output_dir / LORA}" in result.stdout
+    assert f"ema LoRA: {output_dir / 'ema' / LORA}" in result.stdout
+
+
+def test_trains_in_buckets_and_validates_at_the_due_steps_at_the_validation_size(runs, family):
+    output_dir, result = runs[family.name, "full"]
+    buckets = reported_buckets(result.stderr)
+    assert len(buckets) >= 3 and sum(buckets.values()) == BUCKETED_SAMPLES, result.stderr[-3000:]
+    log = assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    # Rendered at the asked size, or the most common bucket's (the largest among equals), not --resolution's.
+    height, width = family.validation_size or most_common_bucket(buckets)
+    assert height != width
+    assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(width, height)}
+    card = (output_dir / "README.md").read_text()
+    assert family.pipeline.__name__ in card and "load_lora_weights" in card and log[-1]["progress"] in card
+    assert checkpoint_names(output_dir) == ["checkpoint-4", "checkpoint-8"]
+
+
+def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one_and_prunes(runs, family):
+    # Resumed from checkpoint-4, mid-epoch, with random flips, empty prompts and repeats, never validating: the
+    # uninterrupted run (which validated after steps 3 and 6 and at the end), bit for bit.
+    (output_dir, result), (straight_dir, _) = runs[family.name, "resumed"], runs[family.name, "full"]
+    assert f"resumed from {output_dir / 'checkpoint-4'} at step 4" in result.stdout
+    for name in (LORA, f"ema/{LORA}"):
+        assert_same_files(output_dir / name, straight_dir / name)
+    assert checkpoint_names(output_dir) == ["checkpoint-7", "checkpoint-8"]
+
+
+def test_cached_latents_train_like_encoding_every_step_and_prompts_embed_as_the_family_does(tiny, runs, family,
+                                                                                             tmp_path):
+    (cached_dir, result), (encoded_dir, _) = runs[family.name, "cached"], runs[family.name, "full"]
+    for name in (LORA, f"ema/{LORA}"):
+        cached, encoded = load_file(cached_dir / name), load_file(encoded_dir / name)
+        assert cached.keys() == encoded.keys()
+        for key in cached:  # the VAE ran on other batch sizes: equal up to float rounding
+            torch.testing.assert_close(cached[key], encoded[key], rtol=1e-4, atol=1e-5)
+    features = cached_dir.parent / "features"
+    pipe = family.pipeline.from_pretrained(tiny[family.name])
+    assert_latents_cached_per_bucket(features, result.stderr, pipe.vae_scale_factor)
+    # What the run trained on, the instance prompt and (for the dropped samples) the empty one, is bitwise what the
+    # family's encoding gives for the two (its own test: what the pipeline's encode_prompt gives).
+    args = import_script(family.script).parse_args(list(map(str, common(tiny, family, tmp_path))))
+    settings = family.module.prompt_settings(pipe, args)
+    with torch.no_grad():
+        expected = family.module.encode_prompts(pipe, [INSTANCE_PROMPT, ""], "cpu", settings)
+    text = load_file(next(features.glob("text_embeddings-*/shard-*")))
+    assert text["0/indices"].tolist() == [0, 1]
+    assert [torch.equal(text[f"0/{part}"], tensor) for part, tensor in enumerate(expected)] == [True] * len(expected)
+
+
+def test_prior_preservation_generates_class_images_and_trains_the_named_layers(runs, family):
+    output_dir, result = runs[family.name, "prior"]
+    class_dir = output_dir.parent / "class"
+    assert sorted(path.name for path in class_dir.iterdir()) == ["class-00000.png", "class-00001.png"]
+    assert f"generated 2 class images into {class_dir}" in result.stdout
+    raw = load_file(output_dir / LORA)
+    assert adapted_modules(raw) == family.prior_adapted
+    assert all(tensor.dtype == torch.float32 for tensor in raw.values())
+
+
+def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs, family):
+    full_dir, prior_dir = runs[family.name, "full"][0], runs[family.name, "prior"][0]
+    assert_lora_changes_pipeline_output(tiny[family.name], full_dir, full_dir / "ema", prior_dir,
+                                        prompt=INSTANCE_PROMPT)
+
+
+@pytest.mark.parametrize("family, flags, message", [
+    pytest.param(family, flags, message, id=f"{family.name}-{flags[0]}")
+    for family in FAMILIES for flags, message in [*REFUSED_EVERYWHERE, *family.refused]])
+def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, family, flags, message):
+    assert usage_error(family.script, *common(tiny, family, tmp_path / "out", *flags)) == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_klein_compiles_its_double_and_single_stream_blocks(runs):
+    # In one graph set whatever the bucket after the first two (the compile test counts them).
+    _, result = runs["flux2_klein", "prior"]
+    assert "aot_eager compiles, at their first call, 1 Flux2TransformerBlock, 2 Flux2SingleTransformerBlock" \
+        in result.stderr
+
+
+def test_sd3s_text_encoders_train_beside_block_0_and_change_the_prompts_embedding(tiny, runs):
+    output_dir, _ = runs["sd3", "prior"]
+    raw = load_file(output_dir / LORA)
+    assert {key.split(".")[0] for key in raw} == {"transformer", "text_encoder", "text_encoder_2"}
+    assert_same_files(output_dir / LORA, output_dir / "ema" / LORA)  # --ema_decay 0
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny["sd3"])
+
+    def embedding():
+        with torch.no_grad():
+            return pipe.encode_prompt(INSTANCE_PROMPT, None, None, device="cpu", do_classifier_free_guidance=False)[0]
+
+    base = embedding()
+    pipe.load_lora_weights(runs["sd3", "full"][0])
+    assert torch.equal(embedding(), base)  # a transformer LoRA leaves the prompt alone
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(output_dir)
+    assert not torch.allclose(embedding(), base, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_block_the_sd3_transformer_lacks_fails_with_one_line(tiny, tmp_path):
+    # Checked against the loaded transformer, so in a run: one line, no traceback, a failed exit status.
+    family = FAMILIES[FAMILY_IDS.index("sd3")]
+    output_dir = tmp_path / "out"
+    result = launch(family.script, *common(tiny, family, output_dir, "--lora_blocks", "0,2"), check=False)
+    error = launched_usage_error(result)
+    assert error == "error: --lora_blocks=2: expected a block index below 2 (the transformer has 2 blocks)"
+    assert not (output_dir / LORA).exists()

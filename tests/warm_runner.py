@@ -1,0 +1,254 @@
+"""Single-process smoke runs without a fresh interpreter each: a warm server that has imported torch, diffusers,
+transformers, accelerate and every script's modules once, and forks a child per run.
+
+A run's child executes the script as ``__main__`` with the argv and environment that ``accelerate launch`` would
+give it (`launch_environment`: accelerate's own simple launcher computes them), its output in files, in the folder
+asked; its exit status comes back as a launched run's would. A hung run is stopped as any other (the caller holds
+the child's pid; `helpers.run_bounded` prints its stacks). A launch costs the fork and what the script itself does,
+not the ~10 s of imports and the launcher.
+
+    server = WarmServer.start(environment)   # once per test session
+    result, stopped = server.run(command, env, timeout, cwd, stop)   # like training_utils.testing.run_captured
+    process = server.spawn(command, env, cwd, stdout, stderr)        # like subprocess.Popen
+
+The server is single-threaded and never runs a tensor operation before forking, so that no thread (nor OpenMP's
+pool) is lost in the children. Multi-process runs, usage errors through the launcher and the copied-script test
+still go through the real ``accelerate launch``.
+"""
+
+import atexit
+import contextlib
+import faulthandler
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+EXAMPLES = TESTS.parent / "examples"
+# Imported by the scripts only when a pipeline loads: the tiny fixtures' text encoders and tokenizers, whose modules
+# transformers imports lazily, and what writes the trackers' files.
+LAZY_IMPORTS = [
+    ("transformers", ["CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTokenizer", "T5EncoderModel",
+                      "T5Tokenizer", "Qwen3ForCausalLM", "Qwen3Model", "Qwen2Tokenizer",
+                      "Qwen2_5_VLForConditionalGeneration"]),
+    ("diffusers", ["ControlNetModel", "StableDiffusionControlNetPipeline", "StableDiffusionXLControlNetPipeline",
+                   "PNDMScheduler", "EulerDiscreteScheduler", "DDPMScheduler", "FlowMatchEulerDiscreteScheduler"]),
+    ("torch.utils.tensorboard", ["SummaryWriter"]),
+    ("torchao", []),  # the int8 base
+]
+
+
+def preload():
+    """Import what the example scripts import, and what loading their tiny pipelines imports, without running any."""
+    for script in sorted(EXAMPLES.glob("*/train_*.py")):
+        spec = importlib.util.spec_from_file_location(f"preloaded_{script.stem}", script)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    for module, names in LAZY_IMPORTS:
+        imported = importlib.import_module(module)
+        for name in names:
+            getattr(imported, name)
+
+
+def serve(path):
+    """Listen on the Unix socket ``path``: each connection sends one request (a JSON line: argv, env, cwd and the
+    files for stdout and stderr); the server forks a child that runs it and answers ``{"pid"}``, then
+    ``{"returncode"}`` when the child ends. Ends with its parent (the test session)."""
+    preload()
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    running = {}
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener], [], [], 0.05)
+        if ready:
+            connection, _ = listener.accept()
+            with connection.makefile("r") as lines:
+                request = json.loads(lines.readline())
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                connection.close()
+                run_child(request)
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            running[pid] = connection
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            with contextlib.suppress(OSError):
+                running[pid].sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            running.pop(pid).close()
+
+
+def run_child(request):
+    """In the forked child: become the script's process as the launcher would start it, run it, exit with its
+    status. Never returns."""
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written),
+                               (2, request["stderr"], written)):
+            opened = os.open(path, mode, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            faulthandler.enable(all_threads=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        script = request["argv"][0]
+        sys.argv = list(request["argv"])
+        extra_paths = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        sys.path[:] = [str(Path(script).resolve().parent), *extra_paths,
+                       *[entry for entry in sys.path[1:] if entry not in extra_paths]]
+        code = 0
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_code(exit_.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def exit_code(value):
+    """The status a Python process exits with for ``sys.exit(value)``."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+class WarmServer:
+    """The test session's handle on a `serve` process."""
+
+    def __init__(self, process, path):
+        self.process = process
+        self.path = path
+
+    @classmethod
+    def start(cls, environment):
+        """Start a server in ``environment`` (the variables every run shares, read by libraries at import) and wait
+        until it has imported everything."""
+        path = Path(tempfile.mkdtemp(prefix="warm_runner_")) / "socket"
+        process = subprocess.Popen([sys.executable, __file__, str(path)], env=environment, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the warm runner did not start (exit status {process.wait()})")
+        return cls(process, path)
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait()
+
+    def spawn(self, command, env, cwd, stdout, stderr):
+        """A `WarmProcess` running ``command`` (a script under ``python``, or a single-process ``accelerate launch``
+        of one: `script_and_environment`) in ``env`` and ``cwd``, its output in the files named ``stdout`` and
+        ``stderr``."""
+        argv, env = script_and_environment(command, env)
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(str(self.path))
+        request = {"argv": argv, "env": dict(env), "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
+        connection.sendall(json.dumps(request).encode() + b"\n")
+        return WarmProcess(connection)
+
+    def run(self, command, env, timeout, cwd, stop):
+        """``(result, stopped)`` as `training_utils.testing.run_captured` gives them, for ``command`` run by a child
+        of the server (`spawn`); ``stop(process, stderr_file)`` ends a child still running after ``timeout`` seconds,
+        and what it returns is ``stopped``."""
+        with tempfile.NamedTemporaryFile("w+") as stdout, tempfile.NamedTemporaryFile("w+") as stderr:
+            process = self.spawn(command, env, cwd, stdout.name, stderr.name)
+            stopped = None
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                stopped = stop(process, stderr)
+                process.wait()
+            stdout.seek(0)
+            stderr.seek(0)
+            return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read()), stopped
+
+
+def script_and_environment(command, env):
+    """``(argv, environment)`` of the script that ``command`` runs: ``[python, script, *args]`` as it is, or
+    ``python -m accelerate.commands.launch ... script *args`` on one process as accelerate's own simple launcher runs
+    it: the variables it sets (mixed precision, the CPU, ...) over ``env``."""
+    command = [str(part) for part in command]
+    if command[1:3] != ["-m", "accelerate.commands.launch"]:
+        return command[1:], env
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(command[3:]))
+    if args.num_processes != 1 or args.quiet:
+        raise ValueError(f"not a single-process launch: {command}")
+    script_command, launcher_env = prepare_simple_launcher_cmd_env(args)
+    set_by_launcher = {name: value for name, value in launcher_env.items() if os.environ.get(name) != value}
+    return script_command[1:], {**env, **set_by_launcher}
+
+
+class WarmProcess:
+    """A child of the server, as `subprocess.Popen` offers a process: ``pid``, ``returncode``, `poll`, `wait`,
+    `send_signal` and `kill` (what the tests' stop functions and signals use)."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self.received = b""
+        self.pid = self._reply(None)["pid"]
+        self.returncode = None
+
+    def _reply(self, timeout):
+        """The server's next answer (a JSON line), waiting at most ``timeout`` seconds for it."""
+        while b"\n" not in self.received:
+            if not select.select([self.connection], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            chunk = self.connection.recv(4096)
+            if not chunk:
+                raise RuntimeError("the warm runner closed the connection")
+            self.received += chunk
+        line, self.received = self.received.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self._reply(timeout)["returncode"]
+            self.connection.close()
+        return self.returncode
+
+    def poll(self):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.wait(0)
+        return None
+
+    def send_signal(self, number):
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, number)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

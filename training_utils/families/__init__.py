@@ -1,0 +1,42 @@
+"""The model families, a module each: what a training script must know of its model, in the same few functions with
+the same signatures for every family, and the family's LoRA key layout for the UI tools.
+
+A script names its family's module once and calls it where its model differs from the others' (``flux2`` here;
+the transformer scripts' loops differ only in that name)::
+
+    settings = flux2.prompt_settings(pipe, args)      # how prompts are encoded: training, validation, class images
+    call_kwargs = flux2.call_kwargs(pipe, settings)   # what every render passes to the pipeline
+    rows = flux2.encode_prompts(pipe, prompts, device, settings)  # batch-first parts, a row per prompt (cached)
+    dependencies = flux2.prompt_dependencies(pipe, settings)      # what the rows depend on, for the disk cache
+    vae = flux2.image_vae(pipe)                       # the VAE as `cache.FrozenEncoders` drives it (images in)
+    latents = flux2.normalized_latents(pipe, vae_latents)          # the latents as the model reads them
+    output = transformer(**flux2.model_inputs(pipe, noisy_latents, timesteps),  # the model's other inputs
+                         **flux2.text_inputs(rows_of_the_batch))  # a batch's text inputs, from its samples' rows
+    velocity = flux2.prediction(pipe, output, latents)  # the output mapped onto the loss target's layout and sign
+
+Families with flags of their own add and check them (``add_args(parser)``, ``check_args(args)``, before any weights
+load); those whose text encoders can train take the wrapped encoders in ``encode_prompts(...,
+text_encoders={component: module})``. Each module's ``FAMILY`` (`layout.Family`) names the pipeline classes whose
+LoRAs it lays out, exactly, and its ComfyUI layout (``COMFYUI_LAYOUT``, the original release's module names).
+
+A new family adds its module here (`FAMILIES`).
+"""
+
+from . import flux2, qwen_image, sd, sd3, sdxl, z_image
+
+FAMILIES = {module.FAMILY.name: module.FAMILY for module in (sd, sdxl, sd3, flux2, z_image, qwen_image)}
+
+
+def family_of(name):
+    """The `layout.Family` named ``name``, or whose pipelines include the class named ``name`` (exactly); None if
+    none does."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    return next((family for family in FAMILIES.values() if name in family.pipelines), None)
+
+
+def formats_for(name):
+    """The layouts besides diffusers' that apply to LoRAs of the pipeline class (or family) named ``name``: () for
+    an unknown one."""
+    family = family_of(name)
+    return family.formats if family else ()

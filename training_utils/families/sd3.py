@@ -1,0 +1,123 @@
+"""Stable Diffusion 3: its conditioning and latent layout for training, as ``StableDiffusion3Pipeline`` computes them,
+and its LoRA layout in ComfyUI.
+
+The MMDiT transformer reads two text inputs, computed as the pipeline's ``encode_prompt`` computes them at inference
+(without classifier-free guidance; `encode_prompts`):
+
+- ``encoder_hidden_states``: both CLIP encoders' penultimate hidden states, concatenated on the feature
+  axis and zero-padded to T5's width, followed on the sequence axis by T5's last hidden states;
+- ``pooled_projections``: both CLIP encoders' projected (pooled) outputs, concatenated.
+
+The encoders can be given (``text_encoders``), so that a script passes the modules that ``accelerator.prepare``
+wrapped and gradients reach trained encoders (the pipeline's method would call the unwrapped ones). The latents are
+the VAE's, shifted and scaled by its ``shift_factor`` and ``scaling_factor`` (`normalized_latents`), in the
+transformer's own layout: it predicts the velocity as it is (`prediction`). Also the SD3 scripts' own flag, the T5
+sequence length (the flow-matching flags and timesteps are `flow_matching`'s).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..data import tokenize
+from ..errors import require
+from ..prompts import stacked
+from .layout import BLOCK, CLIP_PAIR, Family, Rename, always, fused, two_chunk_modulation
+
+# The original release's module tree (ComfyUI's MMDiT): comfy/utils.py mmdit_to_diffusers, read backwards.
+COMFYUI_LAYOUT = (
+    *fused(BLOCK + r"attn\.{}", r"joint_blocks.\1.x_block.attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(BLOCK + r"attn\.{}", r"joint_blocks.\1.context_block.attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    *fused(BLOCK + r"attn2\.{}", r"joint_blocks.\1.x_block.attn2.qkv", ("to_q", "to_k", "to_v")),
+    Rename(BLOCK + r"attn\.to_out\.0", r"joint_blocks.\1.x_block.attn.proj"),
+    Rename(BLOCK + r"attn\.to_add_out", r"joint_blocks.\1.context_block.attn.proj"),
+    Rename(BLOCK + r"attn2\.to_out\.0", r"joint_blocks.\1.x_block.attn2.proj"),
+    Rename(BLOCK + r"norm1\.linear", r"joint_blocks.\1.x_block.adaLN_modulation.1"),
+    Rename(BLOCK + r"norm1_context\.linear", r"joint_blocks.\1.context_block.adaLN_modulation.1",
+           swap_halves=two_chunk_modulation),
+    Rename(BLOCK + r"ff\.net\.0\.proj", r"joint_blocks.\1.x_block.mlp.fc1"),
+    Rename(BLOCK + r"ff\.net\.2", r"joint_blocks.\1.x_block.mlp.fc2"),
+    Rename(BLOCK + r"ff_context\.net\.0\.proj", r"joint_blocks.\1.context_block.mlp.fc1"),
+    Rename(BLOCK + r"ff_context\.net\.2", r"joint_blocks.\1.context_block.mlp.fc2"),
+    Rename(r"pos_embed\.proj", "x_embedder.proj"),
+    Rename(r"context_embedder", "context_embedder"),
+    Rename(r"time_text_embed\.timestep_embedder\.linear_1", "t_embedder.mlp.0"),
+    Rename(r"time_text_embed\.timestep_embedder\.linear_2", "t_embedder.mlp.2"),
+    Rename(r"time_text_embed\.text_embedder\.linear_1", "y_embedder.mlp.0"),
+    Rename(r"time_text_embed\.text_embedder\.linear_2", "y_embedder.mlp.2"),
+    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
+    Rename(r"proj_out", "final_layer.linear"),
+)
+FAMILY = Family("sd3", "SD3", ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline"), "transformer",
+                CLIP_PAIR, COMFYUI_LAYOUT)
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def add_args(parser):
+    """The prompt-length flag of the diffusers SD3 scripts, with its name, meaning and default."""
+    group = parser.add_argument_group("SD3")
+    group.add_argument("--max_sequence_length", type=int, default=77, help="T5 tokens per prompt")
+
+
+def check_args(args):
+    require(args.max_sequence_length > 0, "--max_sequence_length", args.max_sequence_length, "a positive integer")
+
+
+def prompt_settings(pipe, args):
+    """How prompts are encoded, in training, validation and class images alike: ``--max_sequence_length`` T5
+    tokens."""
+    return {"max_sequence_length": args.max_sequence_length}
+
+
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
+    return dict(settings)
+
+
+def prompt_dependencies(pipe, settings):
+    """What the prompts' embeddings depend on besides the text encoders' weights, for the disk cache's key: the
+    encoding code, the three tokenizers and the settings."""
+    return [encode_prompts, pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3, settings]
+
+
+def encode_prompts(pipe, prompts, device, settings, text_encoders=None):
+    """``(prompt_embeds, pooled_prompt_embeds)``, one row per prompt (see the module's docstring). ``text_encoders``
+    (by component name) replace the pipeline's: the wrapped modules of those that train."""
+    clip_encoder, clip_encoder_2, t5_encoder = (
+        (text_encoders or {}).get(name, getattr(pipe, name)) for name in TEXT_ENCODERS)
+    hidden_states, pooled = [], []
+    for text_encoder, tokenizer in ((clip_encoder, pipe.tokenizer), (clip_encoder_2, pipe.tokenizer_2)):
+        output = text_encoder(tokenize(tokenizer, prompts).to(device), output_hidden_states=True)
+        hidden_states.append(output.hidden_states[-2])
+        pooled.append(output.text_embeds)
+    t5_ids = pipe.tokenizer_3(prompts, padding="max_length", max_length=settings["max_sequence_length"],
+                              truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
+    t5_states = t5_encoder(t5_ids.to(device))[0]
+    clip_states = torch.cat(hidden_states, dim=-1)
+    clip_states = F.pad(clip_states, (0, t5_states.shape[-1] - clip_states.shape[-1]))
+    return torch.cat([clip_states, t5_states], dim=-2), torch.cat(pooled, dim=-1)
+
+
+def text_inputs(rows):
+    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``."""
+    return {"encoder_hidden_states": stacked(rows, 0), "pooled_projections": stacked(rows, 1)}
+
+
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's."""
+    return pipe.vae
+
+
+def normalized_latents(pipe, latents):
+    """VAE latents as the transformer reads them: shifted and scaled by the VAE's config, the inverse of what the
+    pipeline does before decoding."""
+    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+
+
+def model_inputs(pipe, noisy_latents, timesteps):
+    """The transformer's image inputs: the noisy latents as they are, and the scheduler's timesteps."""
+    return {"hidden_states": noisy_latents, "timestep": timesteps}
+
+
+def prediction(pipe, output, latents):
+    """The transformer's output: the velocity, in the latents' own layout."""
+    return output

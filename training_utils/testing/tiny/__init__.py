@@ -1,0 +1,42 @@
+"""Tiny offline fixtures: pipelines and datasets small enough to train on a CPU in seconds.
+
+Nothing here touches the network. Every fixture is built from random weights with a fixed seed
+and saved with ``save_pretrained``, so the scripts load it exactly as they load a hub model::
+
+    python -m training_utils.testing.tiny --output_dir tiny          # builds every fixture
+    python -m training_utils.testing.tiny --output_dir tiny sd shapes
+
+Each family's pipelines are built in a module of their own (`sd`, `sdxl`, `sd3`, `flux2`, `z_image`,
+`qwen_image`) from the shared building blocks of `parts` (offline tokenizers, text encoders, a VAE, a
+UNet); the datasets are `data`'s. Each module lists its builders, ``build_<name>(path)``, in a
+``FIXTURES`` dict, merged here: a new family adds its module and one line below.
+"""
+
+import argparse
+from pathlib import Path
+
+from . import data, flux2, qwen_image, sd, sd3, sdxl, z_image
+
+FIXTURES = {**sd.FIXTURES, **sdxl.FIXTURES, **sd3.FIXTURES, **flux2.FIXTURES, **z_image.FIXTURES,
+            **qwen_image.FIXTURES, **data.FIXTURES}
+
+
+def build(output_dir, names=None):
+    """Build the named fixtures (all by default) under ``output_dir``; returns ``{name: path}``."""
+    paths = {}
+    for name in names or FIXTURES:
+        paths[name] = Path(output_dir) / name
+        FIXTURES[name](paths[name])
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default="tiny", help="where the fixtures go (default: ./tiny)")
+    parser.add_argument("names", nargs="*", help=f"fixtures to build, of {', '.join(FIXTURES)} (default: all)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(FIXTURES))
+    if unknown:
+        parser.error(f"unknown fixture {unknown[0]!r}; expected one of {', '.join(FIXTURES)}")
+    for name, path in build(args.output_dir, args.names).items():
+        print(f"{name}: {path}")

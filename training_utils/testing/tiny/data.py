@@ -1,0 +1,117 @@
+"""The tiny datasets: pictures of coloured shapes, drawn in code, with captions that describe them.
+
+Every picture is a coloured circle, square or triangle at a jittered place on a plain background; its caption
+says which (``a red circle on a white background``), and its mask (the shape in white) is a ControlNet's
+conditioning image.
+"""
+
+import json
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 60),
+    "blue": (30, 60, 220),
+    "yellow": (235, 200, 20),
+    "purple": (140, 40, 170),
+    "orange": (240, 130, 20),
+}
+BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15), "gray": (128, 128, 128)}
+SHAPES = ("circle", "square", "triangle")
+
+IMAGE_SIZE = 64
+# (width, height) of the pictures of mixed shapes: landscape 2:1 and 4:3, portrait 1:2, square, a square smaller
+# than the tests' 32-pixel resolution, and 4:1.
+MIXED_SIZES = [(64, 32), (32, 64), (48, 48), (64, 48), (24, 24), (96, 24)]
+SEED = 0
+
+
+def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
+    """One synthetic picture and its mask: a coloured shape at a jittered position on a plain background, a
+    ``size`` square or ``size`` (width, height).
+
+    Returns ``(image, mask)``; the mask is white where the shape is, black elsewhere.
+    """
+    rng = rng or random.Random(SEED)
+    width, height = (size, size) if isinstance(size, int) else size
+    image = Image.new("RGB", (width, height), BACKGROUNDS[background])
+    mask = Image.new("RGB", (width, height), (0, 0, 0))
+    extent = rng.randint(min(width, height) // 3, min(width, height) // 2)
+    left = rng.randint(2, width - extent - 2)
+    top = rng.randint(2, height - extent - 2)
+    box = (left, top, left + extent, top + extent)
+    for canvas, fill in ((image, COLORS[color]), (mask, (255, 255, 255))):
+        draw = ImageDraw.Draw(canvas)
+        if shape == "circle":
+            draw.ellipse(box, fill=fill)
+        elif shape == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(left + extent // 2, top), (left, top + extent), (left + extent, top + extent)], fill=fill)
+    return image, mask
+
+
+def build_shapes(path, num_images=36, with_conditioning=False, sizes=(IMAGE_SIZE,)):
+    """An imagefolder dataset: ``metadata.jsonl`` with ``file_name`` and ``text`` captions that describe the image.
+
+    ``with_conditioning`` adds a ``conditioning_image`` column (ControlNet layout): the shape's mask. The images
+    take the ``sizes`` (see `draw_shape`) in turn.
+    """
+    path = Path(path)
+    (path / "conditioning").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED)
+    combos = [(s, c, b) for s in SHAPES for c in COLORS for b in BACKGROUNDS]
+    rng.shuffle(combos)
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index in range(num_images):
+            shape, color, background = combos[index % len(combos)]
+            row = {"file_name": f"{index:04d}.png"}
+            image, mask = draw_shape(shape, color, background, sizes[index % len(sizes)], rng=rng)
+            image.save(path / row["file_name"])
+            if with_conditioning:
+                row["conditioning_image_file_name"] = f"conditioning/{index:04d}.png"
+                mask.save(path / row["conditioning_image_file_name"])
+            row["text"] = f"a {color} {shape} on a {background} background"
+            metadata.write(json.dumps(row) + "\n")
+    if not with_conditioning:
+        (path / "conditioning").rmdir()
+
+
+def build_shapes_controlnet(path):
+    """The shapes dataset with ``image``, ``conditioning_image`` (the shape's mask) and ``text``."""
+    build_shapes(path, with_conditioning=True)
+
+
+def build_shapes_mixed(path):
+    """The shapes dataset, with conditioning images, in landscape, portrait, square, small and 4:1 pictures
+    (`MIXED_SIZES`), for aspect-ratio buckets."""
+    build_shapes(path, num_images=12, with_conditioning=True, sizes=MIXED_SIZES)
+
+
+def build_instance(path, num_images=6, sizes=(IMAGE_SIZE,)):
+    """A DreamBooth instance folder: a few pictures of one subject (a purple triangle), no captions; the images
+    take the ``sizes`` (see `draw_shape`) in turn."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED + 1)
+    for index in range(num_images):
+        image, _ = draw_shape("triangle", "purple", rng.choice(list(BACKGROUNDS)), sizes[index % len(sizes)],
+                              rng=rng)
+        image.save(path / f"{index:04d}.png")
+
+
+def build_instance_mixed(path):
+    """The DreamBooth instance folder in the `MIXED_SIZES`, for aspect-ratio buckets."""
+    build_instance(path, sizes=MIXED_SIZES)
+
+
+FIXTURES = {
+    "shapes": build_shapes,
+    "shapes_controlnet": build_shapes_controlnet,
+    "instance": build_instance,
+    "shapes_mixed": build_shapes_mixed,
+    "instance_mixed": build_instance_mixed,
+}

@@ -1,0 +1,33 @@
+"""Tiny Stable Diffusion 3: an MMDiT transformer, two CLIP encoders and T5."""
+
+import torch
+
+from .parts import SEED, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer, tiny_vae
+
+
+def build_sd3(path):
+    """A Stable Diffusion 3 pipeline: an MMDiT transformer, two CLIP encoders with projection,
+    a T5 encoder with a real T5 tokenizer, and the flow-matching Euler scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    torch.manual_seed(SEED)
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        vae=tiny_vae(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=tiny_clip_text_encoder(len(clip_tokenizer), with_projection=True),
+        text_encoder_2=tiny_clip_text_encoder(len(clip_tokenizer), with_projection=True, seed=SEED + 1),
+        text_encoder_3=tiny_t5_encoder(len(t5_tokenizer)),
+        tokenizer=clip_tokenizer,
+        tokenizer_2=clip_tokenizer,
+        tokenizer_3=t5_tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(path)
+
+
+FIXTURES = {"sd3": build_sd3}
