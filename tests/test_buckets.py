@@ -12,9 +12,10 @@ from PIL import Image
 
 from training_utils.buckets import (AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets, parse_buckets,
                                     size_multiple, validation_size)
-from training_utils.data import (ImageTransform, TrainDataset, captions_with_empty, drop_caption, dropped,
-                                 image_sizes, make_dataloader, sample_generator)
+from training_utils.data import (TrainDataset, captions_with_empty, drop_caption, dropped, make_dataloader,
+                                 sample_generator)
 from training_utils.errors import UsageError
+from training_utils.images import ImageTransform, image_sizes
 
 
 def pipe_with(vae_scale_factor, processor_factor, **model):

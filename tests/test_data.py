@@ -11,15 +11,9 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.data import (
-    ImageTransform,
-    TrainDataset,
-    load_train_dataset,
-    pick_caption,
-    sample_generator,
-    tokenize,
-)
+from training_utils.data import TrainDataset, load_train_dataset, pick_caption, sample_generator, tokenize
 from training_utils.errors import UsageError
+from training_utils.images import ImageTransform
 from training_utils.testing.tiny.data import COLORS, SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,8 +12,8 @@ from PIL import Image
 from test_data import decode, generator, position_image
 from training_utils.buckets import AspectRatioBuckets, parse_buckets
 from training_utils.cache import FrozenEncoders
-from training_utils.data import (ImageTransform, ImageWithConditioningTransform, dataset_shapes,
-                                 sample_generator)
+from training_utils.data import dataset_shapes, sample_generator
+from training_utils.images import ImageTransform, ImageWithConditioningTransform
 
 
 def from_unit(tensor):

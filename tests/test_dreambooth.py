@@ -13,11 +13,12 @@ from PIL import Image
 from training_utils.args import TrainingArgumentParser
 from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.cache import FrozenEncoders
-from training_utils.data import ImageTransform, make_dataloader
+from training_utils.data import make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
                                        dreambooth_prompts, generate_class_images, instance_then_class_collate,
                                        list_images)
 from training_utils.errors import UsageError
+from training_utils.images import ImageTransform
 
 
 def solid(path, value, size=(12, 8)):

@@ -3,7 +3,7 @@ their bucket's aspect ratio leaves, instead of as center squares (which cut head
 
 A bucket is a (height, width) that the model can take: both sides a multiple of `size_multiple` (the VAE's
 downsampling times the UNet's, or times the transformer's patch). Each image goes to the bucket nearest its aspect
-ratio, is resized to cover it and cropped to it (`data.ImageTransform`), and every batch holds images of one
+ratio, is resized to cover it and cropped to it (`images.ImageTransform`), and every batch holds images of one
 bucket (`BucketBatchSampler`).
 
 Without a list (``--use_aspect_ratio_buckets``) the buckets are made from ``--resolution`` (`on_the_fly_buckets`:

@@ -29,8 +29,8 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
-from .data import UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage
 from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
+from .images import UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def cached_images(keys, blocks, shape=None):
 
 
 def cached_latent_parameters(cached, transform, generator):
-    """What ``transform(image, generator)`` returns (a `data.TrainingImage`), with the cached latent parameters in
+    """What ``transform(image, generator)`` returns (a `images.TrainingImage`), with the cached latent parameters in
     place of the pixels: the flipped parameters when the draw flips."""
     return _drawn(cached, transform, generator)[0]
 
@@ -113,7 +113,7 @@ def cached_latent_parameters_with_conditioning(cached, conditioning_image, trans
 
 
 def _drawn(cached, transform, generator):
-    """The `data.TrainingImage` of one draw of ``transform``'s layout for a cached image, with its cached
+    """The `images.TrainingImage` of one draw of ``transform``'s layout for a cached image, with its cached
     parameters as pixels, and that layout; the draw takes from ``generator`` exactly what the uncached transform
     takes."""
     if isinstance(cached, UnreadableImage):
@@ -276,7 +276,7 @@ class FrozenEncoders:
 
     def dataset_image(self, example, generator):
         """What ``transform(image, generator)`` returns for a row of `cache_dataset_images`' examples: a
-        `data.TrainingImage` of pixels or of the cached latent parameters."""
+        `images.TrainingImage` of pixels or of the cached latent parameters."""
         if self.latent_cache is None:
             return self.transform(example[self.image_column], generator)
         return cached_latent_parameters(self.latent_cache[example[CACHE_INDEX_COLUMN]], self.transform, generator)

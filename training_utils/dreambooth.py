@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import IMAGE_EXTENSIONS, TrainDataset, drop_caption, image_sizes
+from .data import TrainDataset, drop_caption
 from .errors import require
+from .images import IMAGE_EXTENSIONS, image_sizes
 from .pipeline import modules_of
 from .validation import preserved_state
 

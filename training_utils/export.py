@@ -1,4 +1,4 @@
-"""How trained weights are written: LoRA files or model folders, atomically, and checked once written.
+"""How trained weights are written: LoRA files or model folders, atomically, and checked once written (`writing`).
 
 LoRA files are what any pipeline's ``load_lora_weights`` loads; model folders what ``from_pretrained``
 loads. Every file is read back to check that it holds exactly what was meant.
@@ -16,18 +16,16 @@ import dataclasses
 import enum
 import importlib
 import inspect
-import os
-import tempfile
 from pathlib import Path
 
-import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .convert_lora import DIFFUSERS, convert, save_converted
-from .errors import WRITE_ERRORS, WriteFailed, few, write_failure
-from .pipeline import modules_of, trainable_parameters
+from .errors import few
+from .pipeline import trainable_parameters
+from .writing import save_model, save_pipeline, saved_tensors, verify_saved_tensors, write_atomically
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TENSORS_NAME = "posthoc_ema_weights.safetensors"
@@ -36,63 +34,6 @@ TENSORS_NAME = "posthoc_ema_weights.safetensors"
 def converted_name(layout):
     """The file name of a LoRA in another layout than diffusers', beside ``pytorch_lora_weights.safetensors``."""
     return f"pytorch_lora_weights_{layout}.safetensors"
-
-
-def write_atomically(directory, write):
-    """Call ``write(staging_folder)``, then move every file it wrote into ``directory`` by rename.
-
-    A crash mid-write leaves a ``.incomplete-*`` folder, never a truncated file under a final name; a write that
-    fails (a full disk, a permission) stops the run in one line naming the file and the cause.
-    """
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory, prefix=".incomplete-") as staging:
-            write(staging)
-            for path in sorted(Path(staging).rglob("*")):
-                if path.is_file():
-                    target = directory / path.relative_to(staging)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(path, target)
-    except WRITE_ERRORS as error:
-        raise WriteFailed(directory, write_failure(error)) from None
-
-
-def saved_tensors(directory):
-    """Every tensor of every ``*.safetensors`` file directly in ``directory`` (shards merged)."""
-    tensors = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
-def verify_saved_tensors(saved, expected, where):
-    """Fail loudly unless ``saved`` holds exactly ``expected``: the same keys and bitwise-equal values."""
-    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
-    different = [
-        key for key in expected.keys() & saved.keys()
-        if not torch.equal(saved[key], expected[key].detach().to("cpu", saved[key].dtype))
-    ]
-    if missing or unexpected or different:
-        raise RuntimeError(
-            f"{where} does not match the weights in memory: missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}, different {sorted(different)[:3]}"
-        )
-
-
-def save_model(module, directory):
-    """``module.save_pretrained(directory)`` atomically, checked against ``module``'s state dict."""
-    write_atomically(directory, module.save_pretrained)
-    verify_saved_tensors(saved_tensors(directory), module.state_dict(), directory)
-    return Path(directory)
-
-
-def save_pipeline(pipe, directory):
-    """``pipe.save_pretrained(directory)`` atomically, each module's files checked against the module in memory."""
-    write_atomically(directory, pipe.save_pretrained)
-    for name, module in modules_of(pipe).items():
-        verify_saved_tensors(saved_tensors(Path(directory) / name), module.state_dict(), Path(directory) / name)
-    return Path(directory)
 
 
 def save_with_ema(export, output_dir, ema=None):

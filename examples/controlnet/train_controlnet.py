@@ -26,14 +26,15 @@ from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator)
-from training_utils.data import (ImageWithConditioningTransform, TrainDataset, captions_with_empty, dataset_shapes,
-                                 drop_caption, load_train_dataset, make_dataloader, pick_caption, stack_collate)
+from training_utils.data import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption, load_train_dataset,
+                                 make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import ModelExport, save_with_ema
 from training_utils.families import sd
 from training_utils.hub import finish_run
+from training_utils.images import ImageWithConditioningTransform
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,

@@ -26,7 +26,7 @@ from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data import ImageTransform, make_dataloader
+from training_utils.data import make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
                                        dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
                                        transformer_dreambooth_refusals)
@@ -37,6 +37,7 @@ from training_utils.families import qwen_image
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss, sample_flow_matching_timesteps)
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length

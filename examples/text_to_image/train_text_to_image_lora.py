@@ -19,14 +19,15 @@ from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lo
 from training_utils.buckets import AspectRatioBuckets, validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data import (ImageTransform, TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
-                                 load_train_dataset, make_dataloader, pick_caption, stack_collate)
+from training_utils.data import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption, load_train_dataset,
+                                 make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
 from training_utils.export import LoraExport, save_with_ema
 from training_utils.families import sd
 from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length

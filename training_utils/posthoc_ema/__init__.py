@@ -42,7 +42,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..ema import PowerEMA
-from ..export import TensorsExport, write_atomically
+from ..export import TensorsExport
+from ..writing import write_atomically
 
 POSTHOC_FORMAT = "training_utils.posthoc_ema"
 POSTHOC_STATE_FORMAT = "training_utils.posthoc_ema.state"
