@@ -213,7 +213,7 @@ def test_a_random_crop_is_drawn_once_per_image_when_cached_and_kept_while_flips_
             layout = transform.draw_layout(*image.size, sample_generator(0, epoch, key), crop=cache[key].crop)
             flips.add(layout.flip)
             # The kept crop, flipped as drawn: the latents of those pixels, and the conditioning cut alike.
-            pixels = torch.from_numpy(ImageTransform.apply_layout(image, layout)).permute(2, 0, 1) / 127.5 - 1
+            pixels = torch.from_numpy(transform.apply_layout(image, layout)).permute(2, 0, 1) / 127.5 - 1
             with torch.no_grad():
                 expected = vae.encode(pixels[None]).latent_dist.parameters[0]
             torch.testing.assert_close(parameters, expected, atol=1e-5, rtol=1e-5)
@@ -339,8 +339,8 @@ def test_a_disk_cache_is_not_used_for_another_resolution_image_or_caption(tiny_s
 
     cache(32, ["a", "b"])
     cache(48, ["a", "b"])
-    assert "made for another transform '32px center crop, both flips', now '48px center crop, both flips'" \
-        in caplog.text
+    assert ("made for another transform '32px center crop, both flips, bilinear resize', now '48px center crop, both "
+            "flips, bilinear resize'") in caplog.text
     Image.new("RGB", (48, 40), (0, 0, 0)).save(paths[1])  # the same file name, another picture
     cache(48, ["a", "c"])
     assert "made for another images" in caplog.text and "made for another captions" in caplog.text

@@ -24,8 +24,8 @@ from training_utils.errors import UsageError
 
 
 def parse(tiny, output_dir, *flags, base="sd"):
-    parser = training_parser("test")
-    add_controlnet_args(parser, tracker_project_name="test_project")
+    parser = training_parser("test", tracker_project_name="test_project")
+    add_controlnet_args(parser)
     args = parser.parse_args(list(map(str, ["--pretrained_model_name_or_path", tiny[base], "--output_dir", output_dir,
                                             *flags])))
     check_controlnet_args(args)

@@ -105,6 +105,18 @@ def test_resize_scales_the_short_side_to_the_resolution():
     assert np.all(np.abs(columns - (2 * (np.arange(32) + 8) + 0.5)) <= 1.0)
 
 
+@pytest.mark.parametrize("interpolation, resample", [("bilinear", Image.BILINEAR), ("lanczos", Image.LANCZOS),
+                                                     ("nearest_exact", Image.NEAREST)])
+def test_the_interpolation_names_the_resize_filter(interpolation, resample):
+    # A checkerboard shrinks to other pixels under each filter: the transform's are those of PIL's filter named.
+    image = Image.fromarray((np.indices((48, 48)).sum(0) % 2 * 255).astype(np.uint8)).convert("RGB")
+    pixels = ImageTransform(16, center_crop=True, interpolation=interpolation)(image, generator(0)).pixels
+    expected = np.asarray(image.resize((16, 16), resample), dtype=np.float32) / 127.5 - 1
+    assert torch.equal(pixels, torch.from_numpy(expected).permute(2, 0, 1))
+    args = training_parser("test", interpolation="lanczos").parse_args(["--pretrained_model_name_or_path", "x"])
+    assert args.image_interpolation_mode == "lanczos"
+
+
 def test_small_image_is_upscaled():
     image = position_image(10, 20)
     pixels, original_size, (top, left), _, _ = ImageTransform(16, center_crop=True)(image, generator(0))

@@ -1,4 +1,5 @@
-"""training_utils.families.flux2: FLUX.2 [klein]'s prompt settings, latent layout and transformer inputs are the pipeline's own.
+"""training_utils.families.flux2: FLUX.2 [klein]'s prompt settings, latent layout and transformer inputs are the
+pipeline's own.
 
 The central check: sampling with a transformer that predicts exactly the training target follows the training
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are

@@ -118,7 +118,7 @@ def test_quantised_linear_layers_take_their_input_in_the_autocast_dtype():
 
 def test_a_controlnet_made_from_a_quantised_unet_copies_it_exactly(tiny, tmp_path):
     parser = training_parser("test")
-    add_controlnet_args(parser, tracker_project_name="test")
+    add_controlnet_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["sd"]), "--output_dir", str(tmp_path),
                               "--quantize_base", "int8"])
     quantization = quantization_config(args, torch.bfloat16, ["unet"], ["text_encoder"])

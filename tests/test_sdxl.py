@@ -1,4 +1,5 @@
-"""training_utils.families.sdxl: SDXL's conditioning equals what StableDiffusionXLPipeline computes; the VAE flag's check."""
+"""training_utils.families.sdxl: SDXL's conditioning equals what StableDiffusionXLPipeline computes; the VAE
+flag's check."""
 
 import json
 

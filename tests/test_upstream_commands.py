@@ -12,10 +12,13 @@ crops in test_train_text_to_image_lora's runs). ``python -m tests.benchmarks.ups
 end to end and prints a table.
 """
 
+import argparse
 import functools
+import json
 import shutil
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import pytest
 
@@ -320,12 +323,47 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
     return results
 
 
-def test_the_table_holds_every_upstream_test_of_our_scripts_once():
+# The scripts here whose upstream counterparts have no example test, and why.
+WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script"}
+# The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
+UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
+SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/train_*.py"))
+
+
+def test_the_table_holds_every_script_heres_upstream_tests_once():
     tests = [upstream.test for upstream in UPSTREAM]
-    assert len(tests) == len(set(tests)) == 38
-    assert {upstream.script for upstream in UPSTREAM} == {
-        path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/train_*.py")} - {
-        "dreambooth/train_dreambooth_lora_z_image.py"}  # upstream has no test for it
+    assert len(tests) == len(set(tests))
+    tested = {upstream.script for upstream in UPSTREAM}
+    assert tested <= set(SCRIPTS), sorted(tested - set(SCRIPTS))
+    assert set(SCRIPTS) - tested == set(WITHOUT_UPSTREAM_TESTS), \
+        "a script here without upstream tests in UPSTREAM: add its upstream tests' commands, or say why it has none"
+
+
+class ParserBuilt(Exception):
+    """Raised where a script's parser starts parsing, to give the parser, its refused flags added."""
+
+    def __init__(self, parser):
+        super().__init__()
+        self.parser = parser
+
+
+def script_parser(script):
+    """The parser that ``examples/<script>``'s ``parse_args`` builds, with every flag it accepts or refuses."""
+    def built(parser, args=None, namespace=None):
+        raise ParserBuilt(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", built), \
+            pytest.raises(ParserBuilt) as stopped:
+        import_script(script).parse_args([])
+    return stopped.value.parser
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_flag_of_the_upstream_counterpart_is_carried_or_refused_in_one_line(script):
+    assert script in UPSTREAM_FLAGS["scripts"], f"no upstream flags recorded for {script} (tests/upstream_flags.json)"
+    parser = script_parser(script)
+    missing = [flag for flag in UPSTREAM_FLAGS["scripts"][script] if flag not in parser._option_string_actions]
+    assert not missing, f"{script} neither carries nor refuses upstream's {missing}"
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ stops the run with one line on stderr naming the flag, the value and what was ex
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -20,14 +21,17 @@ from .compile import add_compile_args
 from .convert_lora import DIFFUSERS, FORMAT_USERS
 from .errors import require
 from .families import formats_for
+from .images import INTERPOLATIONS
 from .parser import TrainingArgumentParser
 from .pipeline import is_hub_id
 from .quantization import add_quantization_args, check_quantization_args
 
 
-def training_parser(description, validation_inference_steps=30, resolution=512):
-    """A parser with the flags every script shares; scripts add their own on top. The upstream flags that no
-    script here carries (`NOT_CARRIED`) are refused with their reason."""
+def training_parser(description, validation_inference_steps=30, resolution=512, interpolation="bilinear",
+                    tracker_project_name=None):
+    """A parser with the flags every script shares; scripts add their own on top, and give the defaults that their
+    upstream counterparts give (``tracker_project_name``: by default the script's file name). The upstream flags
+    that no script here carries (`NOT_CARRIED`) are refused with their reason."""
     parser = TrainingArgumentParser(description=description, refused=NOT_CARRIED)
 
     model = parser.add_argument_group("model")
@@ -47,6 +51,8 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     data.add_argument("--center_crop", action="store_true",
                       help="crop the centre instead of a random square (or bucket-shaped rectangle)")
     data.add_argument("--random_flip", action="store_true")
+    data.add_argument("--image_interpolation_mode", default=interpolation, choices=list(INTERPOLATIONS),
+                      help="the filter that resizes the images (torchvision's names, as upstream's scripts take them)")
     add_bucket_args(data)
     data.add_argument("--repeats", type=int, default=1,
                       help="how many times each training image is seen an epoch (each time with draws of its own)")
@@ -95,12 +101,15 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     logging = parser.add_argument_group("logging and hub")
     logging.add_argument("--logging_dir", default="logs", help="tracker folder, relative to --output_dir")
     logging.add_argument("--report_to", default="tensorboard", help='"tensorboard", "wandb", "all" or "none"')
+    logging.add_argument("--tracker_project_name", default=tracker_project_name or Path(sys.argv[0]).stem,
+                         help="the trackers' project name (default: the script's name)")
     logging.add_argument("--push_to_hub", action="store_true")
     logging.add_argument("--hub_token", default=None)
     logging.add_argument("--hub_model_id", default=None)
 
     validation = parser.add_argument_group("validation")
-    validation.add_argument("--validation_prompt", nargs="+", default=None, help="one or more prompts")
+    validation.add_argument("--validation_prompt", "--validation_prompts", dest="validation_prompt", nargs="+",
+                            default=None, help="one or more prompts")
     validation.add_argument("--num_validation_images", type=int, default=4, help="images per prompt and variant")
     validation.add_argument("--validation_steps", type=int, default=None,
                             help="validate every N steps and at the final step "
@@ -117,6 +126,11 @@ def training_parser(description, validation_inference_steps=30, resolution=512):
     ema.add_argument("--ema_decay", type=float, default=0.9999, help="maximum decay, in [0, 1)")
     ema.add_argument("--ema_update_every", type=int, default=1, help="update every K optimizer steps")
     ema.add_argument("--ema_device", default="accelerator", choices=["accelerator", "cpu"])
+    ema.add_argument("--offload_ema", dest="ema_device", action="store_const", const="cpu",
+                     help="upstream's name for --ema_device cpu")
+    ema.add_argument("--foreach_ema", action="store_true",
+                     help="accepted for upstream's commands: the EMA always updates with torch's multi-tensor "
+                          "(foreach) operations")
     ema.add_argument("--ema_warmup", action="store_true", help="ramp the decay up as 1 - (1 + step/inv_gamma)^-power")
     ema.add_argument("--ema_inv_gamma", type=float, default=1.0)
     ema.add_argument("--ema_power", type=float, default=2 / 3)

@@ -60,7 +60,8 @@ def latent_chunk_encoder(open_images, transform, vae, device, dtype, crop_seed=0
     own; a random crop drawn from ``crop_seed`` and the index), unflipped and flipped, as a `Block` with
     ``parameters`` (``[n, 2, ...]``), ``sizes`` (``[n, 2]``, width and height) and ``crops`` (``[n, 2]``, top and
     left); an image that cannot be read is a `Block` error. Every image of a chunk must train at one shape."""
-    unflipped = ImageTransform(transform.resolution, center_crop=transform.center_crop, buckets=transform.buckets)
+    unflipped = ImageTransform(transform.resolution, center_crop=transform.center_crop, buckets=transform.buckets,
+                               interpolation=transform.interpolation)
 
     def encode_chunk(indices):
         readable, sizes, crops, pixels, errors = [], [], [], [], {}
@@ -342,7 +343,7 @@ class FrozenEncoders:
             size = f"{self.transform.resolution}px" if shape is None else "{}x{}".format(*shape)
             store = self._store("latents", {
                 "vae": describe(self.vae), "images": many([sources[p] for p in positions], "images"),
-                "transform": f"{size} {crops}, both flips"})
+                "transform": f"{size} {crops}, both flips, {self.transform.interpolation} resize"})
             group = [open_images[position] for position in positions]
             encode_chunk = latent_chunk_encoder(group, self.transform, self.vae, self.device, self.dtype,
                                                 self.seed, shape)

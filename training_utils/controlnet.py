@@ -32,7 +32,7 @@ image = pipe("{prompt}", image=load_image("{conditioning_image}")).images[0]
 CONDITIONING_EMBEDDING_CHANNELS = (16, 32, 96, 256)
 
 
-def add_controlnet_args(parser, tracker_project_name):
+def add_controlnet_args(parser):
     controlnet = parser.add_argument_group("ControlNet")
     controlnet.add_argument("--controlnet_model_name_or_path", default=None,
                             help="ControlNet to start from (default: a copy of the UNet's encoder)")
@@ -40,7 +40,9 @@ def add_controlnet_args(parser, tracker_project_name):
     controlnet.add_argument("--validation_image", nargs="+", default=None,
                             help="conditioning images: one per --validation_prompt, one for all prompts, "
                                  "or several for one prompt")
-    controlnet.add_argument("--tracker_project_name", default=tracker_project_name)
+    controlnet.add_argument("--set_grads_to_none", action="store_true",
+                            help="accepted for upstream's commands: the gradients are always freed (set to None) "
+                                 "between steps")
     add_quantization_args(parser, base="the frozen UNet")
 
 

@@ -12,9 +12,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .buckets import AspectRatioBuckets
+
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 # What PIL raises for missing, truncated or undecodable files (UnidentifiedImageError is an OSError).
 UNREADABLE_IMAGE_ERRORS = (OSError, SyntaxError, Image.DecompressionBombError)
+# PIL's resampling filters by the names of torchvision's interpolation modes (``--image_interpolation_mode``, as
+# upstream names them; torchvision resizes a PIL image with PIL's filter of the same name, nearest_exact with NEAREST).
+INTERPOLATIONS = {"nearest": Image.NEAREST, "nearest_exact": Image.NEAREST, "bilinear": Image.BILINEAR,
+                  "bicubic": Image.BICUBIC, "box": Image.BOX, "hamming": Image.HAMMING, "lanczos": Image.LANCZOS}
 
 
 class TrainingImage(NamedTuple):
@@ -34,14 +40,23 @@ class ImageTransform:
     """Resize to cover the training shape, crop it, maybe flip, and scale to [-1, 1] CHW float.
 
     The training shape is a ``resolution`` square, or with ``buckets`` (`buckets.AspectRatioBuckets`) the
-    bucket of the image's aspect ratio. Calls return a `TrainingImage`.
+    bucket of the image's aspect ratio; images are resized with the filter that ``interpolation`` names
+    (`INTERPOLATIONS`). Calls return a `TrainingImage`.
     """
 
-    def __init__(self, resolution, center_crop=False, random_flip=False, buckets=None):
+    def __init__(self, resolution, center_crop=False, random_flip=False, buckets=None, interpolation="bilinear"):
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
         self.buckets = buckets
+        self.interpolation = interpolation
+
+    @classmethod
+    def from_args(cls, args, pipe):
+        """The transform the data flags ask for, with the aspect-ratio buckets of ``pipe``'s model
+        (`AspectRatioBuckets.from_args`)."""
+        return cls(args.resolution, args.center_crop, args.random_flip, AspectRatioBuckets.from_args(args, pipe),
+                   args.image_interpolation_mode)
 
     def __call__(self, image, generator, shape=None):
         return self.lay_out(image, self.draw_layout(image.width, image.height, generator, shape=shape))
@@ -78,11 +93,10 @@ class ImageTransform:
         flip = bool(self.random_flip and torch.rand((), generator=generator) < 0.5)
         return Layout((width, height), top, left, flip, (crop_height, crop_width))
 
-    @staticmethod
-    def apply_layout(image, layout):
+    def apply_layout(self, image, layout):
         """``image`` resized, cropped and flipped as ``layout`` says, as HWC float32 in [0, 255]."""
         height, width = layout.shape
-        image = image.convert("RGB").resize(layout.size, Image.BILINEAR)
+        image = image.convert("RGB").resize(layout.size, INTERPOLATIONS[self.interpolation])
         image = image.crop((layout.left, layout.top, layout.left + width, layout.top + height))
         if layout.flip:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/text_to_image/train_text_to_image_lora.py; tests/test_drift.py keeps what they share alike.
 """Train a ControlNet for Stable Diffusion 1.x from (image, conditioning image, caption) triples, with an optional EMA.
 
     accelerate launch train_controlnet.py \\
@@ -20,7 +21,7 @@ from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
@@ -45,8 +46,8 @@ from training_utils.quantization import quantization_config
 
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0])
-    add_controlnet_args(parser, tracker_project_name="train_controlnet")
+    parser = training_parser(__doc__.splitlines()[0], tracker_project_name="train_controlnet")
+    add_controlnet_args(parser)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
     args = parser.parse_args(argv)
@@ -89,8 +90,7 @@ def main(args):
     #    not on the conditioning image, which the ControlNet reads), then leave the accelerator until validation.
     #    A conditioning image is resized and cropped as its image is (to its bucket, with buckets). Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip,
-                                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageWithConditioningTransform.from_args(args, pipe)
     frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/controlnet/train_controlnet.py; tests/test_drift.py keeps what they share alike.
 """Train a ControlNet for Stable Diffusion XL from (image, conditioning image, caption) triples, with an optional EMA.
 
     accelerate launch train_controlnet_sdxl.py \\
@@ -24,7 +25,7 @@ from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipe
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
@@ -41,19 +42,26 @@ from training_utils.hub import finish_run
 from training_utils.images import ImageWithConditioningTransform
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
 
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = dict.fromkeys(["--crops_coords_top_left_h", "--crops_coords_top_left_w"],
+                        "SDXL is told each image's own crop corner, where it was cropped (as the LoRA script does)")
+
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0])
+    parser = training_parser(__doc__.splitlines()[0], interpolation="lanczos",
+                             tracker_project_name="sd_xl_train_controlnet")
     sdxl.add_args(parser)
-    add_controlnet_args(parser, tracker_project_name="sd_xl_train_controlnet")
+    add_controlnet_args(parser)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     sdxl.check_args(args)
@@ -99,8 +107,7 @@ def main(args):
     #    target image, not on the conditioning image, which the ControlNet reads), then leave the accelerator
     #    until validation. A conditioning image is resized and cropped as its image is (to its bucket, with
     #    buckets). Optimizer, schedule, accelerate; the loop resumes if asked.
-    transform = ImageWithConditioningTransform(args.resolution, args.center_crop, args.random_flip,
-                                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageWithConditioningTransform.from_args(args, pipe)
     frozen = FrozenEncoders(sdxl.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)

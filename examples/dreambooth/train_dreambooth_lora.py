@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/dreambooth/train_dreambooth_lora_flux2_klein.py; tests/test_drift.py keeps what they share alike.
 """Teach Stable Diffusion 1.x a subject from a few images (DreamBooth) with a LoRA, optionally with prior preservation.
 
     accelerate launch train_dreambooth_lora.py \\
@@ -22,7 +23,7 @@ from diffusers import StableDiffusionPipeline
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import make_dataloader
@@ -57,7 +58,7 @@ REFUSED = {
 
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0])
+    parser = training_parser(__doc__.splitlines()[0], interpolation="lanczos")
     add_lora_args(parser, StableDiffusionPipeline, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_dreambooth_args(parser)
@@ -109,8 +110,7 @@ def main(args):
     #    The frozen encoders run once, here, not in every step (a frozen text encoder on the prompts; with
     #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
-                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageTransform.from_args(args, pipe)
     frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
@@ -143,7 +143,7 @@ def main(args):
                                call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
-    accelerator.init_trackers("dreambooth-lora", config=tracker_config(args))
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
     # 5. The loop: DreamBooth's denoising loss on the family's latents and conditioning (`sd`), each image on its
     # prompt's embedding; with prior preservation the loss adds the class half's, weighted. After each optimizer step

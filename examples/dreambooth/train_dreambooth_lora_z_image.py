@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/dreambooth/train_dreambooth_lora_flux2_klein.py; tests/test_drift.py keeps what they share alike.
 """Teach Z-Image a subject from a few images (DreamBooth) with a LoRA on its transformer, by flow matching.
 
     accelerate launch train_dreambooth_lora_z_image.py \\
@@ -23,7 +24,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import make_dataloader
@@ -108,8 +109,7 @@ def main(args):
     #    The frozen encoders run once, here, not in every step (the text encoder on the prompts; with
     #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
-                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageTransform.from_args(args, pipe)
     frozen = FrozenEncoders(z_image.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
@@ -137,7 +137,7 @@ def main(args):
                                call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
-    accelerator.init_trackers("dreambooth-lora-z-image", config=tracker_config(args))
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
     # 5. The loop: flow matching in the transformer's own layout and conventions (the family module's): the latents
     # move on a straight line to noise and the transformer predicts the velocity, noise - latents. Each image trains

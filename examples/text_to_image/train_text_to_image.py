@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/text_to_image/train_text_to_image_lora.py; tests/test_drift.py keeps what they share alike.
 """Fine-tune every parameter of a Stable Diffusion 1.x UNet on image-caption pairs, with an optional EMA.
 
     accelerate launch train_text_to_image.py \\
@@ -21,7 +22,7 @@ from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption, load_train_dataset,
@@ -36,6 +37,7 @@ from training_utils.hub import finish_run, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
@@ -51,14 +53,22 @@ pipe = {pipeline_class}.from_pretrained("{output_dir}")
 SWAP_IN_EMA = """# the EMA UNet instead of the raw one:
 pipe.unet = UNet2DConditionModel.from_pretrained("{output_dir}/ema/unet")
 """
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = {
+    "--non_ema_revision": "the EMA starts from the weights that train (--revision); there is no other revision to "
+                          "load them from",
+    **dict.fromkeys(["--dream_training", "--dream_detail_preservation"], "DREAM training is not carried"),
+}
 
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0])
+    parser = training_parser(__doc__.splitlines()[0], interpolation="lanczos",
+                             tracker_project_name="text2image-fine-tune")
     add_diffusion_loss_args(parser)
     parser.add_argument("--input_perturbation", type=float, default=0.0,
                         help="scale of extra noise added to the model's input noise only (0.1 is usual)")
     add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     require(args.input_perturbation >= 0 and math.isfinite(args.input_perturbation), "--input_perturbation",
@@ -95,8 +105,7 @@ def main(args):
     # 4. Data: the frozen encoders run once, here, not in every step (the text encoder on each distinct caption;
     #    with --cache_latents, the VAE on each image), in their half precision as the step would run them, then
     #    leave the accelerator until validation. Optimizer, schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
-                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageTransform.from_args(args, pipe)
     frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
@@ -128,7 +137,7 @@ def main(args):
                                call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
-    accelerator.init_trackers("text-to-image", config=tracker_config(args))
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
     # 5. The loop: the denoising loss on the family's latents and conditioning (`sd`); after each optimizer step the
     # loop updates the EMA, checkpoints and validates when due (the final step included, once).

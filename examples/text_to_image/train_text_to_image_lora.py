@@ -16,7 +16,7 @@ from diffusers import StableDiffusionPipeline
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption, load_train_dataset,
@@ -40,7 +40,7 @@ from training_utils.validation import make_validator
 
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0])
+    parser = training_parser(__doc__.splitlines()[0], interpolation="lanczos")
     add_lora_args(parser, StableDiffusionPipeline)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
@@ -79,8 +79,7 @@ def main(args):
     # 4. Data: the frozen encoders run once, here, not in every step (the text encoder on each distinct caption;
     #    with --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
     #    schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
-                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageTransform.from_args(args, pipe)
     frozen = FrozenEncoders(sd.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
@@ -112,7 +111,7 @@ def main(args):
                                call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
-    accelerator.init_trackers("text-to-image-lora", config=tracker_config(args))
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
     # 5. The loop: the denoising loss on the family's latents and conditioning (`sd`); after each optimizer step the
     # loop updates the EMA, checkpoints and validates when due (the final step included, once).

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/text_to_image/train_text_to_image_lora.py; tests/test_drift.py keeps what they share alike.
 """Train a LoRA on a Stable Diffusion XL UNet (and optionally both text encoders) from image-caption pairs.
 
     accelerate launch train_text_to_image_lora_sdxl.py \\
@@ -26,7 +27,7 @@ from diffusers import StableDiffusionXLPipeline
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
-from training_utils.buckets import AspectRatioBuckets, validation_size
+from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption, load_train_dataset,
@@ -41,6 +42,7 @@ from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
@@ -48,13 +50,17 @@ from training_utils.prompts import cached_rows, encoded_rows
 from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
 
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = {"--debug_loss": "the loss is logged per step (train_loss), not per image file"}
+
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0], resolution=1024)
+    parser = training_parser(__doc__.splitlines()[0], resolution=1024, interpolation="lanczos")
     sdxl.add_args(parser)
     add_lora_args(parser, StableDiffusionXLPipeline, train_text_encoder=True)
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     sdxl.check_args(args)
@@ -107,8 +113,7 @@ def main(args):
     #    distinct caption and on the empty prompt that --caption_dropout draws; with --cache_latents, the VAE on
     #    each image), then leave the accelerator until validation. Optimizer, schedule, accelerate; the loop
     #    resumes if asked.
-    transform = ImageTransform(args.resolution, args.center_crop, args.random_flip,
-                               AspectRatioBuckets.from_args(args, pipe))
+    transform = ImageTransform.from_args(args, pipe)
     frozen = FrozenEncoders(sdxl.image_vae(pipe), text_encoders, transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
@@ -148,7 +153,7 @@ def main(args):
                                call_kwargs={**validation_size(args, shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
-    accelerator.init_trackers("text-to-image-lora-sdxl", config=tracker_config(args))
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
     # 5. The loop: the denoising loss on the family's latents and conditioning (`sdxl`), each image's micro-
     # conditioning beside its prompt's; after each optimizer step the loop updates the EMA, checkpoints and validates
