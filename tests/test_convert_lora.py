@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from training_utils.convert_lora import METADATA_KEY, convert, main, write_converted
 from training_utils.errors import UsageError
 from training_utils.export import LoraExport
-from training_utils.families import family_of, formats_for
+from training_utils.families import FAMILIES, family_of, formats_for
+from training_utils.families.layout import Family, fused
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import trainable_parameters
 
@@ -329,6 +330,49 @@ def test_a_part_without_lora_gets_zero_rows_in_the_fused_layer():
     torch.testing.assert_close(q, part_delta(tensors, "to_q", 2.0))
     assert not k.any()
     torch.testing.assert_close(v, part_delta(tensors, "to_v", 1.5))
+
+
+# A layer that fuses q, k and v with an MLP projection four times wider, as FLUX.1's single-stream blocks do.
+SINGLE_BLOCK = Family("single_blocks", "fused parts of unequal size", ("SingleBlockPipeline",), "transformer", {},
+                      fused(r"single_transformer_blocks\.(\d+)\.{}", r"single_blocks.\1.linear1",
+                            ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), sizes=(1, 1, 1, 4)))
+LINEAR1 = "diffusion_model.single_blocks.0.linear1"
+
+
+@pytest.mark.parametrize("parts", [("attn.to_q", "attn.to_v", "proj_mlp"), ("proj_mlp",), ("attn.to_k",)])
+def test_parts_of_unequal_size_fuse_each_into_its_own_rows(monkeypatch, parts):
+    monkeypatch.setitem(FAMILIES, SINGLE_BLOCK.name, SINGLE_BLOCK)
+    generator = torch.Generator().manual_seed(0)
+    width = 8  # q, k and v's rows; the MLP projection has four times as many
+    rows = {"attn.to_q": width, "attn.to_k": width, "attn.to_v": width, "proj_mlp": 4 * width}
+    tensors = {}
+    for rank, part in enumerate(parts, start=2):
+        module = f"transformer.single_transformer_blocks.0.{part}"
+        tensors[f"{module}.lora_A.weight"] = torch.randn(rank, 16, generator=generator)
+        tensors[f"{module}.lora_B.weight"] = torch.randn(rows[part], rank, generator=generator)
+    converted = convert(tensors, None, "comfyui", lora_alpha=4.0, family=SINGLE_BLOCK.name)
+    down, up = converted[f"{LINEAR1}.lora_A.weight"], converted[f"{LINEAR1}.lora_B.weight"]
+    delta = converted[f"{LINEAR1}.alpha"].item() / down.shape[0] * up @ down
+    assert delta.shape == (7 * width, 16)
+    start = 0
+    for part, size in rows.items():  # each part's product in its rows of the fused layer; zero where not trained
+        module = f"transformer.single_transformer_blocks.0.{part}"
+        expected = torch.zeros(size, 16)
+        if part in parts:
+            rank = tensors[f"{module}.lora_A.weight"].shape[0]
+            expected = 4.0 / rank * tensors[f"{module}.lora_B.weight"] @ tensors[f"{module}.lora_A.weight"]
+        torch.testing.assert_close(delta[start:start + size], expected, msg=part)
+        start += size
+
+
+def test_parts_whose_rows_disagree_with_the_layout_are_refused(monkeypatch):
+    monkeypatch.setitem(FAMILIES, SINGLE_BLOCK.name, SINGLE_BLOCK)
+    prefix = "transformer.single_transformer_blocks.0"
+    tensors = {f"{prefix}.{part}.lora_{half}.weight": torch.ones(*shape) for part in ("attn.to_q", "proj_mlp")
+               for half, shape in (("A", (2, 16)), ("B", (8, 2)))}  # the MLP part as narrow as q
+    with pytest.raises(UsageError, match="fusing diffusion_model.single_blocks.0.linear1 needs linear parts whose rows "
+                                         "are as 1:1:1:4"):
+        convert(tensors, None, "comfyui", lora_alpha=4.0, family=SINGLE_BLOCK.name)
 
 
 def unet_module(rank=4, **config):

@@ -24,6 +24,7 @@ import pytest
 
 from helpers import EXAMPLES, import_script, launch
 from training_utils.errors import UsageError
+from training_utils.parser import RefusedFlag
 from training_utils.testing import checkpoint_names
 
 # Upstream's hub models and data, and the tiny fixture (`training_utils.testing.tiny`) each stands for here.
@@ -364,6 +365,24 @@ def test_every_flag_of_the_upstream_counterpart_is_carried_or_refused_in_one_lin
     parser = script_parser(script)
     missing = [flag for flag in UPSTREAM_FLAGS["scripts"][script] if flag not in parser._option_string_actions]
     assert not missing, f"{script} neither carries nor refuses upstream's {missing}"
+
+
+# What each shared refusal reason claims of the script that states it, as a check on its parser.
+CLAIMS = {
+    "the text encoder does not train in this script": lambda parser: "--train_text_encoder" not in
+    parser._option_string_actions,
+    "captioned by --instance_prompt": lambda parser: "--instance_prompt" in parser._option_string_actions,
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_refusal_reason_holds_for_the_script_that_states_it(script):
+    parser = script_parser(script)
+    reasons = {flag: action.why for flag, action in parser._option_string_actions.items()
+               if isinstance(action, RefusedFlag)}
+    for flag, why in reasons.items():
+        for claim, holds in CLAIMS.items():
+            assert claim not in why or holds(parser), f"{script} refuses {flag} because {why!r}, which is false there"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""The family protocol (training_utils.families): every family module offers the same functions with the same
+signatures, is registered, and its functions agree with each other on its tiny pipeline.
+
+What each family computes is its own test's (``test_<family>.py``: the pipeline's own encoding, and the sampling
+loop's inputs at the training noise levels); here, what any family must satisfy."""
+
+import inspect
+import pkgutil
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+import training_utils.families
+from training_utils.families import FAMILIES, flux2, qwen_image, sd, sd3, sdxl, z_image
+from training_utils.families.layout import Family
+
+# The protocol: each function's leading parameters. A family whose text encoders can train may add
+# ``text_encoders=None`` to ``encode_prompts``.
+PROTOCOL = {
+    "prompt_settings": ["pipe", "args"],
+    "call_kwargs": ["pipe", "settings"],
+    "prompt_dependencies": ["pipe", "settings"],
+    "encode_prompts": ["pipe", "prompts", "device", "settings"],
+    "text_inputs": ["rows"],
+    "image_vae": ["pipe"],
+    "normalized_latents": ["pipe", "latents"],
+    "model_inputs": ["pipe", "noisy_latents", "timesteps"],
+    "prediction": ["pipe", "output", "latents"],
+}
+# Each family module and the tiny fixture of one of its pipelines.
+MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux2: "flux2_klein", z_image: "z_image", qwen_image: "qwen_image"}
+PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
+
+
+def test_every_family_module_is_registered_and_tested_here():
+    modules = {name for _, name, _ in pkgutil.iter_modules(training_utils.families.__path__) if name != "layout"}
+    assert modules == {module.__name__.rsplit(".", 1)[1] for module in MODULES}
+    assert [module.FAMILY for module in MODULES] == list(FAMILIES.values())
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[1])
+def test_every_family_offers_the_protocol_with_its_signatures(module):
+    for name, leading in PROTOCOL.items():
+        parameters = inspect.signature(getattr(module, name)).parameters
+        assert list(parameters)[:len(leading)] == leading, (module.__name__, name)
+        extra = {key: parameter.default for key, parameter in parameters.items() if key not in leading}
+        assert extra in ({}, {"text_encoders": None}) and (not extra or name == "encode_prompts"), (name, extra)
+    assert isinstance(module.FAMILY, Family) and module.FAMILY.pipelines
+    assert hasattr(module, "add_args") == hasattr(module, "check_args")
+
+
+@pytest.fixture(scope="module", params=MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[1])
+def family(request, tiny):
+    pipe = DiffusionPipeline.from_pretrained(tiny[MODULES[request.param]])
+    assert type(pipe).__name__ in request.param.FAMILY.pipelines
+    return request.param, pipe
+
+
+def test_rows_encoded_apart_batch_as_rows_encoded_together(family):
+    """A prompt's row does not depend on the prompts it was encoded with (the cache encodes in chunks; a batch
+    gathers rows from any of them)."""
+    module, pipe = family
+    settings = module.prompt_settings(pipe, default_args(module))
+    with torch.no_grad():
+        together = list(zip(*module.encode_prompts(pipe, PROMPTS, "cpu", settings)))
+        apart = [next(zip(*module.encode_prompts(pipe, [prompt], "cpu", settings))) for prompt in PROMPTS]
+    batch = [2, 0, 1, 0]
+    expected, actual = (module.text_inputs([rows[index] for index in batch]) for rows in (together, apart))
+    for name, value in flattened(expected).items():
+        torch.testing.assert_close(flattened(actual)[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(family):
+    """`prediction` reads an output in the model's layout (here: the model's inputs, which it returns in the same
+    layout) back into the latents', whatever the latents' size."""
+    module, pipe = family
+    with torch.no_grad():  # two non-square images' latents
+        vae_latents = module.image_vae(pipe).encode(torch.zeros(2, 3, 48, 80)).latent_dist.mode()
+    latents = module.normalized_latents(pipe, vae_latents)
+    inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]))
+    model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))
+    if module is z_image:  # its output is the negated velocity, one tensor per image
+        model_input = [-tensor for tensor in model_input]
+    assert torch.equal(module.prediction(pipe, model_input, latents), latents)
+
+
+def default_args(module):
+    """The family's flags at their defaults."""
+    from training_utils.args import training_parser
+
+    parser = training_parser("test")
+    if hasattr(module, "add_args"):
+        module.add_args(parser)
+    return parser.parse_args(["--pretrained_model_name_or_path", "unused"])
+
+
+def flattened(inputs):
+    """``inputs`` (the model's keyword arguments) as ``{name: tensor}``, nested dicts and lists spelled out."""
+    flat = {}
+    for name, value in inputs.items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{key}": item for key, item in flattened(value).items()})
+        elif isinstance(value, list):
+            flat.update({f"{name}[{index}]": item for index, item in enumerate(value)})
+        elif value is not None:
+            flat[name] = value
+    return flat
