@@ -6,6 +6,7 @@ from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
+from training_utils.adapters import check_adapter_args
 from training_utils.checkpointing import trajectory_flags
 from training_utils.errors import UsageError, exit_on_usage_error
 from training_utils.parser import TrainingArgumentParser, add_refused_args
@@ -272,7 +273,8 @@ def test_lora_and_loss_groups():
     add_lora_args(parser, StableDiffusionPipeline)
     add_diffusion_loss_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", "a/b"])
-    assert (args.rank, args.lora_alpha, args.lora_dropout) == (4, None, 0.0)
+    check_adapter_args(args)
+    assert (args.adapter, args.rank, args.lora_alpha, args.lora_dropout) == ("lora", 4, None, 0.0)
     assert not hasattr(args, "train_text_encoder")
     assert (args.prediction_type, args.snr_gamma, args.noise_offset) == (None, None, 0.0)
     assert export_formats(args) == ["diffusers"]

@@ -12,12 +12,7 @@ import math
 
 import pytest
 import torch
-from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
-                       SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
-                       StableDiffusionXLPipeline, ZImagePipeline, ZImageTransformer2DModel)
-from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
-                                                 convert_sd3_transformer_checkpoint_to_diffusers,
-                                                 convert_z_image_transformer_checkpoint_to_diffusers)
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
@@ -25,11 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from training_utils.convert_lora import METADATA_KEY, convert, main, write_converted
 from training_utils.errors import UsageError
-from training_utils.export import LoraExport
+from training_utils.adapter_export import LoraExport
 from training_utils.families import FAMILIES, family_of, formats_for
 from training_utils.families.layout import Family, fused
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import trainable_parameters
+from transformer_layouts import TRANSFORMERS
 
 UNET_PIPELINES = {"sd": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 # (rank, lora_alpha) per component: alpha != rank everywhere, and differing between components.
@@ -126,52 +122,6 @@ def test_every_adapter_tensor_is_in_the_converted_file_with_its_trained_alpha(un
         assert "lora_te2_text_model_encoder_layers_0_mlp_fc1.alpha" in converted
 
 
-def tiny_sd3_transformer():
-    """An SD3.5-style MMDiT: a dual-attention block (attn2) and a last, context-pre-only block."""
-    torch.manual_seed(0)
-    return SD3Transformer2DModel(sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=2,
-                                 attention_head_dim=8, num_attention_heads=4, joint_attention_dim=64,
-                                 caption_projection_dim=32, pooled_projection_dim=64, dual_attention_layers=(0,))
-
-
-def tiny_flux2_transformer():
-    torch.manual_seed(0)
-    return Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
-                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
-                                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
-
-
-def tiny_z_image_transformer():
-    torch.manual_seed(0)
-    return ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
-                                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4],
-                                    axes_lens=[64, 32, 32])
-
-
-def tiny_qwen_image_transformer():
-    torch.manual_seed(0)
-    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
-                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
-                                       axes_dims_rope=(8, 4, 4))
-
-
-def zero_biases_and_pos_embed(deltas):
-    """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints."""
-    completed = dict(deltas)
-    for key, delta in deltas.items():
-        completed[key.replace(".weight", ".bias")] = torch.zeros(delta.shape[0])
-    completed["pos_embed"] = torch.zeros(1)
-    return completed
-
-
-TRANSFORMERS = {
-    "sd3": (StableDiffusion3Pipeline, tiny_sd3_transformer,
-            lambda deltas: convert_sd3_transformer_checkpoint_to_diffusers(zero_biases_and_pos_embed(deltas))),
-    "flux2": (Flux2KleinPipeline, tiny_flux2_transformer, convert_flux2_transformer_checkpoint_to_diffusers),
-    "z_image": (ZImagePipeline, tiny_z_image_transformer, convert_z_image_transformer_checkpoint_to_diffusers),
-    # ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
-    "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
-}
 RANK, ALPHA = 4, 6.0
 # Per-module rank and alpha, so that fused q/k/v parts differ in both.
 RANK_PATTERN, ALPHA_PATTERN = {"to_v": 2}, {"to_k": 2.0}
@@ -411,10 +361,10 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
-    dora = {**unet_module()[0], "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_magnitude_vector":
+    bias = {**unet_module()[0], "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.bias":
             torch.ones(8)}
-    with pytest.raises(UsageError, match="no DoRA"):
-        convert(dora, None, "kohya", lora_alpha=4.0)
+    with pytest.raises(UsageError, match="no bias or embedding adapters"):
+        convert(bias, None, "kohya", lora_alpha=4.0)
 
 
 def test_formats_for_pipeline_classes_and_families():

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import helpers
 from helpers import RunHung, launch_processes, run_bounded, together
-from training_utils.export import LoraExport
+from training_utils.adapter_export import LoraExport
 from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.testing import (assert_close_files, assert_close_validations,
                                     assert_lora_changes_pipeline_output, assert_model_folder_loads,

@@ -8,7 +8,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from training_utils.ema import PowerEMA
-from training_utils.export import LORA_WEIGHTS_NAME, TENSORS_NAME, LoraExport, ModelExport, remove_adapter_name
+from training_utils.adapter_export import LORA_WEIGHTS_NAME, LoraExport, remove_adapter_name
+from training_utils.export import TENSORS_NAME, ModelExport
 from training_utils.posthoc_ema import (FORMAT_FILE, MAX_SIGMA_REL, SNAPSHOT_DIR, PostHocEMA, gamma_to_sigma_rel,
                                         profile_dot, read_snapshots, sigma_rel_to_gamma, solve_posthoc_coefficients)
 from training_utils.posthoc_ema.__main__ import main

@@ -16,7 +16,7 @@ from diffusers import StableDiffusionPipeline
 from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, launched_usage_error, launching,
                      run_bounded, usage_error)
 from training_utils import convert_lora
-from training_utils.export import converted_name
+from training_utils.adapter_export import converted_name
 from training_utils.grids import progress_grid, step_grid
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_lora_changes_pipeline_output, assert_resumes_exactly, assert_same_files,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import parse_flag_from_env
 
+from .adapters import add_adapter_args, check_adapter_args
 from .buckets import add_bucket_args
 from .checkpointing import check_resume_from_checkpoint
 from .compile import add_compile_args
@@ -145,16 +146,15 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
 
 
 def add_lora_args(parser, pipeline_class, train_text_encoder=False):
-    """The LoRA flags, and those of a quantised base (`quantization.add_quantization_args`): an adapter trains
-    beside a frozen base, which may be quantised. The file formats offered are those that apply to LoRAs of
+    """The adapter's flags (`adapters.add_adapter_args`: LoRA by default), and those of a quantised base
+    (`quantization.add_quantization_args`): an adapter trains beside a frozen base, which may be quantised. The file
+    formats offered are those that apply to LoRAs of
     ``pipeline_class`` (`families.formats_for`). With ``train_text_encoder``, the text encoders may train too, with
     an optimizer setting of their own (upstream's flags; SD3's script gives them upstream's defaults)."""
-    lora = parser.add_argument_group("LoRA")
-    lora.add_argument("--rank", type=int, default=4)
-    lora.add_argument("--lora_alpha", type=float, default=None, help="default: the rank (scale 1)")
-    lora.add_argument("--lora_dropout", type=float, default=0.0)
+    lora = parser.add_argument_group("adapter")
+    add_adapter_args(lora)
     if train_text_encoder:
-        lora.add_argument("--train_text_encoder", action="store_true", help="also train LoRA on the text encoder(s)")
+        lora.add_argument("--train_text_encoder", action="store_true", help="also train the adapter on the text encoder(s)")
         lora.add_argument("--text_encoder_lr", type=float, default=None,
                           help="the text encoders' learning rate (default: --learning_rate)")
         lora.add_argument("--adam_weight_decay_text_encoder", type=float, default=None,
@@ -316,9 +316,8 @@ def check_args(args):
             text_encoder_lr, "a positive number")
     require(0 <= args.ema_decay < 1, "--ema_decay", args.ema_decay, "a number in [0, 1)")
     require(args.max_grad_norm > 0, "--max_grad_norm", args.max_grad_norm, "a positive number")
-    if getattr(args, "rank", None) is not None:
-        require(args.rank > 0, "--rank", args.rank, "a positive integer")
-        require(0 <= args.lora_dropout < 1, "--lora_dropout", args.lora_dropout, "a number in [0, 1)")
+    if hasattr(args, "adapter"):
+        check_adapter_args(args)
     if getattr(args, "lora_layers", None) is not None:
         require(all(comma_separated(args.lora_layers)), "--lora_layers", args.lora_layers,
                 "comma-separated layer names")

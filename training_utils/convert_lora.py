@@ -1,11 +1,16 @@
-"""Convert a diffusers-format LoRA file into the layouts that UI tools load: kohya's and ComfyUI's.
+"""Convert a trained adapter's files into the layouts that UI tools load: kohya's and ComfyUI's.
 
-    python -m training_utils.convert_lora SRC.safetensors DST.safetensors --to kohya|comfyui [--lora_alpha A]
+    python -m training_utils.convert_lora SRC DST.safetensors --to kohya|comfyui [--lora_alpha A]
 
-The input is what ``<Pipeline>.save_lora_weights`` writes: keys ``<component>.<module path>.lora_A.weight`` and
-``.lora_B.weight`` (component ``unet``, ``transformer``, ``text_encoder``, ``text_encoder_2``), and the safetensors
-metadata ``lora_adapter_metadata`` (diffusers' ``LORA_ADAPTER_METADATA_KEY``): a JSON object of each component's peft
-``LoraConfig``, its fields keyed ``<component>.<field>`` (diffusers' ``_pack_dict_with_prefix``).
+SRC is a LoRA or DoRA as ``<Pipeline>.save_lora_weights`` writes it, one file: keys ``<component>.<module
+path>.lora_A.weight``, ``.lora_B.weight`` (and DoRA's ``.lora_magnitude_vector``; component ``unet``, ``transformer``,
+``text_encoder``, ``text_encoder_2``), and the safetensors metadata ``lora_adapter_metadata`` (diffusers'
+``LORA_ADAPTER_METADATA_KEY``): a JSON object of each component's peft ``LoraConfig``, its fields keyed
+``<component>.<field>`` (diffusers' ``_pack_dict_with_prefix``). Or SRC is a folder of adapters in peft's own format
+(LoKr, LoHa, OFT; `adapter_export.PeftExport`): a subfolder per component holding ``adapter_config.json`` and
+``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes them. Each module's tensors are written as the
+tools apply its adapter kind (`adapter_layouts`); an OFT's weight difference needs the base weights, read from the
+component folder its ``adapter_config.json`` names (``base_model_name_or_path``).
 
 Formats
 - ``kohya`` (A1111/Forge, kohya sd-scripts; UNet families only: SD 1.x, SDXL): ``lora_unet_<diffusers module path,
@@ -14,7 +19,8 @@ Formats
   (SD 1.x) or ``lora_te1_``/``lora_te2_`` (SDXL; sd-scripts ``networks/lora.py`` ``LORA_PREFIX_TEXT_ENCODER1/2``)
   followed by the CLIP module path under ``text_model.`` (``model_lora_keys_clip``'s
   ``lora_te1_text_model_encoder_layers_{}_{}``; transformers 5 dropped that level from ``CLIPTextModel``'s names,
-  so it is put back). Tensors ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B), ``.alpha``.
+  so it is put back). Tensors ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B), ``.alpha``; the
+  other adapters' under their LyCORIS names (`adapter_layouts`).
 - ``comfyui`` (every family): for the UNet families the kohya file. For the transformer families ComfyUI's own
   layout, ``diffusion_model.<module path in the original model>.lora_A.weight`` / ``.lora_B.weight`` / ``.alpha``:
   the "generic lora format" key that ``model_lora_keys_unet`` maps for every weight of ComfyUI's model, which is
@@ -51,14 +57,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .adapter_layouts import TENSOR_NAMES, AdaptedModule, kind_of, layout_tensors
+from .base_weights import saved_base_weights
 from .errors import UsageError, exit_on_usage_error, few, require
 from .families import FAMILIES, family_of
 from .families.layout import FORMATS
 from .parser import TrainingArgumentParser
+from .peft_files import read_peft_adapters
 
 DIFFUSERS = "diffusers"  # the layout converted from, which load_lora_weights reads
 FORMAT_USERS = {"kohya": "A1111, Forge, kohya tools; SD 1.x and SDXL", "comfyui": "ComfyUI"}
@@ -67,19 +75,6 @@ DOWN, UP = "lora_A.weight", "lora_B.weight"  # peft's tensors, as diffusers file
 KOHYA_DOWN, KOHYA_UP = "lora_down.weight", "lora_up.weight"
 # transformers 5's CLIPTextModel lost the `text_model.` level above these; the tools' names still have it.
 CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.", "final_layer_norm.")
-
-
-@dataclass(frozen=True)
-class LoraModule:
-    """One adapted module: its tensors and peft's scale for it (``lora_alpha / r``)."""
-
-    down: torch.Tensor
-    up: torch.Tensor
-    scale: float
-
-    @property
-    def rank(self):
-        return self.down.shape[0]
 
 
 @dataclass(frozen=True)
@@ -96,39 +91,66 @@ class Target:
 
 
 def convert(tensors, metadata, to, lora_alpha=None, family=None):
-    """The tensors of a diffusers-format LoRA (``tensors``, with the file's safetensors ``metadata``) in format
-    ``to``. The family is detected from the keys unless ``family`` (a family or pipeline class name) is given;
-    ``lora_alpha`` is the trained alpha of components the metadata does not describe. Raises `UsageError` for a
-    format that does not apply, keys it cannot place, or a missing alpha."""
+    """The tensors of a diffusers-format LoRA or DoRA (``tensors``, with the file's safetensors ``metadata``) in format
+    ``to``: `convert_adapter` with the metadata's configs."""
+    return convert_adapter(tensors, adapter_configs(metadata), to, lora_alpha, family)
+
+
+def convert_adapter(tensors, configs, to, lora_alpha=None, family=None, base_weights=None):
+    """The tensors of an adapter in format ``to``. ``tensors`` are keyed ``<component>.<module path>.<peft's tensor
+    name>``, ``configs`` are each component's peft config (a dict). The family is detected from the keys unless
+    ``family`` (a family or pipeline class name) is given; ``lora_alpha`` is the trained alpha of LoRA components the
+    configs do not describe; ``base_weights(component, path)`` gives a module's base weight (`base_weights`), which
+    an OFT's difference needs. Raises `UsageError` for a format that does not apply, keys it cannot place, or a
+    missing alpha."""
     require(to in FORMATS, "--to", to, f"one of {', '.join(FORMATS)}")
     keys = split_keys(tensors)
     chosen = chosen_family(family, keys)
     require(to in chosen.formats, "--to", to,
             f"{' or '.join(chosen.formats)} for a {chosen.title} LoRA ({to} applies to the "
             f"{', '.join(f.title for f in FAMILIES.values() if to in f.formats)} families)")
-    configs = adapter_configs(metadata)
-    modules = {(component, path): LoraModule(tensors[down], tensors[up],
-                                             peft_scale(configs, component, path, tensors[down].shape[0], lora_alpha))
-               for (component, path), (down, up) in keys.items()}
+    modules = {(component, path): adapted_module(component, path, {name: tensors[key] for name, key in names.items()},
+                                                 configs, lora_alpha, base_weights)
+               for (component, path), names in keys.items()}
     targets = {key: target_of(chosen, *key) for key in modules}
     return assemble(modules, targets)
 
 
 def split_keys(tensors):
-    """``{(component, module path): (lora_A key, lora_B key)}``; any other key is refused."""
-    pairs, unknown = {}, []
+    """``{(component, module path): {peft's tensor name: key}}``, each module's tensors those of one adapter kind
+    (`adapter_layouts.TENSOR_NAMES`); any other key is refused."""
+    known = sorted({name for names in TENSOR_NAMES.values() for name in names}, key=len, reverse=True)
+    modules, unknown = {}, []
     for key in tensors:
         component, _, rest = key.partition(".")
-        path, _, suffix = rest.rpartition(".lora_")
-        if not component or not path or f"lora_{suffix}" not in (DOWN, UP):
+        name = next((name for name in known if rest.endswith(f".{name}")), None)
+        if not component or name is None:
             unknown.append(key)
             continue
-        pairs.setdefault((component, path), {})[f"lora_{suffix}"] = key
-    incomplete = [f"{component}.{path}" for (component, path), pair in pairs.items() if len(pair) != 2]
+        modules.setdefault((component, rest[:-len(name) - 1]), {})[name] = key
+    incomplete = [f"{component}.{path}" for (component, path), names in modules.items() if kind_of(set(names)) is None]
     if unknown or incomplete:
-        raise UsageError(None, None, "not a diffusers LoRA of plain lora_A/lora_B pairs (no DoRA, bias or embedding "
-                                     f"adapters): unexpected keys {few(sorted(unknown) + sorted(incomplete))}")
-    return {key: (pair[DOWN], pair[UP]) for key, pair in pairs.items()}
+        raise UsageError(None, None, "not an adapter of peft's LoRA, DoRA, LoKr, LoHa or OFT tensors (no bias or "
+                                     f"embedding adapters): unexpected keys {few(sorted(unknown) + sorted(incomplete))}")
+    return modules
+
+
+def adapted_module(component, path, tensors, configs, lora_alpha, base_weights):
+    """The `AdaptedModule` of ``path`` in ``component``: its kind (by its tensors), peft's rank, alpha and scale for
+    it (`peft_scale`) and, for OFT, how to read its base weight."""
+    kind = kind_of(set(tensors))
+    config = configs.get(component)
+    if kind == "oft":
+        require(base_weights is not None, None, None, f"the base weights of {component} (OFT's difference needs them)")
+        return AdaptedModule(kind, tensors, config=config, base_weight=lambda: base_weights(component, path))
+    if kind in ("lora", "dora"):
+        rank = tensors["lora_A.weight"].shape[0]
+        scale = peft_scale(configs, component, path, rank, lora_alpha)
+        return AdaptedModule(kind, tensors, scale, rank, scale * rank, config)
+    require(config is not None, None, None, f"the adapter config of {component} (its alpha and rank)")
+    rank = pattern_value(config.get("rank_pattern") or {}, path, config["r"])
+    alpha = pattern_value(config.get("alpha_pattern") or {}, path, config["alpha"])
+    return AdaptedModule(kind, tensors, alpha / rank, rank, alpha, config)
 
 
 def chosen_family(name, keys):
@@ -227,51 +249,16 @@ def pattern_value(patterns, path, default):
 
 
 def assemble(modules, targets):
-    """The output tensors: each target's ``down``, ``up`` and ``alpha``, fusing the modules that share a target."""
+    """The output tensors: each target's, as the tools apply its adapter (`adapter_layouts.layout_tensors`), fusing
+    the modules that share a target."""
     grouped = {}
     for key, target in targets.items():
         grouped.setdefault(target.name, []).append((target, modules[key]))
     converted = {}
     for name, pieces in grouped.items():
-        target = pieces[0][0]
-        down, up, alpha = fuse(pieces) if len(target.sizes) > 1 else single(*pieces[0])
-        converted[f"{name}.{target.down_suffix}"] = down.contiguous()
-        converted[f"{name}.{target.up_suffix}"] = up.contiguous()
-        converted[f"{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+        for suffix, tensor in layout_tensors(pieces).items():
+            converted[f"{name}.{suffix}"] = tensor.contiguous()
     return converted
-
-
-def single(target, module):
-    up = module.up
-    if target.swap_halves is not None and target.swap_halves(module.down, up):
-        first, second = up.chunk(2, dim=0)
-        up = torch.cat([second, first])
-    return module.down, up, module.scale * module.rank
-
-
-def fuse(pieces):
-    """One LoRA for a layer that fuses several diffusers layers as row blocks: the parts' ``down`` stacked, ``up``
-    block-diagonal, so that ``up @ down`` stacks the parts' products, each in its rows of the fused layer. Its scale
-    is the first present part's; the other parts' ``up`` absorb the ratio of their scale to it (1 where, as usual,
-    all parts share alpha and rank). The parts' sizes are the target's relative ones (``Rename.sizes``) times what
-    the present parts have per unit, which they must agree on; a part without LoRA gets zero rows."""
-    sizes = pieces[0][0].sizes
-    by_part = {target.part: module for target, module in pieces}
-    reference = by_part[min(by_part)]
-    unit = reference.up.shape[0] // sizes[min(by_part)]
-    require(all(module.up.dim() == 2 and module.up.shape[0] == unit * sizes[part] for part, module in by_part.items()),
-            None, None, f"fusing {pieces[0][0].name} needs linear parts whose rows are as {':'.join(map(str, sizes))}")
-    offsets = [unit * sum(sizes[:part]) for part in range(len(sizes) + 1)]
-    down = torch.cat([by_part[part].down for part in sorted(by_part)])
-    up = torch.zeros(offsets[-1], down.shape[0], dtype=reference.up.dtype)
-    column = 0
-    for part in sorted(by_part):
-        module = by_part[part]
-        ratio = module.scale / reference.scale
-        up[offsets[part]:offsets[part + 1], column:column + module.rank] = (module.up if ratio == 1
-                                                                            else module.up * ratio)
-        column += module.rank
-    return down, up, reference.scale * down.shape[0]
 
 
 def read_lora(path):
@@ -283,11 +270,22 @@ def read_lora(path):
         raise UsageError("SRC", str(path), f"a readable safetensors LoRA file ({error})") from None
 
 
+def read_adapter(path):
+    """``(tensors, configs, base_weights)`` of a LoRA file or a folder of peft adapters, as `convert_adapter` takes
+    them; the base weights are those the adapters' configs name (None for a file)."""
+    if Path(path).is_dir():
+        tensors, configs = read_peft_adapters(path)
+        return tensors, configs, saved_base_weights(configs)
+    tensors, metadata = read_lora(path)
+    return tensors, adapter_configs(metadata), None
+
+
 def write_converted(src_path, dst_path, to, lora_alpha=None, family=None):
-    """Convert the diffusers-format LoRA file ``src_path`` to format ``to`` (see `convert`) into ``dst_path``."""
-    tensors, metadata = read_lora(src_path)
+    """Convert the adapter of ``src_path`` (`read_adapter`) to format ``to`` (see `convert_adapter`) into
+    ``dst_path``."""
+    tensors, configs, base_weights = read_adapter(src_path)
     Path(dst_path).parent.mkdir(parents=True, exist_ok=True)
-    save_converted(convert(tensors, metadata, to, lora_alpha, family), dst_path)
+    save_converted(convert_adapter(tensors, configs, to, lora_alpha, family, base_weights), dst_path)
     return Path(dst_path)
 
 
@@ -298,7 +296,8 @@ def save_converted(converted, path):
 
 def main(argv=None):
     parser = TrainingArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("src", metavar="SRC", help="a diffusers-format LoRA .safetensors (save_lora_weights')")
+    parser.add_argument("src", metavar="SRC", help="a diffusers-format LoRA or DoRA .safetensors (save_lora_weights'), "
+                                                   "or a folder of peft adapters (LoKr, LoHa, OFT)")
     parser.add_argument("dst", metavar="DST", help="the .safetensors file to write")
     parser.add_argument("--to", required=True, choices=FORMATS, help="kohya (SD 1.x, SDXL) or comfyui (any family)")
     parser.add_argument("--lora_alpha", type=float, default=None,
@@ -307,7 +306,7 @@ def main(argv=None):
                         help=f"the model family ({', '.join(FAMILIES)}) where the keys fit several")
     args = parser.parse_args(argv)
     with exit_on_usage_error():
-        require(Path(args.src).is_file(), "SRC", args.src, "an existing .safetensors file")
+        require(Path(args.src).exists(), "SRC", args.src, "an existing .safetensors file or folder of peft adapters")
         path = write_converted(args.src, args.dst, args.to, args.lora_alpha, args.family)
         print(f"wrote {path} ({args.to})")
 

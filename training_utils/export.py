@@ -1,12 +1,13 @@
-"""How trained weights are written: LoRA files or model folders, atomically, and checked once written (`writing`).
+"""How trained weights are written: adapters or model folders, atomically, and checked once written (`writing`).
 
-LoRA files are what any pipeline's ``load_lora_weights`` loads; model folders what ``from_pretrained``
-loads. Every file is read back to check that it holds exactly what was meant.
+Adapters are written where their loaders read them (`adapter_export`: ``load_lora_weights``, peft, the UI tools);
+model folders are what ``from_pretrained`` loads. Every file is read back to check that it holds exactly what was
+meant.
 
-A run describes what it trains once, as a `LoraExport`, a `ModelExport` or a `PipelineExport`. With it the
-script saves its outputs (`save_with_ema`: the raw weights, then the EMA's, swapped into the live modules),
-and the post-hoc EMA synthesis writes its tensors in the same layout, from the description the run left in
-``posthoc_ema/format.json`` (`export_from_description`).
+A run describes what it trains once, as an `adapter_export.LoraExport` or ``PeftExport``, a `ModelExport` or a
+`PipelineExport`. With it the script saves its outputs (`save_with_ema`: the raw weights, then the EMA's, swapped
+into the live modules), and the post-hoc EMA synthesis writes its tensors in the same layout, from the description
+the run left in ``posthoc_ema/format.json`` (`posthoc_ema.synthesis.export_from_description`).
 
 Reading the files back replaces the upstream scripts' reload-and-render "final validation": the last
 in-loop validation rendered the weights in memory, and the check proves the files hold exactly those.
@@ -15,25 +16,15 @@ in-loop validation rendered the weights in memory, and the check proves the file
 import dataclasses
 import enum
 import importlib
-import inspect
 from pathlib import Path
 
-from peft.utils import get_peft_model_state_dict
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .convert_lora import DIFFUSERS, convert, save_converted
 from .errors import few
 from .pipeline import trainable_parameters
-from .writing import save_model, save_pipeline, saved_tensors, verify_saved_tensors, write_atomically
+from .writing import save_model, save_pipeline, saved_tensors, write_atomically
 
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TENSORS_NAME = "posthoc_ema_weights.safetensors"
-
-
-def converted_name(layout):
-    """The file name of a LoRA in another layout than diffusers', beside ``pytorch_lora_weights.safetensors``."""
-    return f"pytorch_lora_weights_{layout}.safetensors"
 
 
 def save_with_ema(export, output_dir, ema=None):
@@ -95,93 +86,6 @@ class TensorsExport(Export):
 
     def read_checkpoint(self, directory):
         return load_file(Path(directory) / TENSORS_NAME)
-
-
-class LoraExport(Export):
-    """LoRA adapters on pipeline components, written as one ``pytorch_lora_weights.safetensors`` by
-    ``pipeline_class.save_lora_weights``, so that ``pipe.load_lora_weights(directory)`` loads it, and beside it
-    the same adapters in each other layout of ``formats`` (`convert_lora`: ``…_kohya.safetensors``,
-    ``…_comfyui.safetensors``) for the UI tools.
-
-    ``adapter_configs`` holds each component's peft ``LoraConfig`` as JSON; it goes into the file as the
-    adapter metadata. `of` makes one from the live modules.
-    """
-
-    kind = "lora"
-
-    def __init__(self, pipeline_class, adapter_configs, adapter_name="default", trained=None, formats=(DIFFUSERS,)):
-        super().__init__(trained)
-        self.pipeline_class = pipeline_class
-        self.adapter_configs = adapter_configs
-        self.adapter_name = adapter_name
-        self.formats = list(formats)
-
-    @classmethod
-    def of(cls, pipeline_class, trained, formats=(DIFFUSERS,), adapter_name="default"):
-        """The export of the adapters on ``trained`` ({component: module}). Checks now, on the live modules,
-        that ``save_lora_weights`` takes each component and that the trained parameters are exactly what
-        peft saves, so that `save` from the parameters writes what peft would."""
-        accepted = inspect.signature(pipeline_class.save_lora_weights).parameters
-        adapter_configs = {}
-        for component, module in trained.items():
-            if f"{component}_lora_layers" not in accepted:
-                raise ValueError(f"{pipeline_class.__name__}.save_lora_weights cannot save a LoRA for {component!r}")
-            keys = {remove_adapter_name(name, adapter_name)
-                    for name, parameter in module.named_parameters() if parameter.requires_grad}
-            saved_by_peft = set(get_peft_model_state_dict(module, adapter_name=adapter_name))
-            if keys != saved_by_peft:
-                raise ValueError(f"{component}: the trained parameters are not what peft saves (only trained: "
-                                 f"{few(sorted(keys - saved_by_peft))}; only saved: "
-                                 f"{few(sorted(saved_by_peft - keys))})")
-            adapter_configs[component] = as_json(module.peft_config[adapter_name].to_dict())
-        return cls(pipeline_class, adapter_configs, adapter_name, trained, formats)
-
-    def description(self):
-        return {"kind": self.kind, "pipeline_module": importable_module(self.pipeline_class),
-                "pipeline_class": self.pipeline_class.__name__, "adapter_name": self.adapter_name,
-                "formats": self.formats, "components": {component: {"lora_adapter_metadata": config}
-                                                        for component, config in self.adapter_configs.items()}}
-
-    @classmethod
-    def from_description(cls, description):
-        pipeline_class = import_class(description["pipeline_module"], description["pipeline_class"])
-        adapter_configs = {component: spec["lora_adapter_metadata"]
-                           for component, spec in description["components"].items()}
-        return cls(pipeline_class, adapter_configs, description.get("adapter_name", "default"),
-                   formats=description.get("formats", [DIFFUSERS]))
-
-    def write(self, tensors, directory):
-        kwargs = {}
-        for component, layers in by_component(tensors, self.adapter_configs).items():
-            kwargs[f"{component}_lora_layers"] = {remove_adapter_name(name, self.adapter_name):
-                                                  tensor.detach().cpu().contiguous() for name, tensor in layers.items()}
-            kwargs[f"{component}_lora_adapter_metadata"] = dict(self.adapter_configs[component])
-        write_atomically(directory, lambda staging: self.pipeline_class.save_lora_weights(
-            staging, weight_name=LORA_WEIGHTS_NAME, **kwargs))
-        path = Path(directory) / LORA_WEIGHTS_NAME
-        expected = {f"{component}.{key}": tensor for component in self.adapter_configs
-                    for key, tensor in kwargs[f"{component}_lora_layers"].items()}
-        # Read back once: checked against memory, then converted (the conversion needs the file's metadata).
-        with safe_open(path, framework="pt") as file:
-            saved, metadata = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
-        verify_saved_tensors(saved, expected, path)
-        converted = {converted_name(layout): convert(saved, metadata, layout, family=self.pipeline_class.__name__)
-                     for layout in self.formats if layout != DIFFUSERS}
-        if converted:
-            def write_converted(staging):
-                for name, tensors in converted.items():
-                    save_converted(tensors, Path(staging) / name)
-
-            write_atomically(directory, write_converted)
-        return path
-
-    def read_checkpoint(self, directory):
-        """The file's tensors by the live parameter names; a key that no live parameter has stays as it is."""
-        names = {}
-        for name in trainable_parameters(self.trained):
-            component, _, key = name.partition(".")
-            names[f"{component}.{remove_adapter_name(key, self.adapter_name)}"] = name
-        return {names.get(key, key): tensor for key, tensor in load_file(Path(directory) / LORA_WEIGHTS_NAME).items()}
 
 
 class ModelExport(Export):
@@ -274,20 +178,6 @@ class PipelineExport(ModelExport):
         return Path(directory) / next(iter(self.trained)) if len(self.trained) == 1 else Path(directory)
 
 
-EXPORTS = {export.kind: export for export in (TensorsExport, LoraExport, ModelExport)}
-
-
-def export_from_description(description):
-    """The export that ``description`` (an export's `description`, e.g. from format.json) describes;
-    None describes plain tensors."""
-    if description is None:
-        return TensorsExport()
-    kind = description.get("kind")
-    if kind not in EXPORTS:
-        raise ValueError(f"export kind must be one of {sorted(EXPORTS)}, got {kind!r}")
-    return EXPORTS[kind]() if kind == TensorsExport.kind else EXPORTS[kind].from_description(description)
-
-
 def by_component(tensors, components):
     """``{component: {parameter name: tensor}}`` from tensors keyed ``<component>.<parameter name>``."""
     grouped = {component: {} for component in components}
@@ -301,17 +191,6 @@ def by_component(tensors, components):
     if stray:
         raise ValueError(f"tensors of no exported component ({', '.join(components)}): {few(sorted(stray))}")
     return grouped
-
-
-def remove_adapter_name(key, adapter_name="default"):
-    """``...to_q.lora_A.default.weight`` -> ``...to_q.lora_A.weight``: a live parameter name to the key of a
-    LoRA file (peft's rule: drop the adapter name where it precedes the last component, or ends the key)."""
-    if key.endswith(f".{adapter_name}"):
-        return key[: -len(adapter_name) - 1]
-    head, _, suffix = key.rpartition(".")
-    if head.endswith(f".{adapter_name}"):
-        head = head[: -len(adapter_name) - 1]
-    return f"{head}.{suffix}" if head else key
 
 
 def as_json(value):

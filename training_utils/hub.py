@@ -13,6 +13,17 @@ pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
 pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
 image = pipe("{prompt}").images[0]
 """
+# LoKr, LoHa and OFT, in peft's own format: PeftModel.from_pretrained adds each component's adapter to the pipeline's
+# module in place. The export fills in {components} (`adapter_export.PeftExport.loading_code`).
+PEFT_HOW_TO_LOAD = """
+from diffusers import {imports}
+from peft import PeftModel
+
+pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
+for component in {components}:  # or "{output_dir}/ema/" + component for the EMA adapter
+    PeftModel.from_pretrained(getattr(pipe, component), "{output_dir}/" + component)
+image = pipe("{prompt}").images[0]
+"""
 
 
 def write_model_card(output_dir, base_model, title, how_to_load, records=()):

@@ -1,6 +1,6 @@
-"""LoRA adapters: which modules they adapt, and adding them to a pipeline's models.
+"""Adapters on a pipeline's models: which modules they adapt, and adding them.
 
-`export.LoraExport` writes them so that any pipeline's ``load_lora_weights`` loads them.
+`adapters` makes peft's config from the flags; `adapter_export` writes the trained adapters.
 """
 
 import torch
@@ -14,25 +14,25 @@ ATTENTION_PROJECTIONS = ["to_k", "to_q", "to_v", "to_out.0"]
 CLIP_ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
-def add_lora(model, rank, target_modules, alpha=None, dropout=0.0):
-    """Add a trainable LoRA adapter named "default" to ``model``; only its tensors require grad.
+def add_adapter(model, config):
+    """Add a trainable adapter named "default" (any peft config: LoRA, LoKr, LoHa, OFT) to ``model``; only its
+    tensors require grad. Returns ``config``.
 
-    Diffusers models take it through their own ``add_adapter``; text encoders through peft
-    directly (transformers 5 refuses ``add_adapter`` with the peft releases available here).
+    Diffusers models take it through their own ``add_adapter``; text encoders through peft directly (transformers 5
+    refuses ``add_adapter`` with the peft releases available here).
     """
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha if alpha is not None else rank,
-        lora_dropout=dropout,
-        init_lora_weights="gaussian",
-        target_modules=target_modules,
-    )
     model.requires_grad_(False)
     if hasattr(model, "add_adapter") and hasattr(model, "set_adapters"):
         model.add_adapter(config)
     else:
         inject_adapter_in_model(config, model)
     return config
+
+
+def add_lora(model, rank, target_modules, alpha=None, dropout=0.0):
+    """`add_adapter` of a LoRA of ``rank`` and ``alpha`` (default: the rank) on ``target_modules``."""
+    return add_adapter(model, LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, lora_dropout=dropout,
+                                         init_lora_weights="gaussian", target_modules=target_modules))
 
 
 def linear_layers_named(model, names, flag="--lora_layers"):

@@ -21,6 +21,8 @@ while validating.
 from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.adapter_export import adapter_export
+from training_utils.adapters import adapter_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
 from training_utils.buckets import validation_size
@@ -32,12 +34,12 @@ from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_arg
                                        dreambooth_dataset, dreambooth_prompts, instance_then_class_collate)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
-from training_utils.export import LoraExport, save_with_ema
+from training_utils.export import save_with_ema
 from training_utils.families import sd
-from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.hub import finish_run, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
@@ -84,12 +86,12 @@ def main(args):
     settings = sd.prompt_settings(pipe, args)
     call_kwargs = sd.call_kwargs(pipe, settings)
 
-    # 3. LoRA adapters on the UNet's (and maybe the text encoder's) attention; the EMA tracks them all.
-    add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+    # 3. Adapters (--adapter) on the UNet's (and maybe the text encoder's) attention; the EMA tracks them all.
+    add_adapter(unet, adapter_config(args, ATTENTION_PROJECTIONS))
     trained = {"unet": unet}
     if args.train_text_encoder:
         trained["text_encoder"] = pipe.text_encoder
-        add_lora(trained["text_encoder"], args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+        add_adapter(trained["text_encoder"], adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
     # Unless it trains, the text encoder runs once, to cache the prompts' embeddings, and stays off the accelerator;
     # if it does, it runs in every step, on the accelerator.
     if args.train_text_encoder:
@@ -102,7 +104,7 @@ def main(args):
                 module.gradient_checkpointing_enable()
     compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained, export_formats(args))
+    export = adapter_export(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -172,9 +174,9 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
+        how_to_load_text = how_to_load(export.loading_code, args, pipe,
                                        prompt=(args.validation_prompt or [args.instance_prompt])[0])
-        finish_run(args, "DreamBooth LoRA", how_to_load_text, loop.records, saved, "LoRA")
+        finish_run(args, f"DreamBooth {export.title}", how_to_load_text, loop.records, saved, export.title)
     end_training(accelerator)
 
 

@@ -22,6 +22,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.adapter_export import adapter_export
+from training_utils.adapters import adapter_config
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
 from training_utils.buckets import validation_size
@@ -33,14 +35,14 @@ from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_arg
                                        transformer_dreambooth_refusals)
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error, require
-from training_utils.export import LoraExport, save_with_ema
+from training_utils.export import save_with_ema
 from training_utils.families import sd3
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss, sample_flow_matching_timesteps)
-from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.hub import finish_run, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
@@ -110,15 +112,15 @@ def main(args):
     settings = sd3.prompt_settings(pipe, args)
     call_kwargs = sd3.call_kwargs(pipe, settings)
 
-    # 3. LoRA adapters on the transformer (and maybe the two CLIP encoders, never T5); the EMA tracks them all.
+    # 3. Adapters (--adapter) on the transformer (and maybe the two CLIP encoders, never T5); the EMA tracks them all.
     blocks = [int(block) for block in comma_separated(args.lora_blocks)] if args.lora_blocks else None
-    add_lora(transformer, args.rank, lora_target_modules(transformer, comma_separated(args.lora_layers), blocks),
-             args.lora_alpha, args.lora_dropout)
+    targets = lora_target_modules(transformer, comma_separated(args.lora_layers), blocks)
+    add_adapter(transformer, adapter_config(args, targets))
     trained = {"transformer": transformer}
     if args.train_text_encoder:
         for name in ("text_encoder", "text_encoder_2"):
             trained[name] = getattr(pipe, name)
-            add_lora(trained[name], args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+            add_adapter(trained[name], adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
     # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator;
     # if they do, all three run in every step, on the accelerator.
     if args.train_text_encoder:
@@ -131,7 +133,7 @@ def main(args):
                 module.gradient_checkpointing_enable()
     compile_repeated_blocks(transformer, args.torch_compile)
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained, export_formats(args))
+    export = adapter_export(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -194,9 +196,9 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
+        how_to_load_text = how_to_load(export.loading_code, args, pipe,
                                        prompt=(args.validation_prompt or [args.instance_prompt])[0])
-        finish_run(args, "DreamBooth LoRA (SD3)", how_to_load_text, loop.records, saved, "LoRA")
+        finish_run(args, f"DreamBooth {export.title} (SD3)", how_to_load_text, loop.records, saved, export.title)
     end_training(accelerator)
 
 

@@ -14,6 +14,8 @@ checkpoints to resume from, and a model card.
 from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.adapter_export import adapter_export
+from training_utils.adapters import adapter_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
 from training_utils.buckets import validation_size
@@ -24,12 +26,12 @@ from training_utils.data import (TrainDataset, captions_with_empty, dataset_shap
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
-from training_utils.export import LoraExport, save_with_ema
+from training_utils.export import save_with_ema
 from training_utils.families import sd
-from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.hub import finish_run, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
+from training_utils.lora import ATTENTION_PROJECTIONS, add_adapter
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
@@ -64,15 +66,15 @@ def main(args):
     settings = sd.prompt_settings(pipe, args)
     call_kwargs = sd.call_kwargs(pipe, settings)
 
-    # 3. A LoRA adapter on the UNet's attention; the EMA tracks the adapter tensors only.
-    add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+    # 3. An adapter (--adapter) on the UNet's attention; the EMA tracks the adapter tensors only.
+    add_adapter(unet, adapter_config(args, ATTENTION_PROJECTIONS))
     trained = {"unet": unet}
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained, export_formats(args))
+    export = adapter_export(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -133,7 +135,8 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        finish_run(args, "Text-to-image LoRA", how_to_load(LORA_HOW_TO_LOAD, args, pipe), loop.records, saved, "LoRA")
+        finish_run(args, f"Text-to-image {export.title}", how_to_load(export.loading_code, args, pipe), loop.records,
+                   saved, export.title)
     end_training(accelerator)
 
 

@@ -25,6 +25,8 @@ checkpoints to resume from, and a model card.
 from diffusers import StableDiffusionXLPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.adapter_export import adapter_export
+from training_utils.adapters import adapter_config
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
 from training_utils.buckets import validation_size
@@ -35,12 +37,12 @@ from training_utils.data import (TrainDataset, captions_with_empty, dataset_shap
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.errors import exit_on_usage_error
-from training_utils.export import LoraExport, save_with_ema
+from training_utils.export import save_with_ema
 from training_utils.families import sdxl
-from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.hub import finish_run, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
@@ -86,13 +88,13 @@ def main(args):
     settings = sdxl.prompt_settings(pipe, args)
     call_kwargs = sdxl.call_kwargs(pipe, settings)
 
-    # 3. LoRA adapters on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
-    add_lora(unet, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+    # 3. Adapters (--adapter) on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
+    add_adapter(unet, adapter_config(args, ATTENTION_PROJECTIONS))
     trained = {"unet": unet}
     if args.train_text_encoder:
         for name in ("text_encoder", "text_encoder_2"):
             trained[name] = getattr(pipe, name)
-            add_lora(trained[name], args.rank, CLIP_ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+            add_adapter(trained[name], adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
     # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator;
     # if they do, they run in every step, on the accelerator.
     if args.train_text_encoder:
@@ -105,7 +107,7 @@ def main(args):
                 module.gradient_checkpointing_enable()
     compile_repeated_blocks(unet, args.torch_compile)
     parameters = trainable_parameters(trained)
-    export = LoraExport.of(type(pipe), trained, export_formats(args))
+    export = adapter_export(type(pipe), trained, export_formats(args))
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -177,9 +179,9 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(LORA_HOW_TO_LOAD, args, pipe,
+        how_to_load_text = how_to_load(export.loading_code, args, pipe,
                                        **sdxl.vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe))
-        finish_run(args, "Text-to-image LoRA for SDXL", how_to_load_text, loop.records, saved, "LoRA")
+        finish_run(args, f"Text-to-image {export.title} for SDXL", how_to_load_text, loop.records, saved, export.title)
     end_training(accelerator)
 
 

@@ -11,7 +11,7 @@ holds one component at a time. Tokenizers are `training_utils.testing.tiny`'s: t
 
 What it measures. Each ``--quantize_base`` runs in a fresh process (peaks must not mix), which does
 what `train_text_to_image_lora_sdxl.py` and `train_dreambooth_lora_sd3.py` do in their steps 2 and 3:
-`quantization_config`, `load_pipeline`, `add_lora` (rank 16, `ATTENTION_PROJECTIONS`),
+`quantization_config`, `load_pipeline`, `add_adapter` (a rank-16 LoRA, `ATTENTION_PROJECTIONS`),
 `prepare_components`, gradient checkpointing, `make_ema` (``--use_ema``), with bf16 mixed precision.
 
 * Host: a background thread reads ``/proc/self/status`` every few milliseconds and keeps, per step
@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import StableDiffusionXLPipeline
 
+from training_utils.adapters import check_adapter_args
 from training_utils.args import add_lora_args, training_parser
 from training_utils.errors import UsageError
 from training_utils.quantization import check_quantization_args
@@ -333,7 +334,9 @@ def script_args(pipeline_path, scheme, rank):
             "--mixed_precision", MIXED_PRECISION, "--gradient_checkpointing"]
     if scheme != "none":
         argv += ["--quantize_base", scheme]
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_adapter_args(args)
+    return args
 
 
 def storage_tensors(tensor):
@@ -405,7 +408,8 @@ def measure(model_name, pipeline_path, scheme, with_optional, rank):
     import diffusers
 
     from training_utils.ema import make_ema
-    from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
+    from training_utils.adapters import adapter_config
+    from training_utils.lora import ATTENTION_PROJECTIONS, add_adapter
     from training_utils.pipeline import load_pipeline, prepare_components, trainable_parameters, weight_dtype_for
     from training_utils.quantization import PACKAGES, quantization_config
 
@@ -440,7 +444,7 @@ def measure(model_name, pipeline_path, scheme, with_optional, rank):
         denoiser = getattr(pipe, model.base)
         with sampler.phase("add_lora"):
             # the SD3 script names every matching module in full (lora_target_modules): the same modules
-            add_lora(denoiser, args.rank, ATTENTION_PROJECTIONS, args.lora_alpha, args.lora_dropout)
+            add_adapter(denoiser, adapter_config(args, ATTENTION_PROJECTIONS))
         trained = {model.base: denoiser}
         with sampler.phase("prepare_components"):
             prepare_components(pipe, trained, device, weight_dtype)

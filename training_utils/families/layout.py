@@ -13,14 +13,15 @@ BLOCK = r"transformer_blocks\.(\d+)\."
 CLIP_PAIR = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
 
 
-def always(down, up):
+def always(rows, columns):
     return True
 
 
-def two_chunk_modulation(down, up):
-    """Whether an adaLN layer makes two chunks (shift and scale, as ``AdaLayerNormContinuous``) rather than six
-    (``AdaLayerNormZero``): SD3's last block, which ``mmdit_to_diffusers`` swaps and the others it does not."""
-    return up.shape[0] == 2 * down.shape[1]
+def two_chunk_modulation(rows, columns):
+    """Whether an adaLN layer of ``rows`` outputs and ``columns`` inputs makes two chunks (shift and scale, as
+    ``AdaLayerNormContinuous``) rather than six (``AdaLayerNormZero``): SD3's last block, which ``mmdit_to_diffusers``
+    swaps and the others it does not."""
+    return rows == 2 * columns
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class Rename:
     """Diffusers module paths that fully match ``pattern`` are the original model's module ``original`` (a
     ``re.sub`` template), or, where the original fuses several diffusers layers into one, the row block of part
     ``part`` of ``sizes`` (the parts' relative numbers of rows, in the original's order: ``(1, 1, 1)`` for q, k and
-    v; ``(1, 1, 1, 4)`` for q, k, v and an MLP projection four times wider). ``swap_halves(down, up)`` says whether
-    the original orders the outputs' two halves the other way round."""
+    v; ``(1, 1, 1, 4)`` for q, k, v and an MLP projection four times wider). ``swap_halves(rows, columns)`` says
+    whether the original orders the outputs' two halves the other way round (the layer's outputs, inputs)."""
 
     pattern: str
     original: str

@@ -14,11 +14,25 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..export import export_from_description
+from ..adapter_export import LoraExport, PeftExport
+from ..export import ModelExport, TensorsExport
 from . import (FORMAT_FILE, POSTHOC_FORMAT, SNAPSHOT_DIR, Snapshot, read_snapshots, sigma_rel_to_gamma,
                solve_posthoc_coefficients)
 
 SYNTHESIS_FILE = "synthesis.json"
+# The exports a run's description may name, by kind.
+EXPORTS = {export.kind: export for export in (TensorsExport, LoraExport, PeftExport, ModelExport)}
+
+
+def export_from_description(description):
+    """The export that ``description`` (an export's `description`, e.g. from format.json) describes; None describes
+    plain tensors."""
+    if description is None:
+        return TensorsExport()
+    kind = description.get("kind")
+    if kind not in EXPORTS:
+        raise ValueError(f"export kind must be one of {sorted(EXPORTS)}, got {kind!r}")
+    return EXPORTS[kind]() if kind == TensorsExport.kind else EXPORTS[kind].from_description(description)
 
 
 def read_export(output_dir):

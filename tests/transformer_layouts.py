@@ -1,0 +1,59 @@
+"""Tiny transformers of each flow-matching family, for the layout tests (test_convert_lora.py,
+test_adapter_layouts.py): each with the function that takes a checkpoint in the original release's layout, which
+ComfyUI's models have, back to diffusers' names (diffusers' own single-file converters)."""
+
+import torch
+from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+                       SD3Transformer2DModel, StableDiffusion3Pipeline, ZImagePipeline, ZImageTransformer2DModel)
+from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
+                                                 convert_sd3_transformer_checkpoint_to_diffusers,
+                                                 convert_z_image_transformer_checkpoint_to_diffusers)
+
+
+def tiny_sd3_transformer():
+    """An SD3.5-style MMDiT: a dual-attention block (attn2) and a last, context-pre-only block."""
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=2,
+                                 attention_head_dim=8, num_attention_heads=4, joint_attention_dim=64,
+                                 caption_projection_dim=32, pooled_projection_dim=64, dual_attention_layers=(0,))
+
+
+def tiny_flux2_transformer():
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+
+
+def tiny_z_image_transformer():
+    torch.manual_seed(0)
+    return ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+                                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4],
+                                    axes_lens=[64, 32, 32])
+
+
+def tiny_qwen_image_transformer():
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                       axes_dims_rope=(8, 4, 4))
+
+
+def zero_biases_and_pos_embed(deltas):
+    """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints (zeros for the patch
+    embedding's convolution, which only LoRA adapts here)."""
+    completed = {"x_embedder.proj.weight": torch.zeros(1), **deltas}
+    for key, delta in list(completed.items()):
+        completed[key.replace(".weight", ".bias")] = torch.zeros(delta.shape[0])
+    completed["pos_embed"] = torch.zeros(1)
+    return completed
+
+
+TRANSFORMERS = {
+    "sd3": (StableDiffusion3Pipeline, tiny_sd3_transformer,
+            lambda deltas: convert_sd3_transformer_checkpoint_to_diffusers(zero_biases_and_pos_embed(deltas))),
+    "flux2": (Flux2KleinPipeline, tiny_flux2_transformer, convert_flux2_transformer_checkpoint_to_diffusers),
+    "z_image": (ZImagePipeline, tiny_z_image_transformer, convert_z_image_transformer_checkpoint_to_diffusers),
+    # ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
+    "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
+}
