@@ -169,6 +169,22 @@ def test_a_lokr_of_whole_factors_takes_its_scale_into_the_first_factor():
     torch.testing.assert_close(comfyui_weight(module, base), expected)
 
 
+@pytest.mark.parametrize("adapter", ["lokr", "oft"])
+def test_a_difference_is_computed_from_a_random_state_of_its_own_never_the_runs(adapter):
+    # peft's layers draw initial values as they are made; a checkpoint has just saved the run's random state, which
+    # its resume continues from, so the conversion that follows must not draw from it.
+    transformer = TRANSFORMERS["flux2"][1]()
+    add_adapter(transformer, config(adapter, ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k"],
+                                    patterns=False))
+    trained = {"transformer": transformer}
+    perturb(trainable_parameters(trained).values())
+    random_state = torch.get_rng_state()
+    export = adapter_export(TRANSFORMERS["flux2"][0], trained, ["diffusers", "comfyui"])
+    (converted,) = export.converted(export.layers(trainable_parameters(trained))).values()
+    assert set(converted) == {"diffusion_model.double_blocks.0.img_attn.qkv.diff"}  # LoKr and OFT fuse as differences
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
 def test_the_command_converts_a_folder_of_peft_adapters_with_the_base_weights_it_names(tiny, tmp_path):
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     add_adapter(pipe.unet, config("oft", ATTENTION_PROJECTIONS))

@@ -57,6 +57,29 @@ def cache_flags(tiny, output_dir, *extra, data="shapes_mixed"):
             *CACHE_VALIDATION, *buckets, *extra]
 
 
+# The adapters beside LoRA, each with a setting of its own; OFT has no rank.
+ADAPTERS = {"dora": ["--lora_alpha", 6], "lokr": ["--lora_alpha", 6, "--lokr_factor", 4],
+            "loha": ["--lora_alpha", 6], "oft": ["--oft_block_size", 8]}
+
+
+def adapter_flags(tiny, output_dir, adapter, *extra):
+    """6 steps of ``adapter``, validating every 3 steps (raw, EMA and at the end a post-hoc EMA length), a checkpoint
+    every 3, post-hoc EMA snapshots, every file also in the kohya and ComfyUI layouts."""
+    flags = common(tiny, output_dir, "--adapter", adapter, *ADAPTERS[adapter], "--max_train_steps", 6,
+                   "--validation_prompt", PROMPTS[0], "--num_validation_images", 1, "--validation_inference_steps", 2,
+                   "--validation_steps", 3, "--checkpointing_steps", 3, "--ema_posthoc_sigma_rels", 0.05, 0.1,
+                   "--ema_posthoc_snapshot_steps", 3, "--validation_sigma_rels", 0.08, "--export_formats", "comfyui",
+                   "--output_kohya_format", *extra)
+    rank = flags.index("--rank")
+    return flags[:rank] + flags[rank + 2:] if adapter == "oft" else flags
+
+
+def adapter_files(adapter):
+    """The files an adapter's output holds, its own layout's and the UI layouts'."""
+    own = [LORA] if adapter == "dora" else ["unet/adapter_config.json", "unet/adapter_model.safetensors"]
+    return [*own, converted_name("kohya"), converted_name("comfyui")]
+
+
 def feature_flags(root):
     """Caching on disk, in ``root``'s feature cache."""
     return ["--feature_cache_dir", Path(root) / "features"]
@@ -82,7 +105,8 @@ def runs(tiny, tmp_path_factory):
     - `cache_run` (cache_latents, random_flip): `cache_flags` (aspect-ratio buckets) with and without
       ``--cache_latents`` and ``--random_flip``; with both, the cache is on disk (`feature_flags`); with flips only,
       the VAE leaves the accelerator between steps (``--offload``);
-    - square_cached, random_crops_cached: cached runs with flips on the square shapes, center-cropped and not.
+    - square_cached, random_crops_cached: cached runs with flips on the square shapes, center-cropped and not;
+    - each adapter of `ADAPTERS` (`adapter_flags`), and the same run resumed from its checkpoint-3 (``<adapter>-resumed``).
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -113,7 +137,16 @@ def runs(tiny, tmp_path_factory):
     for name in ("square_cached", "random_crops_cached"):
         flags = cache_flags(tiny, root / name, "--cache_latents", "--random_flip", data="shapes")
         launches[name] = (SCRIPT, *[flag for flag in flags if name == "square_cached" or flag != "--center_crop"])
+    for adapter in ADAPTERS:
+        launches[adapter] = (SCRIPT, *adapter_flags(tiny, root / adapter, adapter))
     results = launch_together(launches)
+    # Each adapter's run resumed from its checkpoint-3, mid-epoch.
+    resumed = {}
+    for adapter in ADAPTERS:
+        shutil.copytree(root / adapter / "checkpoint-3", root / f"{adapter}-resumed" / "checkpoint-3")
+        resumed[f"{adapter}-resumed"] = (SCRIPT, *adapter_flags(tiny, root / f"{adapter}-resumed", adapter,
+                                                                "--resume_from_checkpoint", "latest"))
+    results.update(launch_together(resumed))
     return {name: (root / name, result) for name, result in results.items()}
 
 
@@ -352,3 +385,42 @@ def test_random_crops_are_cached_once_and_the_square_shapes_train_as_center_crop
     output_dir, result = runs["random_crops_cached"]
     assert "random crop is drawn once, now (seed 3), and kept for the whole run" in result.stderr
     assert_same_files(output_dir / LORA, runs["square_cached"][0] / LORA)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_adapter_trains_and_validates_raw_ema_and_posthoc_and_writes_its_files(runs, adapter):
+    output_dir, result = runs[adapter]
+    log = read_log(output_dir)
+    assert [(record["step"], record["variant"]) for record in log] == [
+        (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.08")]
+    title = {"dora": "DoRA", "lokr": "LoKr", "loha": "LoHa", "oft": "OFT"}[adapter]
+    own = output_dir / LORA if adapter == "dora" else output_dir
+    assert f"raw {title}: {own}" in result.stdout
+    for folder in (output_dir, output_dir / "ema", output_dir / "checkpoint-6", output_dir / "checkpoint-6" / "ema"):
+        assert all((folder / name).is_file() for name in adapter_files(adapter)), folder
+    raw, ema = (load_file(folder / adapter_files(adapter)[-3]) for folder in (output_dir, output_dir / "ema"))
+    assert raw.keys() == ema.keys() and any(not torch.equal(raw[key], ema[key]) for key in raw)
+    card = (output_dir / "README.md").read_text()
+    assert (("load_lora_weights" in card) if adapter == "dora" else ("PeftModel.from_pretrained" in card))
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_adapter_resumes_exactly(runs, adapter):
+    (output_dir, result), (straight_dir, _) = runs[f"{adapter}-resumed"], runs[adapter]
+    assert f"resumed from {output_dir / 'checkpoint-3'} at step 3" in result.stdout
+    for folder in ("", "ema/"):
+        for name in adapter_files(adapter):
+            if name.endswith(".safetensors"):
+                assert_same_files(output_dir / folder / name, straight_dir / folder / name)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_adapters_outputs_and_checkpoints_load_as_users_load_them(tiny, runs, adapter):
+    output_dir, _ = runs[adapter]
+    checkpoint = output_dir / "checkpoint-6"  # the final step's: the output's files, once
+    weights = [name for name in adapter_files(adapter) if name.endswith(".safetensors")]
+    files = {*weights, *(f"ema/{name}" for name in weights)}
+    assert checkpoint_weight_files(checkpoint) == files | {"posthoc_ema.safetensors"}
+    for name in files:
+        assert_same_files(checkpoint / name, output_dir / name)
+    assert_lora_changes_pipeline_output(tiny["sd"], output_dir, output_dir / "ema", checkpoint, prompt=PROMPTS[0])

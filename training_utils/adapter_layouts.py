@@ -214,9 +214,13 @@ def peft_delta(module):
     for LoKr, whose difference does not depend on it) takes the module's adapter and tensors, and peft merges them
     into it; the merged weight less the base weight. On the base weight's device; returned on the CPU."""
     base = torch.zeros(lokr_shape(module.tensors)) if module.kind == "lokr" else module.base_weight().float()
-    holder = torch.nn.ModuleDict({"layer": torch.nn.Linear(base.shape[1], base.shape[0], bias=False)})
-    holder.layer.weight.data = base.clone()
-    inject_adapter_in_model(layer_config(module), holder)
+    # Making the layers draws their initial values: from a random state of their own, not the run's (which a
+    # checkpoint has just saved, and which its resume must continue from).
+    with torch.random.fork_rng(devices=[base.device] if base.device.type == "cuda" else []):
+        layer = torch.nn.utils.skip_init(torch.nn.Linear, base.shape[1], base.shape[0], bias=False, device=base.device)
+        layer.weight.data = base.clone()
+        holder = torch.nn.ModuleDict({"layer": layer})
+        inject_adapter_in_model(layer_config(module), holder)
     set_peft_model_state_dict(holder, {f"layer.{name}": tensor.to(base.device, torch.float32)
                                        for name, tensor in module.tensors.items()})
     holder.layer.merge()

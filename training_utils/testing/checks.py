@@ -70,24 +70,37 @@ def rendered_images(output_dir):
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
                                         num_inference_steps=2, atol=1e-4):
-    """Render ``prompt`` with the pipeline saved in ``base_model``, then with the LoRA of each of ``lora_dirs``
-    loaded in turn (``pipe.load_lora_weights(lora_dir)``, as a user loads it), all with one seed: each LoRA must
-    load and change the images by more than ``atol``. Returns the images (numpy), the base model's first."""
+    """Render ``prompt`` with the pipeline saved in ``base_model``, then with the adapter of each of ``lora_dirs``
+    loaded in turn as a user loads it, all with one seed: each adapter must load and change the images by more than
+    ``atol``. A LoRA or DoRA loads with ``pipe.load_lora_weights(lora_dir)``; a LoKr, LoHa or OFT (a folder per
+    component in peft's format) with ``PeftModel.from_pretrained(getattr(pipe, component), lora_dir/component)``, into
+    a freshly loaded pipeline. Returns the images (numpy), the base model's first."""
     from diffusers import DiffusionPipeline
+    from peft import PeftModel
 
-    pipe = DiffusionPipeline.from_pretrained(base_model)
-    pipe.set_progress_bar_config(disable=True)
+    def load():
+        pipe = DiffusionPipeline.from_pretrained(base_model)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
-    def render():
+    def render(pipe):
         return pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
                     output_type="np", generator=torch.Generator().manual_seed(0)).images
 
-    images = [render()]
+    pipe = load()
+    images = [render(pipe)]
     for lora_dir in lora_dirs:
-        pipe.load_lora_weights(lora_dir)
-        images.append(render())
-        pipe.unload_lora_weights()
-        assert not np.allclose(images[0], images[-1], atol=atol), f"the LoRA in {lora_dir} changes no image"
+        peft_folders = sorted(path.parent for path in Path(lora_dir).glob("*/adapter_config.json"))
+        if peft_folders:
+            adapted = load()
+            for folder in peft_folders:
+                PeftModel.from_pretrained(getattr(adapted, folder.name), folder)
+            images.append(render(adapted))
+        else:
+            pipe.load_lora_weights(lora_dir)
+            images.append(render(pipe))
+            pipe.unload_lora_weights()
+        assert not np.allclose(images[0], images[-1], atol=atol), f"the adapter in {lora_dir} changes no image"
     return images
 
 
