@@ -1,5 +1,5 @@
 """The LoRA script on two CPU processes (gloo), on images of mixed shapes in aspect-ratio buckets: no hang, one
-writer, a consistent EMA, exact resume, the encoding shared."""
+writer, a consistent EMA, exact resume, the encoding shared; and each adapter beside LoRA, its EMA consistent."""
 
 import json
 import shutil
@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch_processes, launching
+from helpers import launch_processes, launching, together
 from training_utils.testing import rendered_images
 from training_utils.testing.tiny.data import MIXED_SIZES, build_shapes
 
@@ -63,6 +63,39 @@ def resumed_run(tiny, mixed_shapes, two_process_run, tmp_path_factory):
     output_dir, result = launch_processes(SCRIPT, prepare,
                                           lambda output_dir: flags(tiny, mixed_shapes, output_dir, *resume))
     return output_dir, result.stdout
+
+
+# Each adapter beside LoRA, and the file that holds its weights.
+ADAPTER_FILES = {"dora": LORA, "lokr": "unet/adapter_model.safetensors", "loha": "unet/adapter_model.safetensors",
+                 "oft": "unet/adapter_model.safetensors"}
+
+
+@pytest.fixture(scope="module")
+@launching
+def adapter_runs(tiny, mixed_shapes, tmp_path_factory):
+    """``{adapter: output_dir}``: 2 steps of each adapter on two processes, checkpointing each, never validating."""
+    def run(adapter):
+        extra = ["--adapter", adapter, *(["--oft_block_size", 8] if adapter == "oft" else ["--rank", 4])]
+
+        def args_for(output_dir):
+            return flags(tiny, mixed_shapes, output_dir, "--max_train_steps", 2, "--num_validation_images", 0, *extra)
+
+        return launch_processes(SCRIPT, lambda: tmp_path_factory.mktemp(adapter), args_for)[0]
+
+    return together({adapter: lambda adapter=adapter: run(adapter) for adapter in ADAPTER_FILES})
+
+
+@pytest.mark.parametrize("adapter", ADAPTER_FILES)
+def test_each_adapters_ema_is_the_single_process_average_of_its_synchronized_weights(adapter_runs, adapter):
+    output_dir = adapter_runs[adapter]
+    name = ADAPTER_FILES[adapter]
+    first, second = (load_file(output_dir / f"checkpoint-{step}" / name) for step in (1, 2))
+    assert any(not torch.equal(first[key], second[key]) for key in first), "the weights never changed"
+    ema = load_file(output_dir / "checkpoint-2" / "ema" / name)
+    assert ema.keys() == first.keys()
+    for key in ema:
+        torch.testing.assert_close(ema[key], DECAY * first[key] + (1 - DECAY) * second[key], atol=1e-6, rtol=0)
+    assert load_file(output_dir / name).keys() == first.keys()
 
 
 def test_only_the_main_process_writes_validation_and_outputs(two_process_run):

@@ -13,7 +13,8 @@ own unit test (``test_<family>.py``); here each script runs:
   with the family's own choices (`Family.prior_flags`: an int8 base, other layers, ...), 3 steps;
 - resumed: the full run resumed from its checkpoint-4, checkpointing every step and keeping two.
 
-A new family is one row.
+A new family is one row. The template family (FLUX.2 [klein]) also trains each adapter beside LoRA (`ADAPTERS`), on an
+int8 base, compiled, with an EMA, validating and writing the ComfyUI layout.
 """
 
 import shutil
@@ -27,6 +28,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
+from training_utils.adapter_export import converted_name
 from training_utils.families import flux2, qwen_image, sd3, z_image
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
@@ -48,6 +50,7 @@ REFUSED_EVERYWHERE = [
                                    "its own is not carried yet"),
     (["--lora_layers", "to_q,,to_k"], "--lora_layers='to_q,,to_k': expected comma-separated layer names"),
     (["--weighting_scheme", "logit_normal", "--logit_std", 0], "--logit_std=0.0: expected a positive number"),
+    (["--oft_block_size", 8], "--oft_block_size=8: expected no --oft_block_size with --adapter lora (a setting of OFT)"),
 ]
 NO_TEXT_ENCODER_TRAINING = [
     (["--text_encoder_lr", 1e-5], "--text_encoder_lr is not supported here: the text encoder does not train in this "
@@ -55,6 +58,11 @@ NO_TEXT_ENCODER_TRAINING = [
     (["--do_fp8_training"], "--do_fp8_training is not supported here: torchao's float8 training is not carried; "
                             "--quantize_base fp8 loads the frozen transformer in float8 instead"),
 ]
+
+
+# The adapters beside LoRA, each with a setting of its own; OFT has no rank.
+ADAPTERS = {"dora": ["--rank", 4], "lokr": ["--rank", 4, "--lokr_decompose_both"], "loha": ["--rank", 4],
+            "oft": ["--oft_block_size", 8]}
 
 
 def attention(blocks, layers, prefix="transformer_blocks"):
@@ -135,12 +143,22 @@ FAMILIES = [
 FAMILY_IDS = [family.name for family in FAMILIES]
 
 
-def common(tiny, family, output_dir, *extra):
+def common(tiny, family, output_dir, *extra, adapter=("--rank", 4)):
     return ["--pretrained_model_name_or_path", tiny[family.name], "--instance_data_dir", tiny["instance_mixed"],
             "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip", "--use_ema",
-            "--ema_decay", 0.9, "--rank", 4, "--seed", 3, "--use_aspect_ratio_buckets", "--repeats", 2,
+            "--ema_decay", 0.9, *adapter, "--seed", 3, "--use_aspect_ratio_buckets", "--repeats", 2,
             "--caption_dropout", 0.3, *family.flags, *extra]
+
+
+def adapter_flags(tiny, family, output_dir, adapter):
+    """4 steps of ``adapter`` on an int8 base, compiled, validating at step 2 and the end, every file also in
+    ComfyUI's layout; at a learning rate that changes the images in so few steps."""
+    return common(tiny, family, output_dir, "--max_train_steps", 4, "--learning_rate", 1e-2,
+                  "--validation_prompt", "a sks triangle",
+                  "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2,
+                  "--checkpointing_steps", 1000, *INT8, "--torch_compile", "aot_eager", "--export_formats", "comfyui",
+                  adapter=("--adapter", adapter, *ADAPTERS[adapter]))
 
 
 def full_flags(tiny, family, output_dir):
@@ -172,6 +190,10 @@ def runs(tiny, tmp_path_factory):
             "--feature_cache_dir", folder / "features"))
         launches[family.name, "prior"] = (family.script, *common(
             tiny, family, folder / "prior", *PRIOR, "--class_data_dir", folder / "class", *family.prior_flags))
+    template = FAMILIES[0]
+    for adapter in ADAPTERS:
+        launches[template.name, adapter] = (template.script, *adapter_flags(
+            tiny, template, root / template.name / adapter, adapter))
     results = launch_together(launches)
     resumed = {}
     for family in FAMILIES:
@@ -309,3 +331,19 @@ def test_a_block_the_sd3_transformer_lacks_fails_with_one_line(tiny, tmp_path):
     error = launched_usage_error(result)
     assert error == "error: --lora_blocks=2: expected a block index below 2 (the transformer has 2 blocks)"
     assert not (output_dir / LORA).exists()
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_adapter_trains_on_an_int8_compiled_klein_with_an_ema_and_writes_comfyuis_layout(tiny, runs, adapter):
+    output_dir, result = runs["flux2_klein", adapter]
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    assert "aot_eager compiles, at their first call, 1 Flux2TransformerBlock, 2 Flux2SingleTransformerBlock" \
+        in result.stderr
+    own = [LORA] if adapter == "dora" else ["transformer/adapter_config.json", "transformer/adapter_model.safetensors"]
+    for folder in (output_dir, output_dir / "ema"):
+        assert all((folder / name).is_file() for name in own), folder
+        comfyui = load_file(folder / converted_name("comfyui"))
+        assert comfyui and all(key.startswith("diffusion_model.") for key in comfyui)
+    # In 4 steps a LoHa (a product of products) moves the tiny transformer's images by less than LoRA's 1e-4.
+    assert_lora_changes_pipeline_output(tiny["flux2_klein"], output_dir, output_dir / "ema", prompt=INSTANCE_PROMPT,
+                                        atol=1e-6)

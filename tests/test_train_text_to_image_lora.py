@@ -243,6 +243,7 @@ BAD_INPUT = [
     (["--resolution", 30], "error: --resolution=30: expected a positive multiple of 8"),
     (["--caption_column", "caption"], "error: --caption_column='caption': expected a column of the dataset"),
     (["--ema_decay", 1.0], "error: --ema_decay=1.0: expected a number in [0, 1)"),
+    (["--adapter", "oft"], "error: --rank=4: expected no --rank with --adapter oft (a setting of LoRA, DoRA, LoKr, LoHa)"),
 ]
 
 
@@ -424,3 +425,13 @@ def test_each_adapters_outputs_and_checkpoints_load_as_users_load_them(tiny, run
     for name in files:
         assert_same_files(checkpoint / name, output_dir / name)
     assert_lora_changes_pipeline_output(tiny["sd"], output_dir, output_dir / "ema", checkpoint, prompt=PROMPTS[0])
+
+
+@pytest.mark.slow
+def test_resuming_with_another_adapter_is_refused_naming_the_flag(tiny, runs, tmp_path):
+    shutil.copytree(runs["lokr"][0] / "checkpoint-3", tmp_path / "checkpoint-3")
+    result = launch(SCRIPT, *adapter_flags(tiny, tmp_path, "loha", "--resume_from_checkpoint", "latest"), check=False)
+    error = launched_usage_error(result)
+    assert error.startswith(f"error: --resume_from_checkpoint='{tmp_path / 'checkpoint-3'}': expected the flags the "
+                            f"checkpoint was trained with (--adapter was 'lokr', now 'loha'"), error
+    assert not (tmp_path / "unet").exists()
