@@ -22,8 +22,8 @@ def module_weights(tensors):
     prefixes |= {key[:-len(f".{up}")] for key in tensors for up, _ in LORA_PAIRS if key.endswith(f".{up}")}
     modules, read = {}, set()
     for prefix in prefixes:
-        names = [name for name in ("alpha", "dora_scale", "diff", *LOKR, *LOHA, *(n for pair in LORA_PAIRS for n in pair))
-                 if f"{prefix}.{name}" in tensors]
+        lora = [name for pair in LORA_PAIRS for name in pair]
+        names = [name for name in ("alpha", "dora_scale", "diff", *LOKR, *LOHA, *lora) if f"{prefix}.{name}" in tensors]
         modules[prefix] = {name: tensors[f"{prefix}.{name}"] for name in names}
         read |= {f"{prefix}.{name}" for name in names}
     return modules, sorted(set(tensors) - read)

@@ -128,8 +128,9 @@ def test_peft_format_is_what_peft_saves(tiny, adapter, tmp_path):
     config, peft_config = (json.loads((folder / "adapter_config.json").read_text())
                            for folder in (tmp_path / "ours" / "unet", tmp_path / "peft"))
     assert config["base_model_name_or_path"] == str(tiny["sd"] / "unet")
-    assert {key: value for key, value in config.items() if key not in ("base_model_name_or_path", "target_modules")} \
-        == {key: value for key, value in peft_config.items() if key not in ("base_model_name_or_path", "target_modules")}
+    differ = ("base_model_name_or_path", "target_modules")
+    assert {key: value for key, value in config.items() if key not in differ} == {
+        key: value for key, value in peft_config.items() if key not in differ}
     assert config["target_modules"] == sorted(peft_config["target_modules"])
 
 

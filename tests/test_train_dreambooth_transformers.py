@@ -50,7 +50,8 @@ REFUSED_EVERYWHERE = [
                                    "its own is not carried yet"),
     (["--lora_layers", "to_q,,to_k"], "--lora_layers='to_q,,to_k': expected comma-separated layer names"),
     (["--weighting_scheme", "logit_normal", "--logit_std", 0], "--logit_std=0.0: expected a positive number"),
-    (["--oft_block_size", 8], "--oft_block_size=8: expected no --oft_block_size with --adapter lora (a setting of OFT)"),
+    (["--oft_block_size", 8], "--oft_block_size=8: expected no --oft_block_size with --adapter lora (a setting of "
+                              "OFT)"),
 ]
 NO_TEXT_ENCODER_TRAINING = [
     (["--text_encoder_lr", 1e-5], "--text_encoder_lr is not supported here: the text encoder does not train in this "

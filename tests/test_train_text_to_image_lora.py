@@ -106,7 +106,8 @@ def runs(tiny, tmp_path_factory):
       ``--cache_latents`` and ``--random_flip``; with both, the cache is on disk (`feature_flags`); with flips only,
       the VAE leaves the accelerator between steps (``--offload``);
     - square_cached, random_crops_cached: cached runs with flips on the square shapes, center-cropped and not;
-    - each adapter of `ADAPTERS` (`adapter_flags`), and the same run resumed from its checkpoint-3 (``<adapter>-resumed``).
+    - each adapter of `ADAPTERS` (`adapter_flags`), and the same run resumed from its checkpoint-3
+      (``<adapter>-resumed``).
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -243,7 +244,8 @@ BAD_INPUT = [
     (["--resolution", 30], "error: --resolution=30: expected a positive multiple of 8"),
     (["--caption_column", "caption"], "error: --caption_column='caption': expected a column of the dataset"),
     (["--ema_decay", 1.0], "error: --ema_decay=1.0: expected a number in [0, 1)"),
-    (["--adapter", "oft"], "error: --rank=4: expected no --rank with --adapter oft (a setting of LoRA, DoRA, LoKr, LoHa)"),
+    (["--adapter", "oft"], "error: --rank=4: expected no --rank with --adapter oft (a setting of LoRA, DoRA, LoKr, "
+                           "LoHa)"),
 ]
 
 

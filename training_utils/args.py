@@ -148,25 +148,27 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
 def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     """The adapter's flags (`adapters.add_adapter_args`: LoRA by default), and those of a quantised base
     (`quantization.add_quantization_args`): an adapter trains beside a frozen base, which may be quantised. The file
-    formats offered are those that apply to LoRAs of
-    ``pipeline_class`` (`families.formats_for`). With ``train_text_encoder``, the text encoders may train too, with
-    an optimizer setting of their own (upstream's flags; SD3's script gives them upstream's defaults)."""
-    lora = parser.add_argument_group("adapter")
-    add_adapter_args(lora)
+    layouts offered are those that apply to ``pipeline_class``'s family (`families.formats_for`). With
+    ``train_text_encoder``, the text encoders may train too, with an optimizer setting of their own (upstream's flags;
+    SD3's script gives them upstream's defaults)."""
+    adapter = parser.add_argument_group("adapter")
+    add_adapter_args(adapter)
     if train_text_encoder:
-        lora.add_argument("--train_text_encoder", action="store_true", help="also train the adapter on the text encoder(s)")
-        lora.add_argument("--text_encoder_lr", type=float, default=None,
-                          help="the text encoders' learning rate (default: --learning_rate)")
-        lora.add_argument("--adam_weight_decay_text_encoder", type=float, default=None,
-                          help="the text encoders' weight decay (default: --adam_weight_decay)")
+        adapter.add_argument("--train_text_encoder", action="store_true",
+                             help="also train the adapter on the text encoder(s)")
+        adapter.add_argument("--text_encoder_lr", type=float, default=None,
+                             help="the text encoders' learning rate (default: --learning_rate)")
+        adapter.add_argument("--adam_weight_decay_text_encoder", type=float, default=None,
+                             help="the text encoders' weight decay (default: --adam_weight_decay)")
     formats = formats_for(pipeline_class.__name__)
-    lora.add_argument("--export_formats", nargs="+", choices=[DIFFUSERS, *formats], default=[DIFFUSERS],
-                      help=f"the LoRA file layouts written beside each other, for every LoRA written (raw, EMA, "
-                           f"post-hoc, checkpoints): {DIFFUSERS} (always; what load_lora_weights reads)"
-                           + "".join(f", {name} ({FORMAT_USERS[name]})" for name in formats))
+    adapter.add_argument("--export_formats", nargs="+", choices=[DIFFUSERS, *formats], default=[DIFFUSERS],
+                         help=f"the file layouts written beside each other, for every adapter written (raw, EMA, "
+                              f"post-hoc, checkpoints): {DIFFUSERS} (always: the adapter's own, which "
+                              f"load_lora_weights or peft reads)"
+                              + "".join(f", {name} ({FORMAT_USERS[name]})" for name in formats))
     if "kohya" in formats:
-        lora.add_argument("--output_kohya_format", action="store_true",
-                          help="upstream's name for adding kohya to --export_formats")
+        adapter.add_argument("--output_kohya_format", action="store_true",
+                             help="upstream's name for adding kohya to --export_formats")
     add_quantization_args(parser)
 
 

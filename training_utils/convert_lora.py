@@ -130,8 +130,9 @@ def split_keys(tensors):
         modules.setdefault((component, rest[:-len(name) - 1]), {})[name] = key
     incomplete = [f"{component}.{path}" for (component, path), names in modules.items() if kind_of(set(names)) is None]
     if unknown or incomplete:
+        unexpected = few(sorted(unknown) + sorted(incomplete))
         raise UsageError(None, None, "not an adapter of peft's LoRA, DoRA, LoKr, LoHa or OFT tensors (no bias or "
-                                     f"embedding adapters): unexpected keys {few(sorted(unknown) + sorted(incomplete))}")
+                                     f"embedding adapters): unexpected keys {unexpected}")
     return modules
 
 
