@@ -18,6 +18,7 @@ from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, lau
 from training_utils import convert_lora
 from training_utils.adapter_export import converted_name
 from training_utils.grids import progress_grid, step_grid
+from training_utils.posthoc_ema.__main__ import main as synthesize
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_lora_changes_pipeline_output, assert_resumes_exactly, assert_same_files,
                                     assert_same_tensors, assert_validated_at, checkpoint_names,
@@ -426,7 +427,13 @@ def test_each_adapters_outputs_and_checkpoints_load_as_users_load_them(tiny, run
     assert checkpoint_weight_files(checkpoint) == files | {"posthoc_ema.safetensors"}
     for name in files:
         assert_same_files(checkpoint / name, output_dir / name)
-    assert_lora_changes_pipeline_output(tiny["sd"], output_dir, output_dir / "ema", checkpoint, prompt=PROMPTS[0])
+    # A post-hoc EMA length chosen after training is written as the run's outputs are (an OFT's difference from the
+    # base model's folder).
+    synthesize(["--output_dir", str(output_dir), "--sigma_rel", "0.08"])
+    synthesized = output_dir / "posthoc_ema" / "sigma_rel-0.08"
+    assert all((synthesized / name).is_file() for name in adapter_files(adapter))
+    assert_lora_changes_pipeline_output(tiny["sd"], output_dir, output_dir / "ema", checkpoint, synthesized,
+                                        prompt=PROMPTS[0])
 
 
 @pytest.mark.slow

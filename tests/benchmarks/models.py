@@ -6,6 +6,7 @@ and four times the channels (about 17M parameters instead of 0.4M).
 
 from pathlib import Path
 
+from training_utils.testing.tiny import build
 from training_utils.testing.tiny import parts as tiny
 
 
@@ -33,7 +34,7 @@ def model_path(name, fixtures_dir, tiny_fixture="sd"):
     if name == "tiny":
         path = Path(fixtures_dir) / tiny_fixture
         if not (path / "model_index.json").exists():
-            tiny.build(fixtures_dir, [tiny_fixture])
+            build(fixtures_dir, [tiny_fixture])
         return str(path)
     if name == "wide":
         path = Path(fixtures_dir) / "sd-wide"

@@ -3,8 +3,8 @@
     python -m training_utils.posthoc_ema --output_dir out --sigma_rel 0.06 0.08 [--step 1000]
 
 writes ``out/posthoc_ema/sigma_rel-<value>/`` (``sigma_rel-<value>-step-<S>/`` with ``--step``) in the
-run's own output format (a LoRA ``pipe.load_lora_weights`` loads, or a model folder), and prints the
-least-squares coefficients and the reconstruction error.
+run's own output format (a LoRA ``pipe.load_lora_weights`` loads, an adapter in peft's format, or a model folder),
+and prints the least-squares coefficients and the reconstruction error.
 """
 
 from ..args import TrainingArgumentParser
