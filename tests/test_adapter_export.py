@@ -24,26 +24,14 @@ from training_utils.hub import how_to_load
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter, add_lora
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema.synthesis import export_from_description
+from test_export import fresh_pipe, perturb
 
 ADAPTERS = ["lora", "dora", "lokr", "loha", "oft"]
-
-
-def fresh_pipe(tiny):
-    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def render(pipe):
     return pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np",
                 generator=torch.Generator().manual_seed(0)).images
-
-
-def perturb(parameters, scale=0.1, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in parameters.values():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
 def adapter_flags(adapter, **settings):

@@ -20,6 +20,7 @@ from training_utils.errors import UsageError
 from training_utils.families import family_of
 from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.pipeline import trainable_parameters
+from test_export import perturb
 from transformer_layouts import TRANSFORMERS
 
 ADAPTERS = ["dora", "lokr", "loha", "oft"]
@@ -38,14 +39,6 @@ def config(adapter, targets, patterns=True):
             "lokr": lambda: LoKrConfig(r=RANK, alpha=ALPHA, decompose_both=True, target_modules=targets, **patterns),
             "loha": lambda: LoHaConfig(r=RANK, alpha=ALPHA, target_modules=targets, **patterns),
             "oft": lambda: OFTConfig(oft_block_size=4, target_modules=targets)}[adapter]()
-
-
-def perturb(parameters, seed=0):
-    """Random adapter tensors, as if trained (peft starts some at zero); DoRA's magnitudes near the rows' norms."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in parameters:
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
 
 
 def peft_weights(model):
@@ -81,7 +74,7 @@ def test_a_kohya_file_makes_the_weights_of_the_trained_adapter(tiny, family, ada
     add_adapter(pipe.unet, config(adapter, ATTENTION_PROJECTIONS, patterns=False))
     add_adapter(pipe.text_encoder, config(adapter, CLIP_ATTENTION_PROJECTIONS, patterns=False))
     trained = {"unet": pipe.unet, "text_encoder": pipe.text_encoder}
-    perturb(trainable_parameters(trained).values())
+    perturb(trainable_parameters(trained), scale=0.2)
     adapter_export(UNET_PIPELINES[family], trained, ["diffusers", "kohya"]).save(tmp_path)
     modules, unread = module_weights(load_file(tmp_path / converted_name("kohya")))
     assert not unread
@@ -103,7 +96,7 @@ def transformer_adapter(request, tmp_path_factory):
     transformer = build()
     targets = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
     add_adapter(transformer, config(adapter, targets))
-    perturb(trainable_parameters({"transformer": transformer}).values())
+    perturb(trainable_parameters({"transformer": transformer}), scale=0.2)
     folder = tmp_path_factory.mktemp(f"{family}-{adapter}")
     adapter_export(pipeline_class, {"transformer": transformer}, ["diffusers", "comfyui"]).save(folder)
     return family, adapter, transformer, folder
@@ -159,7 +152,7 @@ def test_a_lokr_of_whole_factors_takes_its_scale_into_the_first_factor():
     # The tools apply a LoKr whose factors are both whole at scale 1, whatever its alpha; peft at alpha / rank.
     transformer = TRANSFORMERS["qwen_image"][1]()
     add_adapter(transformer, LoKrConfig(r=16, alpha=4.0, target_modules=["img_in"]))
-    perturb(trainable_parameters({"transformer": transformer}).values())
+    perturb(trainable_parameters({"transformer": transformer}), scale=0.2)
     export = adapter_export(TRANSFORMERS["qwen_image"][0], {"transformer": transformer}, ["diffusers", "comfyui"])
     converted = export.converted(export.layers(trainable_parameters({"transformer": transformer})))
     module = module_weights(converted[converted_name("comfyui")])[0]["diffusion_model.img_in"]
@@ -177,7 +170,7 @@ def test_a_difference_is_computed_from_a_random_state_of_its_own_never_the_runs(
     add_adapter(transformer, config(adapter, ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k"],
                                     patterns=False))
     trained = {"transformer": transformer}
-    perturb(trainable_parameters(trained).values())
+    perturb(trainable_parameters(trained), scale=0.2)
     random_state = torch.get_rng_state()
     export = adapter_export(TRANSFORMERS["flux2"][0], trained, ["diffusers", "comfyui"])
     (converted,) = export.converted(export.layers(trainable_parameters(trained))).values()
@@ -188,7 +181,7 @@ def test_a_difference_is_computed_from_a_random_state_of_its_own_never_the_runs(
 def test_the_command_converts_a_folder_of_peft_adapters_with_the_base_weights_it_names(tiny, tmp_path):
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     add_adapter(pipe.unet, config("oft", ATTENTION_PROJECTIONS))
-    perturb(trainable_parameters({"unet": pipe.unet}).values())
+    perturb(trainable_parameters({"unet": pipe.unet}), scale=0.2)
     adapter_export(StableDiffusionPipeline, {"unet": pipe.unet}, ["diffusers", "comfyui"]).save(tmp_path / "run")
     write_converted(tmp_path / "run", tmp_path / "converted.safetensors", "comfyui")
     written, in_run = (load_file(path) for path in (tmp_path / "converted.safetensors",

@@ -21,11 +21,6 @@ def fresh_pipe(tiny):
     return pipe
 
 
-def render(pipe):
-    return pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np",
-                generator=torch.Generator().manual_seed(0)).images
-
-
 def perturb(parameters, scale=0.1, seed=0):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
