@@ -1,5 +1,5 @@
 """The LoRA script on two CPU processes (gloo), on images of mixed shapes in aspect-ratio buckets: no hang, one
-writer, a consistent EMA, exact resume, the encoding shared; and each adapter beside LoRA, its EMA consistent."""
+writer, a consistent EMA, exact resume, the encoding shared; and DoRA and OFT, their EMAs consistent."""
 
 import json
 import shutil
@@ -65,15 +65,16 @@ def resumed_run(tiny, mixed_shapes, two_process_run, tmp_path_factory):
     return output_dir, result.stdout
 
 
-# Each adapter beside LoRA, and the file that holds its weights.
-ADAPTER_FILES = {"dora": LORA, "lokr": "unet/adapter_model.safetensors", "loha": "unet/adapter_model.safetensors",
-                 "oft": "unet/adapter_model.safetensors"}
+# An adapter of each export beside LoRA's, and the file that holds its weights: DoRA (a LoRA file, with magnitudes
+# that each step renormalises) and OFT (peft's format, as LoKr and LoHa, whose tensors DDP treats as it does LoRA's).
+ADAPTER_FILES = {"dora": LORA, "oft": "unet/adapter_model.safetensors"}
 
 
 @pytest.fixture(scope="module")
 @launching
 def adapter_runs(tiny, mixed_shapes, tmp_path_factory):
-    """``{adapter: output_dir}``: 2 steps of each adapter on two processes, checkpointing each, never validating."""
+    """``{adapter: output_dir}``: 2 steps of each adapter of `ADAPTER_FILES` on two processes, checkpointing each,
+    never validating."""
     def run(adapter):
         extra = ["--adapter", adapter, *(["--oft_block_size", 8] if adapter == "oft" else ["--rank", 4])]
 

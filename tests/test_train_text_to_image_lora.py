@@ -142,11 +142,12 @@ def runs(tiny, tmp_path_factory):
     for adapter in ADAPTERS:
         launches[adapter] = (SCRIPT, *adapter_flags(tiny, root / adapter, adapter))
     results = launch_together(launches)
-    # Each adapter's run resumed from its checkpoint-3, mid-epoch.
+    # Each adapter's run resumed from its checkpoint-3, mid-epoch, rendering no validation images.
     resumed = {}
     for adapter in ADAPTERS:
         shutil.copytree(root / adapter / "checkpoint-3", root / f"{adapter}-resumed" / "checkpoint-3")
         resumed[f"{adapter}-resumed"] = (SCRIPT, *adapter_flags(tiny, root / f"{adapter}-resumed", adapter,
+                                                                "--num_validation_images", 0,
                                                                 "--resume_from_checkpoint", "latest"))
     results.update(launch_together(resumed))
     return {name: (root / name, result) for name, result in results.items()}
