@@ -30,7 +30,7 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
 from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
-from .images import UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage
+from .images import READING, UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage, read_image
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class FrozenEncoders:
         images = dataset.select_columns(image_column)  # decode nothing else (e.g. conditioning images)
         sources = [image_source(row[image_column]) for row in undecoded.select_columns(image_column)]
         self.latent_cache = self._cache_latents(
-            list(range(len(dataset))), sources, [lambda index=index: images[index][image_column]
+            list(range(len(dataset))), sources, [lambda index=index: read_image(images[index][image_column])
                                                  for index in range(len(dataset))], shapes)
         return undecoded.add_column(CACHE_INDEX_COLUMN, list(range(len(dataset))))
 
@@ -295,14 +295,13 @@ class FrozenEncoders:
         if self.cache_latents:
             files = list(dict.fromkeys(files))
             self.latent_cache = self._cache_latents(files, [image_source(path) for path, _ in files],
-                                                    [lambda path=path: Image.open(path) for path, _ in files],
+                                                    [lambda path=path: read_image(path) for path, _ in files],
                                                     [shape for _, shape in files])
 
     def image_file(self, path, generator, shape=None):
-        """What ``transform(Image.open(path), generator, shape)`` returns, from the cache when caching latents."""
+        """What ``transform(read_image(path), generator, shape)`` returns, from the cache when caching latents."""
         if self.latent_cache is None:
-            with Image.open(path) as image:
-                return self.transform(image, generator, shape)
+            return self.transform(read_image(path), generator, shape)
         return cached_latent_parameters(self.latent_cache[path, shape], self.transform, generator)
 
     def latents(self, images):
@@ -342,7 +341,7 @@ class FrozenEncoders:
             size = f"{self.transform.resolution}px" if shape is None else "{}x{}".format(*shape)
             store = self._store("latents", {
                 "vae": describe(self.vae), "images": many([sources[p] for p in positions], "images"),
-                "transform": f"{size} {crops}, both flips"})
+                "reading": READING, "transform": f"{size} {crops}, both flips"})
             group = [open_images[position] for position in positions]
             encode_chunk = latent_chunk_encoder(group, self.transform, self.vae, self.device, self.dtype,
                                                 self.seed, shape)
