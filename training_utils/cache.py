@@ -29,7 +29,8 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
-from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
+from .cache_keys import describe, digest
+from .feature_store import Block, FeatureStore, block_bytes, encode_once, encoders_on
 from .images import READING, UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage, read_image
 
 logger = logging.getLogger(__name__)
