@@ -179,6 +179,18 @@ def test_a_non_finite_loss_before_any_checkpoint_says_none_was_written(accelerat
         toy_run(accelerator, tmp_path, max_train_steps=7, on_step=lambda step, loss: loss / 0 if step == 2 else loss)
 
 
+def test_a_validation_image_that_cannot_be_written_stops_the_run_in_one_line(accelerator, tmp_path, monkeypatch):
+    def disk_full(self, step, final=False):
+        raise OSError(28, "No space left on device", str(tmp_path / "validation" / "step-000003" / "raw-p00-00.png"))
+
+    monkeypatch.setattr(RecordingValidator, "__call__", disk_full)
+    with pytest.raises(RunStopped) as stopped:
+        toy_run(accelerator, tmp_path, max_train_steps=7)
+    assert (stopped.value.exit_code, stopped.value.reason) == (74, "write failed")
+    assert str(stopped.value) == (f"could not write to {tmp_path / 'validation'}: {tmp_path}/validation/step-000003/"
+                                  f"raw-p00-00.png: No space left on device")
+
+
 def test_each_step_logs_its_own_loss_and_lr(accelerator, tmp_path, monkeypatch):
     losses, logged = {}, {}
     monkeypatch.setattr(accelerator, "log", lambda values, step: logged.setdefault(step, values))

@@ -38,9 +38,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .cache_keys import digest
-from .errors import WRITE_ERRORS, UsageError, WriteFailed
+from .errors import UsageError
 from .manifest import file_hash
-from .writing import failure_cause
+from .writing import stopping_on_write_errors
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class FeatureStore:
         stores of the same kind already there; check its shards (`check_shards`); then every process may read it."""
         if state.is_main_process:
             existing = self.path.is_dir()
-            with written_into(self.path):
+            with stopping_on_write_errors(self.path):
                 self.path.mkdir(parents=True, exist_ok=True)
                 remove_abandoned_temporaries(self.path)
                 meta = self.path / "meta.json"
@@ -107,7 +107,7 @@ class FeatureStore:
             for shard, problem in problems:
                 if problem is not None:
                     logger.warning(f"feature cache: {shard} {problem}; removed, its items are encoded again")
-                    with written_into(self.path):
+                    with stopping_on_write_errors(self.path):
                         shard.unlink(missing_ok=True)
         state.wait_for_everyone()
 
@@ -156,7 +156,7 @@ class FeatureStore:
             errors.update({str(index): message for index, message in block.errors.items()})
         first = min(int(block.indices.min()) if len(block.indices) else min(block.errors) for block in self.pending)
         temporary = temporary_path(self.path / f"shard-{first:09d}.safetensors")
-        with written_into(self.path):
+        with stopping_on_write_errors(self.path):
             try:
                 save_file(tensors, str(temporary), metadata={"errors": json.dumps(errors)})
                 os.replace(temporary, self.path / f"shard-{first:09d}-{file_hash(temporary)}.safetensors")
@@ -204,14 +204,6 @@ def write_atomically(path, write):
     write(str(temporary))
     os.replace(temporary, path)
 
-
-@contextlib.contextmanager
-def written_into(folder):
-    """A failed write into the store's ``folder`` (a full disk, a permission) stops the run in one line saying why."""
-    try:
-        yield
-    except WRITE_ERRORS as error:
-        raise WriteFailed(folder, failure_cause(error, folder)) from None
 
 
 def remove_abandoned_temporaries(folder):

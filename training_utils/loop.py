@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import sys
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -40,7 +41,8 @@ from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
 from .run_status import RUN
 from .stop_signals import SIGNALS
-from .validation import validation_due
+from .validation import VALIDATION_DIR, validation_due
+from .writing import stopping_on_write_errors
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +191,8 @@ class TrainingLoop:
             self.checkpointer.save(step, self._checkpoint_state(skipped_images))
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
-            self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
+            with stopping_on_write_errors(Path(self.args.output_dir) / VALIDATION_DIR):
+                self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
             if getattr(self.args, "torch_compile", None):
                 # Validation compiles graphs of its own the first time; a count that grows after that is recompiling.
                 logger.info(f"--torch_compile: {compilation_count()} graphs compiled by step {step}")

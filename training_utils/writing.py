@@ -5,6 +5,7 @@ Files get the permissions that the process's umask gives (safetensors writes 060
 that fails says why in words, also where the library that wrote gave none (torch's "unexpected pos" on a full disk).
 """
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -30,7 +31,7 @@ def write_atomically(directory, write):
     fails (a full disk, a permission) stops the run in one line naming the file and the cause.
     """
     directory = Path(directory)
-    try:
+    with stopping_on_write_errors(directory):
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory, prefix=STAGING_PREFIX) as staging:
             write(staging)
@@ -41,6 +42,14 @@ def write_atomically(directory, write):
                         target = directory / path.relative_to(staging)
                         target.parent.mkdir(parents=True, exist_ok=True)
                         os.replace(path, target)
+
+
+@contextlib.contextmanager
+def stopping_on_write_errors(directory):
+    """A write into ``directory`` that fails inside the block (a full disk, a permission) stops the run in one line
+    saying why (`failure_cause`)."""
+    try:
+        yield
     except WRITE_ERRORS as error:
         raise WriteFailed(directory, failure_cause(error, directory)) from None
 
