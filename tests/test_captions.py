@@ -10,8 +10,10 @@ import torch
 from PIL import Image
 
 from helpers import usage_error
+from training_utils.args import training_parser
 from training_utils.cache import FrozenEncoders
 from training_utils.captions import check_captions, check_metadata, cut_captions_warning
+from training_utils.data import load_train_dataset
 from training_utils.errors import UsageError
 from training_utils.images import ImageTransform
 from training_utils.testing.tiny import parts as tiny
@@ -93,3 +95,12 @@ def test_the_text_embeddings_warn_of_cut_captions(caplog):
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warnings == ["captions cut to fit the text encoders: 1 of 2 longer than the 8 tokens CLIPTokenizer takes "
                         "('a caption of many more words than eight ...')"]
+
+
+def test_a_dataset_folder_given_as_dataset_name_is_checked_line_by_line_too(tmp_path):
+    path = metadata(tmp_path / "data", {"file_name": "0.png", "text": "a"}, b'{"file_name": "1.png", "text": "\xff"}')
+    args = training_parser("test").parse_args(["--pretrained_model_name_or_path", "x/y", "--dataset_name",
+                                               str(tmp_path / "data"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(UsageError, match=f"^--dataset_name='{tmp_path / 'data'}': expected UTF-8 text in {path}: "
+                                         f"line 2 is not"):
+        load_train_dataset(args, {"--image_column": "image", "--caption_column": "text"})

@@ -51,8 +51,12 @@ def load_train_dataset(args, columns):
             raise UsageError("--train_data_dir", args.train_data_dir, "an existing folder")
         if not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in data_dir.rglob("*")):
             raise UsageError("--train_data_dir", args.train_data_dir, "a folder holding images")
-        for metadata in sorted(data_dir.rglob("metadata.jsonl")):
-            check_metadata(metadata, "--train_data_dir", args.train_data_dir, columns.get("--caption_column"))
+    flag, value = ("--train_data_dir", args.train_data_dir) if args.train_data_dir else ("--dataset_name",
+                                                                                         args.dataset_name)
+    if Path(value).is_dir():  # an imagefolder, or a dataset folder that may be one
+        for metadata in sorted(Path(value).rglob("metadata.jsonl")):
+            check_metadata(metadata, flag, value, columns.get("--caption_column"))
+    if args.train_data_dir is not None:
         dataset = load_dataset("imagefolder", data_dir=str(data_dir), cache_dir=args.cache_dir)
     else:
         try:
