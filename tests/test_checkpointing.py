@@ -576,6 +576,17 @@ def test_resuming_with_a_changed_trajectory_flag_is_refused_unless_asked_and_the
     assert "resuming with changed flags (--seed was 3, now 4): the run is no longer exact" in caplog.text
 
 
+def test_a_changed_flag_is_named_as_the_user_typed_it(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.checkpointer.trajectory = {"caption_dropout": 0.1}
+    run.train(1)
+    path = run.checkpointer.save(1)
+    run.checkpointer.trajectory = {"caption_dropout": 0.2}
+    run.checkpointer.spellings = {"caption_dropout": "--proportion_empty_prompts"}
+    with pytest.raises(UsageError, match="\\(--proportion_empty_prompts was 0.1, now 0.2\\)"):
+        run.checkpointer.load(path)
+
+
 def test_a_changed_rank_is_named_as_a_flag_before_any_shape_is_compared(tmp_path, acc):
     run = Run(acc, tmp_path)
     run.checkpointer.trajectory = {"rank": 4}

@@ -51,14 +51,16 @@ class Checkpointer:
     """Saves and loads checkpoints of one run.
 
     ``export`` (`export.Export`) describes what the run trains and writes it as the final output does;
-    ``ema`` is the `EMA` over its trained parameters and ``posthoc`` the `PostHocEMA`, or None. Registers
-    accelerate hooks so ``save_state``/``load_state`` store these instead of whole models.
+    ``ema`` is the `EMA` over its trained parameters and ``posthoc`` the `PostHocEMA`, or None. ``spellings``
+    (`parser.ParsedArgs.spellings`) name a changed trajectory flag as the user typed it. Registers accelerate hooks
+    so ``save_state``/``load_state`` store these instead of whole models.
     """
 
     def __init__(self, accelerator, output_dir, export, ema=None, total_limit=None, posthoc=None,
-                 trajectory=None, allow_changed_trajectory=False):
+                 trajectory=None, allow_changed_trajectory=False, spellings=None):
         self.accelerator = accelerator
         self.trajectory = trajectory or {}
+        self.spellings = spellings or {}
         self.allow_changed_trajectory = allow_changed_trajectory
         self.output_dir = Path(output_dir)
         self.export = export
@@ -159,7 +161,8 @@ class Checkpointer:
         changed = [name for name in self.trajectory if name in saved and saved[name] != self.trajectory[name]]
         if not changed:
             return
-        described = "; ".join(f"--{name} was {saved[name]!r}, now {self.trajectory[name]!r}" for name in changed)
+        described = "; ".join(f"{self.spellings.get(name, f'--{name}')} was {saved[name]!r}, now "
+                              f"{self.trajectory[name]!r}" for name in changed)
         if not self.allow_changed_trajectory:
             raise UsageError("--resume_from_checkpoint", str(path),
                              f"the flags the checkpoint was trained with ({described}), or --resume_with_changed_args "

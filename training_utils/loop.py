@@ -84,7 +84,8 @@ class TrainingLoop:
         self._at_step_start = True
         self._step_start = None
         self.checkpointer = Checkpointer(accelerator, args.output_dir, export, ema, args.checkpoints_total_limit,
-                                         posthoc, trajectory_flags(args), args.resume_with_changed_args)
+                                         posthoc, trajectory_flags(args), args.resume_with_changed_args,
+                                         getattr(args, "spellings", None))
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
         RUN.last_step = self.global_step
         # Images skipped on all processes up to the last completed step, counting those before a resume;
