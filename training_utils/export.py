@@ -39,11 +39,9 @@ def converted_name(layout):
 def save_with_ema(export, output_dir, ema=None):
     """The raw weights into ``output_dir`` (``export.save``) and, with an EMA, the EMA's into ``output_dir/ema``
     (``export.save_ema``, with the EMA weights swapped into the live modules, so that both have the same keys,
-    shapes and metadata). Returns ``{"raw": path, "ema": path}``.
-
-    Both, with every other layout of them, are written and checked in one staging folder and then moved into place
-    together (`writing.write_atomically`): a stop or a failure meanwhile leaves the outputs that were there before,
-    whole, never raw weights of one step beside an EMA of another."""
+    shapes and metadata). Returns ``{"raw": path, "ema": path}``. Both, in every layout, are written and checked in
+    one staging folder and moved into place together (`writing.write_atomically`): a stop or a failure meanwhile
+    leaves the outputs there before whole, never raw weights of one step beside an EMA of another."""
     written = {}
 
     def write(staging):
