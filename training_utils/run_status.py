@@ -2,7 +2,8 @@
 
 Every script's ``__main__`` block is ``run_script(main, parse_args)``. The run then ends in one of these ways,
 each with its exit status, and the first process writes ``run_status.json`` into the output folder last,
-atomically (from the moment the folder was accepted for the run, `output_folder.check_output_dir`)::
+atomically, once the folder is accepted for the run (`output_folder.check_output_dir`) and exists: a command
+refused before leaves no trace::
 
     {"reason": "preempted", "exit_status": 75, "last_step": 40, "resume_from": "checkpoint-40",
      "message": "stopped by SIGTERM after step 40; checkpoint saved, resume with --resume_from_checkpoint latest"}
