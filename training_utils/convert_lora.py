@@ -2,6 +2,9 @@
 
     python -m training_utils.convert_lora SRC.safetensors DST.safetensors --to kohya|comfyui [--lora_alpha A]
 
+DST is the file to write, or a folder to write it into under SRC's name (as ``cp`` does); it is never SRC itself
+(the same file, a link to it, or SRC's own folder), and an existing DST is replaced only once the new file is whole.
+
 The input is what ``<Pipeline>.save_lora_weights`` writes: keys ``<component>.<module path>.lora_A.weight`` and
 ``.lora_B.weight`` (component ``unet``, ``transformer``, ``text_encoder``, ``text_encoder_2``), and the safetensors
 metadata ``lora_adapter_metadata`` (diffusers' ``LORA_ADAPTER_METADATA_KEY``): a JSON object of each component's peft
@@ -46,6 +49,7 @@ prefixes and, for a transformer, the `Rename` rules of its original layout.
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +63,7 @@ from .errors import UsageError, exit_on_usage_error, few, require
 from .families import FAMILIES, family_of
 from .families.layout import FORMATS
 from .parser import TrainingArgumentParser
+from .writing import write_atomically, write_problem
 
 DIFFUSERS = "diffusers"  # the layout converted from, which load_lora_weights reads
 FORMAT_USERS = {"kohya": "A1111, Forge, kohya tools; SD 1.x and SDXL", "comfyui": "ComfyUI"}
@@ -284,11 +289,28 @@ def read_lora(path):
 
 
 def write_converted(src_path, dst_path, to, lora_alpha=None, family=None):
-    """Convert the diffusers-format LoRA file ``src_path`` to format ``to`` (see `convert`) into ``dst_path``."""
-    tensors, metadata = read_lora(src_path)
-    Path(dst_path).parent.mkdir(parents=True, exist_ok=True)
-    save_converted(convert(tensors, metadata, to, lora_alpha, family), dst_path)
-    return Path(dst_path)
+    """Convert the diffusers-format LoRA file ``src_path`` to format ``to`` (see `convert`) into ``dst_path``
+    (`destination`), atomically; returns the written file."""
+    target = destination(src_path, dst_path)
+    converted = convert(*read_lora(src_path), to, lora_alpha, family)
+    write_atomically(target.parent, lambda staging: save_converted(converted, Path(staging) / target.name))
+    return target
+
+
+def destination(src_path, dst_path):
+    """The file that ``DST`` names, ``dst_path`` or, for a folder, SRC's name in it; refused in one line if it is
+    no ``.safetensors`` path, cannot be written, or is SRC itself (the same file, or a link to it)."""
+    src, dst = Path(src_path), Path(dst_path)
+    require(src.is_file(), "SRC", str(src), "an existing .safetensors file")
+    target = dst / src.name if dst.is_dir() else dst
+    require(target.suffix == ".safetensors", "DST", str(dst), "a .safetensors file to write, or a folder to write it "
+            "into")
+    require(not (target.exists() and os.path.samefile(src, target)), "DST", str(dst),
+            f"a file other than SRC: {target} is SRC itself{' (a link to it)' if target.is_symlink() else ''}, which "
+            f"the converted LoRA would overwrite")
+    problem = write_problem(target.parent)
+    require(problem is None, "DST", str(dst), f"a file this user can write ({problem})")
+    return target
 
 
 def save_converted(converted, path):
@@ -307,7 +329,8 @@ def main(argv=None):
                         help=f"the model family ({', '.join(FAMILIES)}) where the keys fit several")
     args = parser.parse_args(argv)
     with exit_on_usage_error():
-        require(Path(args.src).is_file(), "SRC", args.src, "an existing .safetensors file")
+        require(args.lora_alpha is None or 0 < args.lora_alpha < math.inf, "--lora_alpha", args.lora_alpha,
+                "a positive number")
         path = write_converted(args.src, args.dst, args.to, args.lora_alpha, args.family)
         print(f"wrote {path} ({args.to})")
 
