@@ -1,6 +1,8 @@
 """Fixtures (the tiny offline models and datasets, built once per test session) and pytest hooks. What tests
 share besides fixtures is in `training_utils.testing` (what any script's smoke test needs) and `helpers`."""
 
+import os
+
 import pytest
 
 import helpers
@@ -35,3 +37,11 @@ def tiny_sd_pipe(tiny):
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture
+def group_umask():
+    """The process's umask 027 (new files 0640, folders 0750) while the test runs."""
+    previous = os.umask(0o027)
+    yield
+    os.umask(previous)

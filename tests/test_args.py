@@ -7,7 +7,7 @@ from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
 from training_utils.adapters import check_adapter_args
-from training_utils.checkpointing import trajectory_flags
+from training_utils.checkpoint_folders import trajectory_flags
 from training_utils.errors import UsageError, exit_on_usage_error
 from training_utils.parser import TrainingArgumentParser, add_refused_args
 from training_utils.pipeline import is_hub_id
@@ -94,7 +94,17 @@ BAD_INPUTS = [
     ("hub-token-with-all", ["--hub_token", "hf_secret123", "--report_to", "all"], "--hub_token", None),
     ("repeats-zero", ["--repeats", "0"], "--repeats", "0"),
     ("caption-dropout-above-one", ["--caption_dropout", "1.5"], "--caption_dropout", "1.5"),
-    ("proportion-empty-prompts-negative", ["--proportion_empty_prompts=-0.1"], "--caption_dropout", "-0.1"),
+    ("proportion-empty-prompts-negative", ["--proportion_empty_prompts=-0.1"], "--proportion_empty_prompts=-0.1", None),
+    ("proportion-empty-prompts-abbreviated", ["--proportion_empty", "2"], "--proportion_empty_prompts=2.0", None),
+    ("lora-alpha-nan", ["--lora_alpha", "nan"], "--lora_alpha=nan", None),
+    ("lora-alpha-negative", ["--lora_alpha=-4"], "--lora_alpha=-4.0", None),
+    ("output-dir-is-a-file", ["--output_dir", "{a_file}"], "--output_dir", "{a_file}"),
+    ("output-dir-under-a-file", ["--output_dir", "{a_file}/out"], "--output_dir", "{a_file} is a file, not a folder"),
+    ("overwrite-output-dir-while-resuming", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
+     "--overwrite_output_dir", "no --resume_from_checkpoint with it"),
+    ("feature-cache-dir-is-a-file", ["--feature_cache_dir", "{a_file}"], "--feature_cache_dir", "{a_file}"),
+    ("feature-cache-dir-under-a-file", ["--feature_cache_dir", "{a_file}/cache"], "--feature_cache_dir",
+     "{a_file} is a file, not a folder"),
     ("validation-height-not-multiple-of-8", ["--validation_height", "30"], "--validation_height", "30"),
     ("bucket-list-malformed", ["--aspect_ratio_buckets", "512x768"], "--aspect_ratio_buckets", "512x768"),
     ("bucket-not-multiple-of-8", ["--aspect_ratio_buckets", "512,772;768,512"], "--aspect_ratio_buckets", "512,772"),

@@ -8,7 +8,8 @@ from PIL import Image
 
 from training_utils.cache import (CACHE_INDEX_COLUMN, FrozenEncoders, UnreadableImage, cached_images,
                                   cached_latent_parameters, cached_latent_parameters_with_conditioning,
-                                  distinct_captions, latent_chunk_encoder, sample_latents)
+                                  latent_chunk_encoder, sample_latents)
+from training_utils.captions import distinct_captions
 from training_utils.data import sample_generator, tokenize
 from training_utils.images import ImageTransform, ImageWithConditioningTransform
 

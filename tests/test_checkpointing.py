@@ -6,6 +6,7 @@ prepared objects (see the ``acc`` fixture).
 """
 
 import json
+import os
 import re
 import shutil
 
@@ -14,17 +15,14 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
-from training_utils import checkpointing, export
+from training_utils import checkpointing, export, writing
+from training_utils.checkpoint_folders import STATE_FILE, choose_checkpoint, complete_checkpoints, resolve_checkpoint
 from training_utils.checkpointing import (
     EARLIER_EMA_FILE,
     EARLIER_TRAINED_FILE,
     EMA_FOLDER,
-    STATE_FILE,
     WRITE_FAILED_EXIT_CODE,
     Checkpointer,
-    choose_checkpoint,
-    complete_checkpoints,
-    resolve_checkpoint,
     resume_position,
 )
 from training_utils.ema import EMA
@@ -164,7 +162,7 @@ def ema_of(export):
 def test_prune_keeps_newest_total_limit(tmp_path, acc):
     for step in (1, 2, 3, 9, 10):
         make_checkpoint(tmp_path, step)
-    staging = tmp_path / ".checkpoint-11.incomplete"
+    staging = tmp_path / ".incomplete-checkpoint-11"
     staging.mkdir()
     Checkpointer(acc, tmp_path, linear_export(), total_limit=2).prune()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [9, 10]
@@ -183,6 +181,14 @@ def test_prune_limit_one(tmp_path, acc):
         make_checkpoint(tmp_path, step)
     Checkpointer(acc, tmp_path, linear_export(), total_limit=1).prune()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [500]
+
+
+def test_pruning_removes_only_the_checkpoints_of_the_runs_own_trajectory(tmp_path, acc):
+    """Checkpoints 1 and 2 of a run before --resume_with_changed_args (another seed) stay, whatever the limit."""
+    for step, seed in ((1, 1), (2, 1), (3, 2), (4, 2), (5, 2)):
+        (make_checkpoint(tmp_path, step) / STATE_FILE).write_text(json.dumps({"trajectory": {"seed": seed}}))
+    Checkpointer(acc, tmp_path, linear_export(), total_limit=2, trajectory={"seed": 2}).prune()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [1, 2, 4, 5]
 
 
 def test_prune_tolerates_a_vanished_folder(tmp_path, acc, monkeypatch):
@@ -319,13 +325,13 @@ def test_saving_prunes_to_total_limit(tmp_path, acc):
         run.train(1)
         run.checkpointer.save(step)
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [2, 3]
-    assert not list(tmp_path.glob(".checkpoint-*"))
+    assert not list(tmp_path.glob(".incomplete-*"))
 
 
 def test_save_replaces_stale_staging_and_existing_checkpoint(tmp_path, acc):
     run = Run(acc, tmp_path)
     run.train(1)
-    stale = tmp_path / ".checkpoint-4.incomplete"
+    stale = tmp_path / ".incomplete-checkpoint-4"
     stale.mkdir()
     (stale / "junk.txt").write_text("left by a crash")
     run.checkpointer.save(4)
@@ -515,13 +521,46 @@ def test_a_failed_write_stops_the_run_in_one_line_and_keeps_the_previous_checkpo
     with pytest.raises(RunStopped) as stopped:
         run.checkpointer.save(2)
     assert stopped.value.exit_code == WRITE_FAILED_EXIT_CODE
-    staging = tmp_path / ".checkpoint-2.incomplete"
+    staging = tmp_path / ".incomplete-checkpoint-2"
     assert re.fullmatch(f"could not write {tmp_path / 'checkpoint-2'}: {staging}/.incomplete-\\w+/{TENSORS_NAME}: "
                         f"No space left on device; {tmp_path / 'checkpoint-1'} is the latest whole checkpoint",
                         str(stopped.value))
     assert not staging.exists() and not (tmp_path / "checkpoint-2").exists()
     assert check_manifest(tmp_path / "checkpoint-1") is None
     assert choose_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-1"
+
+
+def test_a_full_disk_says_so_though_torch_does_not(tmp_path, acc, monkeypatch):
+    run = Run(acc, tmp_path)
+    run.train(1)
+    run.checkpointer.save(1)
+
+    def save_state_on_a_full_disk(path):
+        os.makedirs(path)
+        torch.save({"optimizer": torch.zeros(2**16)}, "/dev/full")  # "unexpected pos", as on a full disk
+
+    monkeypatch.setattr(acc, "save_state", save_state_on_a_full_disk)
+    monkeypatch.setattr(writing.tempfile, "TemporaryFile", lambda dir: open("/dev/full", "wb"))
+    monkeypatch.setattr(checkpointing, "end_training", lambda accelerator: None)
+    with pytest.raises(RunStopped) as stopped:
+        run.checkpointer.save(2)
+    staging = tmp_path / ".incomplete-checkpoint-2"
+    assert str(stopped.value) == (f"could not write {tmp_path / 'checkpoint-2'}: {staging}: No space left on device; "
+                                  f"{tmp_path / 'checkpoint-1'} is the latest whole checkpoint")
+    assert stopped.value.reason == "write failed"
+
+
+def test_resuming_with_changed_flags_never_lets_the_run_replace_later_checkpoints_of_the_run_before(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.checkpointer.trajectory = {"seed": 3}
+    for step in (1, 2):
+        run.train(1)
+        run.checkpointer.save(step)
+    run.checkpointer.trajectory, run.checkpointer.allow_changed_trajectory = {"seed": 4}, True
+    with pytest.raises(UsageError, match=f"no later checkpoints of the run before the change in {tmp_path} \\(it holds "
+                                         f"checkpoint-2, which this run's checkpoints could replace\\)"):
+        run.checkpointer.load(tmp_path / "checkpoint-1")
+    assert run.checkpointer.load(tmp_path / "checkpoint-2") == 2
 
 
 def test_resuming_with_a_changed_trajectory_flag_is_refused_unless_asked_and_then_said(tmp_path, acc, caplog):
@@ -535,6 +574,17 @@ def test_resuming_with_a_changed_trajectory_flag_is_refused_unless_asked_and_the
     run.checkpointer.allow_changed_trajectory = True
     assert run.checkpointer.load(path) == 1
     assert "resuming with changed flags (--seed was 3, now 4): the run is no longer exact" in caplog.text
+
+
+def test_a_changed_flag_is_named_as_the_user_typed_it(tmp_path, acc):
+    run = Run(acc, tmp_path)
+    run.checkpointer.trajectory = {"caption_dropout": 0.1}
+    run.train(1)
+    path = run.checkpointer.save(1)
+    run.checkpointer.trajectory = {"caption_dropout": 0.2}
+    run.checkpointer.spellings = {"caption_dropout": "--proportion_empty_prompts"}
+    with pytest.raises(UsageError, match="\\(--proportion_empty_prompts was 0.1, now 0.2\\)"):
+        run.checkpointer.load(path)
 
 
 def test_a_changed_rank_is_named_as_a_flag_before_any_shape_is_compared(tmp_path, acc):

@@ -9,6 +9,7 @@ have), must equal what peft applies in the diffusers model; a few names are chec
 
 import json
 import math
+import stat
 
 import pytest
 import torch
@@ -414,3 +415,66 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys):
                                    "comfyui")
     assert "invalid choice" in command_error(capsys, source, tmp_path / "out.safetensors", "--to", "a1111")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.fixture
+def flux2_file(tmp_path):
+    """A FLUX.2 LoRA file without adapter metadata (so --lora_alpha is read), in a folder of its own."""
+    tensors, _ = flux2_attention_lora((4, 4, 4), (8.0, 8.0, 8.0))
+    source = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    source.parent.mkdir()
+    save_file(tensors, source)
+    return source
+
+
+def dst_aliases_of_src(source):
+    """What names SRC itself as the command's DST: its path, a symbolic and a hard link to it, its folder."""
+    symbolic, hard = source.with_name("symbolic.safetensors"), source.with_name("hard.safetensors")
+    symbolic.symlink_to(source)
+    hard.hardlink_to(source)
+    return {"the same path": source, "a symbolic link": symbolic, "a hard link": hard, "its folder": source.parent}
+
+
+def test_the_command_never_writes_over_its_source(flux2_file, capsys):
+    original = flux2_file.read_bytes()
+    for alias, dst in dst_aliases_of_src(flux2_file).items():
+        line = command_error(capsys, flux2_file, dst, "--to", "comfyui", "--family", "flux2", "--lora_alpha", 8)
+        assert line.startswith(f"error: DST={str(dst)!r}: expected a file other than SRC: "), alias
+        assert line.endswith("is SRC itself, which the converted LoRA would overwrite") or "(a link to it)" in line
+        assert flux2_file.read_bytes() == original, alias
+
+
+@pytest.mark.parametrize("alpha", ["nan", "inf", "0", "-8"])
+def test_the_command_refuses_an_alpha_that_is_not_a_positive_number(flux2_file, alpha, capsys):
+    dst = flux2_file.with_name("out.safetensors")
+    line = command_error(capsys, flux2_file, dst, "--to", "comfyui", "--family", "flux2", "--lora_alpha", alpha)
+    assert line == f"error: --lora_alpha={float(alpha)!r}: expected a positive number"
+    assert not dst.exists()
+
+
+def test_the_command_refuses_destinations_it_cannot_write_in_one_line(flux2_file, tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    arguments = ["--to", "comfyui", "--family", "flux2", "--lora_alpha", 8]
+    assert command_error(capsys, flux2_file, tmp_path / "out.ckpt", *arguments) == (
+        f"error: DST={str(tmp_path / 'out.ckpt')!r}: expected a .safetensors file to write, or a folder to write it "
+        f"into")
+    assert command_error(capsys, flux2_file, a_file / "out.safetensors", *arguments) == (
+        f"error: DST={str(a_file / 'out.safetensors')!r}: expected a file this user can write ({a_file} is a file, "
+        f"not a folder)")
+    assert command_error(capsys, tmp_path / "lora", tmp_path / "out.safetensors", *arguments) == (
+        f"error: SRC={str(tmp_path / 'lora')!r}: expected an existing .safetensors file")
+
+
+def test_a_folder_dst_gets_the_sources_name_and_an_existing_file_is_replaced_whole(flux2_file, tmp_path, capsys,
+                                                                                    group_umask):
+    elsewhere = tmp_path / "converted"
+    elsewhere.mkdir()
+    (elsewhere / flux2_file.name).write_bytes(b"an older conversion")
+    main([str(flux2_file), str(elsewhere), "--to", "comfyui", "--family", "flux2", "--lora_alpha", "8"])
+    written = elsewhere / flux2_file.name
+    expected = convert(load_file(flux2_file), {}, "comfyui", 8.0, "flux2")
+    assert load_file(written).keys() == expected.keys()
+    assert stat.S_IMODE(written.stat().st_mode) == 0o640
+    assert capsys.readouterr().out == f"wrote {written} (comfyui)\n"
+    assert sorted(path.name for path in elsewhere.iterdir()) == [flux2_file.name]

@@ -341,6 +341,7 @@ def generated(tiny_sd_pipe, tmp_path_factory):
     global RNG, the pipeline's scheduler and the UNet's train mode looked like before and after."""
     class_dir = tmp_path_factory.mktemp("class")
     solid(class_dir / "mine.png", 50, size=(32, 32))
+    (class_dir / ".class-00000.png.partial").write_bytes(b"what a killed generation left half written")
 
     def state():
         return (torch.random.get_rng_state(), tiny_sd_pipe.unet.training,

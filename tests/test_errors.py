@@ -28,7 +28,7 @@ def test_a_stopped_run_exits_with_its_code_and_only_the_first_process_says_why(r
         monkeypatch.setenv("RANK", rank)
     with pytest.raises(SystemExit) as exited:
         with exit_on_usage_error():
-            raise RunStopped("stopped by SIGTERM after step 3", 75)
+            raise RunStopped("stopped by SIGTERM after step 3", 75, "preempted")
     assert exited.value.code == 75
     assert capsys.readouterr().err == ("stopped: stopped by SIGTERM after step 3\n" if printed else "")
 

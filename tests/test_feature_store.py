@@ -2,7 +2,9 @@
 
 import contextlib
 import logging
+import re
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +12,10 @@ import torch
 
 from training_utils import feature_store
 from training_utils.testing.tiny import parts as tiny
-from training_utils.errors import UsageError
-from training_utils.feature_store import Block, FeatureStore, describe, encode_once
+from training_utils.errors import UsageError, WriteFailed
+from training_utils.cache_keys import describe
+from training_utils.feature_store import SHARD_PATTERN, Block, FeatureStore, encode_once
+from training_utils.manifest import file_hash
 
 
 def squares_encoder(calls):
@@ -39,6 +43,17 @@ def by_index(blocks):
     return found
 
 
+def shard_names(folder):
+    """The files of a store's folder, each shard as ``shard-<first item>`` after checking that its name holds the
+    hash of its bytes."""
+    names = []
+    for path in sorted(Path(folder).iterdir()):
+        match = SHARD_PATTERN.match(path.name)
+        assert match is None or match.group(2) == file_hash(path), path
+        names.append(path.name if match is None else f"shard-{match.group(1)}")
+    return names
+
+
 def test_encoding_in_memory_covers_every_item_in_fixed_chunks():
     calls = []
     found = by_index(encode(10, squares_encoder(calls)))
@@ -54,7 +69,7 @@ def test_a_store_reads_back_what_was_encoded_and_a_second_encoding_runs_nothing(
     assert first == second == by_index(encode(10, squares_encoder([])))
     assert len(calls) == 3 and again == []
     (folder,) = tmp_path.iterdir()
-    assert sorted(path.name for path in folder.iterdir()) == ["meta.json", "shard-000000000.safetensors"]
+    assert shard_names(folder) == ["meta.json", "shard-000000000"]
 
 
 def test_interrupted_encoding_resumes_with_the_missing_chunks_and_never_reads_a_partial_shard(tmp_path):
@@ -66,7 +81,7 @@ def test_interrupted_encoding_resumes_with_the_missing_chunks_and_never_reads_a_
     store = FeatureStore(tmp_path, "squares", {"model": "a"}, shard_bytes=0)  # a shard per chunk
     with pytest.raises(KeyboardInterrupt):
         encode(12, interrupted, store)
-    assert [path.name for path in store.shards()] == ["shard-000000000.safetensors", "shard-000000004.safetensors"]
+    assert shard_names(store.path) == ["meta.json", "shard-000000000", "shard-000000004"]
     # What a killed writer (a process that no longer runs) left half-written, and what a live one is writing.
     abandoned = store.path / f".shard-000000008.safetensors.{socket.gethostname()}-999999999.tmp"
     in_progress = store.path / f".shard-000000008.safetensors.{socket.gethostname()}-1.tmp"
@@ -77,6 +92,62 @@ def test_interrupted_encoding_resumes_with_the_missing_chunks_and_never_reads_a_
     assert calls == [[8, 9, 10, 11]]
     assert resumed == by_index(encode(12, squares_encoder([])))
     assert not abandoned.exists() and in_progress.exists()
+
+
+def data_offset(shard):
+    """Where a safetensors file's tensor bytes begin: after its 8-byte header length and the header."""
+    return 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+
+
+# Damage done to a shard's bytes after it was written, as a failing disk, a copy cut short or an editor would.
+DAMAGES = {
+    "truncated": lambda data, start: data[:-7],
+    "zeroed": lambda data, start: data[:start] + bytes(len(data) - start),
+    "set to 0x7f": lambda data, start: data[:start] + b"\x7f" * (len(data) - start),
+    "one bit flipped": lambda data, start: data[:start] + bytes([data[start] ^ 1]) + data[start + 1:],
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_shard_is_named_removed_and_encoded_again_never_read(tmp_path, caplog, damage):
+    encode(10, squares_encoder([]), FeatureStore(tmp_path, "squares", {"model": "a"}, shard_bytes=0))
+    (folder,) = tmp_path.iterdir()
+    shard = next(path for path in folder.iterdir() if path.name.startswith("shard-000000004-"))
+    size = shard.stat().st_size
+    shard.write_bytes(DAMAGES[damage](shard.read_bytes(), data_offset(shard)))
+    assert damage == "truncated" or shard.stat().st_size == size
+    calls = []
+    found = by_index(encode(10, squares_encoder(calls), FeatureStore(tmp_path, "squares", {"model": "a"})))
+    assert calls == [[4, 5, 6, 7]]
+    assert found == by_index(encode(10, squares_encoder([])))
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warnings == [f"feature cache: {shard} does not hold the bytes it was written with (truncated, zeroed or "
+                        f"altered); removed, its items are encoded again"]
+    assert shard_names(folder) == ["meta.json", "shard-000000000", "shard-000000004", "shard-000000008"]
+
+
+def test_a_shard_without_the_hash_of_its_bytes_in_its_name_is_never_read(tmp_path, caplog):
+    encode(10, squares_encoder([]), FeatureStore(tmp_path, "squares", {"model": "a"}, shard_bytes=0))
+    (folder,) = tmp_path.iterdir()
+    shard = next(folder.glob("shard-000000008-*"))
+    shard.rename(folder / "shard-000000008.safetensors")
+    calls = []
+    encode(10, squares_encoder(calls), FeatureStore(tmp_path, "squares", {"model": "a"}))
+    assert calls == [[8, 9]]
+    assert "shard-000000008.safetensors has no hash of its bytes in its name" in caplog.text
+
+
+def test_a_shard_that_cannot_be_written_stops_in_one_line_saying_why(tmp_path, monkeypatch):
+    def disk_full(tensors, path, metadata=None):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(feature_store, "save_file", disk_full)
+    store = FeatureStore(tmp_path, "squares", {"model": "a"})
+    with pytest.raises(WriteFailed) as stopped:
+        encode(4, squares_encoder([]), store)
+    assert re.fullmatch(f"could not write to {store.path}: {store.path}/\\.shard-000000000\\.safetensors\\..*\\.tmp: "
+                        f"No space left on device", str(stopped.value))
+    assert shard_names(store.path) == ["meta.json"]
 
 
 def test_other_determinants_get_another_folder_and_the_log_says_what_differs(tmp_path, caplog):

@@ -14,8 +14,9 @@ from training_utils.accelerator import end_training
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
 from training_utils.export import TensorsExport
-from training_utils.errors import RunStopped, UsageError
-from training_utils.loop import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingLoop
+from training_utils.errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, RunStopped, UsageError
+from training_utils.loop import TrainingLoop
+from training_utils.run_status import RUN
 from training_utils.optimization import training_length
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots
@@ -125,6 +126,23 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(accelerator, 
     assert all(torch.equal(ema[name], expected_ema[name]) for name in ema)
 
 
+def test_a_signal_during_the_last_step_checkpoints_it_and_stops_so_that_a_rerun_writes_the_outputs(accelerator,
+                                                                                                   tmp_path):
+    def preempt_during_step_7(step, loss):
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    with pytest.raises(RunStopped) as stopped:
+        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=preempt_during_step_7)
+    assert (stopped.value.exit_code, stopped.value.reason) == (PREEMPTED_EXIT_CODE, "preempted")
+    assert "SIGTERM after step 7; checkpoint saved" in str(stopped.value)
+    assert (tmp_path / "checkpoint-7").is_dir() and RUN.last_step == 7
+    reset(accelerator)
+    resumed, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest")
+    assert resumed.global_step == 7 and validator.steps == []
+
+
 def test_with_buckets_a_resumed_run_ends_as_the_straight_one_and_other_buckets_are_refused(accelerator, tmp_path):
     shapes = [(8, 16)] * 5 + [(16, 8)] * 5  # 3 + 3 batches an epoch, the last of each filled up
     toy_run(accelerator, tmp_path / "a", max_train_steps=9, shapes=shapes)
@@ -145,12 +163,32 @@ def test_a_non_finite_loss_stops_before_anything_is_written(accelerator, tmp_pat
 
     with pytest.raises(RunStopped) as stopped:
         toy_run(accelerator, tmp_path, max_train_steps=7, on_step=break_step_5)
-    assert stopped.value.exit_code == NON_FINITE_EXIT_CODE
-    assert "nan at step 5" in str(stopped.value)
+    assert (stopped.value.exit_code, stopped.value.reason) == (NON_FINITE_EXIT_CODE, "non-finite loss")
+    assert str(stopped.value) == (f"the loss is nan at step 5; stopped before writing anything from these weights "
+                                  f"({tmp_path / 'checkpoint-4'} is the last checkpoint)")
+    assert RUN.last_step == 4
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
     # The progress bar was closed (drawn for the last time) before the stop left the loop.
     bars = [frame.f_locals["loop"]._progress for frame, _ in traceback.walk_tb(stopped.tb) if "loop" in frame.f_locals]
     assert bars and all(bar.disable for bar in bars)
+
+
+def test_a_non_finite_loss_before_any_checkpoint_says_none_was_written(accelerator, tmp_path):
+    with pytest.raises(RunStopped, match="^the loss is inf at step 2; stopped before writing anything from these "
+                                         "weights \\(no checkpoint was written\\)$"):
+        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=lambda step, loss: loss / 0 if step == 2 else loss)
+
+
+def test_a_validation_image_that_cannot_be_written_stops_the_run_in_one_line(accelerator, tmp_path, monkeypatch):
+    def disk_full(self, step, final=False):
+        raise OSError(28, "No space left on device", str(tmp_path / "validation" / "step-000003" / "raw-p00-00.png"))
+
+    monkeypatch.setattr(RecordingValidator, "__call__", disk_full)
+    with pytest.raises(RunStopped) as stopped:
+        toy_run(accelerator, tmp_path, max_train_steps=7)
+    assert (stopped.value.exit_code, stopped.value.reason) == (74, "write failed")
+    assert str(stopped.value) == (f"could not write to {tmp_path / 'validation'}: {tmp_path}/validation/step-000003/"
+                                  f"raw-p00-00.png: No space left on device")
 
 
 def test_each_step_logs_its_own_loss_and_lr(accelerator, tmp_path, monkeypatch):

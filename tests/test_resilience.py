@@ -142,11 +142,12 @@ def resumed_runs(tiny, corrupt_data, runs, tmp_path_factory):
     assert returncode == 75, stderr[-3000:]
     shutil.copytree(preempted, root / "preempted")
     next_save = (last_checkpoint_step(preempted) // 2 + 1) * 2
-    half_written = root / "preempted" / f".checkpoint-{next_save}.incomplete"
+    half_written = root / "preempted" / f".incomplete-checkpoint-{next_save}"
     half_written.mkdir()
     (half_written / LORA).write_bytes(b"\x00" * 100)
     (half_written / "left_by_a_killed_save").write_text("")
-    (root / "preempted" / ".checkpoint-99.incomplete").mkdir()
+    (root / "preempted" / ".checkpoint-99.incomplete").mkdir()  # as killed saves of earlier versions left them
+    (root / "preempted" / "ema" / ".incomplete-abc123").mkdir(parents=True)  # a killed final write's
     for name, source, step in (("past_the_end", "uninterrupted", 10), ("still_skipping", "corrupt_skipped", 4),
                                ("stopped_then_skipping", "corrupt_stopped", 2)):
         shutil.copytree(runs[source][0] / f"checkpoint-{step}", root / name / f"checkpoint-{step}")
@@ -202,15 +203,14 @@ def test_latest_passes_over_a_damaged_checkpoint_and_the_run_ends_as_the_uninter
     assert_same_outputs(output_dir, uninterrupted)
 
 
-def test_incomplete_checkpoints_are_ignored_and_a_later_save_replaces_them(runs, resumed_runs):
-    output_dir, _ = resumed_runs["preempted"]
+def test_what_killed_writes_left_is_removed_by_the_next_run_and_never_resumed_from(runs, resumed_runs):
+    output_dir, result = resumed_runs["preempted"]
     next_save = (last_checkpoint_step(runs["preempted"][0]) // 2 + 1) * 2
-    assert not (output_dir / f".checkpoint-{next_save}.incomplete").exists()
     saved = output_dir / f"checkpoint-{next_save}"
     assert not (saved / "left_by_a_killed_save").exists()
     assert load_file(saved / LORA)
-    # Never completed, never resumed from; a save at its step would replace it.
-    assert (output_dir / ".checkpoint-99.incomplete").is_dir()
+    assert not [path for path in output_dir.rglob("*") if "incomplete" in path.name]
+    assert "removed what 3 interrupted write(s) left" in result.stderr
 
 
 def test_resuming_at_or_past_max_train_steps_trains_nothing_and_writes_the_outputs(runs, resumed_runs):

@@ -221,7 +221,7 @@ def script():
         (["--validation_image", "IMAGE"], "expected one conditioning image per --validation_prompt (0)"),
         (["--validation_prompt", "a", "--validation_image", "missing.png"],
          "--validation_image='missing.png': expected an existing image file"),
-        (["--proportion_empty_prompts", 1.5], "--caption_dropout=1.5: expected a number in [0, 1]"),
+        (["--proportion_empty_prompts", 1.5], "--proportion_empty_prompts=1.5: expected a number in [0, 1]"),
         (["--controlnet_model_name_or_path", "SD"], "expected a ControlNetModel folder (with config.json)"),
     ],
 )

@@ -217,7 +217,7 @@ def test_flags_follow_the_upstream_script(tiny, tmp_path, script):
     [
         (["--validation_prompt", "a", "b", "c", "--validation_image", "IMAGE", "IMAGE"],
          "expected one conditioning image per --validation_prompt (3), or one image for all prompts"),
-        (["--proportion_empty_prompts", 1.5], "--caption_dropout=1.5: expected a number in [0, 1]"),
+        (["--proportion_empty_prompts", 1.5], "--proportion_empty_prompts=1.5: expected a number in [0, 1]"),
         (["--controlnet_model_name_or_path", "SDXL"], "expected a ControlNetModel folder (with config.json)"),
         (["--pretrained_vae_model_name_or_path", "UNET"], "its config.json names 'UNet2DConditionModel'"),
         (["--pretrained_vae_model_name_or_path", "./no_vae"], "--pretrained_vae_model_name_or_path='./no_vae': "

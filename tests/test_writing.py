@@ -1,11 +1,19 @@
 """Outputs written atomically and checked once written (training_utils.writing)."""
 
+import os
+import signal
+import stat
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from training_utils.errors import WRITE_FAILED_EXIT_CODE, RunStopped
-from training_utils.writing import save_model, saved_tensors, verify_saved_tensors, write_atomically
+from training_utils import writing
+from training_utils.errors import WRITE_FAILED_EXIT_CODE, Interrupted, RunStopped
+from training_utils.stop_signals import SIGNALS
+from training_utils.writing import (PROBE_BYTES, failure_cause, save_model, saved_tensors, verify_saved_tensors,
+                                    write_atomically, write_problem)
 
 
 def test_verify_saved_tensors_catches_differences():
@@ -63,3 +71,72 @@ def test_save_model_refuses_a_file_that_does_not_match(tmp_path, monkeypatch):
     model.save_pretrained = save_pretrained
     with pytest.raises(RuntimeError, match="does not match"):
         save_model(model, tmp_path)
+
+
+def full_disk_probe(monkeypatch):
+    """Make the write probes of `writing` land on /dev/full, whose every write fails as a full disk's does."""
+    monkeypatch.setattr(writing.tempfile, "TemporaryFile", lambda dir: open("/dev/full", "wb"))
+
+
+def test_written_files_get_the_umasks_permissions_not_safetensors_0600(tmp_path, group_umask):
+    def write(staging):
+        Path(staging, "sub").mkdir()
+        save_file({"a": torch.ones(1)}, f"{staging}/sub/a.safetensors")
+
+    write_atomically(tmp_path / "out", write)
+    assert stat.S_IMODE((tmp_path / "out" / "sub" / "a.safetensors").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "out" / "sub").stat().st_mode) == 0o750
+
+
+def test_write_problem_names_the_folder_and_the_cause(tmp_path, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert write_problem(tmp_path / "new" / "folder") is None
+    assert write_problem(a_file / "out") == f"{a_file} is a file, not a folder"
+    full_disk_probe(monkeypatch)
+    assert write_problem(tmp_path, PROBE_BYTES) == f"{tmp_path}: No space left on device"
+
+
+def test_a_failure_without_a_cause_in_its_message_gets_the_disks(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="unexpected pos") as unexpected:
+        torch.save({"weights": torch.zeros(2**16)}, "/dev/full")  # what torch says when the disk fills up
+    assert failure_cause(unexpected.value, tmp_path) == str(unexpected.value)  # this disk has room
+    full_disk_probe(monkeypatch)
+    assert failure_cause(unexpected.value, tmp_path) == f"{tmp_path}: No space left on device"
+    assert failure_cause(OSError(13, "Permission denied", "/x/y"), tmp_path) == "/x/y: Permission denied"
+
+
+def test_a_stop_signal_while_files_move_into_place_waits_for_the_last_one(tmp_path, monkeypatch):
+    for name in ("raw", "ema"):
+        (tmp_path / name).write_text("step 4")
+    replace = os.replace
+
+    def signalled_first(source, target):
+        if {(tmp_path / name).read_text() for name in ("raw", "ema")} == {"step 4"}:
+            os.kill(os.getpid(), signal.SIGTERM)
+        replace(source, target)
+
+    monkeypatch.setattr(writing.os, "replace", signalled_first)
+
+    def write(staging):
+        for name in ("raw", "ema"):
+            Path(staging, name).write_text("step 8")
+
+    with pytest.raises(Interrupted):
+        with SIGNALS.handled():
+            write_atomically(tmp_path, write)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ema", "raw"]
+    assert {(tmp_path / name).read_text() for name in ("raw", "ema")} == {"step 8"}
+
+
+def test_a_stop_signal_while_files_are_written_leaves_the_files_before(tmp_path):
+    (tmp_path / "raw").write_text("step 4")
+
+    def write(staging):
+        Path(staging, "raw").write_text("step 8")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Interrupted):
+        with SIGNALS.handled():
+            write_atomically(tmp_path, write)
+    assert [path.name for path in tmp_path.iterdir()] == ["raw"] and (tmp_path / "raw").read_text() == "step 4"

@@ -2,10 +2,10 @@
 transformers, accelerate and every script's modules once, and forks a child per run.
 
 A run's child executes the script as ``__main__`` with the argv and environment that ``accelerate launch`` would
-give it (`launch_environment`: accelerate's own simple launcher computes them), its output in files, in the folder
-asked; its exit status comes back as a launched run's would. A hung run is stopped as any other (the caller holds
-the child's pid; `helpers.run_bounded` prints its stacks). A launch costs the fork and what the script itself does,
-not the ~10 s of imports and the launcher.
+give it (`script_and_environment`: accelerate's own simple launcher computes them), its output in files, in the
+folder asked; its exit status comes back as a launched run's would. A hung run is stopped as any other (the caller
+holds the child's pid; `helpers.run_warm` prints its stacks). A launch costs the fork and what the script itself
+does, not the ~10 s of imports and the launcher.
 
     server = WarmServer.start(environment)   # once per test session
     result, stopped = server.run(command, env, timeout, cwd, stop)   # like training_utils.testing.run_captured

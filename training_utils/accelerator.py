@@ -1,8 +1,8 @@
 """The run's `Accelerator`, made from the flags; what trains, prepared by it; and the run's end on every process
 together.
 
-The accelerator writes trackers under the output folder, draws each epoch's data order from (seed, epoch)
-alone, and seeds every RNG.
+The accelerator writes trackers under the output folder (made ready first: `output_folder.prepare_output_dir`),
+draws each epoch's data order from (seed, epoch) alone, and seeds every RNG.
 """
 
 import logging
@@ -12,10 +12,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
+from .output_folder import prepare_output_dir
+
 
 def make_accelerator(args):
     """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
-    so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG."""
+    so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG, and makes the output
+    folder ready (`output_folder.prepare_output_dir`) before any process goes on."""
     output_dir = Path(args.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -31,7 +34,8 @@ def make_accelerator(args):
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        prepare_output_dir(args)
+    accelerator.wait_for_everyone()
     return accelerator
 
 

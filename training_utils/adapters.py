@@ -16,6 +16,8 @@ upstream's scripts; LoKr rank 8, alpha = rank, factor -1 (peft's defaults, LyCOR
 (peft's; LyCORIS: 32 at most) and alpha half the rank (LyCORIS: from 1 to half the rank); OFT blocks of 32 (peft's).
 """
 
+import math
+
 from peft import LoHaConfig, LoKrConfig, LoraConfig, OFTConfig
 
 from .errors import require
@@ -72,7 +74,7 @@ def check_adapter_args(args):
     if args.rank is not None:
         require(args.rank > 0, "--rank", args.rank, "a positive integer")
     if args.lora_alpha is not None:
-        require(args.lora_alpha > 0, "--lora_alpha", args.lora_alpha, "a positive number")
+        require(0 < args.lora_alpha < math.inf, "--lora_alpha", args.lora_alpha, "a positive number")
     if args.lora_dropout is not None:
         require(0 <= args.lora_dropout < 1, "--lora_dropout", args.lora_dropout, "a number in [0, 1)")
     if args.lokr_factor is not None:

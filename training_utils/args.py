@@ -17,15 +17,17 @@ from accelerate.utils import parse_flag_from_env
 
 from .adapters import add_adapter_args, check_adapter_args
 from .buckets import add_bucket_args
-from .checkpointing import check_resume_from_checkpoint
+from .checkpoint_folders import check_resume_from_checkpoint
 from .compile import add_compile_args
 from .convert_lora import DIFFUSERS, FORMAT_USERS
 from .errors import require
 from .families import formats_for
 from .images import INTERPOLATIONS
-from .parser import TrainingArgumentParser
+from .output_folder import check_output_dir
+from .parser import TrainingArgumentParser, flag_name
 from .pipeline import is_hub_id
 from .quantization import add_quantization_args, check_quantization_args
+from .writing import write_problem
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512, interpolation="bilinear",
@@ -67,6 +69,8 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default="output")
+    train.add_argument("--overwrite_output_dir", action="store_true",
+                       help="clear what another run wrote into --output_dir first (otherwise such a folder is refused)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--train_batch_size", type=int, default=1)
     train.add_argument("--num_train_epochs", type=int, default=1)
@@ -287,6 +291,7 @@ def check_posthoc_args(args):
 
 def check_args(args):
     """The checks every script shares. Call right after parsing, before anything loads."""
+    check_output_dir(args)
     check_pretrained_path(args.pretrained_model_name_or_path)
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
             "a positive multiple of 8")
@@ -304,7 +309,8 @@ def check_args(args):
     for height, width in args.aspect_ratio_buckets or ():
         require(height % 8 == 0 and width % 8 == 0, "--aspect_ratio_buckets", f"{height},{width}",
                 "sides that are multiples of 8")
-    require(0 <= args.caption_dropout <= 1, "--caption_dropout", args.caption_dropout, "a number in [0, 1]")
+    require(0 <= args.caption_dropout <= 1, flag_name(args, "caption_dropout"), args.caption_dropout,
+            "a number in [0, 1]")
     for flag in ("validation_height", "validation_width"):
         value = getattr(args, flag)
         require(value is None or (value > 0 and value % 8 == 0), f"--{flag}", value, "a positive multiple of 8")
@@ -326,8 +332,11 @@ def check_args(args):
     if getattr(args, "snr_gamma", None) is not None:
         require(args.snr_gamma > 0, "--snr_gamma", args.snr_gamma, "a positive number")
     feature_cache_dir = getattr(args, "feature_cache_dir", None)
-    require(feature_cache_dir is None or not Path(feature_cache_dir).exists() or Path(feature_cache_dir).is_dir(),
-            "--feature_cache_dir", feature_cache_dir, "a folder (or a path where one can be made)")
+    if feature_cache_dir is not None:
+        require(not Path(feature_cache_dir).is_file(), "--feature_cache_dir", feature_cache_dir,
+                "a folder (or a path where one can be made), not a file")
+        problem = write_problem(feature_cache_dir)
+        require(problem is None, "--feature_cache_dir", feature_cache_dir, f"a folder this run can write ({problem})")
     # accelerate launch always sets ACCELERATE_USE_CPU, to "False" unless --cpu: parse it, don't test presence.
     on_cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
     require(args.mixed_precision != "fp16" or on_cuda,

@@ -29,8 +29,11 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 
-from .feature_store import Block, FeatureStore, block_bytes, describe, digest, encode_once, encoders_on
-from .images import UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage
+from .cache_keys import describe, digest
+from .captions import cut_captions_warning, distinct_captions
+from .feature_store import Block, FeatureStore, block_bytes, encode_once, encoders_on
+from .images import READING, UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage, read_image
+from .prompts import embeddings_by_caption, text_chunk_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -130,54 +133,6 @@ def sample_latents(parameters):
     return DiagonalGaussianDistribution(parameters).sample()
 
 
-def distinct_captions(values):
-    """Each caption once, in order of appearance, from strings and lists of strings."""
-    captions = {}
-    for value in values:
-        for caption in [value] if isinstance(value, str) else value:
-            captions[caption] = None
-    return list(captions)
-
-
-def text_chunk_encoder(captions, encode):
-    """``encode_chunk(indices)`` for `feature_store.encode_once`: ``encode(list of captions)`` as a `Block` on the
-    CPU, a row per caption.
-
-    ``encode`` returns a tensor or a tuple of them, its parts (e.g. SDXL's hidden states and pooled embeddings):
-    what a family's ``encode_prompts`` or a pipeline's ``encode_prompt`` returns. A part is batch-first (a row per
-    caption), or one for all the captions, as FLUX.1's ``text_ids`` are: such a part does not start with one row
-    when one caption is encoded, and each caption's row is the whole of it."""
-    shared = []  # whether each part is one for all the captions, found by encoding one caption
-
-    def parts_of(texts):
-        encoded = encode(texts)
-        return (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
-
-    def encode_chunk(indices):
-        parts = parts_of([captions[index] for index in indices])
-        if not shared:
-            one = parts if len(indices) == 1 else parts_of([captions[indices[0]]])
-            shared.extend(part.dim() == 0 or part.shape[0] != 1 for part in one)
-        rows = {}
-        for number, (part, whole) in enumerate(zip(parts, shared, strict=True)):
-            if whole or part.shape[0] != len(indices):
-                part = part.expand(len(indices), *part.shape)
-            rows[str(number)] = part.cpu()
-        return Block(torch.tensor(indices, dtype=torch.int64), rows, {})
-
-    return encode_chunk
-
-
-def embeddings_by_caption(captions, blocks):
-    """``{caption: row}`` from the blocks of `text_chunk_encoder`, in ``captions``' order; a row is a tuple of
-    tensors, one per part of what ``encode`` returned."""
-    found = {}
-    for block in blocks:
-        parts = [block.tensors[str(number)] for number in range(len(block.tensors))]
-        found.update(zip(block.indices.tolist(), zip(*parts)))
-    return {caption: found[index] for index, caption in enumerate(captions)}
-
-
 def image_source(value):
     """What identifies an image for the cache: a file by path, size and modification time, embedded bytes by
     their hash (``value`` is a path, or a datasets image left undecoded: ``{"path", "bytes"}``)."""
@@ -247,6 +202,9 @@ class FrozenEncoders:
         embeddings depend on (tokenizers, settings such as a maximum length): with ``cache_dir`` it keys the
         cache, with the text encoders, their dtype, ``encode``'s code and the captions."""
         captions = distinct_captions(captions)
+        warning = cut_captions_warning(captions, depends_on)
+        if warning:
+            logger.warning(warning)
         store = self._store("text_embeddings", {
             "encoders": [describe(encoder) for encoder in self.text_encoders],
             "depends_on": [describe(thing) for thing in depends_on],
@@ -271,7 +229,7 @@ class FrozenEncoders:
         images = dataset.select_columns(image_column)  # decode nothing else (e.g. conditioning images)
         sources = [image_source(row[image_column]) for row in undecoded.select_columns(image_column)]
         self.latent_cache = self._cache_latents(
-            list(range(len(dataset))), sources, [lambda index=index: images[index][image_column]
+            list(range(len(dataset))), sources, [lambda index=index: read_image(images[index][image_column])
                                                  for index in range(len(dataset))], shapes)
         return undecoded.add_column(CACHE_INDEX_COLUMN, list(range(len(dataset))))
 
@@ -296,14 +254,13 @@ class FrozenEncoders:
         if self.cache_latents:
             files = list(dict.fromkeys(files))
             self.latent_cache = self._cache_latents(files, [image_source(path) for path, _ in files],
-                                                    [lambda path=path: Image.open(path) for path, _ in files],
+                                                    [lambda path=path: read_image(path) for path, _ in files],
                                                     [shape for _, shape in files])
 
     def image_file(self, path, generator, shape=None):
-        """What ``transform(Image.open(path), generator, shape)`` returns, from the cache when caching latents."""
+        """What ``transform(read_image(path), generator, shape)`` returns, from the cache when caching latents."""
         if self.latent_cache is None:
-            with Image.open(path) as image:
-                return self.transform(image, generator, shape)
+            return self.transform(read_image(path), generator, shape)
         return cached_latent_parameters(self.latent_cache[path, shape], self.transform, generator)
 
     def latents(self, images):
@@ -343,7 +300,7 @@ class FrozenEncoders:
             size = f"{self.transform.resolution}px" if shape is None else "{}x{}".format(*shape)
             store = self._store("latents", {
                 "vae": describe(self.vae), "images": many([sources[p] for p in positions], "images"),
-                "transform": f"{size} {crops}, both flips, {self.transform.interpolation} resize"})
+                "reading": READING, "transform": f"{size} {crops}, both flips, {self.transform.interpolation} resize"})
             group = [open_images[position] for position in positions]
             encode_chunk = latent_chunk_encoder(group, self.transform, self.vae, self.device, self.dtype,
                                                 self.seed, shape)

@@ -16,7 +16,6 @@ the newest whole one, and a named one that is damaged is an error.
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -26,134 +25,42 @@ from safetensors.torch import load_file
 
 from . import random_state
 from .accelerator import end_training
-from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, WriteFailed, few, write_failure
-from .manifest import MANIFEST_FILE, check_manifest, write_manifest
+from .checkpoint_folders import (CHECKPOINT_FORMAT, STATE_FILE, choose_checkpoint, complete_checkpoints,
+                                 recorded_trajectory)
+from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, WriteFailed, few
+from .manifest import write_manifest
 from .pipeline import trainable_parameters
+from .stop_signals import SIGNALS
+from .writing import STAGING_PREFIX, failure_cause, give_normal_permissions
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 EMA_FOLDER = "ema"
 POSTHOC_FILE = "posthoc_ema.safetensors"
-STATE_FILE = "training_state.json"
 RANDOM_STATE_FILE = "random_state_{}.safetensors"
-# Checkpoints from format 2 on hold a manifest and their own random states; from format 3 on, the trained
-# weights in the final output's layout (before, they and the EMA were in the two files named here).
-CHECKPOINT_FORMAT = 3
+# From format 3 on, checkpoints hold the trained weights in the final output's layout (before, they and the EMA
+# were in the two files named here).
 OUTPUT_LAYOUT_FORMAT = 3
 EARLIER_TRAINED_FILE = "trained_parameters.safetensors"
 EARLIER_EMA_FILE = "ema.safetensors"
 # accelerate writes with torch.save, which reports a failed write as a RuntimeError.
 CHECKPOINT_WRITE_ERRORS = (*WRITE_ERRORS, RuntimeError)
 
-# The flags that leave the training trajectory alone (where outputs go, what is logged and validated, checkpoint
-# cadence, how long to go on, memory and loading options); every other flag is recorded in each checkpoint, and
-# resuming with another value is refused unless --resume_with_changed_args.
-TRAJECTORY_FREE_FLAGS = {
-    "output_dir", "logging_dir", "report_to", "tracker_project_name", "push_to_hub", "hub_token", "hub_model_id",
-    "validation_prompt", "validation_image", "num_validation_images", "validation_steps", "validation_epochs",
-    "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
-    "checkpointing_steps", "checkpoints_total_limit",
-    "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
-    "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
-    "gradient_checkpointing", "torch_compile", "ema_posthoc_snapshot_steps", "sample_batch_size",
-    "class_inference_steps",
-}
-
-
-def trajectory_flags(args):
-    """The run's flags that decide its training trajectory, as JSON values by flag name."""
-    return {name: json.loads(json.dumps(value, default=str)) for name, value in sorted(vars(args).items())
-            if name not in TRAJECTORY_FREE_FLAGS}
-
-
-def complete_checkpoints(output_dir):
-    """``[(step, path)]`` of the complete checkpoints under ``output_dir``, oldest first."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    found = []
-    for path in output_dir.iterdir():
-        match = CHECKPOINT_PATTERN.match(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def resolve_checkpoint(value, output_dir):
-    """The checkpoint folder that ``--resume_from_checkpoint value`` means, or None to start fresh.
-
-    "latest" is the newest complete checkpoint under ``output_dir`` (None when there is none);
-    anything else is a path, or a name under ``output_dir``, and must exist.
-    """
-    if value is None:
-        return None
-    if value == "latest":
-        checkpoints = complete_checkpoints(output_dir)
-        return checkpoints[-1][1] if checkpoints else None
-    for candidate in (Path(value), Path(output_dir) / value):
-        if (candidate / STATE_FILE).is_file():
-            return candidate
-    raise UsageError("--resume_from_checkpoint", value,
-                     f'"latest", or a checkpoint folder (a path, or a name under {output_dir}) holding {STATE_FILE}')
-
-
-def checkpoint_problem(path):
-    """What makes the checkpoint folder ``path`` unfit to resume from, or None. A checkpoint written before
-    checkpoints held a manifest is taken as it is, with a warning."""
-    try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError) as error:
-        return f"{STATE_FILE} is unreadable ({error})"
-    if state.get("format", 1) < CHECKPOINT_FORMAT and not (Path(path) / MANIFEST_FILE).exists():
-        logger.warning(f"{path} has no manifest (it was written before checkpoints were verified): "
-                       f"resuming from it unverified")
-        return None
-    return check_manifest(path)
-
-
-def choose_checkpoint(value, output_dir):
-    """The checkpoint ``--resume_from_checkpoint value`` resumes from, checked whole, or None to start fresh.
-
-    "latest" passes over damaged checkpoints, saying why, to the newest whole one; a named checkpoint that is
-    damaged is an error, as is a folder of checkpoints none of which is whole."""
-    if value != "latest":
-        path = resolve_checkpoint(value, output_dir)
-        problem = path and checkpoint_problem(path)
-        if problem:
-            raise UsageError("--resume_from_checkpoint", value, f"a whole checkpoint: in {path}, {problem}")
-        return path
-    checkpoints = complete_checkpoints(output_dir)
-    for _, path in reversed(checkpoints):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        logger.warning(f"not resuming from {path}: {problem}; trying the one before")
-    if checkpoints:
-        raise UsageError("--resume_from_checkpoint", value,
-                         f"a whole checkpoint under {output_dir}: none of the {len(checkpoints)} there is")
-    return None
-
-
-def check_resume_from_checkpoint(value, output_dir):
-    """Fail before anything loads if ``--resume_from_checkpoint`` names a checkpoint that does not exist
-    ("latest" may find none: the run then starts fresh)."""
-    if value not in (None, "latest"):
-        resolve_checkpoint(value, output_dir)
-
 
 class Checkpointer:
     """Saves and loads checkpoints of one run.
 
     ``export`` (`export.Export`) describes what the run trains and writes it as the final output does;
-    ``ema`` is the `EMA` over its trained parameters and ``posthoc`` the `PostHocEMA`, or None. Registers
-    accelerate hooks so ``save_state``/``load_state`` store these instead of whole models.
+    ``ema`` is the `EMA` over its trained parameters and ``posthoc`` the `PostHocEMA`, or None. ``spellings``
+    (`parser.ParsedArgs.spellings`) name a changed trajectory flag as the user typed it. Registers accelerate hooks
+    so ``save_state``/``load_state`` store these instead of whole models.
     """
 
     def __init__(self, accelerator, output_dir, export, ema=None, total_limit=None, posthoc=None,
-                 trajectory=None, allow_changed_trajectory=False):
+                 trajectory=None, allow_changed_trajectory=False, spellings=None):
         self.accelerator = accelerator
         self.trajectory = trajectory or {}
+        self.spellings = spellings or {}
         self.allow_changed_trajectory = allow_changed_trajectory
         self.output_dir = Path(output_dir)
         self.export = export
@@ -169,20 +76,20 @@ class Checkpointer:
     def save(self, step, state=None):
         """Write ``checkpoint-<step>`` atomically on all processes, then prune old ones. Returns its path.
         ``state`` (JSON values by name) goes into ``training_state.json`` beside the step; `loaded_state`
-        gives it back on resume. A write that fails on any process stops the run, every process alike,
-        leaving the previous checkpoints as they were."""
+        gives it back on resume. A write that fails on any process stops the run, every process alike, in one
+        line saying why (`writing.failure_cause`), leaving the previous checkpoints as they were."""
         final = self.output_dir / f"checkpoint-{step}"
-        staging = self.output_dir / f".checkpoint-{step}.incomplete"
+        staging = self.output_dir / f"{STAGING_PREFIX}checkpoint-{step}"
         failure = None
         if self.accelerator.is_main_process:
-            failure = attempt(lambda: shutil.rmtree(staging) if staging.exists() else None)
+            failure = attempt(lambda: shutil.rmtree(staging) if staging.exists() else None, self.output_dir)
         self.accelerator.wait_for_everyone()
         self._saving_state = {"format": CHECKPOINT_FORMAT, "global_step": step,
                               "processes": self.accelerator.num_processes, **(state or {}),
                               **({"trajectory": self.trajectory} if self.trajectory else {})}
-        failure = self._first_failure(failure or attempt(lambda: self.accelerator.save_state(str(staging))))
+        failure = self._first_failure(failure or attempt(lambda: self.accelerator.save_state(str(staging)), staging))
         if failure is None and self.accelerator.is_main_process:
-            failure = attempt(lambda: self._publish(staging, final))
+            failure = attempt(lambda: self._publish(staging, final), staging)
         failure = self._first_failure(failure)
         if failure is not None:
             if self.accelerator.is_main_process:
@@ -190,7 +97,7 @@ class Checkpointer:
             end_training(self.accelerator)
             previous = complete_checkpoints(self.output_dir)
             kept = f"{previous[-1][1]} is the latest whole checkpoint" if previous else "no checkpoint was written"
-            raise RunStopped(f"could not write {final}: {failure}; {kept}", WRITE_FAILED_EXIT_CODE)
+            raise RunStopped(f"could not write {final}: {failure}; {kept}", WRITE_FAILED_EXIT_CODE, "write failed")
         if self.accelerator.is_main_process:
             self.prune()
             logger.info(f"saved {final}")
@@ -198,11 +105,14 @@ class Checkpointer:
         return final
 
     def _publish(self, staging, final):
-        """The manifest, written last, then the rename that makes the checkpoint whole."""
+        """The permissions the umask gives, the manifest, written last, then the rename that makes the checkpoint
+        whole (a stop signal waits for it: `stop_signals`)."""
+        give_normal_permissions(staging)
         write_manifest(staging)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        with SIGNALS.deferred():
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
 
     def _first_failure(self, failure):
         """The first process's failure (a message), or None: every process learns whether any failed."""
@@ -211,11 +121,18 @@ class Checkpointer:
         return next((message for message in gather_object([failure]) if message is not None), None)
 
     def prune(self):
-        """Keep the newest ``total_limit`` complete checkpoints; folders that vanish meanwhile are fine."""
+        """Keep the newest ``total_limit`` of this run's complete checkpoints (`own_checkpoints`); those that another
+        trajectory wrote are never removed. Folders that vanish meanwhile are fine."""
         if self.total_limit is None:
             return
-        for _, path in complete_checkpoints(self.output_dir)[: -self.total_limit]:
+        for _, path in self.own_checkpoints()[: -self.total_limit]:
             shutil.rmtree(path, ignore_errors=True)
+
+    def own_checkpoints(self):
+        """``[(step, path)]`` of the complete checkpoints in the output folder that this run's trajectory wrote:
+        those recording the trajectory flags it has, oldest first."""
+        return [(step, path) for step, path in complete_checkpoints(self.output_dir)
+                if recorded_trajectory(path) == self.trajectory]
 
     def load(self, path):
         """Restore a checkpoint folder into the live run, the random states included; returns its global step.
@@ -239,15 +156,24 @@ class Checkpointer:
         return self.loaded_state["global_step"]
 
     def _check_trajectory(self, path, saved):
-        """Refuse a checkpoint whose run had other trajectory flags (``saved``), unless told to go on (then say so)."""
+        """Refuse a checkpoint whose run had other trajectory flags (``saved``), unless told to go on (then say so),
+        and even then if the folder holds later checkpoints of that run, which this one's could replace."""
         changed = [name for name in self.trajectory if name in saved and saved[name] != self.trajectory[name]]
         if not changed:
             return
-        described = "; ".join(f"--{name} was {saved[name]!r}, now {self.trajectory[name]!r}" for name in changed)
+        described = "; ".join(f"{self.spellings.get(name, f'--{name}')} was {saved[name]!r}, now "
+                              f"{self.trajectory[name]!r}" for name in changed)
         if not self.allow_changed_trajectory:
             raise UsageError("--resume_from_checkpoint", str(path),
                              f"the flags the checkpoint was trained with ({described}), or --resume_with_changed_args "
                              f"to go on anyway")
+        later = [other.name for step, other in complete_checkpoints(self.output_dir)
+                 if step > self.loaded_state["global_step"] and recorded_trajectory(other) != self.trajectory]
+        if later:
+            raise UsageError("--resume_from_checkpoint", str(path),
+                             f"no later checkpoints of the run before the change in {self.output_dir} (it holds "
+                             f"{few(later)}, which this run's checkpoints could replace): move them, or use another "
+                             f"--output_dir")
         logger.warning(f"resuming with changed flags ({described}): the run is no longer exact")
 
     def resume(self, value):
@@ -332,12 +258,12 @@ class Checkpointer:
         return saved
 
 
-def attempt(write):
-    """Run ``write()``; why it failed (`errors.write_failure`), or None."""
+def attempt(write, directory):
+    """Run ``write()``, which writes into ``directory``; why it failed, in words (`writing.failure_cause`), or None."""
     try:
         write()
     except CHECKPOINT_WRITE_ERRORS as error:
-        return write_failure(error)
+        return failure_cause(error, directory)
     except WriteFailed as error:  # the export's files
         return error.failure
     return None

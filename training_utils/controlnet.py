@@ -11,10 +11,10 @@ import math
 from pathlib import Path
 
 from diffusers import ControlNetModel
-from PIL import Image, UnidentifiedImageError
 
 from .errors import UsageError, require
 from .hub import how_to_load
+from .images import UNREADABLE_IMAGE_ERRORS, read_image
 from .pipeline import load_pipeline
 from .quantization import add_quantization_args
 from .validation import make_validator
@@ -69,9 +69,8 @@ def load_validation_pairs(args):
     images = {}
     for path in paths:
         try:
-            with Image.open(path) as image:
-                images[path] = image.convert("RGB")
-        except (FileNotFoundError, IsADirectoryError, UnidentifiedImageError):
+            images[path] = read_image(path)
+        except UNREADABLE_IMAGE_ERRORS:
             raise UsageError("--validation_image", path, "an existing image file") from None
     count = max(len(prompts), len(paths))
     return [(prompts[i % len(prompts)], images[paths[i % len(paths)]]) for i in range(count)]

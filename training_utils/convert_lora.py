@@ -12,6 +12,10 @@ path>.lora_A.weight``, ``.lora_B.weight`` (and DoRA's ``.lora_magnitude_vector``
 tools apply its adapter kind (`adapter_layouts`); an OFT's weight difference needs the base weights, read from the
 component folder its ``adapter_config.json`` names (``base_model_name_or_path``).
 
+DST is the file to write, or a folder to write it into under SRC's name (as ``cp`` does); it is never SRC itself
+(the same file, a link to it, or a file in SRC's folder of adapters), and an existing DST is replaced only once the
+new file is whole.
+
 Formats
 - ``kohya`` (A1111/Forge, kohya sd-scripts; UNet families only: SD 1.x, SDXL): ``lora_unet_<diffusers module path,
   dots as underscores>`` (the names sd-scripts gives the diffusers UNet it wraps, and that ComfyUI maps through
@@ -52,6 +56,7 @@ prefixes and, for a transformer, the `Rename` rules of its original layout.
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +72,7 @@ from .families import FAMILIES, family_of
 from .families.layout import FORMATS
 from .parser import TrainingArgumentParser
 from .peft_files import read_peft_adapters
+from .writing import write_atomically, write_problem
 
 DIFFUSERS = "diffusers"  # the layout converted from, which load_lora_weights reads
 FORMAT_USERS = {"kohya": "A1111, Forge, kohya tools; SD 1.x and SDXL", "comfyui": "ComfyUI"}
@@ -283,11 +289,31 @@ def read_adapter(path):
 
 def write_converted(src_path, dst_path, to, lora_alpha=None, family=None):
     """Convert the adapter of ``src_path`` (`read_adapter`) to format ``to`` (see `convert_adapter`) into
-    ``dst_path``."""
+    ``dst_path`` (`destination`), atomically; returns the written file."""
+    target = destination(src_path, dst_path)
     tensors, configs, base_weights = read_adapter(src_path)
-    Path(dst_path).parent.mkdir(parents=True, exist_ok=True)
-    save_converted(convert_adapter(tensors, configs, to, lora_alpha, family, base_weights), dst_path)
-    return Path(dst_path)
+    converted = convert_adapter(tensors, configs, to, lora_alpha, family, base_weights)
+    write_atomically(target.parent, lambda staging: save_converted(converted, Path(staging) / target.name))
+    return target
+
+
+def destination(src_path, dst_path):
+    """The file that ``DST`` names, ``dst_path`` or, for a folder, SRC's name in it (a folder of adapters: its name
+    with ``.safetensors``); refused in one line if it is no ``.safetensors`` path, cannot be written, is SRC itself
+    (the same file, or a link to it), or lies in SRC's folder of adapters."""
+    src, dst = Path(src_path), Path(dst_path)
+    require(src.exists(), "SRC", str(src), "an existing .safetensors file or folder of peft adapters")
+    target = dst / (src.name if src.is_file() else f"{src.name}.safetensors") if dst.is_dir() else dst
+    require(target.suffix == ".safetensors", "DST", str(dst), "a .safetensors file to write, or a folder to write it "
+            "into")
+    require(not (target.exists() and os.path.samefile(src, target)), "DST", str(dst),
+            f"a file other than SRC: {target} is SRC itself{' (a link to it)' if target.is_symlink() else ''}, which "
+            f"the converted LoRA would overwrite")
+    require(not (src.is_dir() and target.resolve().is_relative_to(src.resolve())), "DST", str(dst),
+            f"a file outside SRC's folder of adapters ({src})")
+    problem = write_problem(target.parent)
+    require(problem is None, "DST", str(dst), f"a file this user can write ({problem})")
+    return target
 
 
 def save_converted(converted, path):
@@ -307,7 +333,8 @@ def main(argv=None):
                         help=f"the model family ({', '.join(FAMILIES)}) where the keys fit several")
     args = parser.parse_args(argv)
     with exit_on_usage_error():
-        require(Path(args.src).exists(), "SRC", args.src, "an existing .safetensors file or folder of peft adapters")
+        require(args.lora_alpha is None or 0 < args.lora_alpha < math.inf, "--lora_alpha", args.lora_alpha,
+                "a positive number")
         path = write_converted(args.src, args.dst, args.to, args.lora_alpha, args.family)
         print(f"wrote {path} ({args.to})")
 

@@ -13,7 +13,6 @@ the index and the files alone, so a resumed run skips exactly as the uninterrupt
 
 import io
 import itertools
-import json
 import logging
 import os
 import random
@@ -25,6 +24,7 @@ import torch
 from PIL import Image
 
 from .buckets import BucketBatchSampler
+from .captions import check_captions, check_metadata
 from .errors import UsageError
 from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, image_sizes
 
@@ -35,7 +35,8 @@ SUBSTITUTE_SEARCH_LIMIT = 32
 
 
 def load_train_dataset(args, columns):
-    """The training split of ``--dataset_name`` or ``--train_data_dir``, checked to have ``columns``.
+    """The training split of ``--dataset_name`` or ``--train_data_dir``, checked to have ``columns`` and, in the
+    ``--caption_column`` one, a caption in every row (`captions`).
 
     Reads metadata only, so it runs before any weights load and a wrong column fails in seconds.
     """
@@ -50,8 +51,12 @@ def load_train_dataset(args, columns):
             raise UsageError("--train_data_dir", args.train_data_dir, "an existing folder")
         if not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in data_dir.rglob("*")):
             raise UsageError("--train_data_dir", args.train_data_dir, "a folder holding images")
-        for metadata in sorted(data_dir.rglob("metadata.jsonl")):
-            check_jsonl(metadata, "--train_data_dir", args.train_data_dir)
+    flag, value = ("--train_data_dir", args.train_data_dir) if args.train_data_dir else ("--dataset_name",
+                                                                                         args.dataset_name)
+    if Path(value).is_dir():  # an imagefolder, or a dataset folder that may be one
+        for metadata in sorted(Path(value).rglob("metadata.jsonl")):
+            check_metadata(metadata, flag, value, columns.get("--caption_column"))
+    if args.train_data_dir is not None:
         dataset = load_dataset("imagefolder", data_dir=str(data_dir), cache_dir=args.cache_dir)
     else:
         try:
@@ -68,23 +73,9 @@ def load_train_dataset(args, columns):
         raise UsageError("--train_data_dir", args.train_data_dir, "a dataset with at least one example")
     if args.max_train_samples is not None:
         dataset = dataset.select(range(min(args.max_train_samples, len(dataset))))
+    if "--caption_column" in columns:
+        check_captions(dataset, columns["--caption_column"])
     return dataset
-
-
-def check_jsonl(path, flag, value):
-    """Stop with one line naming the file and line if ``path`` is not one JSON object per line."""
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as error:
-                raise UsageError(flag, value, f"one JSON object per line in {path}: line {number} is not ({error})") \
-                    from None
-            if not isinstance(row, dict):
-                raise UsageError(flag, value, f"one JSON object per line in {path}: line {number} is a "
-                                 f"{type(row).__name__}")
 
 
 def sample_generator(seed, epoch, index):

@@ -20,6 +20,7 @@ from .images import IMAGE_EXTENSIONS, image_sizes
 from .pipeline import modules_of
 from .validation import preserved_state
 
+PARTIAL_SUFFIX = ".partial"  # a class image being written
 
 # The dataset flags of upstream's DreamBooth scripts for captioned data, which the scripts here do not carry.
 CAPTIONED_DATASET_NOT_CARRIED = dict.fromkeys(
@@ -173,6 +174,8 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
         return 0
     if accelerator.is_main_process:
         class_dir.mkdir(parents=True, exist_ok=True)
+        for partial in class_dir.glob(f".*{PARTIAL_SUFFIX}"):  # what a killed generation left half written
+            partial.unlink()
         device_type = accelerator.device.type
         autocast = (torch.autocast(device_type, dtype=weight_dtype) if weight_dtype != torch.float32
                     else contextlib.nullcontext())
@@ -200,7 +203,7 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
 
 def _save_atomically(image, path):
     # Written under a name that list_images skips, then renamed: a crash never leaves a truncated image.
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
     image.save(partial, format="PNG")
     os.replace(partial, path)
 

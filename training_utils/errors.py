@@ -9,7 +9,12 @@ from contextlib import contextmanager
 
 from safetensors import SafetensorError
 
+# What a run exits with, by how it ended (the README's table; `run_status.json` records it too).
+USAGE_EXIT_CODE = 2
+NON_FINITE_EXIT_CODE = 3
+UNREADABLE_EXIT_CODE = 65  # EX_DATAERR: the input data was incorrect
 WRITE_FAILED_EXIT_CODE = 74  # EX_IOERR
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
 # What writing a file raises when the disk is full, a permission is missing or a path is not a folder.
 WRITE_ERRORS = (OSError, SafetensorError)
 
@@ -22,19 +27,31 @@ class UsageError(Exception):
 
 
 class RunStopped(Exception):
-    """The run stopped on purpose (preemption, a non-finite loss); ``exit_code`` tells the scheduler why."""
+    """The run stopped on purpose (preemption, a non-finite loss); ``exit_code`` tells the scheduler why, and
+    ``reason`` (a few words: "preempted", "non-finite loss") is what ``run_status.json`` records."""
 
-    def __init__(self, message, exit_code):
+    def __init__(self, message, exit_code, reason):
         super().__init__(message)
         self.exit_code = exit_code
+        self.reason = reason
 
 
 class WriteFailed(RunStopped):
     """A file of the run's outputs could not be written; ``failure`` says which and why (`write_failure`)."""
 
     def __init__(self, directory, failure):
-        super().__init__(f"could not write to {directory}: {failure}", WRITE_FAILED_EXIT_CODE)
+        super().__init__(f"could not write to {directory}: {failure}", WRITE_FAILED_EXIT_CODE, "write failed")
         self.failure = failure
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT, received where the run may stop at once (`stop_signals`). Raised where the process is, as
+    Python raises KeyboardInterrupt, and like it not an `Exception`, so that no library's ``except Exception``
+    swallows it."""
+
+    def __init__(self, signal_name):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 def write_failure(error):
@@ -49,20 +66,31 @@ def require(condition, flag, value, expected):
         raise UsageError(flag, value, expected)
 
 
+def is_first_process():
+    """Whether this is the first process of the run (``RANK`` 0, or the only one)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say_why_and_exit(error):
+    """One line on stderr for a `UsageError` (``error: ...``, exit status 2) or a `RunStopped` (``stopped: ...``, its
+    own exit code), then exit. Every process of a run stops together for the same reason, so only the first says
+    why it stopped."""
+    if isinstance(error, UsageError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
+    if is_first_process():
+        print(f"stopped: {error}", file=sys.stderr, flush=True)
+    sys.exit(error.exit_code)
+
+
 @contextmanager
 def exit_on_usage_error():
-    """Turn a `UsageError` raised inside the block into one line on stderr and exit status 2, and a
-    `RunStopped` into one line and its own exit code. Every process of a run stops together for the
-    same reason, so only the first (``RANK`` 0) says why."""
+    """Turn a `UsageError` or a `RunStopped` raised inside the block into one line and its exit status
+    (`say_why_and_exit`)."""
     try:
         yield
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except RunStopped as stop:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"stopped: {stop}", file=sys.stderr, flush=True)
-        sys.exit(stop.exit_code)
+    except (UsageError, RunStopped) as error:
+        say_why_and_exit(error)
 
 
 def few(names, limit=5):

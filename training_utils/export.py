@@ -30,12 +30,19 @@ TENSORS_NAME = "posthoc_ema_weights.safetensors"
 def save_with_ema(export, output_dir, ema=None):
     """The raw weights into ``output_dir`` (``export.save``) and, with an EMA, the EMA's into ``output_dir/ema``
     (``export.save_ema``, with the EMA weights swapped into the live modules, so that both have the same keys,
-    shapes and metadata). Returns ``{"raw": path, "ema": path}``."""
-    paths = {"raw": export.save(output_dir)}
-    if ema is not None:
-        with ema.swapped_in():
-            paths["ema"] = export.save_ema(Path(output_dir) / "ema")
-    return paths
+    shapes and metadata). Returns ``{"raw": path, "ema": path}``. Both, in every layout, are written and checked in
+    one staging folder and moved into place together (`writing.write_atomically`): a stop or a failure meanwhile
+    leaves the outputs there before whole, never raw weights of one step beside an EMA of another."""
+    written = {}
+
+    def write(staging):
+        written["raw"] = export.save(staging).relative_to(staging)
+        if ema is not None:
+            with ema.swapped_in():
+                written["ema"] = export.save_ema(Path(staging) / "ema").relative_to(staging)
+
+    write_atomically(output_dir, write)
+    return {variant: Path(output_dir) / path for variant, path in written.items()}
 
 
 class Export:

@@ -6,6 +6,8 @@ validation's images.
 
 from pathlib import Path
 
+from .writing import STAGING_PREFIX, write_atomically
+
 LORA_HOW_TO_LOAD = """
 from diffusers import {imports}
 
@@ -61,9 +63,9 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=()):
                 shown_grids.add(record["grid"])
                 lines += [f"*{record['prompt']}*: each variant over the run, then at the last step", "",
                           f"![progress]({record['progress']})", "", f"![step {record['step']}]({record['grid']})", ""]
-    path = Path(output_dir) / "README.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    text = "\n".join(lines) + "\n"
+    write_atomically(output_dir, lambda staging: Path(staging, "README.md").write_text(text))
+    return Path(output_dir) / "README.md"
 
 
 def push_to_hub(output_dir, hub_model_id, hub_token=None):
@@ -72,7 +74,7 @@ def push_to_hub(output_dir, hub_model_id, hub_token=None):
 
     repo_id = create_repo(hub_model_id or Path(output_dir).resolve().name, exist_ok=True, token=hub_token).repo_id
     upload_folder(repo_id=repo_id, folder_path=output_dir, token=hub_token,
-                  ignore_patterns=["checkpoint-*", ".checkpoint-*", "logs/*"])
+                  ignore_patterns=["checkpoint-*", f"{STAGING_PREFIX}*", "logs/*"])
     return repo_id
 
 

@@ -10,9 +10,10 @@ between steps is the same everywhere and lives here::
             loss = ...                      # the script's own step
             loop.backward_and_step(loss)    # then, when due: EMA, snapshots, checkpoint, validation
 
-Preemption (SIGTERM, or SIGINT as from Ctrl-C) lets the current step finish, writes a checkpoint
-and stops the run with `PREEMPTED_EXIT_CODE`; a non-finite loss stops it before anything is
-written from the broken weights, keeping the last good checkpoint. A batch holding an image that
+Preemption (SIGTERM, or SIGINT as from Ctrl-C; `stop_signals`) lets the current step finish, the last one
+too, writes a checkpoint and stops the run with `PREEMPTED_EXIT_CODE`; a non-finite loss stops it before
+anything is written from the broken weights, keeping the last good checkpoint. The loop keeps the step
+that ``run_status.json`` reports (`run_status.RUN`). A batch holding an image that
 cannot be read stops the run with `UNREADABLE_EXIT_CODE` after checkpointing the last completed
 step (as it was when that step ended, also mid-accumulation), or with ``--skip_corrupt_images``
 trains on the readable sample put in its place and counts it (``skipped_images`` in the logs).
@@ -22,8 +23,8 @@ import contextlib
 import hashlib
 import logging
 import math
-import signal
 import sys
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -31,42 +32,19 @@ from tqdm.auto import tqdm
 
 from . import random_state
 from .accelerator import end_training
-from .checkpointing import Checkpointer, resume_position, trajectory_flags
+from .checkpoint_folders import complete_checkpoints, trajectory_flags
+from .checkpointing import Checkpointer, resume_position
 from .compile import compilation_count
 from .data import BatchWithUnreadable, epoch_batches
-from .errors import RunStopped, UsageError
+from .errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, UNREADABLE_EXIT_CODE, RunStopped, UsageError
 from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
-from .validation import validation_due
+from .run_status import RUN
+from .stop_signals import SIGNALS
+from .validation import VALIDATION_DIR, validation_due
+from .writing import stopping_on_write_errors
 
 logger = logging.getLogger(__name__)
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which is what a scheduler should do
-NON_FINITE_EXIT_CODE = 3
-UNREADABLE_EXIT_CODE = 65  # EX_DATAERR: the input data was incorrect
-
-
-class PreemptionSignals:
-    """Records SIGTERM/SIGINT instead of dying mid-step; restores the previous handlers on exit."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.received = None
-        self._previous = {}
-
-    def __enter__(self):
-        for number in self.SIGNALS:
-            self._previous[number] = signal.signal(number, self._record)
-        return self
-
-    def __exit__(self, *exc):
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous.clear()
-
-    def _record(self, number, frame):
-        self.received = signal.Signals(number).name
 
 
 def bucket_layout(dataloader):
@@ -99,7 +77,6 @@ class TrainingLoop:
         self.validator = validator
         self.records = []
         self._loss = 0.0
-        self._signals = PreemptionSignals()
         self._progress = None
         self._skipped_images = 0
         # The accumulation counter and RNG states when the current optimizer step began: a checkpoint
@@ -107,8 +84,10 @@ class TrainingLoop:
         self._at_step_start = True
         self._step_start = None
         self.checkpointer = Checkpointer(accelerator, args.output_dir, export, ema, args.checkpoints_total_limit,
-                                         posthoc, trajectory_flags(args), args.resume_with_changed_args)
+                                         posthoc, trajectory_flags(args), args.resume_with_changed_args,
+                                         getattr(args, "spellings", None))
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
+        RUN.last_step = self.global_step
         # Images skipped on all processes up to the last completed step, counting those before a resume;
         # the main process's own count starts from it, since the logged count is the sum over processes.
         self._skipped_total = self.checkpointer.loaded_state.get("skipped_images", 0) if self.global_step else 0
@@ -139,7 +118,7 @@ class TrainingLoop:
                               disable=not self.accelerator.is_local_main_process)
         if self.posthoc is not None:
             self.posthoc.start(self.args.output_dir, self.global_step, write=self.accelerator.is_main_process)
-        with self._signals, self._progress_closed_on_stop():
+        with SIGNALS.deferred(), self._progress_closed_on_stop():
             for epoch in range(first_epoch, num_epochs):
                 skip = batches_to_skip if epoch == first_epoch else 0
                 for batch in epoch_batches(self.accelerator, self.dataloader, epoch, skip):
@@ -191,9 +170,11 @@ class TrainingLoop:
         self._loss, self._skipped_total = 0.0, skipped_images
         if not math.isfinite(loss):
             end_training(self.accelerator)
-            raise RunStopped(
-                f"the loss is {loss} at step {step}; stopped before writing anything from these weights (the last "
-                f"checkpoint in {self.args.output_dir} is intact)", NON_FINITE_EXIT_CODE)
+            checkpoints = complete_checkpoints(self.args.output_dir)
+            kept = f"{checkpoints[-1][1]} is the last checkpoint" if checkpoints else "no checkpoint was written"
+            raise RunStopped(f"the loss is {loss} at step {step}; stopped before writing anything from these weights "
+                             f"({kept})", NON_FINITE_EXIT_CODE, "non-finite loss")
+        RUN.last_step = step
         logs = {"train_loss": loss, "lr": self.lr_scheduler.get_last_lr()[0]}
         if skipped_images:
             logs["skipped_images"] = skipped_images
@@ -207,25 +188,26 @@ class TrainingLoop:
             self.posthoc.on_step(step, self.max_train_steps, self.args.output_dir,
                                  posthoc_snapshot_steps(self.args, self.max_train_steps),
                                  write=self.accelerator.is_main_process)
-        if step % self.args.checkpointing_steps == 0 or (preempted and step < self.max_train_steps):
+        if step % self.args.checkpointing_steps == 0 or preempted:
             self.checkpointer.save(step, self._checkpoint_state(skipped_images))
         if self.validator is not None and validation_due(step, self.max_train_steps, self.args.validation_steps,
                                                          self.args.validation_epochs, self.steps_per_epoch):
-            self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
+            with stopping_on_write_errors(Path(self.args.output_dir) / VALIDATION_DIR):
+                self.records = self.validator.card_records(self.validator(step, final=step == self.max_train_steps))
             if getattr(self.args, "torch_compile", None):
                 # Validation compiles graphs of its own the first time; a count that grows after that is recompiling.
                 logger.info(f"--torch_compile: {compilation_count()} graphs compiled by step {step}")
-        if preempted and step < self.max_train_steps:
+        if preempted:
             end_training(self.accelerator)
-            raise RunStopped(f"stopped by {self._signals.received or 'a signal'} after step {step}; checkpoint saved, "
-                             f"resume with --resume_from_checkpoint latest", PREEMPTED_EXIT_CODE)
+            raise RunStopped(f"stopped by {SIGNALS.received or 'a signal'} after step {step}; checkpoint saved, "
+                             f"resume with --resume_from_checkpoint latest", PREEMPTED_EXIT_CODE, "preempted")
         return True
 
     def _shared_status(self):
         """(the step's loss averaged over processes, whether any process got a preemption signal, images
         skipped on all processes so far). Every process must stop at the same step, whichever of them
         got the signal or the non-finite loss."""
-        preempted, skipped_images = self._signals.received is not None, self._skipped_images
+        preempted, skipped_images = SIGNALS.received is not None, self._skipped_images
         if self.accelerator.num_processes == 1:
             return self._loss.item(), preempted, skipped_images
         flags = torch.tensor([float(preempted), float(skipped_images)], device=self._loss.device)
@@ -268,4 +250,4 @@ class TrainingLoop:
         remedy = ("no readable sample was found to take its place" if self.args.skip_corrupt_images
                   else "replace it and resume with --resume_from_checkpoint latest, or pass --skip_corrupt_images")
         raise RunStopped(f"unreadable image {files} in the data for step {step + 1}; {saved}; {remedy}",
-                         UNREADABLE_EXIT_CODE)
+                         UNREADABLE_EXIT_CODE, "unreadable image")

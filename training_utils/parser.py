@@ -1,9 +1,11 @@
 """The command-line parser of every script and command here: errors in one line, and upstream flags refused.
 
 A flag of an upstream diffusers script that a script here does not carry is refused in one line saying why, as
-soon as it is parsed, before anything loads (`add_refused_args`); a bad value is one line too::
+soon as it is parsed, before anything loads (`add_refused_args`); a bad value is one line too, naming the flag as
+the user spelled it where it has several spellings (`flag_name`)::
 
     error: --resolution=500: expected a positive multiple of 8
+    error: --proportion_empty_prompts=2.0: expected a number in [0, 1]
     error: --optimizer is not supported here: AdamW is the only optimizer here ...
 """
 
@@ -13,8 +15,16 @@ import sys
 from .errors import UsageError
 
 
+class ParsedArgs(argparse.Namespace):
+    """The parsed flags, as argparse gives them; ``spellings`` holds how the user wrote each flag given that has
+    several spellings (by its name), kept out of ``vars()``, which is what checkpoints and trackers record."""
+
+    __slots__ = ("spellings",)
+
+
 class TrainingArgumentParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line, like the checks that follow parsing.
+    """An argparse parser whose errors are one line, like the checks that follow parsing, and whose results are
+    `ParsedArgs`.
 
     ``refused`` (``{flag: why}``) are flags of the upstream scripts that are refused in one line saying why
     (`add_refused_args`), each unless the script added a flag of that name itself: they are added when parsing
@@ -29,11 +39,38 @@ class TrainingArgumentParser(argparse.ArgumentParser):
         if refused:
             add_refused_args(self, refused)
         self.refused = {}
-        return super().parse_known_args(args, namespace)
+        namespace = ParsedArgs() if namespace is None else namespace
+        parsed, extras = super().parse_known_args(args, namespace)
+        if isinstance(parsed, ParsedArgs):
+            parsed.spellings = self.spellings(sys.argv[1:] if args is None else [str(arg) for arg in args])
+        return parsed, extras
+
+    def spellings(self, argv):
+        """``{name: the option string last given for it}`` for the flags of ``argv`` that have several spellings,
+        abbreviations resolved as argparse resolves them."""
+        spellings = {}
+        for token in argv:
+            option = self.typed_option(token.partition("=")[0])
+            action = self._option_string_actions.get(option)
+            if action is not None and len(action.option_strings) > 1:
+                spellings[action.dest] = option
+        return spellings
+
+    def typed_option(self, typed):
+        """The option string that ``typed`` names: itself, or the one option it abbreviates; None for neither."""
+        if not typed.startswith("--") or typed in self._option_string_actions:
+            return typed
+        completions = [option for option in self._option_string_actions if option.startswith(typed)]
+        return completions[0] if self.allow_abbrev and len(completions) == 1 else None
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def flag_name(args, name):
+    """The flag ``name`` (an argument's ``dest``) as the user spelled it, for a message about its value."""
+    return getattr(args, "spellings", {}).get(name, f"--{name}")
 
 
 class RefusedFlag(argparse.Action):

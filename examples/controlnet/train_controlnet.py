@@ -31,7 +31,6 @@ from training_utils.data import (TrainDataset, captions_with_empty, dataset_shap
                                  make_dataloader, pick_caption, stack_collate)
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
-from training_utils.errors import exit_on_usage_error
 from training_utils.export import ModelExport, save_with_ema
 from training_utils.families import sd
 from training_utils.hub import finish_run
@@ -43,6 +42,7 @@ from training_utils.pipeline import (prepare_components, trainable_parameters, t
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
+from training_utils.run_status import run_script
 
 
 def parse_args(argv=None):
@@ -160,5 +160,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    with exit_on_usage_error():
-        main(parse_args())
+    run_script(main, parse_args)

@@ -34,7 +34,6 @@ from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_arg
                                        dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
                                        transformer_dreambooth_refusals)
 from training_utils.ema import make_ema
-from training_utils.errors import exit_on_usage_error
 from training_utils.export import save_with_ema
 from training_utils.families import qwen_image
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
@@ -50,6 +49,7 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
+from training_utils.run_status import run_script
 from training_utils.validation import make_validator
 
 # Upstream's default targets: the image stream's attention projections in every block; the text stream's
@@ -168,5 +168,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    with exit_on_usage_error():
-        main(parse_args())
+    run_script(main, parse_args)

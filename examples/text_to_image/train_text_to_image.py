@@ -30,7 +30,7 @@ from training_utils.data import (TrainDataset, captions_with_empty, dataset_shap
 from training_utils.diffusion import (diffusion_loss, perturbed_noise, prediction_target, sample_noise,
                                       sample_timesteps)
 from training_utils.ema import make_ema
-from training_utils.errors import exit_on_usage_error, require
+from training_utils.errors import require
 from training_utils.export import PipelineExport, save_with_ema
 from training_utils.families import sd
 from training_utils.hub import finish_run, how_to_load
@@ -42,6 +42,7 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.prompts import cached_rows
+from training_utils.run_status import run_script
 from training_utils.validation import make_validator
 
 HOW_TO_LOAD = """
@@ -168,5 +169,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    with exit_on_usage_error():
-        main(parse_args())
+    run_script(main, parse_args)

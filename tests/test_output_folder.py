@@ -1,0 +1,152 @@
+"""The output folder (training_utils.output_folder): another run's outputs are refused before anything loads,
+cleared only on --overwrite_output_dir, and what killed writes left is removed by the next run."""
+
+import errno
+import json
+import logging
+
+import pytest
+
+from helpers import usage_error
+from training_utils import writing
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
+from training_utils.output_folder import check_output_dir, prepare_output_dir, run_outputs
+from training_utils.run_status import RUN, STATUS_FILE, read_status
+
+
+@pytest.fixture(autouse=True)
+def fresh_run_record():
+    """This process's run record as a new run starts, and as it was after the test."""
+    RUN.reset()
+    yield
+    RUN.reset()
+
+
+def earlier_run(folder, reason="completed", checkpoints=("checkpoint-2",)):
+    """What a LoRA run that ended for ``reason`` leaves in ``folder``, beside a file of the user's; returns every
+    file's bytes by path."""
+    for checkpoint in checkpoints:
+        (folder / checkpoint).mkdir(parents=True)
+        (folder / checkpoint / "pytorch_lora_weights.safetensors").write_bytes(b"checkpoint weights")
+    (folder / "ema").mkdir(parents=True)
+    for name in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors", "README.md",
+                 "logs/events", "notes.txt"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(f"{name} of the earlier run".encode())
+    (folder / STATUS_FILE).write_text(json.dumps({"reason": reason}))
+    return files_of(folder)
+
+
+def files_of(folder):
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file()}
+
+
+def parsed(output_dir, *flags):
+    return training_parser("test").parse_args(["--pretrained_model_name_or_path", "some/model", "--output_dir",
+                                               str(output_dir), *map(str, flags)])
+
+
+def test_run_outputs_are_what_runs_write_not_logs_statuses_staging_or_the_users_files(tmp_path):
+    earlier_run(tmp_path)
+    (tmp_path / ".incomplete-abc").mkdir()
+    (tmp_path / "checkpoint-notes").write_text("a file, not a checkpoint")
+    assert run_outputs(tmp_path) == ["README.md", "checkpoint-2", "ema", "pytorch_lora_weights.safetensors"]
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                           "unet": ["diffusers", "UNet2DConditionModel"]}))
+    (tmp_path / "unet").mkdir()
+    assert {"unet", "model_index.json"} <= set(run_outputs(tmp_path))
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "my_notes").mkdir()
+    assert "transformer" not in run_outputs(tmp_path)
+    (tmp_path / "transformer" / "adapter_config.json").write_text("{}")  # a LoKr, LoHa or OFT in peft's format
+    assert "transformer" in run_outputs(tmp_path) and "my_notes" not in run_outputs(tmp_path)
+    assert run_outputs(tmp_path / "missing") == []
+
+
+def test_a_fresh_run_refuses_another_runs_folder_in_one_line_before_anything_loads_and_touches_nothing(tmp_path):
+    before = earlier_run(tmp_path)
+    line = usage_error("text_to_image/train_text_to_image_lora.py", "--pretrained_model_name_or_path", "some/model",
+                       "--train_data_dir", tmp_path, "--output_dir", tmp_path, "--checkpoints_total_limit", 1)
+    assert line == (f"error: --output_dir={str(tmp_path)!r}: expected a folder without another run's outputs (it "
+                    f"holds README.md, checkpoint-2, ema, pytorch_lora_weights.safetensors): pass "
+                    f"--resume_from_checkpoint latest to continue that run, or --overwrite_output_dir to clear the "
+                    f"folder first")
+    assert files_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("reason, accepted", [("completed", False), (None, False), ("preempted", True),
+                                              ("non-finite loss", True), ("running", True)])
+def test_resuming_latest_without_a_checkpoint_starts_over_only_a_run_that_did_not_complete(tmp_path, reason,
+                                                                                           accepted):
+    earlier_run(tmp_path, reason, checkpoints=())
+    if reason is None:
+        (tmp_path / STATUS_FILE).unlink()
+    args = parsed(tmp_path, "--resume_from_checkpoint", "latest")
+    if accepted:
+        check_output_dir(args)
+        return
+    with pytest.raises(UsageError, match=f"^--resume_from_checkpoint='latest': expected a checkpoint in {tmp_path} "
+                                         f"to resume from: it holds .* of a run that "
+                                         f"{'completed' if reason else 'left no run_status.json'}, but no checkpoint; "
+                                         f"pass --overwrite_output_dir"):
+        check_output_dir(args)
+
+
+def test_resuming_a_folder_with_checkpoints_is_accepted_and_its_status_goes_there(tmp_path):
+    earlier_run(tmp_path)
+    check_output_dir(parsed(tmp_path, "--resume_from_checkpoint", "latest"))
+    assert RUN.output_dir == str(tmp_path)
+
+
+def test_a_folder_on_a_read_only_file_system_is_one_line(tmp_path, monkeypatch):
+    def read_only(dir):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(writing.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(UsageError) as error:
+        check_output_dir(parsed(tmp_path / "out"))
+    assert str(error.value) == (f"--output_dir={str(tmp_path / 'out')!r}: expected a folder this run can write "
+                                f"({tmp_path}: Read-only file system)")
+
+
+def test_overwrite_output_dir_clears_what_runs_write_and_keeps_the_users_files(tmp_path):
+    earlier_run(tmp_path)
+    (tmp_path / "ema" / ".incomplete-xyz").mkdir()
+    args = parsed(tmp_path, "--overwrite_output_dir")
+    check_output_dir(args)
+    prepare_output_dir(args)
+    assert sorted(files_of(tmp_path)) == ["notes.txt", STATUS_FILE]
+    assert read_status(tmp_path)["reason"] == "running"
+
+
+def test_overwrite_output_dir_never_clears_a_logging_dir_outside_the_folder(tmp_path):
+    output_dir, elsewhere = tmp_path / "out", tmp_path / "logs"
+    earlier_run(output_dir)
+    (elsewhere / "events").parent.mkdir()
+    (elsewhere / "events").write_text("another folder's logs")
+    for logging_dir in (str(elsewhere), "../logs", "."):
+        prepare_output_dir(parsed(output_dir, "--overwrite_output_dir", "--logging_dir", logging_dir))
+    assert (elsewhere / "events").read_text() == "another folder's logs"
+    assert (output_dir / "notes.txt").is_file()
+
+
+def test_the_next_run_removes_what_killed_writes_left_wherever_they_were(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="training_utils.output_folder")
+    earlier_run(tmp_path, "preempted")
+    left = [tmp_path / ".incomplete-a1" / "vae" / "diffusion_pytorch_model.safetensors",
+            tmp_path / "ema" / ".incomplete-b2" / "pytorch_lora_weights.safetensors",
+            tmp_path / ".incomplete-checkpoint-4" / "optimizer.bin", tmp_path / ".checkpoint-6.incomplete" / "x"]
+    for path in left:
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"half written")
+    before = files_of(tmp_path)
+    args = parsed(tmp_path, "--resume_from_checkpoint", "latest")
+    check_output_dir(args)
+    prepare_output_dir(args)
+    kept = {name: data for name, data in before.items() if "incomplete" not in name and name != STATUS_FILE}
+    assert {name: data for name, data in files_of(tmp_path).items() if name != STATUS_FILE} == kept
+    assert len(kept) == len(before) - len(left) - 1
+    assert read_status(tmp_path)["reason"] == "running"
+    assert "removed what 4 interrupted write(s) left" in caplog.text

@@ -1,0 +1,89 @@
+"""How a run ends, whatever ends it (training_utils.run_status): one line, the exit status, run_status.json."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from training_utils.errors import RunStopped, UsageError
+from training_utils.run_status import RUN, STATUS_FILE, read_status, run_script
+
+
+def script(output_dir, body, step=None):
+    """``(main, parse_args)`` of a script whose folder is ``output_dir`` (accepted, as `check_output_dir` does) and
+    whose main runs ``body()`` after completing ``step`` steps."""
+    def parse_args():
+        RUN.output_dir = output_dir
+        return "args"
+
+    def main(args):
+        RUN.last_step = step
+        body()
+
+    return main, parse_args
+
+
+def ended(capsys, main, parse_args):
+    """(exit status, stderr, the status written) of ``run_script(main, parse_args)``."""
+    with pytest.raises(SystemExit) as exited:
+        run_script(main, parse_args)
+    return exited.value.code, capsys.readouterr().err, json.loads((RUN.output_dir / STATUS_FILE).read_text())
+
+
+def raising(error):
+    def body():
+        raise error
+
+    return body
+
+
+def test_a_completed_run_says_so_with_its_last_step_and_latest_checkpoint(tmp_path):
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-10").mkdir()
+    run_script(*script(tmp_path, lambda: None, step=12))
+    assert read_status(tmp_path) == {"reason": "completed", "exit_status": 0, "last_step": 12,
+                                     "resume_from": "checkpoint-10", "message": ""}
+
+
+@pytest.mark.parametrize("error, reason, code, line", [
+    (UsageError("--rank", 0, "a positive integer"), "usage error", 2, "error: --rank=0: expected a positive integer"),
+    (RunStopped("the loss is nan at step 3", 3, "non-finite loss"), "non-finite loss", 3,
+     "stopped: the loss is nan at step 3"),
+    (RunStopped("could not write out: No space left on device", 74, "write failed"), "write failed", 74,
+     "stopped: could not write out: No space left on device"),
+])
+def test_a_stop_is_one_line_its_exit_status_and_the_same_in_the_status(tmp_path, capsys, error, reason, code, line):
+    status, stderr, written = ended(capsys, *script(tmp_path, raising(error), step=2))
+    assert (status, stderr) == (code, line + "\n")
+    assert written == {"reason": reason, "exit_status": code, "last_step": 2, "resume_from": None,
+                       "message": line.split(": ", 1)[1]}
+
+
+def test_a_signal_outside_the_loop_stops_at_once_as_a_preemption(tmp_path, capsys):
+    status, stderr, written = ended(capsys, *script(tmp_path, lambda: os.kill(os.getpid(), signal.SIGTERM), step=5))
+    message = ("stopped by SIGTERM after step 5; every file written is whole: rerun with --resume_from_checkpoint "
+               "latest")
+    assert (status, stderr) == (75, f"stopped: {message}\n")
+    assert (written["reason"], written["exit_status"], written["message"]) == ("preempted", 75, message)
+
+
+def test_an_unexpected_error_is_recorded_as_failed_and_keeps_its_traceback(tmp_path):
+    with pytest.raises(KeyError):
+        run_script(*script(tmp_path, raising(KeyError("vae"))))
+    assert read_status(tmp_path) == {"reason": "failed", "exit_status": 1, "last_step": None, "resume_from": None,
+                                     "message": "KeyError: 'vae'"}
+
+
+def test_nothing_is_written_before_the_folder_is_the_runs_nor_by_the_other_processes(tmp_path, capsys, monkeypatch):
+    def refused():
+        raise UsageError("--output_dir", str(tmp_path), "a folder without another run's outputs")
+
+    with pytest.raises(SystemExit):
+        run_script(lambda args: None, refused)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        run_script(*script(tmp_path, raising(RunStopped("stopped by SIGTERM", 75, "preempted"))))
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err == f"error: --output_dir={str(tmp_path)!r}: expected a folder without another " \
+                                      f"run's outputs\n"
