@@ -7,7 +7,7 @@ from peft import LoHaConfig, LoKrConfig, LoraConfig, OFTConfig
 
 from training_utils.adapters import adapter_config, check_adapter_args
 from training_utils.args import add_lora_args, training_parser
-from training_utils.checkpointing import trajectory_flags
+from training_utils.checkpoint_folders import trajectory_flags
 from training_utils.errors import UsageError
 
 

@@ -462,8 +462,16 @@ def test_the_command_refuses_destinations_it_cannot_write_in_one_line(flux2_file
     assert command_error(capsys, flux2_file, a_file / "out.safetensors", *arguments) == (
         f"error: DST={str(a_file / 'out.safetensors')!r}: expected a file this user can write ({a_file} is a file, "
         f"not a folder)")
+    assert command_error(capsys, tmp_path / "missing.safetensors", tmp_path / "out.safetensors", *arguments) == (
+        f"error: SRC={str(tmp_path / 'missing.safetensors')!r}: expected an existing .safetensors file or folder of "
+        f"peft adapters")
     assert command_error(capsys, tmp_path / "lora", tmp_path / "out.safetensors", *arguments) == (
-        f"error: SRC={str(tmp_path / 'lora')!r}: expected an existing .safetensors file")
+        f"error: SRC={str(tmp_path / 'lora')!r}: expected a folder of peft adapters, a subfolder with "
+        f"adapter_config.json per component")
+    (tmp_path / "peft" / "transformer").mkdir(parents=True)
+    assert command_error(capsys, tmp_path / "peft", tmp_path / "peft" / "transformer", *arguments) == (
+        f"error: DST={str(tmp_path / 'peft' / 'transformer')!r}: expected a file outside SRC's folder of adapters "
+        f"({tmp_path / 'peft'})")
 
 
 def test_a_folder_dst_gets_the_sources_name_and_an_existing_file_is_replaced_whole(flux2_file, tmp_path, capsys,
