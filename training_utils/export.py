@@ -28,6 +28,11 @@ from .pipeline import trainable_parameters
 from .writing import save_model, save_pipeline, saved_tensors, verify_saved_tensors, write_atomically
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+# Components that a pipeline's ``save_lora_weights`` has no argument for but whose ``load_lora_weights`` loads a LoRA
+# of another component's layout into, with a flag: Wan 2.2's low-noise expert, whose LoRA is a transformer LoRA that
+# ``load_lora_weights(path, load_into_transformer_2=True)`` loads. Written as that component's; beside a LoRA of
+# that component, in a subfolder named after it (`lora_folder`).
+SAVED_AS = {"transformer_2": "transformer"}
 TENSORS_NAME = "posthoc_ema_weights.safetensors"
 
 
@@ -131,7 +136,7 @@ class LoraExport(Export):
         accepted = inspect.signature(pipeline_class.save_lora_weights).parameters
         adapter_configs = {}
         for component, module in trained.items():
-            if f"{component}_lora_layers" not in accepted:
+            if f"{SAVED_AS.get(component, component)}_lora_layers" not in accepted:
                 raise ValueError(f"{pipeline_class.__name__}.save_lora_weights cannot save a LoRA for {component!r}")
             keys = {remove_adapter_name(name, adapter_name)
                     for name, parameter in module.named_parameters() if parameter.requires_grad}
@@ -157,17 +162,32 @@ class LoraExport(Export):
         return cls(pipeline_class, adapter_configs, description.get("adapter_name", "default"),
                    formats=description.get("formats", [DIFFUSERS]))
 
+    def lora_folder(self, directory, component):
+        """Where ``component``'s LoRA file goes: ``directory``, or for a component written as another's
+        (`SAVED_AS`) beside that one's LoRA, its subfolder."""
+        saved_as = SAVED_AS.get(component, component)
+        return Path(directory) / component if saved_as != component and saved_as in self.adapter_configs \
+            else Path(directory)
+
     def write(self, tensors, directory):
-        kwargs = {}
+        """Write the LoRA file(s), check them against ``tensors`` and convert them; returns the first file."""
+        files = {}
         for component, layers in by_component(tensors, self.adapter_configs).items():
-            kwargs[f"{component}_lora_layers"] = {remove_adapter_name(name, self.adapter_name):
-                                                  tensor.detach().cpu().contiguous() for name, tensor in layers.items()}
-            kwargs[f"{component}_lora_adapter_metadata"] = dict(self.adapter_configs[component])
+            files.setdefault(self.lora_folder(directory, component), {})[component] = layers
+        return [self._write_file(layers, folder) for folder, layers in files.items()][0]
+
+    def _write_file(self, components, directory):
+        kwargs = {}
+        for component, layers in components.items():
+            saved_as = SAVED_AS.get(component, component)
+            kwargs[f"{saved_as}_lora_layers"] = {remove_adapter_name(name, self.adapter_name):
+                                                 tensor.detach().cpu().contiguous() for name, tensor in layers.items()}
+            kwargs[f"{saved_as}_lora_adapter_metadata"] = dict(self.adapter_configs[component])
         write_atomically(directory, lambda staging: self.pipeline_class.save_lora_weights(
             staging, weight_name=LORA_WEIGHTS_NAME, **kwargs))
         path = Path(directory) / LORA_WEIGHTS_NAME
-        expected = {f"{component}.{key}": tensor for component in self.adapter_configs
-                    for key, tensor in kwargs[f"{component}_lora_layers"].items()}
+        expected = {f"{SAVED_AS.get(component, component)}.{key}": tensor for component in components
+                    for key, tensor in kwargs[f"{SAVED_AS.get(component, component)}_lora_layers"].items()}
         # Read back once: checked against memory, then converted (the conversion needs the file's metadata).
         with safe_open(path, framework="pt") as file:
             saved, metadata = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
@@ -184,11 +204,15 @@ class LoraExport(Export):
 
     def read_checkpoint(self, directory):
         """The file's tensors by the live parameter names; a key that no live parameter has stays as it is."""
-        names = {}
+        names, tensors = {}, {}
         for name in trainable_parameters(self.trained):
             component, _, key = name.partition(".")
-            names[f"{component}.{remove_adapter_name(key, self.adapter_name)}"] = name
-        return {names.get(key, key): tensor for key, tensor in load_file(Path(directory) / LORA_WEIGHTS_NAME).items()}
+            folder = self.lora_folder(directory, component)
+            names[folder, f"{SAVED_AS.get(component, component)}.{remove_adapter_name(key, self.adapter_name)}"] = name
+        for folder in dict.fromkeys(folder for folder, _ in names):
+            tensors.update({names.get((folder, key), key): tensor
+                            for key, tensor in load_file(folder / LORA_WEIGHTS_NAME).items()})
+        return tensors
 
 
 class ModelExport(Export):
