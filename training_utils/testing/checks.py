@@ -69,22 +69,24 @@ def rendered_images(output_dir):
 
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
-                                        num_inference_steps=2, atol=1e-4):
+                                        num_inference_steps=2, atol=1e-4, load_kwargs=None, **call_kwargs):
     """Render ``prompt`` with the pipeline saved in ``base_model``, then with the LoRA of each of ``lora_dirs``
-    loaded in turn (``pipe.load_lora_weights(lora_dir)``, as a user loads it), all with one seed: each LoRA must
-    load and change the images by more than ``atol``. Returns the images (numpy), the base model's first."""
+    loaded in turn (``pipe.load_lora_weights(lora_dir, **load_kwargs)``, as a user loads it), all with one seed: each
+    LoRA must load and change the images (a video pipeline's frames; ``call_kwargs`` go to every call, e.g.
+    ``num_frames``) by more than ``atol``. Returns the images (numpy), the base model's first."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(base_model)
     pipe.set_progress_bar_config(disable=True)
 
     def render():
-        return pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
-                    output_type="np", generator=torch.Generator().manual_seed(0)).images
+        output = pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
+                      output_type="np", generator=torch.Generator().manual_seed(0), **call_kwargs)
+        return output.frames if hasattr(output, "frames") else output.images
 
     images = [render()]
     for lora_dir in lora_dirs:
-        pipe.load_lora_weights(lora_dir)
+        pipe.load_lora_weights(lora_dir, **(load_kwargs or {}))
         images.append(render())
         pipe.unload_lora_weights()
         assert not np.allclose(images[0], images[-1], atol=atol), f"the LoRA in {lora_dir} changes no image"

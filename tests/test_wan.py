@@ -1,0 +1,133 @@
+"""training_utils.families.wan: Wan's prompt encoding, latent layout, noise levels, experts and transformer inputs
+are the pipeline's own.
+
+The central check: sampling with transformers that predict exactly the training target follows the training path
+step by step and ends on the clean latents, each step in the expert that training gives that noise level."""
+
+import pytest
+import torch
+
+from training_utils.args import training_parser
+from training_utils.errors import UsageError
+from training_utils.families import wan
+from training_utils.flow_matching import add_flow_matching_args, add_noise, velocity
+from training_utils.testing.tiny.wan import wan_pipeline
+
+PROMPTS = ["a red circle on a white background", "a blue square"]
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    pipes = {"wan21": wan_pipeline(), "wan22": wan_pipeline(two_experts=True),
+             "ti2v": wan_pipeline(expand_timesteps=True)}
+    for pipe in pipes.values():
+        pipe.set_progress_bar_config(disable=True)
+    return pipes
+
+
+def parse(*argv, model="unused"):
+    parser = training_parser("test")
+    wan.add_args(parser)
+    add_flow_matching_args(parser, weighting_scheme="none")
+    args = parser.parse_args(["--pretrained_model_name_or_path", str(model), *map(str, argv)])
+    wan.check_args(args)
+    return args
+
+
+def test_prompts_encode_as_the_pipeline_encodes_them_when_it_samples(pipes):
+    pipe = pipes["wan21"]
+    settings = wan.prompt_settings(pipe, parse())
+    assert settings == {"max_sequence_length": 512}  # what __call__ passes, not encode_prompt's own default (226)
+    with torch.no_grad():
+        rows = wan.encode_prompts(pipe, PROMPTS, "cpu", settings)
+        expected, negative = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=512)
+    assert rows.shape == (2, 512, 32) and torch.equal(rows, expected)
+    assert not torch.allclose(rows[0], rows[1])
+    assert wan.text_inputs(list(zip(rows)))["encoder_hidden_states"].shape == (2, 512, 32)
+    short = wan.prompt_settings(pipe, parse("--max_sequence_length", 16))
+    assert wan.encode_prompts(pipe, PROMPTS, "cpu", short).shape == (2, 16, 32)
+
+
+def test_the_training_noise_levels_are_the_samplers_shifted_ones(pipes):
+    pipe = pipes["wan21"]
+    noise_scheduler = wan.training_noise_scheduler(pipe)
+    assert noise_scheduler.config.shift == pipe.scheduler.config.flow_shift == 3.0
+    pipe.scheduler.set_timesteps(10)
+    for timestep, sigma in zip(pipe.scheduler.timesteps, pipe.scheduler.sigmas):
+        # The sampler's integer timesteps: the training schedule's sigma there is the sampler's, to their rounding.
+        index = int((noise_scheduler.timesteps - timestep).abs().argmin())
+        assert abs(float(noise_scheduler.sigmas[index]) - float(sigma)) < 2e-3
+
+
+@pytest.mark.parametrize("name", ["wan21", "wan22", "ti2v"])
+def test_sampling_towards_the_training_target_follows_the_training_path_in_each_expert(pipes, monkeypatch, name):
+    pipe = pipes[name]
+    settings = wan.prompt_settings(pipe, parse("--max_sequence_length", 16))
+    generator = torch.Generator().manual_seed(0)
+    vae_latents = torch.randn(1, 16, 3, 4, 4, generator=generator)  # 9 frames of 32x32 pixels
+    latents = wan.normalized_latents(pipe, vae_latents)
+    noise = torch.randn(latents.shape, generator=generator)
+    target = velocity(latents, noise)
+    calls = []
+    for component in ("transformer", "transformer_2"):
+        if getattr(pipe, component) is not None:
+            monkeypatch.setattr(getattr(pipe, component), "forward",
+                                lambda component=component, **inputs: calls.append((component, inputs)) or (target,))
+    decoded = []
+    monkeypatch.setattr(pipe.vae, "decode", lambda latents, **_: decoded.append(latents) or (torch.zeros(1, 3, 9, 32,
+                                                                                                         32),))
+    pipe(prompt=PROMPTS[0], height=32, width=32, num_frames=9, num_inference_steps=6, guidance_scale=1.0,
+         latents=noise, **settings)
+    # Straight to the clean latents, which the pipeline un-standardises back into the VAE's own.
+    torch.testing.assert_close(decoded[0], vae_latents, rtol=0, atol=1e-4)
+
+    noise_scheduler = wan.training_noise_scheduler(pipe)
+    ranges = wan.expert_ranges(pipe, noise_scheduler)
+    with torch.no_grad():
+        prompt_embeds = pipe.encode_prompt(PROMPTS[0], device="cpu", do_classifier_free_guidance=False,
+                                           **settings)[0]
+    assert len(calls) == 6
+    for step, (component, call) in enumerate(calls):
+        sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step:step + 1]
+        expected = wan.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
+        assert torch.equal(call["timestep"], expected["timestep"])
+        assert torch.equal(call["encoder_hidden_states"], prompt_embeds)
+        # The expert that training gives this noise level is the one the pipeline called.
+        index = int((noise_scheduler.timesteps - timestep).abs().argmin())
+        first, end = ranges[component]
+        assert first <= index < end, (component, float(timestep))
+    if name == "wan22":
+        assert {component for component, _ in calls} == {"transformer", "transformer_2"}
+    if name == "ti2v":  # one timestep per token of 1x2x2 patches: 3 frames of 2x2
+        assert calls[0][1]["timestep"].shape == (1, 12)
+
+
+def test_each_expert_trains_only_on_its_own_timesteps(pipes):
+    pipe = pipes["wan22"]
+    noise_scheduler = wan.training_noise_scheduler(pipe)
+    args = parse("--weighting_scheme", "logit_normal")
+    latents = torch.zeros(4096, 16, 1, 2, 2)
+    boundary = pipe.config.boundary_ratio * 1000
+    high, high_sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, "transformer")
+    low, low_sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, "transformer_2")
+    assert bool((high >= boundary).all()) and bool((low < boundary).all())
+    assert high.unique().numel() > 10 and low.unique().numel() > 100  # spread over each range
+    torch.testing.assert_close(high_sigmas.flatten(), high / 1000)
+    assert wan.trained_experts(pipe, "low").keys() == {"transformer_2"}
+    assert wan.trained_experts(pipe, None).keys() == {"transformer", "transformer_2"}
+    both = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}
+    chosen = [wan.step_expert(pipe, noise_scheduler, both, 0, step) for step in range(400)]
+    share = chosen.count("transformer") / len(chosen)
+    expected = ranges_share = wan.expert_ranges(pipe, noise_scheduler)["transformer"][1] / 1000
+    assert abs(share - expected) < 0.1 and ranges_share > 0
+    assert chosen == [wan.step_expert(pipe, noise_scheduler, both, 0, step) for step in range(400)]
+
+
+def test_a_low_noise_expert_asked_of_a_one_transformer_pipeline_fails_in_one_line(tmp_path):
+    pipes_dir = tmp_path / "wan21"
+    wan_pipeline().save_pretrained(pipes_dir)
+    with pytest.raises(UsageError) as error:
+        parse("--train_expert", "low", model=pipes_dir)
+    assert str(error.value) == ("--train_expert='low': expected high or nothing: the pipeline has one transformer, "
+                                "no low-noise expert (transformer_2)")
