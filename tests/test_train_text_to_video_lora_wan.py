@@ -6,7 +6,9 @@ together:
   step 2 (mid-epoch), the VAE off the accelerator between steps;
 - cached: the same 4 steps with --cache_latents on disk, neither validating nor checkpointing;
 - experts: Wan 2.2's two experts on an int8 base, with gradient checkpointing;
-- resumed: the full run resumed from its checkpoint-2.
+- resumed: the full run resumed from its checkpoint-2;
+- i2v: the image-to-video script on Wan 2.1 I2V-style (a CLIP image encoder), with cached latents, validating from
+  the first clip's first frame at its last step.
 """
 
 import shutil
@@ -23,6 +25,7 @@ from training_utils.testing import (assert_close_files, assert_lora_changes_pipe
 from training_utils.video import probe
 
 SCRIPT = "video/train_text_to_video_lora_wan.py"
+I2V_SCRIPT = "video/train_image_to_video_lora_wan.py"
 LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "a red circle on a white background"
 
@@ -46,6 +49,9 @@ def runs(tiny, tmp_path_factory):
                                    "--feature_cache_dir", root / "features")),
         "experts": (SCRIPT, *common(tiny, root / "experts", "--checkpointing_steps", 1000, "--quantize_base", "int8",
                                     "--mixed_precision", "bf16", "--gradient_checkpointing", model="wan22")),
+        "i2v": (I2V_SCRIPT, *common(tiny, root / "i2v", "--checkpointing_steps", 1000, "--cache_latents",
+                                    "--validation_prompt", PROMPT, "--num_validation_images", 1,
+                                    "--validation_inference_steps", 2, "--validation_num_frames", 5, model="wan_i2v")),
     })
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
     results.update(launch_together({"resumed": (SCRIPT, *common(tiny, root / "resumed", "--checkpointing_steps",
@@ -119,3 +125,15 @@ def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, flags,
                           "low-noise expert (transformer_2)")
     assert usage_error(SCRIPT, *common(tiny, tmp_path / "out", *flags)) == f"error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_image_to_video_trains_on_first_frames_and_validates_from_an_image(tiny, runs):
+    output_dir, _ = runs["i2v"]
+    log = assert_validated_at(output_dir, [4], ("raw", "ema"), [PROMPT], num_images=1)
+    assert probe(output_dir / log[0]["videos"][0]) == (5, 16.0, (32, 32))
+    first_frame = Image.open(output_dir / "validation" / "conditioning-p00.png")
+    assert first_frame.size == (32, 32)
+    assert "WanImageToVideoPipeline" in (output_dir / "README.md").read_text()
+    assert_lora_changes_pipeline_output(tiny["wan_i2v"], output_dir, prompt=PROMPT, atol=1e-7, num_frames=5,
+                                        max_sequence_length=16, guidance_scale=1.0, image=first_frame)
+

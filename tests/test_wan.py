@@ -6,12 +6,13 @@ step by step and ends on the clean latents, each step in the expert that trainin
 
 import pytest
 import torch
+from PIL import Image
 
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.families import wan
 from training_utils.flow_matching import add_flow_matching_args, add_noise, velocity
-from training_utils.testing.tiny.wan import wan_pipeline
+from training_utils.testing.tiny.wan import wan_i2v_pipeline, wan_pipeline
 
 PROMPTS = ["a red circle on a white background", "a blue square"]
 
@@ -131,3 +132,27 @@ def test_a_low_noise_expert_asked_of_a_one_transformer_pipeline_fails_in_one_lin
         parse("--train_expert", "low", model=pipes_dir)
     assert str(error.value) == ("--train_expert='low': expected high or nothing: the pipeline has one transformer, "
                                 "no low-noise expert (transformer_2)")
+
+
+def test_image_to_video_training_inputs_are_the_pipelines_conditioning_on_its_image(monkeypatch):
+    pipe = wan_i2v_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    image = Image.fromarray(torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8).numpy())
+    first_frame = pipe.video_processor.preprocess(image, height=32, width=32)  # what training lays out: [-1, 1]
+    latents = wan.normalized_latents(pipe, torch.randn(1, 16, 3, 4, 4, generator=generator))
+    noise = torch.randn(latents.shape, generator=generator)
+    conditioning = wan.image_to_video_conditioning(pipe, first_frame, latents)
+    assert conditioning["condition"].shape == (1, 4 + 16, 3, 4, 4)  # the first frame's mask, then its latents
+    calls = []
+    monkeypatch.setattr(pipe.transformer, "forward",
+                        lambda **inputs: calls.append(inputs) or (velocity(latents, noise),))
+    pipe(image=image, prompt=PROMPTS[0], height=32, width=32, num_frames=9, num_inference_steps=3, guidance_scale=1.0,
+         latents=noise, output_type="latent", max_sequence_length=16)
+    for step, call in enumerate(calls):
+        sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step:step + 1]
+        expected = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigma), timestep, conditioning)
+        torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
+        assert torch.equal(call["timestep"], expected["timestep"])
+        assert torch.equal(call["encoder_hidden_states_image"], expected["encoder_hidden_states_image"])
+    assert len(calls) == 3 and conditioning["encoder_hidden_states_image"].shape[-1] == 4

@@ -301,6 +301,18 @@ def clip_sample(clip, transform, generator, cached=None):
     return parameters[int(layout.flip)]
 
 
+def clip_sample_with_first_frame(clip, transform, generator, cached=None):
+    """`clip_sample` and the clip's first frame laid out as its frames are (``(3, height, width)`` in [-1, 1]), the
+    image that conditions an image-to-video model."""
+    if cached is None:
+        pixels = transform(clip, generator)[0]
+        return pixels, pixels[:, 0]
+    parameters, crop = cached
+    layout = transform.images.draw_layout(*clip.size, generator, crop=crop, shape=transform.shape_of(clip)[1:])
+    first = transform.images.apply_layout(read_frames(clip.source, clip.indices[:1])[0], layout) / 127.5 - 1.0
+    return parameters[int(layout.flip)], torch.from_numpy(first).permute(2, 0, 1).contiguous()
+
+
 def clip_latents(frozen, videos):
     """A batch's VAE latents: drawn from cached parameters, or encoded now (`cache.FrozenEncoders.latents`)."""
     if frozen.cache_latents:

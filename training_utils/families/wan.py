@@ -195,3 +195,42 @@ def load_lora_lines(trained, output_dir):
     if "transformer_2" in trained:
         lines.append(f'pipe.load_lora_weights("{output_dir}/transformer_2", load_into_transformer_2=True)')
     return "\n".join(lines)
+
+
+def check_image_to_video(pipe):
+    """Stop in one line on an image-to-video pipeline whose conditioning this script does not build: TI2V's
+    (``expand_timesteps``: the first frame's clean latents in place of its noise, and no loss there)."""
+    require(not pipe.config.expand_timesteps, "--pretrained_model_name_or_path", pipe.name_or_path,
+            "an image-to-video pipeline that conditions on the first frame's mask and latents (Wan 2.1 I2V, Wan 2.2 "
+            "A14B I2V); TI2V-5B's per-token timesteps are not built for image-to-video yet")
+
+
+def image_to_video_conditioning(pipe, first_frames, latents):
+    """``{"condition", "encoder_hidden_states_image"}`` for a batch's first frames (``(B, 3, H, W)`` in [-1, 1]) of
+    clips whose latents are ``latents``,
+    exactly as ``WanImageToVideoPipeline`` makes them for its image: its ``prepare_latents`` (the mask of the first
+    frame beside the VAE's mode of the first frame followed by black frames, standardised), one image at a time as
+    the pipeline takes one, and its ``encode_image`` (the CLIP image encoder's second-to-last hidden states) where
+    the transformer reads an image embedding."""
+    height, width = first_frames.shape[-2:]
+    latent_shape = (1, *latents.shape[1:])
+    num_frames = (latents.shape[2] - 1) * pipe.vae_scale_factor_temporal + 1
+    with torch.no_grad():
+        condition = torch.cat([pipe.prepare_latents(
+            frame[None].float(), 1, latent_shape[1], height, width, num_frames, torch.float32, latents.device,
+            latents=torch.zeros(latent_shape))[1] for frame in first_frames])
+        image_embeds = None
+        if pipe.transformer.config.image_dim is not None:
+            images = [((frame.float().permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().clip(0, 255)
+                      .astype("uint8") for frame in first_frames]
+            image_embeds = pipe.encode_image(images, latents.device)
+    return {"condition": condition, "encoder_hidden_states_image": image_embeds}
+
+
+def image_to_video_inputs(pipe, noisy_latents, timesteps, conditioning):
+    """The transformer's inputs for image-to-video: the noisy latents with the conditioning beside them on the
+    channels, the timesteps, and the image embedding, as the pipeline's loop passes them."""
+    hidden_states = torch.cat([noisy_latents, conditioning["condition"].to(noisy_latents.dtype)], dim=1)
+    return {**model_inputs(pipe, hidden_states, timesteps),
+            "encoder_hidden_states_image": conditioning["encoder_hidden_states_image"]}
+
