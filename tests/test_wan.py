@@ -6,12 +6,16 @@ step by step and ends on the clean latents, each step in the expert that trainin
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 from PIL import Image
+from safetensors.torch import load_file
 
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.families import wan
+from training_utils.export import LoraExport
 from training_utils.flow_matching import add_flow_matching_args, add_noise, velocity
+from training_utils.lora import add_lora, linear_layers_named
 from training_utils.testing.tiny.wan import wan_i2v_pipeline, wan_pipeline
 
 PROMPTS = ["a red circle on a white background", "a blue square"]
@@ -156,3 +160,26 @@ def test_image_to_video_training_inputs_are_the_pipelines_conditioning_on_its_im
         assert torch.equal(call["timestep"], expected["timestep"])
         assert torch.equal(call["encoder_hidden_states_image"], expected["encoder_hidden_states_image"])
     assert len(calls) == 3 and conditioning["encoder_hidden_states_image"].shape[-1] == 4
+
+
+def test_the_comfyui_file_is_wans_original_layout_at_the_trained_strength(tmp_path):
+    # Every adapted layer of a Wan 2.1 I2V transformer, with lora_alpha != rank: diffusers reads the original layout
+    # (its converter for Wan LoRAs of other trainers, as ComfyUI's model names them) into the same weight changes.
+    pipe = wan_i2v_pipeline()
+    layers = ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2"]
+    add_lora(pipe.transformer, 4, linear_layers_named(pipe.transformer, layers), alpha=6.0)
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in pipe.transformer.named_parameters():
+        if "lora_B" in name:
+            parameter.data = torch.randn(parameter.shape, generator=generator)
+    LoraExport.of(type(pipe), {"transformer": pipe.transformer}, ["diffusers", "comfyui"]).save(tmp_path)
+    converted = load_file(tmp_path / "pytorch_lora_weights_comfyui.safetensors")
+    for name in ("blocks.0.self_attn.q", "blocks.1.self_attn.o", "blocks.0.cross_attn.k_img", "blocks.1.ffn.2"):
+        assert f"diffusion_model.{name}.lora_A.weight" in converted and converted[f"diffusion_model.{name}.alpha"] == 6
+    fresh = wan_i2v_pipeline()
+    fresh.load_lora_weights(str(tmp_path / "pytorch_lora_weights.safetensors"), adapter_name="ours")
+    fresh.load_lora_weights(str(tmp_path / "pytorch_lora_weights_comfyui.safetensors"), adapter_name="comfyui")
+    adapted = [module for module in fresh.transformer.modules() if isinstance(module, LoraLayer)]
+    assert len(adapted) == 2 * 12  # two blocks: self-attention 4, cross-attention 6 (the image's k and v), MLP 2
+    for module in adapted:
+        torch.testing.assert_close(module.get_delta_weight("comfyui"), module.get_delta_weight("ours"))

@@ -64,7 +64,8 @@ def build_wan22(path):
 
 def wan_i2v_pipeline():
     """A Wan 2.1 I2V-style `WanImageToVideoPipeline`: the transformer reads the noisy latents, the first frame's
-    mask and latents (36 channels) and a CLIP image embedding."""
+    mask and latents (36 channels) and a CLIP image embedding, which its cross-attention reads with projections of
+    its own (Wan 2.1 I2V's ``added_kv_proj_dim``)."""
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
@@ -75,7 +76,8 @@ def wan_i2v_pipeline():
         intermediate_size=16, patch_size=4)).eval()
     return WanImageToVideoPipeline(
         tokenizer=tokenizer, text_encoder=tiny_umt5_encoder(len(tokenizer)), vae=tiny_wan_vae(),
-        scheduler=wan_scheduler(), transformer=tiny_wan_transformer(in_channels=36, image_dim=4),
+        scheduler=wan_scheduler(),
+        transformer=tiny_wan_transformer(in_channels=36, image_dim=4, added_kv_proj_dim=24),
         image_encoder=image_encoder, image_processor=CLIPImageProcessor(crop_size=32, size=32))
 
 
