@@ -44,13 +44,13 @@ def test_prompts_encode_as_the_pipeline_encodes_them_when_it_samples(pipes):
     settings = wan.prompt_settings(pipe, parse())
     assert settings == {"max_sequence_length": 512}  # what __call__ passes, not encode_prompt's own default (226)
     with torch.no_grad():
-        rows = wan.encode_prompts(pipe, PROMPTS, "cpu", settings)
+        rows, = wan.encode_prompts(pipe, PROMPTS, "cpu", settings)
         expected, negative = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=512)
     assert rows.shape == (2, 512, 32) and torch.equal(rows, expected)
     assert not torch.allclose(rows[0], rows[1])
     assert wan.text_inputs(list(zip(rows)))["encoder_hidden_states"].shape == (2, 512, 32)
     short = wan.prompt_settings(pipe, parse("--max_sequence_length", 16))
-    assert wan.encode_prompts(pipe, PROMPTS, "cpu", short).shape == (2, 16, 32)
+    assert wan.encode_prompts(pipe, PROMPTS, "cpu", short)[0].shape == (2, 16, 32)
 
 
 def test_the_training_noise_levels_are_the_samplers_shifted_ones(pipes):

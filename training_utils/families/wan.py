@@ -89,9 +89,9 @@ def prompt_dependencies(pipe, settings):
 
 
 def encode_prompts(pipe, prompts, device, settings):
-    """The prompt embeddings of ``pipe.encode_prompt``, one row per prompt (no negative prompt: that is
+    """``(prompt_embeds,)`` of ``pipe.encode_prompt``, one row per prompt (no negative prompt: that is
     validation's)."""
-    return pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device, **settings)[0]
+    return pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device, **settings)[:1]
 
 
 def text_inputs(rows):
@@ -116,15 +116,14 @@ def normalized_latents(pipe, latents):
     return (latents - mean) / std
 
 
-def model_inputs(pipe, noisy_latents, timesteps, first_frame_mask=None):
+def model_inputs(pipe, noisy_latents, timesteps):
     """The transformer's video inputs at ``timesteps`` as the sampling loop passes them: the latents, and the
-    timesteps per sample, or with ``expand_timesteps`` per token (0 where ``first_frame_mask``, TI2V's, is 0)."""
+    timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents."""
     if not pipe.config.expand_timesteps:
         return {"hidden_states": noisy_latents, "timestep": timesteps}
     frames, height, width = noisy_latents.shape[2:]
-    mask = torch.ones(frames, height, width, device=noisy_latents.device) if first_frame_mask is None \
-        else first_frame_mask[0, 0]
-    per_token = mask[:, ::2, ::2].flatten()[None] * timesteps.to(mask.dtype)[:, None]
+    tokens = torch.ones(frames, height, width, device=noisy_latents.device)[:, ::2, ::2].flatten()
+    per_token = tokens[None] * timesteps.to(tokens.dtype)[:, None]
     return {"hidden_states": noisy_latents, "timestep": per_token}
 
 
