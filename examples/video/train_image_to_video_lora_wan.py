@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Copied from examples/video/train_text_to_video_lora_wan.py
 """Train a LoRA on Wan's image-to-video transformer (Wan 2.1 I2V, or Wan 2.2 A14B I2V's experts), by flow matching.
 
     accelerate launch train_image_to_video_lora_wan.py \\
@@ -22,6 +23,7 @@ and ``--cache_latents`` encodes each clip once.
 """
 
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from diffusers import WanImageToVideoPipeline
@@ -36,6 +38,7 @@ from training_utils.compile import compile_repeated_blocks
 from training_utils.data import TrainDataset, captions_with_empty, drop_caption, make_dataloader, pick_caption, \
     stack_collate
 from training_utils.ema import make_ema
+from training_utils.errors import require
 from training_utils.export import LoraExport, save_with_ema
 from training_utils.families import wan
 from training_utils.feature_store import encoders_on
@@ -75,6 +78,9 @@ def parse_args(argv=None):
     check_flow_matching_args(args)
     check_video_args(args)
     wan.check_args(args)
+    images = args.validation_image or []
+    require(all(Path(path).is_file() for path in images) and len(images) in (0, 1, len(args.validation_prompt or [])),
+            "--validation_image", images, "image files, one for every --validation_prompt or one for all")
     return args
 
 
