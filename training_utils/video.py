@@ -51,6 +51,9 @@ def add_video_args(parser, num_frames=81):
     group.add_argument("--validation_num_frames", type=int, default=None,
                        help="frames per validation video (default: --num_frames)")
     group.add_argument("--validation_fps", type=int, default=DEFAULT_FPS, help="frame rate of the validation mp4s")
+    group.add_argument("--enable_vae_tiling", action="store_true",
+                       help="the VAE encodes and decodes in overlapping tiles: validation videos at full size fit "
+                            "where training fits (sides above 256 pixels are tiled)")
 
 
 def check_video_args(args, temporal=4):

@@ -79,6 +79,8 @@ def main(args):
                                        text_encoders=["text_encoder"])
     pipe = load_pipeline(WanPipeline, args, weight_dtype, quantization=quantization)
     noise_scheduler = wan.training_noise_scheduler(pipe)
+    if args.enable_vae_tiling:
+        pipe.vae.enable_tiling()
     settings = wan.prompt_settings(pipe, args)
     call_kwargs = wan.call_kwargs(pipe, settings)
 
