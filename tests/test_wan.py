@@ -16,6 +16,7 @@ from training_utils.families import wan
 from training_utils.export import LoraExport
 from training_utils.flow_matching import add_flow_matching_args, add_noise, velocity
 from training_utils.lora import add_lora, linear_layers_named
+from training_utils.pipeline import trainable_parameters
 from training_utils.testing.tiny.wan import wan_i2v_pipeline, wan_pipeline
 
 PROMPTS = ["a red circle on a white background", "a blue square"]
@@ -183,3 +184,25 @@ def test_the_comfyui_file_is_wans_original_layout_at_the_trained_strength(tmp_pa
     assert len(adapted) == 2 * 12  # two blocks: self-attention 4, cross-attention 6 (the image's k and v), MLP 2
     for module in adapted:
         torch.testing.assert_close(module.get_delta_weight("comfyui"), module.get_delta_weight("ours"))
+
+
+def test_two_experts_loras_are_written_apart_and_read_back_by_parameter(tmp_path):
+    pipe = wan_pipeline(two_experts=True)
+    trained = wan.trained_experts(pipe, "both")
+    for seed, transformer in enumerate(trained.values()):
+        add_lora(transformer, 4, linear_layers_named(transformer, ["to_q"]))
+        for name, parameter in transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.data = torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed))
+    export = LoraExport.of(type(pipe), trained)
+    assert export.save_checkpoint(tmp_path) == tmp_path / "pytorch_lora_weights.safetensors"
+    high, low = load_file(tmp_path / "pytorch_lora_weights.safetensors"), load_file(
+        tmp_path / "transformer_2" / "pytorch_lora_weights.safetensors")
+    assert high.keys() == low.keys() and not torch.equal(*(lora[next(key for key in lora if "lora_B" in key)]
+                                                          for lora in (high, low)))
+    read = export.read_checkpoint(tmp_path)
+    parameters = trainable_parameters(trained)
+    assert read.keys() == parameters.keys()
+    assert all(torch.equal(read[name], parameter) for name, parameter in parameters.items())
+    assert wan.load_lora_lines(trained, "out").splitlines()[1] == \
+        'pipe.load_lora_weights("out/transformer_2", load_into_transformer_2=True)'
