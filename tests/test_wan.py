@@ -79,9 +79,8 @@ def test_sampling_towards_the_training_target_follows_the_training_path_in_each_
         if getattr(pipe, component) is not None:
             monkeypatch.setattr(getattr(pipe, component), "forward",
                                 lambda component=component, **inputs: calls.append((component, inputs)) or (target,))
-    decoded = []
-    monkeypatch.setattr(pipe.vae, "decode", lambda latents, **_: decoded.append(latents) or (torch.zeros(1, 3, 9, 32,
-                                                                                                         32),))
+    decoded, blank_video = [], torch.zeros(1, 3, 9, 32, 32)
+    monkeypatch.setattr(pipe.vae, "decode", lambda latents, **_: decoded.append(latents) or (blank_video,))
     pipe(prompt=PROMPTS[0], height=32, width=32, num_frames=9, num_inference_steps=6, guidance_scale=1.0,
          latents=noise, **settings)
     # Straight to the clean latents, which the pipeline un-standardises back into the VAE's own.

@@ -16,7 +16,7 @@ It predicts the velocity (`prediction`). The training noise levels are those of 
 matching with its ``flow_shift`` (`training_noise_scheduler`). Wan 2.2 A14B has two experts: ``transformer``
 denoises the timesteps at or above ``boundary_ratio × 1000``, ``transformer_2`` those below; ``--train_expert``
 trains a LoRA on one of them (`trained_experts`), drawing only its timesteps (`sample_expert_timesteps`), or on
-both, each optimizer step training the expert its drawn timestep belongs to.
+both, each optimizer step training one expert drawn with its share of the schedule (`step_expert`).
 """
 
 import inspect
