@@ -35,8 +35,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
-# What the scripts import only once they run: the trackers' writer, torchao for an int8 base, PyAV for videos. (Each pipeline
-# class the scripts import brings its components' classes with it.)
+# What the scripts import only once they run: the trackers' writer, torchao for an int8 base, PyAV for videos. (Each
+# pipeline class the scripts import brings its components' classes with it.)
 LAZY_IMPORTS = [("torch.utils.tensorboard", ["SummaryWriter"]), ("torchao", []), ("av", [])]
 
 
