@@ -372,9 +372,9 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
-                 "QwenImagePipeline"):
+                 "QwenImagePipeline", "WanPipeline", "WanImageToVideoPipeline"):
         assert formats_for(name) == ("comfyui",), name
-    assert formats_for("WanPipeline") == ()
+    assert formats_for("CogVideoXPipeline") == ()
 
 
 @pytest.mark.parametrize("name", ["FluxPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",

@@ -325,7 +325,9 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 
 
 # The scripts here whose upstream counterparts have no example test, and why.
-WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script"}
+WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
+                          "video/train_text_to_video_lora_wan.py": "upstream has no Wan training script",
+                          "video/train_image_to_video_lora_wan.py": "upstream has no Wan training script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/train_*.py"))

@@ -35,9 +35,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
-# What the scripts import only once they run: the trackers' writer, and torchao for an int8 base. (Each pipeline
-# class the scripts import brings its components' classes with it.)
-LAZY_IMPORTS = [("torch.utils.tensorboard", ["SummaryWriter"]), ("torchao", [])]
+# What the scripts import only once they run: the trackers' writer, torchao for an int8 base, PyAV for videos. (Each
+# pipeline class the scripts import brings its components' classes with it.)
+LAZY_IMPORTS = [("torch.utils.tensorboard", ["SummaryWriter"]), ("torchao", []), ("av", [])]
 
 
 def preload():

@@ -28,6 +28,11 @@ from .pipeline import trainable_parameters
 from .writing import verify_saved_tensors, write_atomically
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+# Components that a pipeline's ``save_lora_weights`` has no argument for but whose ``load_lora_weights`` loads a LoRA
+# of another component's layout into, with a flag: Wan 2.2's low-noise expert, whose LoRA is a transformer LoRA that
+# ``load_lora_weights(path, load_into_transformer_2=True)`` loads. Written as that component's; beside a LoRA of
+# that component, in a subfolder named after it (`AdapterExport.files`).
+SAVED_AS = {"transformer_2": "transformer"}
 # The adapters that diffusers' load_lora_weights reads (peft's LoraConfig), and what every other one is called.
 LORA_TITLES = {False: "LoRA", True: "DoRA"}
 PEFT_TITLES = {"LOKR": "LoKr", "LOHA": "LoHa", "OFT": "OFT"}
@@ -146,20 +151,41 @@ class AdapterExport(Export):
         if converted:
             def write_converted(staging):
                 for name, tensors in converted.items():
+                    (Path(staging) / name).parent.mkdir(parents=True, exist_ok=True)
                     save_converted(tensors, Path(staging) / name)
 
             write_atomically(directory, write_converted)
         return self.path(directory)
 
+    def files(self):
+        """``{folder: {component: its name in the file}}``: the files the adapters are written into, one per folder
+        relative to the output; a component written as another's (`SAVED_AS`) beside that one gets a folder of its
+        own."""
+        files = {}
+        for component in self.adapter_configs:
+            saved_as = SAVED_AS.get(component, component)
+            folder = component if saved_as != component and saved_as in self.adapter_configs else ""
+            files.setdefault(folder, {})[component] = saved_as
+        return files
+
     def converted(self, layers):
-        """``{file name: tensors}`` of the layers in each asked layout; the base weights, where one needs them, are
-        the live modules' or, for an export made from a description, those its configs name."""
-        tensors = {f"{component}.{key}": tensor for component, keys in layers.items() for key, tensor in keys.items()}
+        """``{file path: tensors}`` of the layers in each asked layout, a file per folder of `files`; the base
+        weights, where one needs them, are the live modules' or, for an export made from a description, those its
+        configs name."""
         base_weights = (live_base_weights(self.trained) if self.trained is not None
                         else saved_base_weights(self.adapter_configs))
-        return {converted_name(layout): convert_adapter(tensors, self.adapter_configs, layout,
-                                                        family=self.pipeline_class.__name__, base_weights=base_weights)
-                for layout in self.formats if layout != DIFFUSERS}
+        converted = {}
+        for folder, names in self.files().items():
+            component_of = {name: component for component, name in names.items()}
+            tensors = {f"{name}.{key}": tensor for component, name in names.items()
+                       for key, tensor in layers[component].items()}
+            configs = {name: self.adapter_configs[component] for component, name in names.items()}
+            for layout in self.formats:
+                if layout != DIFFUSERS:
+                    converted[str(Path(folder) / converted_name(layout))] = convert_adapter(
+                        tensors, configs, layout, family=self.pipeline_class.__name__,
+                        base_weights=lambda name, path: base_weights(component_of[name], path))
+        return converted
 
     def read_checkpoint(self, directory):
         """The files' tensors by the live parameter names; a key that no live parameter has stays as it is."""
@@ -192,7 +218,8 @@ class LoraExport(AdapterExport):
 
     @classmethod
     def check_component(cls, pipeline_class, component):
-        if f"{component}_lora_layers" not in inspect.signature(pipeline_class.save_lora_weights).parameters:
+        saved_as = SAVED_AS.get(component, component)
+        if f"{saved_as}_lora_layers" not in inspect.signature(pipeline_class.save_lora_weights).parameters:
             raise ValueError(f"{pipeline_class.__name__}.save_lora_weights cannot save a LoRA for {component!r}")
 
     @property
@@ -204,14 +231,21 @@ class LoraExport(AdapterExport):
         return LORA_HOW_TO_LOAD
 
     def write_files(self, staging, layers):
-        kwargs = {}
-        for component, tensors in layers.items():
-            kwargs[f"{component}_lora_layers"] = tensors
-            kwargs[f"{component}_lora_adapter_metadata"] = dict(self.adapter_configs[component])
-        self.pipeline_class.save_lora_weights(staging, weight_name=LORA_WEIGHTS_NAME, **kwargs)
+        for folder, names in self.files().items():
+            kwargs = {}
+            for component, name in names.items():
+                kwargs[f"{name}_lora_layers"] = layers[component]
+                kwargs[f"{name}_lora_adapter_metadata"] = dict(self.adapter_configs[component])
+            self.pipeline_class.save_lora_weights(Path(staging) / folder, weight_name=LORA_WEIGHTS_NAME, **kwargs)
 
     def read_files(self, directory):
-        return load_file(Path(directory) / LORA_WEIGHTS_NAME)
+        tensors = {}
+        for folder, names in self.files().items():
+            component_of = {name: component for component, name in names.items()}
+            for key, tensor in load_file(Path(directory) / folder / LORA_WEIGHTS_NAME).items():
+                name, _, rest = key.partition(".")
+                tensors[f"{component_of.get(name, name)}.{rest}"] = tensor
+        return tensors
 
     def path(self, directory):
         return Path(directory) / LORA_WEIGHTS_NAME

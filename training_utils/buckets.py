@@ -58,8 +58,10 @@ def size_multiple(pipe):
         model_factor = 2 ** (len(config.down_block_types) - 1)
     else:
         patch = config.get("patch_size") or config.get("all_patch_size")
-        model_factor = patch[0] if isinstance(patch, (list, tuple)) else patch
-    needed = max(pipe.image_processor.config.vae_scale_factor, pipe.vae_scale_factor * model_factor)
+        model_factor = patch[-1] if isinstance(patch, (list, tuple)) else patch  # a video model's: (time, h, w)
+    processor = getattr(pipe, "image_processor", None) or pipe.video_processor
+    vae_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
+    needed = max(processor.config.vae_scale_factor, vae_factor * model_factor)
     return math.lcm(needed, 8)
 
 
@@ -171,9 +173,10 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     def report(self):
         """One line per bucket: its images, its batches per epoch, and what fills its last batch."""
         lines = []
-        for (height, width), indices in self.groups.items():
+        for shape, indices in self.groups.items():
             batches, left_over = divmod(len(indices), self.batch_size)
-            line = f"bucket {height}x{width} (height x width): {counted(len(indices), 'image')}, "
+            sides = "frames x height x width" if len(shape) == 3 else "height x width"
+            line = f"bucket {'x'.join(map(str, shape))} ({sides}): {counted(len(indices), 'image')}, "
             if left_over:
                 line += (f"{counted(batches + 1, 'batch')} an epoch; {left_over} left over at the end of an epoch, "
                          f"batched with {self.batch_size - left_over} of the bucket's images seen that epoch")

@@ -205,7 +205,7 @@ class FrozenEncoders:
         warning = cut_captions_warning(captions, depends_on)
         if warning:
             logger.warning(warning)
-        store = self._store("text_embeddings", {
+        store = self.store("text_embeddings", {
             "encoders": [describe(encoder) for encoder in self.text_encoders],
             "depends_on": [describe(thing) for thing in depends_on],
             "encode": describe(encode), "captions": many(captions, "captions")})
@@ -278,7 +278,9 @@ class FrozenEncoders:
         with encoders_on(self.device, self.off_device):
             yield
 
-    def _store(self, kind, determinants):
+    def store(self, kind, determinants):
+        """The `FeatureStore` of ``kind`` keyed by ``determinants`` and the dtype under ``cache_dir``; None without
+        one (the outputs are then held in memory)."""
         if self.cache_dir is None:
             return None
         return FeatureStore(self.cache_dir, kind, {**determinants, "dtype": str(self.dtype)})
@@ -298,7 +300,7 @@ class FrozenEncoders:
         cached = {}
         for shape, positions in sorted(by_shape.items(), key=lambda item: item[0] or ()):
             size = f"{self.transform.resolution}px" if shape is None else "{}x{}".format(*shape)
-            store = self._store("latents", {
+            store = self.store("latents", {
                 "vae": describe(self.vae), "images": many([sources[p] for p in positions], "images"),
                 "reading": READING, "transform": f"{size} {crops}, both flips, {self.transform.interpolation} resize"})
             group = [open_images[position] for position in positions]

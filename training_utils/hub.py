@@ -27,6 +27,16 @@ for component in {components}:  # or "{output_dir}/ema/" + component for the EMA
 image = pipe("{prompt}").images[0]
 """
 
+VIDEO_LORA_HOW_TO_LOAD = """
+from diffusers import {imports}
+from diffusers.utils import export_to_video
+
+pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
+{load_lora}
+video = pipe("{prompt}", num_frames={num_frames}).frames[0]
+export_to_video(video, "video.mp4", fps=16)
+"""
+
 
 def write_model_card(output_dir, base_model, title, how_to_load, records=()):
     """``README.md`` in ``output_dir``: base model, how to load, and for each validation prompt its progress

@@ -24,6 +24,7 @@ from .ema import tensors_swapped_in
 from .grids import progress_grid, step_grid
 from .pipeline import modules_of
 from .posthoc_ema.synthesis import synthesize
+from .video import RenderedVideo, still
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +104,16 @@ class Validator:
 
     ``encoders_on_device`` (a context manager factory, e.g. `cache.FrozenEncoders.on_device`) is entered
     around each validation's rendering: it brings the encoders a script keeps off the accelerator back.
+
+    With ``video_fps`` the pipeline renders videos (``num_videos_per_prompt``, ``.frames``): each is written as
+    an mp4 at that frame rate with a PNG frame strip (`video.RenderedVideo`); the strips stand for the videos in
+    the log's ``images``, the grids and the model card, and the log lists the mp4s in ``videos``.
     """
 
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
                  ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
-                 conditioning_images=None, posthoc=None, sigma_rels=None, encoders_on_device=contextlib.nullcontext):
+                 conditioning_images=None, posthoc=None, sigma_rels=None, encoders_on_device=contextlib.nullcontext,
+                 video_fps=None):
         self.pipe = pipe
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -129,6 +135,7 @@ class Validator:
         self.posthoc = posthoc
         self.sigma_rels = list(sigma_rels or (posthoc.sigma_rels if posthoc is not None else ()))
         self.encoders_on_device = encoders_on_device
+        self.video_fps = video_fps
 
     def _save_conditioning_images(self):
         """Each distinct conditioning image once (main process); returns each prompt's path, or None."""
@@ -240,7 +247,7 @@ class Validator:
         log = read_log(self.output_dir)
         grids = []
         for index, prompt in enumerate(self.prompts):
-            grid = step_grid(step, prompt, [(name, rendered[variant, index])
+            grid = step_grid(step, prompt, [(name, [still(image) for image in rendered[variant, index]])
                                             for variant, name in enumerate(variant_names)])[0]
             grid.save(self.output_dir / grid_path(step, index))
             records = [record for record in log if record.get("progress") == progress_path(index)]
@@ -256,21 +263,28 @@ class Validator:
         autocast = (torch.autocast(device_type, dtype=self.weight_dtype) if self.weight_dtype != torch.float32
                     else contextlib.nullcontext())
         fork_devices = [self.accelerator.device] if device_type == "cuda" else []
+        count = {"num_videos_per_prompt" if self.video_fps else "num_images_per_prompt": self.num_images}
         with torch.random.fork_rng(devices=fork_devices), autocast, torch.no_grad():
-            return self.pipe(
+            output = self.pipe(
                 prompt=self.prompts[prompt_index],
-                num_images_per_prompt=self.num_images,
+                **count,
                 num_inference_steps=self.num_inference_steps,
                 generator=generators,
                 **self.call_kwargs,
                 **self.prompt_kwargs[prompt_index],
-            ).images
+            )
+        if self.video_fps:
+            return [RenderedVideo(frames, self.video_fps) for frames in output.frames]
+        return output.images
 
     def _record(self, step, variant, prompt_index, images):
         paths = [f"{VALIDATION_DIR}/step-{step:06d}/{variant}-p{prompt_index:02d}-{index:02d}.png"
                  for index in range(len(images))]
-        return {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths,
-                "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index)}
+        record = {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths,
+                  "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index)}
+        if self.video_fps:
+            record["videos"] = [path.removesuffix(".png") + ".mp4" for path in paths]
+        return record
 
     def _log_conditioning_images(self, step):
         for index, (prompt, image) in enumerate(zip(self.prompts, self.conditioning_images)):

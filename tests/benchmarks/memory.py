@@ -2,6 +2,7 @@
 
     python -m tests.benchmarks.memory --model sdxl --quantize_base none int8 nf4 --json build/bench/memory-sdxl.json
     python -m tests.benchmarks.memory --model sd35m [--with_t5] --quantize_base none int8
+    python -m tests.benchmarks.memory --model wan21_1.3b --quantize_base none int8   # also wan22_ti2v_5b
 
 What it builds. The real architecture from its real config (SDXL base; SD3.5-medium, with T5-XXL only
 under ``--with_t5``), random weights, saved once as a diffusers pipeline folder under ``--fixtures_dir``
@@ -28,7 +29,9 @@ what `train_text_to_image_lora_sdxl.py` and `train_dreambooth_lora_sd3.py` do in
   activations that no bound counts.
 * On CUDA, also the peak accelerator memory (``torch.cuda.max_memory_allocated``) during load +
   prepare and during one LoRA step at 1024x1024, batch 1, gradient checkpointing, bf16 autocast,
-  AdamW: random latents and text embeddings of the script's shapes.
+  AdamW: random latents and text embeddings of the script's shapes. The Wan models (Wan 2.1 T2V 1.3B with its
+  UMT5-XXL text encoder, Wan 2.2 TI2V-5B, as `train_text_to_video_lora_wan.py` loads them) take one step per
+  clip length instead: 480x832, 33 and 81 frames, 512 prompt tokens.
 
 Targets: on the host (CPU), peak anonymous memory <= 1.3 x (lower bound + anonymous memory after the
 imports); on CUDA, peak accelerator memory during load + prepare <= 1.05 x the resident frozen,
@@ -187,6 +190,63 @@ def sd3_step_inputs(pipe, device):
     }
 
 
+def umt5_xxl():
+    """UMT5-XXL's encoder (Wan's text encoder, 5.7B parameters with its 256k-token vocabulary)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                                       num_heads=64, relative_attention_num_buckets=32,
+                                       relative_attention_max_distance=128, feed_forward_proj="gated-gelu"))
+
+
+def wan_components(transformer, vae, flow_shift, expand_timesteps=False):
+    """A Wan pipeline's components (its modules on the meta device): UMT5-XXL, and the transformer and VAE of
+    the hub's configs."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    from training_utils.testing.tiny.parts import tiny_t5_tokenizer
+
+    with torch.device("meta"):
+        modules = {"transformer": WanTransformer3DModel(**transformer), "vae": AutoencoderKLWan(**vae),
+                   "text_encoder": umt5_xxl()}
+    return {**modules, "tokenizer": tiny_t5_tokenizer(), "expand_timesteps": expand_timesteps,
+            "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                 flow_shift=flow_shift)}
+
+
+WAN_BLOCKS = {"patch_size": (1, 2, 2), "attention_head_dim": 128, "text_dim": 4096, "freq_dim": 256, "num_layers": 30,
+              "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
+
+
+def wan21_components():
+    """Wan 2.1 T2V 1.3B (Wan-AI/Wan2.1-T2V-1.3B-Diffusers): 12 heads, FFN 8960, the Wan 2.1 VAE (16 channels)."""
+    return wan_components({**WAN_BLOCKS, "num_attention_heads": 12, "ffn_dim": 8960, "in_channels": 16,
+                           "out_channels": 16}, {}, flow_shift=3.0)
+
+
+def wan22_ti2v_components():
+    """Wan 2.2 TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers): 24 heads, FFN 14336, the Wan 2.2 VAE (48 channels,
+    16x in space), per-token timesteps."""
+    vae = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+           "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
+           "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+           "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48}
+    return wan_components({**WAN_BLOCKS, "num_attention_heads": 24, "ffn_dim": 14336, "in_channels": 48,
+                           "out_channels": 48}, vae, flow_shift=5.0, expand_timesteps=True)
+
+
+def wan_step_inputs(pipe, device, num_frames=81, height=480, width=832):
+    """A 480p clip's latents of ``num_frames`` frames, its timestep (per token with TI2V's ``expand_timesteps``)
+    and 512 tokens of prompt, as `train_text_to_video_lora_wan.py` gives them."""
+    from training_utils.families import wan
+
+    transformer, spatial = pipe.transformer, pipe.vae_scale_factor_spatial
+    latents = torch.randn(1, transformer.config.in_channels, (num_frames - 1) // pipe.vae_scale_factor_temporal + 1,
+                          height // spatial, width // spatial, device=device)
+    return {**wan.model_inputs(pipe, latents, torch.tensor([500.0], device=device)),
+            "encoder_hidden_states": torch.randn(1, 512, transformer.config.text_dim, device=device)}
+
+
 @dataclass(frozen=True)
 class Model:
     pipeline_class: str
@@ -195,6 +255,7 @@ class Model:
     components: Callable[[], dict]
     step_inputs: Callable
     optional: Tuple[str, ...] = ()  # components left out unless --with_t5
+    steps: dict = None  # one LoRA step per {label: step_inputs keyword arguments} (video: per clip length)
 
 
 MODELS = {
@@ -202,6 +263,10 @@ MODELS = {
                   sdxl_step_inputs),
     "sd35m": Model("StableDiffusion3Pipeline", "transformer", ("text_encoder", "text_encoder_2", "text_encoder_3"),
                    sd35m_components, sd3_step_inputs, optional=("text_encoder_3", "tokenizer_3")),
+    "wan21_1.3b": Model("WanPipeline", "transformer", ("text_encoder",), wan21_components, wan_step_inputs,
+                        steps={"33 frames": {"num_frames": 33}, "81 frames": {"num_frames": 81}}),
+    "wan22_ti2v_5b": Model("WanPipeline", "transformer", ("text_encoder",), wan22_ti2v_components, wan_step_inputs,
+                           steps={"33 frames": {"num_frames": 33}, "81 frames": {"num_frames": 81}}),
 }
 
 
@@ -227,8 +292,8 @@ def build_fixture(model, path, dtype, with_optional):
 
     path = Path(path)
     components = model.components()  # modules on the meta device: nothing is allocated until filled
-    missing = [name for name in components
-               if not (path / name).is_dir() and (with_optional or name not in model.optional)]
+    missing = [name for name in components if hasattr(components[name], "save_pretrained")  # not a setting
+               and not (path / name).is_dir() and (with_optional or name not in model.optional)]
     if not missing:
         return
     path.mkdir(parents=True, exist_ok=True)
@@ -379,15 +444,15 @@ def read_every_tensor(pipe):
                 inner.sum()
 
 
-def lora_step_peak(model, pipe, args, parameters, ema, device, weight_dtype):
+def lora_step_peak(model, pipe, args, parameters, ema, device, weight_dtype, **sizes):
     """Peak accelerator bytes of one LoRA training step: forward under autocast, loss, backward, AdamW step
-    (its states appear here), EMA update."""
+    (its states appear here), EMA update. ``sizes`` go to the model's ``step_inputs``."""
     from training_utils.optimization import make_optimizer
 
     denoiser = getattr(pipe, model.base)
     denoiser.train()
     optimizer = make_optimizer(args, parameters, num_processes=1)
-    inputs = model.step_inputs(pipe, device)
+    inputs = model.step_inputs(pipe, device, **sizes)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.autocast(device.type, dtype=weight_dtype):
@@ -456,8 +521,11 @@ def measure(model_name, pipeline_path, scheme, with_optional, rank):
         kernel_peak = kernel_peak_total()
         if on_cuda:
             figures["accelerator_peak_load_prepare"] = torch.cuda.max_memory_allocated(device)
-            figures["accelerator_peak_step"], figures["step_loss"] = lora_step_peak(
-                model, pipe, args, parameters, ema, device, weight_dtype)
+            steps = {label: lora_step_peak(model, pipe, args, parameters, ema, device, weight_dtype, **sizes)
+                     for label, sizes in (model.steps or {"": {}}).items()}
+            figures["accelerator_peak_step"], figures["step_loss"] = max(steps.values())
+            if model.steps:
+                figures["accelerator_peak_steps"] = {label: peak for label, (peak, _) in steps.items()}
         else:  # (on CUDA, moving the weights to the device has read them)
             with sampler.phase("first_use"):
                 read_every_tensor(pipe)
@@ -560,6 +628,8 @@ def markdown(results):
                   "|---|---|---|---|---|---|---|"]
         for figures in on_cuda:
             step = gb(figures["accelerator_peak_step"])
+            if "accelerator_peak_steps" in figures:
+                step = ", ".join(f"{label}: {gb(peak)}" for label, peak in figures["accelerator_peak_steps"].items())
             if figures["model"] == "sdxl" and figures["quantize_base"] == "int8":
                 step += " ok" if figures["accelerator_peak_step"] <= TARGETS["sdxl_int8_step_bytes"] else " over"
             lines.append(

@@ -69,12 +69,13 @@ def rendered_images(output_dir):
 
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
-                                        num_inference_steps=2, atol=1e-4):
+                                        num_inference_steps=2, atol=1e-4, load_kwargs=None, **call_kwargs):
     """Render ``prompt`` with the pipeline saved in ``base_model``, then with the adapter of each of ``lora_dirs``
-    loaded in turn as a user loads it, all with one seed: each adapter must load and change the images by more than
-    ``atol``. A LoRA or DoRA loads with ``pipe.load_lora_weights(lora_dir)``; a LoKr, LoHa or OFT (a folder per
-    component in peft's format) with ``PeftModel.from_pretrained(getattr(pipe, component), lora_dir/component)``, into
-    a freshly loaded pipeline. Returns the images (numpy), the base model's first."""
+    loaded in turn as a user loads it, all with one seed: each adapter must load and change the images (a video
+    pipeline's frames; ``call_kwargs`` go to every call, e.g. ``num_frames``) by more than ``atol``. A LoRA or DoRA
+    loads with ``pipe.load_lora_weights(lora_dir, **load_kwargs)``; a LoKr, LoHa or OFT (a folder per component in
+    peft's format) with ``PeftModel.from_pretrained(getattr(pipe, component), lora_dir/component)``, into a freshly
+    loaded pipeline. Returns the images (numpy), the base model's first."""
     from diffusers import DiffusionPipeline
     from peft import PeftModel
 
@@ -84,8 +85,9 @@ def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo"
         return pipe
 
     def render(pipe):
-        return pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
-                    output_type="np", generator=torch.Generator().manual_seed(0)).images
+        output = pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
+                      output_type="np", generator=torch.Generator().manual_seed(0), **call_kwargs)
+        return output.frames if hasattr(output, "frames") else output.images
 
     pipe = load()
     images = [render(pipe)]
@@ -97,7 +99,7 @@ def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo"
                 PeftModel.from_pretrained(getattr(adapted, folder.name), folder)
             images.append(render(adapted))
         else:
-            pipe.load_lora_weights(lora_dir)
+            pipe.load_lora_weights(lora_dir, **(load_kwargs or {}))
             images.append(render(pipe))
             pipe.unload_lora_weights()
         assert not np.allclose(images[0], images[-1], atol=atol), f"the adapter in {lora_dir} changes no image"

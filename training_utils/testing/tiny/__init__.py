@@ -15,10 +15,10 @@ UNet); the datasets are `data`'s. Each module lists its builders, ``build_<name>
 import argparse
 from pathlib import Path
 
-from . import data, flux2, qwen_image, sd, sd3, sdxl, z_image
+from . import data, flux2, qwen_image, sd, sd3, sdxl, video, wan, z_image
 
 FIXTURES = {**sd.FIXTURES, **sdxl.FIXTURES, **sd3.FIXTURES, **flux2.FIXTURES, **z_image.FIXTURES,
-            **qwen_image.FIXTURES, **data.FIXTURES}
+            **qwen_image.FIXTURES, **wan.FIXTURES, **data.FIXTURES, **video.FIXTURES}
 
 
 def build(output_dir, names=None):

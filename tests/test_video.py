@@ -1,0 +1,137 @@
+"""training_utils.video: clips found, probed and named when they cannot train; frames sampled and bucketed; frames
+laid out alike; validation videos written as mp4 with a frame strip."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from training_utils.errors import UsageError
+from training_utils.images import ImageTransform
+from training_utils.testing.tiny.video import build_moving_shapes, moving_shape
+from training_utils.video import (RenderedVideo, VideoTransform, add_video_args, check_video_args, clip_sample,
+                                  find_clips, frame_bucket, frame_indices, probe, read_frames, write_mp4)
+
+
+@pytest.fixture(scope="module")
+def clips_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clips")
+    build_moving_shapes(folder)
+    return folder
+
+
+def video_args(*argv):
+    parser = argparse.ArgumentParser()
+    for flag in ("--train_data_dir", "--dataset_name", "--dataset_config_name", "--cache_dir"):
+        parser.add_argument(flag)
+    parser.add_argument("--caption_column", default="text")
+    parser.add_argument("--max_train_samples", type=int)
+    parser.add_argument("--skip_corrupt_images", action="store_true")
+    add_video_args(parser)
+    args = parser.parse_args(list(map(str, argv)))
+    check_video_args(args)
+    return args
+
+
+def test_frames_are_sampled_by_stride_or_rate_and_bucketed_at_the_longest_count_the_vae_takes():
+    assert frame_indices(12, 8.0) == list(range(12))
+    assert frame_indices(12, 8.0, frame_stride=3) == [0, 3, 6, 9]
+    assert frame_indices(12, 8.0, frame_rate=4) == [0, 2, 4, 6, 8, 10]
+    assert frame_indices(9, 24.0, frame_rate=16) == [0, 1, 3, 4, 6, 7]  # the frame shown at each 1/16 s
+    assert [frame_bucket(count, 9) for count in (1, 4, 5, 6, 8, 9, 12, 81)] == [1, 1, 5, 5, 5, 9, 9, 9]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_frames", 10], "--num_frames=10: expected a frame count the VAE takes: 4k+1 (1, 5, 9, ...)"),
+    (["--validation_num_frames", 0], "--validation_num_frames=0: expected a frame count the VAE takes: 4k+1 "
+                                     "(1, 5, 9, ...)"),
+    (["--frame_stride", 0], "--frame_stride=0: expected a positive integer"),
+    (["--frame_rate", -1], "--frame_rate=-1.0: expected a positive number"),
+])
+def test_bad_video_flags_fail_in_one_line(flags, message):
+    with pytest.raises(UsageError) as error:
+        video_args(*flags)
+    assert str(error.value) == message
+
+
+def test_a_folder_gives_clips_with_captions_from_metadata_or_sidecars_and_stills_as_one_frame(clips_dir):
+    clips = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9))
+    found = {clip.name.split("/")[-1]: (clip.caption, len(clip.indices), clip.size) for clip in clips}
+    assert found == {
+        "00.mp4": ("a red circle on a white background", 9, (32, 32)),  # metadata.jsonl
+        "01.mp4": ("a blue square on a black background", 5, (32, 32)),  # 7 frames: the 5-frame bucket
+        "02.mp4": ("a green triangle on a gray background", 9, (32, 32)),  # sidecar .txt; 12 frames, first 9
+        "03.mp4": ("a yellow circle on a black background", 5, (32, 32)),
+        "still.png": ("a purple square on a white background", 1, (32, 32)),
+    }
+    # Every other frame: the 7- and 6-frame clips give too few (left out, named in the log), the others 5.
+    strided = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9, "--frame_stride", 2,
+                                    "--skip_corrupt_images"))
+    assert [(clip.name.split("/")[-1], clip.indices) for clip in strided] == [
+        ("00.mp4", [0, 2, 4, 6, 8]), ("02.mp4", [0, 2, 4, 6, 8]), ("still.png", [0])]
+
+
+def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_loads(clips_dir, tmp_path):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for name in ("00.mp4", "03.mp4", "metadata.jsonl"):
+        (folder / name).write_bytes((clips_dir / name).read_bytes())
+    (folder / "broken.mp4").write_bytes(b"not a video")
+    (folder / "broken.txt").write_text("a broken clip")
+    write_mp4(folder / "short.mp4", moving_shape("square", "red", "white", 3), fps=8)
+    (folder / "short.txt").write_text("a short clip")
+    (folder / "03.txt").write_text("a yellow circle")
+    with pytest.raises(UsageError) as error:
+        find_clips(video_args("--train_data_dir", folder, "--num_frames", 9))
+    assert str(error.value).startswith(f"--train_data_dir={str(folder)!r}: expected readable videos of 5 frames or "
+                                       f"more: {folder / 'broken.mp4'} (unreadable: ")
+    assert f"{folder / 'short.mp4'} (too short: 3 frames sampled, 5 needed) (--skip_corrupt_images leaves them " \
+           "out)" in str(error.value)
+    kept = find_clips(video_args("--train_data_dir", folder, "--num_frames", 9, "--skip_corrupt_images"))
+    assert [clip.name.split("/")[-1] for clip in kept] == ["00.mp4", "03.mp4"]
+    (folder / "03.txt").unlink()
+    with pytest.raises(UsageError) as error:
+        find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"))
+    assert str(error.value).endswith(f"a caption for every file, in metadata.jsonl or a sidecar .txt "
+                                     f"({folder / '03.mp4'} have none)")
+
+
+def test_a_dataset_folder_with_a_video_column_gives_its_clips(clips_dir, tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"clip": str(clips_dir / name), "caption": f"clip {name}"}) + "\n" for name in ("00.mp4", "01.mp4")))
+    clips = find_clips(video_args("--dataset_name", tmp_path, "--video_column", "clip", "--caption_column",
+                                  "caption", "--num_frames", 5))
+    assert [(clip.caption, len(clip.indices)) for clip in clips] == [("clip 00.mp4", 5), ("clip 01.mp4", 5)]
+    with pytest.raises(UsageError) as error:
+        find_clips(video_args("--dataset_name", tmp_path, "--caption_column", "caption"))
+    assert str(error.value) == "--video_column='video': expected a column of the dataset: clip, caption"
+
+
+def test_every_frame_of_a_clip_is_laid_out_alike_and_cached_parameters_follow_the_same_flip(clips_dir):
+    clip = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 5))[0]
+    transform = VideoTransform(ImageTransform(16, center_crop=True, random_flip=True))
+    assert transform.shape_of(clip) == (5, 16, 16)
+    flips = []
+    for seed in range(8):
+        pixels, layout = transform(clip, torch.Generator().manual_seed(seed))
+        assert pixels.shape == (3, 5, 16, 16) and -1 <= pixels.min() and pixels.max() <= 1
+        frame = np.asarray(read_frames(clip.source, [4])[0].resize((16, 16), 2), dtype=np.float32) / 127.5 - 1
+        expected = torch.from_numpy((frame[:, ::-1] if layout.flip else frame).copy()).permute(2, 0, 1)
+        torch.testing.assert_close(pixels[:, 4], expected, rtol=0, atol=1e-6)
+        cached = clip_sample(clip, transform, torch.Generator().manual_seed(seed),
+                             (torch.stack([torch.zeros(1), torch.ones(1)]), (0, 0)))
+        flips.append((layout.flip, float(cached)))
+    assert {flip for flip, _ in flips} == {False, True} and all(float(flip) == value for flip, value in flips)
+
+
+def test_a_rendered_video_is_written_as_a_decodable_mp4_and_a_frame_strip(tmp_path):
+    frames = np.linspace(0, 1, 5 * 16 * 24 * 3, dtype=np.float32).reshape(5, 16, 24, 3)
+    video = RenderedVideo(frames, fps=8)
+    video.save(tmp_path / "v.png")
+    assert probe(tmp_path / "v.mp4") == (5, 8.0, (24, 16))
+    strip = np.asarray(read_frames(tmp_path / "v.png", [0])[0])
+    assert strip.shape == (16, 5 * 24, 3) and np.array_equal(strip[:, 24:48], video.frames[1])
+    decoded = np.asarray(read_frames(tmp_path / "v.mp4", [2])[0], dtype=np.int16)
+    assert np.abs(decoded - video.frames[2]).mean() < 8  # H.264 is lossy
