@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 from diffusers import WanImageToVideoPipeline
-from PIL import Image
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.adapter_export import adapter_export
@@ -47,7 +46,7 @@ from training_utils.feature_store import encoders_on
 from training_utils.flow_matching import add_flow_matching_args, add_noise, check_flow_matching_args, \
     flow_matching_loss
 from training_utils.hub import VIDEO_LORA_HOW_TO_LOAD, finish_run, how_to_load
-from training_utils.images import ImageTransform
+from training_utils.images import ImageTransform, read_image
 from training_utils.loop import TrainingLoop
 from training_utils.lora import add_adapter, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
@@ -104,7 +103,8 @@ def main(args):
     settings = wan.prompt_settings(pipe, args)
     call_kwargs = wan.call_kwargs(pipe, settings)
 
-    # 3. An adapter (--adapter) on each transformer that trains (Wan 2.2: the --train_expert experts); the EMA tracks them.
+    # 3. An adapter (--adapter) on each transformer that trains (Wan 2.2: the --train_expert experts); the EMA tracks
+    #    them.
     trained = wan.trained_experts(pipe, args.train_expert)
     for transformer in trained.values():
         layers = linear_layers_named(transformer, comma_separated(args.lora_layers))
@@ -151,7 +151,7 @@ def main(args):
 
     num_frames = args.validation_num_frames or args.num_frames
     prompts = args.validation_prompt or []
-    images = [Image.open(path).convert("RGB") for path in args.validation_image or []] or \
+    images = [read_image(path) for path in args.validation_image or []] or \
         read_frames(clips[0].source, [0])
     images = images * len(prompts) if len(images) == 1 else images
     validator = make_validator(args, pipe, accelerator, prompt_kwargs=[{"image": image} for image in images],

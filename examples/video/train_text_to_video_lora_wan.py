@@ -86,7 +86,8 @@ def main(args):
     settings = wan.prompt_settings(pipe, args)
     call_kwargs = wan.call_kwargs(pipe, settings)
 
-    # 3. An adapter (--adapter) on each transformer that trains (Wan 2.2: the --train_expert experts); the EMA tracks them.
+    # 3. An adapter (--adapter) on each transformer that trains (Wan 2.2: the --train_expert experts); the EMA tracks
+    #    them.
     trained = wan.trained_experts(pipe, args.train_expert)
     for transformer in trained.values():
         layers = linear_layers_named(transformer, comma_separated(args.lora_layers))
