@@ -57,7 +57,9 @@ def size_multiple(pipe):
     if "down_block_types" in config:
         model_factor = 2 ** (len(config.down_block_types) - 1)
     else:
-        patch = config.get("patch_size") or config.get("all_patch_size")
+        # A transformer without a patch size of its own (Krea 2's: its pipeline packs the patches) leaves it to the
+        # image processor's factor.
+        patch = config.get("patch_size") or config.get("all_patch_size") or 1
         model_factor = patch[0] if isinstance(patch, (list, tuple)) else patch
     needed = max(pipe.image_processor.config.vae_scale_factor, pipe.vae_scale_factor * model_factor)
     return math.lcm(needed, 8)
