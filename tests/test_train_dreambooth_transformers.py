@@ -160,8 +160,9 @@ FAMILIES = [
            | {f"{block}.{layer}" for block in KREA2_BLOCKS
               for layer in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_gate", "ff.up",
                             "ff.down")},
-           (*INT8, "--lora_layers", "to_gate", "--gradient_checkpointing"),
-           {f"{block}.attn.to_gate" for block in KREA2_BLOCKS}, ("--max_sequence_length", 32),
+           (*INT8, "--lora_layers", "to_out.0,ff.down", "--gradient_checkpointing"),
+           {f"{block}.{layer}" for block in KREA2_BLOCKS for layer in ("attn.to_out.0", "ff.down")},
+           ("--max_sequence_length", 32),
            refused=[
                (["--validation_model_path", "krea/Krea-2-Turbo"],
                 "--validation_model_path is not supported here: validation renders with the pipeline that trains, "
