@@ -7,16 +7,20 @@ diffusers' names by diffusers' own single-file checkpoint converters (the origin
 have), must equal what peft applies in the diffusers model; a few names are checked against ComfyUI's mapping tables.
 """
 
+import inspect
 import json
 import math
 import stat
 
 import pytest
 import torch
-from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+import diffusers.loaders.single_file_utils
+from diffusers import (ChromaPipeline, ChromaTransformer2DModel, Flux2KleinPipeline, Flux2Transformer2DModel,
+                       Krea2Pipeline, Krea2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
                        SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
                        StableDiffusionXLPipeline, ZImagePipeline, ZImageTransformer2DModel)
 from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
+                                                 convert_krea2_transformer_checkpoint_to_diffusers,
                                                  convert_sd3_transformer_checkpoint_to_diffusers,
                                                  convert_z_image_transformer_checkpoint_to_diffusers)
 from peft import LoraConfig
@@ -156,6 +160,51 @@ def tiny_qwen_image_transformer():
                                        axes_dims_rope=(8, 4, 4))
 
 
+def tiny_chroma_transformer():
+    torch.manual_seed(0)
+    return ChromaTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                    axes_dims_rope=(4, 4, 8), approximator_hidden_dim=32, approximator_layers=2,
+                                    approximator_num_channels=16)
+
+
+def tiny_krea2_transformer():
+    torch.manual_seed(0)
+    return Krea2Transformer2DModel(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=32, timestep_embed_dim=8,
+                                   text_hidden_dim=16, num_text_layers=3, text_num_attention_heads=2,
+                                   text_num_key_value_heads=1, text_intermediate_size=16, num_layerwise_text_blocks=1,
+                                   num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2))
+
+
+class ZerosWhereMissing(dict):
+    """A checkpoint that gives what a whole-checkpoint converter asks of it besides the LoRA's weights: zero biases,
+    and `MISSING` for the rest (norms)."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.biases = {key.removesuffix(".weight") + ".bias": torch.zeros(weight.shape[0])
+                       for key, weight in weights.items()}
+
+    def pop(self, key, *default):
+        return super().pop(key) if key in self else self.biases.get(key, MISSING)
+
+
+MISSING = torch.zeros(1)
+
+
+def convert_tiny_chroma(deltas):
+    """diffusers' convert_chroma_transformer_checkpoint_to_diffusers on ``deltas``, with the model width and MLP ratio
+    it assumes (the real model's 3072 and 4) those of `tiny_chroma_transformer` (32), and without what it made of the
+    keys the deltas lack."""
+    source = inspect.getsource(diffusers.loaders.single_file_utils.convert_chroma_transformer_checkpoint_to_diffusers)
+    assert "    inner_dim = 3072\n" in source
+    namespace = dict(vars(diffusers.loaders.single_file_utils))
+    exec(source.replace("    inner_dim = 3072\n", "    inner_dim = 32\n"), namespace)
+    converted = namespace["convert_chroma_transformer_checkpoint_to_diffusers"](ZerosWhereMissing(deltas))
+    return {key: value for key, value in converted.items() if value is not MISSING}
+
+
 def zero_biases_and_pos_embed(deltas):
     """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints."""
     completed = dict(deltas)
@@ -172,6 +221,8 @@ TRANSFORMERS = {
     "z_image": (ZImagePipeline, tiny_z_image_transformer, convert_z_image_transformer_checkpoint_to_diffusers),
     # ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
     "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
+    "chroma": (ChromaPipeline, tiny_chroma_transformer, convert_tiny_chroma),
+    "krea2": (Krea2Pipeline, tiny_krea2_transformer, convert_krea2_transformer_checkpoint_to_diffusers),
 }
 RANK, ALPHA = 4, 6.0
 # Per-module rank and alpha, so that fused q/k/v parts differ in both.
@@ -231,11 +282,13 @@ def test_comfyui_alphas_keep_each_modules_trained_strength(transformer_lora):
     family, _, path = transformer_lora
     converted = convert(*lora_tensors(path), "comfyui", family=family)
     for key, alpha in converted.items():
-        if key.endswith(".qkv.alpha"):  # fused: to_q's strength (to_k's and to_v's are absorbed into lora_B)
+        # Fused (Chroma's single blocks' linear1 too): to_q's strength (the others' are absorbed into lora_B).
+        if key.endswith((".qkv.alpha", ".linear1.alpha")):
             rank = converted[key.replace(".alpha", ".lora_A.weight")].shape[0]
             assert alpha.item() / rank == ALPHA / RANK, key
         elif key.endswith(".alpha"):  # the module's trained lora_alpha itself
-            assert alpha.item() == (ALPHA_PATTERN["to_k"] if key.endswith(".to_k.alpha") else ALPHA), key
+            to_k = key.endswith((".to_k.alpha", ".attn.wk.alpha"))  # Krea 2's original name: wk
+            assert alpha.item() == (ALPHA_PATTERN["to_k"] if to_k else ALPHA), key
 
 
 # Names from ComfyUI's tables (comfy/utils.py mmdit_to_diffusers, flux_to_diffusers, z_image_to_diffusers) and
@@ -262,6 +315,17 @@ KNOWN_NAMES = {
                 "context_refiner.0.feed_forward.w3": "context_refiner.0.feed_forward.w3",
                 "all_x_embedder.2-1": "x_embedder", "all_final_layer.2-1.adaLN_modulation.1":
                 "final_layer.adaLN_modulation.1"},
+    "chroma": {"transformer_blocks.0.attn.to_k": "double_blocks.0.img_attn.qkv",
+               "transformer_blocks.0.attn.add_v_proj": "double_blocks.0.txt_attn.qkv",
+               "transformer_blocks.0.ff_context.net.2": "double_blocks.0.txt_mlp.2",
+               "single_transformer_blocks.1.proj_mlp": "single_blocks.1.linear1",
+               "single_transformer_blocks.0.proj_out": "single_blocks.0.linear2",
+               "distilled_guidance_layer.layers.1.linear_2": "distilled_guidance_layer.layers.1.out_layer",
+               "context_embedder": "txt_in", "proj_out": "final_layer.linear"},
+    "krea2": {"transformer_blocks.1.attn.to_gate": "blocks.1.attn.gate",
+              "text_fusion.refiner_blocks.0.attn.to_out.0": "txtfusion.refiner_blocks.0.attn.wo",
+              "text_fusion.layerwise_blocks.0.ff.up": "txtfusion.layerwise_blocks.0.mlp.up",
+              "time_mod_proj": "tproj.1", "txt_in.linear_2": "txtmlp.3", "img_in": "first"},
     "qwen_image": {"transformer_blocks.1.attn.to_add_out": "transformer_blocks.1.attn.to_add_out",
                    "transformer_blocks.0.img_mlp.net.0.proj": "transformer_blocks.0.img_mlp.net.0.proj",
                    "img_in": "img_in", "norm_out.linear": "norm_out.linear"},
@@ -407,8 +471,10 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
     with pytest.raises(UsageError, match=r"--to='kohya': expected comfyui for a FLUX.2 LoRA \(kohya applies to the "
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
-    # Attention projections alone fit SD3, FLUX.2 and Qwen-Image, whose layouts differ.
-    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, which convert them differently"):
+    # Attention projections alone fit SD3, FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and Krea 2, whose layouts
+    # differ.
+    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, chroma, flux2_dev, krea2, which "
+                                         "convert them differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
@@ -422,7 +488,7 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
-                 "QwenImagePipeline"):
+                 "QwenImagePipeline", "ChromaPipeline", "Krea2Pipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("WanPipeline") == ()
 
