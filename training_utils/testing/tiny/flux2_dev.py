@@ -80,7 +80,8 @@ def build_flux2_dev(path):
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=4 * vae.config.latent_channels, num_layers=1, num_single_layers=2,
         attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=3 * text_encoder.config.text_config.hidden_size, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+        joint_attention_dim=3 * text_encoder.config.text_config.hidden_size, timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
