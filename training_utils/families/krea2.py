@@ -17,7 +17,7 @@ The Krea 2 transformer reads:
   embedding's, so `model_inputs` gives the image's and fits the transformer with a forward pre-hook that puts the
   text's before them when it is called (`complete_position_ids`); the pipeline's own, of the whole length, pass
   unchanged;
-- ``timestep``: the scheduler's timestep over its ``num_train_timesteps``, in the latents' dtype. No guidance
+- ``timestep``: the scheduler's timestep over its ``num_train_timesteps``, then in the latents' dtype. No guidance
   embedding: Krea 2 guides by classifier-free guidance at sampling only.
 
 Its output tokens are unpacked into the latents' layout (`prediction`), where the loss compares them with the
@@ -120,13 +120,13 @@ def model_inputs(pipe, noisy_latents, timesteps):
     """The transformer's image inputs for `normalized_latents` ``(B, C, 1, h, w)`` at ``timesteps``, as the
     pipeline's denoising loop passes them: the latents packed into tokens of ``patch_size`` square patches, their
     rotary coordinates (the text's are put before them by `complete_position_ids`), and the timesteps over the
-    scheduler's ``num_train_timesteps`` in the latents' dtype."""
+    scheduler's ``num_train_timesteps``, then in the latents' dtype (the pipeline's order of the two)."""
     complete_position_ids(pipe)
     batch_size, channels, _, height, width = noisy_latents.shape
     patch = pipe.patch_size
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
             "position_ids": pipe.prepare_position_ids(0, height // patch, width // patch, noisy_latents.device),
-            "timestep": timesteps.to(noisy_latents.dtype) / pipe.scheduler.config.num_train_timesteps}
+            "timestep": (timesteps / pipe.scheduler.config.num_train_timesteps).to(noisy_latents.dtype)}
 
 
 def complete_position_ids(pipe):
