@@ -181,11 +181,13 @@ def test_comfyui_alphas_keep_each_modules_trained_strength(transformer_lora):
     family, _, path = transformer_lora
     converted = convert(*lora_tensors(path), "comfyui", family=family)
     for key, alpha in converted.items():
-        if key.endswith(".qkv.alpha"):  # fused: to_q's strength (to_k's and to_v's are absorbed into lora_B)
+        # Fused (Chroma's single blocks' linear1 too): to_q's strength (the others' are absorbed into lora_B).
+        if key.endswith((".qkv.alpha", ".linear1.alpha")):
             rank = converted[key.replace(".alpha", ".lora_A.weight")].shape[0]
             assert alpha.item() / rank == ALPHA / RANK, key
         elif key.endswith(".alpha"):  # the module's trained lora_alpha itself
-            assert alpha.item() == (ALPHA_PATTERN["to_k"] if key.endswith(".to_k.alpha") else ALPHA), key
+            to_k = key.endswith((".to_k.alpha", ".attn.wk.alpha"))  # Krea 2's original name: wk
+            assert alpha.item() == (ALPHA_PATTERN["to_k"] if to_k else ALPHA), key
 
 
 # Names from ComfyUI's tables (comfy/utils.py mmdit_to_diffusers, flux_to_diffusers, z_image_to_diffusers) and
@@ -212,6 +214,17 @@ KNOWN_NAMES = {
                 "context_refiner.0.feed_forward.w3": "context_refiner.0.feed_forward.w3",
                 "all_x_embedder.2-1": "x_embedder", "all_final_layer.2-1.adaLN_modulation.1":
                 "final_layer.adaLN_modulation.1"},
+    "chroma": {"transformer_blocks.0.attn.to_k": "double_blocks.0.img_attn.qkv",
+               "transformer_blocks.0.attn.add_v_proj": "double_blocks.0.txt_attn.qkv",
+               "transformer_blocks.0.ff_context.net.2": "double_blocks.0.txt_mlp.2",
+               "single_transformer_blocks.1.proj_mlp": "single_blocks.1.linear1",
+               "single_transformer_blocks.0.proj_out": "single_blocks.0.linear2",
+               "distilled_guidance_layer.layers.1.linear_2": "distilled_guidance_layer.layers.1.out_layer",
+               "context_embedder": "txt_in", "proj_out": "final_layer.linear"},
+    "krea2": {"transformer_blocks.1.attn.to_gate": "blocks.1.attn.gate",
+              "text_fusion.refiner_blocks.0.attn.to_out.0": "txtfusion.refiner_blocks.0.attn.wo",
+              "text_fusion.layerwise_blocks.0.ff.up": "txtfusion.layerwise_blocks.0.mlp.up",
+              "time_mod_proj": "tproj.1", "txt_in.linear_2": "txtmlp.3", "img_in": "first"},
     "qwen_image": {"transformer_blocks.1.attn.to_add_out": "transformer_blocks.1.attn.to_add_out",
                    "transformer_blocks.0.img_mlp.net.0.proj": "transformer_blocks.0.img_mlp.net.0.proj",
                    "img_in": "img_in", "norm_out.linear": "norm_out.linear"},
@@ -357,8 +370,10 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
     with pytest.raises(UsageError, match=r"--to='kohya': expected comfyui for a FLUX.2 LoRA \(kohya applies to the "
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
-    # Attention projections alone fit SD3, FLUX.2 and Qwen-Image, whose layouts differ.
-    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, which convert them differently"):
+    # Attention projections alone fit SD3, FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and Krea 2, whose layouts
+    # differ.
+    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, chroma, flux2_dev, krea2, which "
+                                         "convert them differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
@@ -372,7 +387,7 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
-                 "QwenImagePipeline", "WanPipeline", "WanImageToVideoPipeline"):
+                 "QwenImagePipeline", "ChromaPipeline", "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("CogVideoXPipeline") == ()
 

@@ -23,13 +23,14 @@ from types import ModuleType
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, QwenImagePipeline, StableDiffusion3Pipeline, ZImagePipeline
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, Krea2Pipeline, QwenImagePipeline,
+                       StableDiffusion3Pipeline, ZImagePipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import flux2, qwen_image, sd3, z_image
+from training_utils.families import chroma, flux2, flux2_dev, krea2, qwen_image, sd3, z_image
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -64,6 +65,9 @@ NO_TEXT_ENCODER_TRAINING = [
 # The adapters beside LoRA, each with a setting of its own; OFT has no rank.
 ADAPTERS = {"dora": ["--rank", 4], "lokr": ["--rank", 4, "--lokr_decompose_both"], "loha": ["--rank", 4],
             "oft": ["--oft_block_size", 8]}
+# Krea 2's image blocks and its text-fusion stages' blocks (the tiny one's).
+KREA2_BLOCKS = ("transformer_blocks.0", "transformer_blocks.1", "text_fusion.layerwise_blocks.0",
+                "text_fusion.refiner_blocks.0")
 
 
 def attention(blocks, layers, prefix="transformer_blocks"):
@@ -129,6 +133,50 @@ FAMILIES = [
                (["--max_sequence_length", 2048],
                 "--max_sequence_length=2048: expected a positive integer of at most 1024 (QwenImagePipeline's "
                 "limit)")]),
+    Family("flux2_dev", "dreambooth/train_dreambooth_lora_flux2.py", Flux2Pipeline, flux2_dev,
+           attention([0], ["to_q", "to_k", "to_v", "to_out.0"])
+           | attention([0, 1], ["to_qkv_mlp_proj", "to_out"], "single_transformer_blocks"),
+           (*INT8, "--lora_layers", "to_qkv_mlp_proj", "--guidance_scale", 2.5, "--gradient_checkpointing"),
+           attention([0, 1], ["to_qkv_mlp_proj"], "single_transformer_blocks"),
+           ("--max_sequence_length", 48),  # the system message's 30 tokens and the prompt
+           refused=[
+               (["--remote_text_encoder"], "--remote_text_encoder is not supported here: the pipeline's own text "
+                                           "encoder embeds the prompts, once, before training, and then leaves the "
+                                           "accelerator; a remote one is not carried"),
+               (["--guidance_scale", 0], "--guidance_scale=0.0: expected a positive number"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("chroma", "dreambooth/train_dreambooth_lora_chroma.py", ChromaPipeline, chroma,
+           attention([0], ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"])
+           | {f"transformer_blocks.0.{layer}" for layer in ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                                            "ff_context.net.2")}
+           | attention([0], ["to_q", "to_k", "to_v"], "single_transformer_blocks"),
+           (*INT8, "--lora_layers", "proj_mlp", "--weighting_scheme", "logit_normal", "--gradient_checkpointing"),
+           {"single_transformer_blocks.0.proj_mlp"}, ("--max_sequence_length", 32),
+           refused=[
+               (["--guidance_scale", 1], "--guidance_scale is not supported here: Chroma's transformer takes no "
+                                         "guidance embedding; validation and class images use ChromaPipeline's own "
+                                         "classifier-free guidance"),
+               (["--train_text_encoder"], "--train_text_encoder is not supported here: upstream's FLUX.1 script "
+                                          "trains CLIP's text encoder, which Chroma does not have; T5 does not train "
+                                          "there either"),
+               (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("krea2", "dreambooth/train_dreambooth_lora_krea2.py", Krea2Pipeline, krea2,
+           {"img_in", "final_layer.linear", "time_embed.linear_1", "time_embed.linear_2", "time_mod_proj",
+            "txt_in.linear_1", "txt_in.linear_2", "text_fusion.projector"}
+           | {f"{block}.{layer}" for block in KREA2_BLOCKS
+              for layer in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_gate", "ff.up",
+                            "ff.down")},
+           (*INT8, "--lora_layers", "to_out.0,ff.down", "--gradient_checkpointing"),
+           {f"{block}.{layer}" for block in KREA2_BLOCKS for layer in ("attn.to_out.0", "ff.down")},
+           ("--max_sequence_length", 32),
+           refused=[
+               (["--validation_model_path", "krea/Krea-2-Turbo"],
+                "--validation_model_path is not supported here: validation renders with the pipeline that trains, "
+                "its live weights, in the loop (no adapter is moved onto another checkpoint); load the LoRA onto "
+                "Krea 2 Turbo after training"),
+               (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+               *NO_TEXT_ENCODER_TRAINING]),
     Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
            attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),
            # Block 0 only, the CLIP encoders' adapters (they embed the batch's prompts in every step) at their own

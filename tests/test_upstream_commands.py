@@ -4,7 +4,8 @@
 ``test_args``), and what we expect of each run. The hub models and datasets they name are replaced by our tiny
 fixtures (`SUBSTITUTES`), ``{tmpdir}`` by the run's folder; every other flag stays as upstream wrote it,
 ``--resolution 64`` included. Upstream tests of scripts we do not have (``train_dreambooth_lora_sdxl.py``,
-``train_text_to_image_sdxl.py``, FLUX.2 [dev], ...) are left out; upstream has no test for the Z-Image script.
+``train_text_to_image_sdxl.py``, ...) are left out; upstream has no test for its Z-Image and Krea 2 scripts, and no
+Chroma script (ours takes its FLUX.1 script's flags).
 
 Here: every command parses with its script's own ``parse_args`` (no launch); what the ones that once failed
 (issue 13) ask for runs in the smoke tests (``--num_validation_images 0`` and ``--cache_latents`` with random
@@ -32,9 +33,11 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-pipe": "sd",
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
     "hf-internal-testing/tiny-sd3-pipe": "sd3",
-    # Upstream's tiny FLUX.2 [klein] reads one text-encoder layer (its tests pass --text_encoder_out_layers 1);
-    # ours reads klein's three: `flux2_klein_reading_one_layer` makes the one upstream has.
+    # Upstream's tiny FLUX.2 [klein] and [dev] read one text-encoder layer (their tests pass
+    # --text_encoder_out_layers 1); ours read three, as the real ones: `flux2_reading_one_layer` makes the ones
+    # upstream has.
     "hf-internal-testing/tiny-flux2-klein": "flux2_klein_one_layer",
+    "hf-internal-testing/tiny-flux2": "flux2_dev_one_layer",
     "hf-internal-testing/tiny-qwenimage-pipe": "qwen_image",
     # DeepFloyd IF (pixel space, no VAE) is not an SD 1.x pipeline: its test's flags run on the tiny SD one.
     "hf-internal-testing/tiny-if-pipe": "sd",
@@ -259,11 +262,15 @@ UPSTREAM = [
                      "Diffusion's prompts are tokenized as its pipeline's encode_prompt does (CLIP, the tokenizer's "
                      "length, no attention mask)"),
 
-    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux2_klein.py and _qwenimage.py.
+    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux2_klein.py, _flux2.py and _qwenimage.py.
     *dreambooth_family("test_dreambooth_lora_sd3.py", "sd3", "dreambooth/train_dreambooth_lora_sd3.py",
                        "hf-internal-testing/tiny-sd3-pipe", "photo", layer="attn.to_k", block=0, text_encoder=True),
     *dreambooth_family("test_dreambooth_lora_flux2_klein.py", "flux2",
                        "dreambooth/train_dreambooth_lora_flux2_klein.py", "hf-internal-testing/tiny-flux2-klein", "dog",
+                       extra="--max_sequence_length 8 --text_encoder_out_layers 1",
+                       layer="single_transformer_blocks.0.attn.to_qkv_mlp_proj", metadata=True),
+    *dreambooth_family("test_dreambooth_lora_flux2.py", "flux2", "dreambooth/train_dreambooth_lora_flux2.py",
+                       "hf-internal-testing/tiny-flux2", "dog",
                        extra="--max_sequence_length 8 --text_encoder_out_layers 1",
                        layer="single_transformer_blocks.0.attn.to_qkv_mlp_proj", metadata=True),
     *dreambooth_family("test_dreambooth_lora_qwenimage.py", "qwen", "dreambooth/train_dreambooth_lora_qwen_image.py",
@@ -272,22 +279,24 @@ UPSTREAM = [
 ]
 
 
-def flux2_klein_reading_one_layer(klein, directory):
-    """Our tiny FLUX.2 [klein] pipeline (``klein``) saved in ``directory`` with a transformer that reads one
-    text-encoder layer's features, as upstream's tiny-flux2-klein does (its tests pass --text_encoder_out_layers 1)."""
-    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+def flux2_reading_one_layer(pipeline, directory):
+    """Our tiny FLUX.2 pipeline ``pipeline`` ([klein] or [dev]) saved in ``directory`` with a transformer that reads
+    one text-encoder layer's features, as upstream's tiny-flux2-klein and tiny-flux2 do (their tests pass
+    --text_encoder_out_layers 1)."""
+    from diffusers import DiffusionPipeline, Flux2Transformer2DModel
 
-    pipe = Flux2KleinPipeline.from_pretrained(klein)
-    config = dict(pipe.transformer.config, joint_attention_dim=pipe.text_encoder.config.hidden_size)
+    pipe = DiffusionPipeline.from_pretrained(pipeline)
+    text_encoder = getattr(pipe.text_encoder.config, "text_config", pipe.text_encoder.config)  # [dev]'s: Mistral 3's
+    config = dict(pipe.transformer.config, joint_attention_dim=text_encoder.hidden_size)
     pipe.transformer = Flux2Transformer2DModel.from_config(config)
     pipe.save_pretrained(directory)
     return Path(directory)
 
 
 def upstream_fixtures(tiny, directory):
-    """``{fixture name: path}``: the tiny fixtures and the one-layer FLUX.2 [klein] upstream's tests need."""
-    return {**tiny, "flux2_klein_one_layer": flux2_klein_reading_one_layer(tiny["flux2_klein"],
-                                                                           Path(directory) / "flux2_klein_one_layer")}
+    """``{fixture name: path}``: the tiny fixtures and the one-layer FLUX.2 pipelines upstream's tests need."""
+    return {**tiny, **{f"{name}_one_layer": flux2_reading_one_layer(tiny[name], Path(directory) / f"{name}_one_layer")
+                       for name in ("flux2_klein", "flux2_dev")}}
 
 
 def command(flags, fixtures, output_dir):
@@ -326,6 +335,8 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 
 # The scripts here whose upstream counterparts have no example test, and why.
 WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
+                          "dreambooth/train_dreambooth_lora_krea2.py": "upstream has no test for its Krea 2 script",
+                          "dreambooth/train_dreambooth_lora_chroma.py": "upstream has no Chroma script",
                           "video/train_text_to_video_lora_wan.py": "upstream has no Wan training script",
                           "video/train_image_to_video_lora_wan.py": "upstream has no Wan training script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
@@ -371,8 +382,8 @@ def test_every_flag_of_the_upstream_counterpart_is_carried_or_refused_in_one_lin
 
 # What each shared refusal reason claims of the script that states it, as a check on its parser.
 CLAIMS = {
-    "the text encoder does not train in this script": lambda parser: "--train_text_encoder" not in
-    parser._option_string_actions,
+    "the text encoder does not train in this script": lambda parser: isinstance(
+        parser._option_string_actions.get("--train_text_encoder"), (type(None), RefusedFlag)),
     "captioned by --instance_prompt": lambda parser: "--instance_prompt" in parser._option_string_actions,
 }
 

@@ -2,10 +2,15 @@
 test_adapter_layouts.py): each with the function that takes a checkpoint in the original release's layout, which
 ComfyUI's models have, back to diffusers' names (diffusers' own single-file converters)."""
 
+import inspect
+
+import diffusers.loaders.single_file_utils
 import torch
-from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+from diffusers import (ChromaPipeline, ChromaTransformer2DModel, Flux2KleinPipeline, Flux2Transformer2DModel,
+                       Krea2Pipeline, Krea2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
                        SD3Transformer2DModel, StableDiffusion3Pipeline, ZImagePipeline, ZImageTransformer2DModel)
 from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
+                                                 convert_krea2_transformer_checkpoint_to_diffusers,
                                                  convert_sd3_transformer_checkpoint_to_diffusers,
                                                  convert_z_image_transformer_checkpoint_to_diffusers)
 
@@ -39,6 +44,51 @@ def tiny_qwen_image_transformer():
                                        axes_dims_rope=(8, 4, 4))
 
 
+def tiny_chroma_transformer():
+    torch.manual_seed(0)
+    return ChromaTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                    axes_dims_rope=(4, 4, 8), approximator_hidden_dim=32, approximator_layers=2,
+                                    approximator_num_channels=16)
+
+
+def tiny_krea2_transformer():
+    torch.manual_seed(0)
+    return Krea2Transformer2DModel(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=32, timestep_embed_dim=8,
+                                   text_hidden_dim=16, num_text_layers=3, text_num_attention_heads=2,
+                                   text_num_key_value_heads=1, text_intermediate_size=16, num_layerwise_text_blocks=1,
+                                   num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2))
+
+
+class ZerosWhereMissing(dict):
+    """A checkpoint that gives what a whole-checkpoint converter asks of it besides the LoRA's weights: zero biases,
+    and `MISSING` for the rest (norms)."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.biases = {key.removesuffix(".weight") + ".bias": torch.zeros(weight.shape[0])
+                       for key, weight in weights.items()}
+
+    def pop(self, key, *default):
+        return super().pop(key) if key in self else self.biases.get(key, MISSING)
+
+
+MISSING = torch.zeros(1)
+
+
+def convert_tiny_chroma(deltas):
+    """diffusers' convert_chroma_transformer_checkpoint_to_diffusers on ``deltas``, with the model width it assumes
+    (the real model's 3072) that of `tiny_chroma_transformer` (32), and without what it made of the keys the deltas
+    lack."""
+    source = inspect.getsource(diffusers.loaders.single_file_utils.convert_chroma_transformer_checkpoint_to_diffusers)
+    assert "    inner_dim = 3072\n" in source
+    namespace = dict(vars(diffusers.loaders.single_file_utils))
+    exec(source.replace("    inner_dim = 3072\n", "    inner_dim = 32\n"), namespace)
+    converted = namespace["convert_chroma_transformer_checkpoint_to_diffusers"](ZerosWhereMissing(deltas))
+    return {key: value for key, value in converted.items() if value is not MISSING}
+
+
 def zero_biases_and_pos_embed(deltas):
     """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints (zeros for the patch
     embedding's convolution, which only LoRA adapts here)."""
@@ -56,4 +106,6 @@ TRANSFORMERS = {
     "z_image": (ZImagePipeline, tiny_z_image_transformer, convert_z_image_transformer_checkpoint_to_diffusers),
     # ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
     "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
+    "chroma": (ChromaPipeline, tiny_chroma_transformer, convert_tiny_chroma),
+    "krea2": (Krea2Pipeline, tiny_krea2_transformer, convert_krea2_transformer_checkpoint_to_diffusers),
 }

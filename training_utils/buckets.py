@@ -57,8 +57,10 @@ def size_multiple(pipe):
     if "down_block_types" in config:
         model_factor = 2 ** (len(config.down_block_types) - 1)
     else:
-        patch = config.get("patch_size") or config.get("all_patch_size")
-        model_factor = patch[-1] if isinstance(patch, (list, tuple)) else patch  # a video model's: (time, h, w)
+        # A transformer without a patch size of its own (Krea 2's: its pipeline packs the patches) leaves it to the
+        # image processor's factor; a video model's is (time, height, width).
+        patch = config.get("patch_size") or config.get("all_patch_size") or 1
+        model_factor = patch[-1] if isinstance(patch, (list, tuple)) else patch
     processor = getattr(pipe, "image_processor", None) or pipe.video_processor
     vae_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
     needed = max(processor.config.vae_scale_factor, vae_factor * model_factor)

@@ -50,7 +50,7 @@ COMFYUI_LAYOUT = (
     Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
     Rename(r"proj_out", "final_layer.linear"),
 )
-FAMILY = Family("flux2", "FLUX.2", ("Flux2KleinPipeline", "Flux2Pipeline"), "transformer", {}, COMFYUI_LAYOUT)
+FAMILY = Family("flux2", "FLUX.2", ("Flux2KleinPipeline",), "transformer", {}, COMFYUI_LAYOUT)
 
 
 def add_args(parser):
@@ -84,6 +84,8 @@ def model_configs(args):
 
 
 def check_text_encoder_out_layers(layers, text_encoder_config, transformer_config):
+    # A multimodal encoder's (FLUX.2 [dev]'s Mistral 3) hidden states are its language model's.
+    text_encoder_config = getattr(text_encoder_config, "text_config", text_encoder_config)
     depth, width = text_encoder_config.num_hidden_layers, text_encoder_config.hidden_size
     # The hidden states are the embeddings' and each layer's output: depth + 1 of them, indexed from either end.
     require(all(-depth - 1 <= layer <= depth for layer in layers), "--text_encoder_out_layers", layers,

@@ -1,0 +1,152 @@
+"""Chroma: its conditioning and latent layout for training, taken from the pipeline itself (`ChromaPipeline`), and
+its LoRA layout in ComfyUI.
+
+Chroma is FLUX.1 [schnell]'s transformer with its modulation made by a small network from the timestep alone: T5
+is its only text encoder (no CLIP, no pooled embedding) and it takes no guidance embedding. Its transformer reads:
+
+- ``encoder_hidden_states``, ``txt_ids`` and ``attention_mask``: what ``pipe.encode_prompt`` returns, T5's
+  hidden states for the prompt padded to ``--max_sequence_length`` (the pipeline's default unless set,
+  `prompt_settings`), T5 run with the padding masked, and the mask of the prompt's tokens and its first padding
+  token (Chroma's own convention), which the transformer's attention applies. ``txt_ids`` are zeros, one row for
+  all prompts (`text_inputs`). The transformer takes the mask over the text and image tokens together, as the
+  pipeline extends it (``_prepare_attention_mask``); the image's length is the latents', so `model_inputs` fits
+  the transformer with a forward pre-hook that extends a mask of the text's length so (`complete_attention_mask`);
+  a mask of the whole length, the pipeline's, passes unchanged;
+- ``hidden_states`` and ``img_ids``: the VAE latents shifted and scaled by the VAE's ``shift_factor`` and
+  ``scaling_factor`` (`normalized_latents`, as the pipeline undoes it before decoding), packed into tokens of 2×2
+  patches, and their (0, row, column) ids (`model_inputs`);
+- ``timestep``: the scheduler's timestep over 1000, in the latents' dtype.
+
+Its output tokens are unpacked into the latents' layout (`prediction`), where the loss compares them with the
+velocity. Training draws its noise levels from the training scheduler's own schedule, which Chroma's configuration
+(``use_dynamic_shifting``) leaves unshifted; the pipeline's sampling loop shifts its levels for the image size
+(``calculate_shift``): the levels it visits are points of the same path. Every piece is the pipeline's own (its
+static helpers, its ``encode_prompt`` and that method's defaults), so training feeds the transformer what the
+pipeline's sampling loop feeds it at the same noise level.
+"""
+
+import inspect
+
+from ..errors import require
+from ..prompts import stacked
+from .layout import BLOCK, Family, Rename, fused
+
+SINGLE_BLOCK = r"single_transformer_blocks\.(\d+)\."
+# The original release's module tree (ComfyUI's Chroma model, comfy/ldm/chroma/model.py): diffusers'
+# convert_chroma_transformer_checkpoint_to_diffusers, read backwards (FLUX.1's blocks, Chroma's modulation network).
+COMFYUI_LAYOUT = (
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    Rename(BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    Rename(BLOCK + r"ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.0"),
+    Rename(BLOCK + r"ff\.net\.2", r"double_blocks.\1.img_mlp.2"),
+    Rename(BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
+    Rename(BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
+    # The single-stream blocks' q, k, v and MLP input are one layer there, the MLP's rows four times the others'.
+    *fused(SINGLE_BLOCK + "{}", r"single_blocks.\1.linear1", (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", "proj_mlp"),
+           sizes=(1, 1, 1, 4)),
+    Rename(SINGLE_BLOCK + "proj_out", r"single_blocks.\1.linear2"),
+    Rename(r"distilled_guidance_layer\.(in_proj|out_proj)", r"distilled_guidance_layer.\1"),
+    Rename(r"distilled_guidance_layer\.layers\.(\d+)\.linear_1", r"distilled_guidance_layer.layers.\1.in_layer"),
+    Rename(r"distilled_guidance_layer\.layers\.(\d+)\.linear_2", r"distilled_guidance_layer.layers.\1.out_layer"),
+    Rename(r"x_embedder", "img_in"),
+    Rename(r"context_embedder", "txt_in"),
+    Rename(r"proj_out", "final_layer.linear"),
+)
+FAMILY = Family("chroma", "Chroma", ("ChromaPipeline",), "transformer", {}, COMFYUI_LAYOUT)
+
+
+def add_args(parser):
+    """The prompt-encoding flag of the diffusers FLUX.1 script; unset, the pipeline's own default applies."""
+    group = parser.add_argument_group("Chroma")
+    group.add_argument("--max_sequence_length", type=int, default=None,
+                       help="T5 tokens per prompt (default: the pipeline's, 512)")
+
+
+def check_args(args):
+    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
+            args.max_sequence_length, "a positive integer")
+
+
+def prompt_settings(pipe, args):
+    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
+    ``--max_sequence_length``, or where unset the method's own default."""
+    defaults = inspect.signature(pipe.encode_prompt).parameters
+    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+
+
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings (the pipeline
+    guides by classifier-free guidance on the empty prompt, as it does by default)."""
+    return dict(settings)
+
+
+def prompt_dependencies(pipe, settings):
+    """What the prompts' embeddings depend on besides the text encoder's weights, for the disk cache's key: the
+    encoding code, the tokenizer and the settings."""
+    return [encode_prompts, pipe.tokenizer, settings]
+
+
+def encode_prompts(pipe, prompts, device, settings):
+    """``(prompt_embeds, attention_mask)`` of ``pipe.encode_prompt`` (no negative prompt: training has no
+    classifier-free guidance), one row per prompt; its ``text_ids`` are zeros, the same for every prompt."""
+    prompt_embeds, _, attention_mask, *_ = pipe.encode_prompt(prompts, device=device,
+                                                              do_classifier_free_guidance=False, **settings)
+    return prompt_embeds, attention_mask
+
+
+def text_inputs(rows):
+    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``: the
+    attention mask of the text's tokens, which `complete_attention_mask` extends over the image's."""
+    prompt_embeds = stacked(rows, 0)
+    return {"encoder_hidden_states": prompt_embeds, "attention_mask": stacked(rows, 1),
+            "txt_ids": prompt_embeds.new_zeros(prompt_embeds.shape[1], 3)}
+
+
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's."""
+    return pipe.vae
+
+
+def normalized_latents(pipe, latents):
+    """VAE latents as the transformer reads them: shifted and scaled as the pipeline undoes before decoding."""
+    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+
+
+def model_inputs(pipe, noisy_latents, timesteps):
+    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+    passes them: the latents packed into tokens of 2×2 patches, their (0, row, column) ids, and the timesteps in the
+    latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back). The transformer is fitted
+    to take `text_inputs`' attention mask (`complete_attention_mask`)."""
+    complete_attention_mask(pipe)
+    batch_size, channels, height, width = noisy_latents.shape
+    return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
+            "img_ids": pipe._prepare_latent_image_ids(batch_size, height // 2, width // 2, noisy_latents.device,
+                                                      noisy_latents.dtype),
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+
+
+def complete_attention_mask(pipe):
+    """Fit ``pipe.transformer`` (once) to take an attention mask of the text's tokens alone: a forward pre-hook
+    extends it over the image's tokens as the pipeline does (``_prepare_attention_mask``), when the image's length
+    is known. A mask over text and image, as the pipeline passes it, is left alone."""
+    transformer = pipe.transformer
+    if getattr(transformer, "_text_attention_mask_hook", None) is not None:
+        return
+
+    def extend(module, args, kwargs):
+        mask, image = kwargs.get("attention_mask"), kwargs.get("hidden_states")
+        if mask is not None and image is not None and mask.shape[1] == kwargs["encoder_hidden_states"].shape[1]:
+            kwargs["attention_mask"] = pipe._prepare_attention_mask(image.shape[0], image.shape[1], image.dtype, mask)
+        return args, kwargs
+
+    transformer._text_attention_mask_hook = transformer.register_forward_pre_hook(extend, with_kwargs=True)
+
+
+def prediction(pipe, output, latents):
+    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``: the velocity it
+    predicts."""
+    height, width = latents.shape[-2:]
+    scale = pipe.vae_scale_factor  # the unpacking takes the image's size in pixels
+    return pipe._unpack_latents(output, height * scale, width * scale, scale)
