@@ -141,7 +141,8 @@ def test_comfyui_modules_hold_the_alpha_each_trained_with(transformer_adapter):
         rank = module.get("hada_w1_b", module.get("lora_A.weight", module.get("lora_down.weight")))
         if prefix.endswith(("qkv", "linear1")) and rank is not None and adapter != "lokr":
             return ALPHA / RANK * rank.shape[0]  # fused: to_q's strength, at the parts' summed rank
-        return ALPHA_PATTERN["to_k"] if prefix.endswith(".to_k") else ALPHA
+        to_k = prefix.endswith((".to_k", ".attn.wk"))  # Krea 2's original name: wk
+        return ALPHA_PATTERN["to_k"] if to_k else ALPHA
 
     assert_alphas_are_the_trained_ones(modules, adapter, trained_alpha)
     kinds = {name for module in modules.values() for name in module}
