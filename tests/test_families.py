@@ -12,7 +12,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import FAMILIES, flux2, qwen_image, sd, sd3, sdxl, z_image
+from training_utils.families import FAMILIES, flux2, qwen_image, sana, sd, sd3, sdxl, z_image
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -29,7 +29,8 @@ PROTOCOL = {
     "prediction": ["pipe", "output", "latents"],
 }
 # Each family module and the tiny fixture of one of its pipelines.
-MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux2: "flux2_klein", z_image: "z_image", qwen_image: "qwen_image"}
+MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux2: "flux2_klein", z_image: "z_image", qwen_image: "qwen_image",
+           sana: "sana"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 
@@ -75,8 +76,8 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
     """`prediction` reads an output in the model's layout (here: the model's inputs, which it returns in the same
     layout) back into the latents', whatever the latents' size."""
     module, pipe = family
-    with torch.no_grad():  # two non-square images' latents
-        vae_latents = module.image_vae(pipe).encode(torch.zeros(2, 3, 48, 80)).latent_dist.mode()
+    with torch.no_grad():  # two non-square images' latents (sides SANA takes: multiples of 32)
+        vae_latents = module.image_vae(pipe).encode(torch.zeros(2, 3, 64, 96)).latent_dist.mode()
     latents = module.normalized_latents(pipe, vae_latents)
     inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]))
     model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))

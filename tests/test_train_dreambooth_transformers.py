@@ -22,12 +22,12 @@ from types import ModuleType
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, QwenImagePipeline, StableDiffusion3Pipeline, ZImagePipeline
+from diffusers import Flux2KleinPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline, ZImagePipeline
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
-from training_utils.families import flux2, qwen_image, sd3, z_image
+from training_utils.families import flux2, qwen_image, sana, sd3, z_image
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -120,6 +120,19 @@ FAMILIES = [
                (["--max_sequence_length", 2048],
                 "--max_sequence_length=2048: expected a positive integer of at most 1024 (QwenImagePipeline's "
                 "limit)")]),
+    # SANA's sizes are multiples of 32 (its DC-AE's factor): buckets of about 64² pixels, the most common a square.
+    Family("sana", "dreambooth/train_dreambooth_lora_sana.py", SanaPipeline, sana,
+           {f"transformer_blocks.0.{attention}.{layer}" for attention in ("attn1", "attn2")
+            for layer in ("to_q", "to_k", "to_v")},
+           (*INT8, "--lora_layers", "attn1.to_out.0", "--complex_human_instruction", "", "--gradient_checkpointing"),
+           {"transformer_blocks.0.attn1.to_out.0"}, ("--resolution", 64, "--max_sequence_length", 16),
+           validation_size=(32, 64),
+           refused=[
+               (["--enable_vae_tiling"], "--enable_vae_tiling is not supported here: VAE tiling (upstream's, for its "
+                                         "validation renders only) is not carried; validation decodes whole images"),
+               (["--max_sequence_length", 1], "--max_sequence_length=1: expected an integer above 1 (the first token "
+                                              "and the last ones are kept)"),
+               *NO_TEXT_ENCODER_TRAINING]),
     Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
            attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),
            # Block 0 only, the CLIP encoders' adapters (they embed the batch's prompts in every step) at their own

@@ -20,7 +20,7 @@ def build_sana(path):
     transformer = SanaTransformer2DModel(
         patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
         num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8,
-        caption_channels=text_encoder.config.hidden_size, sample_size=32)
+        caption_channels=text_encoder.config.hidden_size, sample_size=16)
     torch.manual_seed(SEED)
     # SANA's DC-AE divides the size by 32 (as the pipeline's sizes, multiples of 32, need): six stages.
     stages = 6
