@@ -13,10 +13,12 @@ import stat
 
 import pytest
 import torch
-from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, Lumina2Pipeline, Lumina2Transformer2DModel,
+                       QwenImagePipeline, QwenImageTransformer2DModel,
                        SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
                        StableDiffusionXLPipeline, ZImagePipeline, ZImageTransformer2DModel)
 from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
+                                                 convert_lumina2_to_diffusers,
                                                  convert_sd3_transformer_checkpoint_to_diffusers,
                                                  convert_z_image_transformer_checkpoint_to_diffusers)
 from peft import LoraConfig
@@ -156,6 +158,27 @@ def tiny_qwen_image_transformer():
                                        axes_dims_rope=(8, 4, 4))
 
 
+def tiny_lumina2_transformer():
+    torch.manual_seed(0)
+    return Lumina2Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2,
+                                     num_refiner_layers=1, num_attention_heads=3, num_kv_heads=1, multiple_of=16,
+                                     axes_dim_rope=(4, 2, 2), axes_lens=(32, 32, 32), cap_feat_dim=16)
+
+
+def lumina2_to_diffusers(deltas):
+    """diffusers' Lumina 2 converter, whose split of the fused qkv is Lumina-Image 2.0's sizes (2304 query rows,
+    768 key and value rows): the fused rows are split here in the same 3:1:1, then every key goes through it."""
+    unfused = {}
+    for key, delta in deltas.items():
+        if key.endswith(".qkv.weight"):
+            rows = delta.shape[0] // 5
+            for name, part in zip(("to_q", "to_k", "to_v"), delta.split([3 * rows, rows, rows])):
+                unfused[key.replace(".qkv.", f".{name}.")] = part
+        else:
+            unfused[key] = delta
+    return convert_lumina2_to_diffusers(unfused)
+
+
 def zero_biases_and_pos_embed(deltas):
     """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints."""
     completed = dict(deltas)
@@ -172,6 +195,7 @@ TRANSFORMERS = {
     "z_image": (ZImagePipeline, tiny_z_image_transformer, convert_z_image_transformer_checkpoint_to_diffusers),
     # ComfyUI's Qwen-Image model (comfy/ldm/qwen_image/model.py) names its modules as diffusers does.
     "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
+    "lumina2": (Lumina2Pipeline, tiny_lumina2_transformer, lumina2_to_diffusers),
 }
 RANK, ALPHA = 4, 6.0
 # Per-module rank and alpha, so that fused q/k/v parts differ in both.
@@ -265,6 +289,10 @@ KNOWN_NAMES = {
     "qwen_image": {"transformer_blocks.1.attn.to_add_out": "transformer_blocks.1.attn.to_add_out",
                    "transformer_blocks.0.img_mlp.net.0.proj": "transformer_blocks.0.img_mlp.net.0.proj",
                    "img_in": "img_in", "norm_out.linear": "norm_out.linear"},
+    "lumina2": {"layers.1.attn.to_v": "layers.1.attention.qkv", "context_refiner.0.attn.to_out.0":
+                "context_refiner.0.attention.out", "noise_refiner.0.feed_forward.linear_2":
+                "noise_refiner.0.feed_forward.w2", "layers.0.norm1.linear": "layers.0.adaLN_modulation.1",
+                "time_caption_embed.caption_embedder.1": "cap_embedder.1", "norm_out.linear_2": "final_layer.linear"},
 }
 
 

@@ -12,7 +12,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import FAMILIES, flux2, qwen_image, sana, sd, sd3, sdxl, z_image
+from training_utils.families import FAMILIES, flux2, lumina2, qwen_image, sana, sd, sd3, sdxl, z_image
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -30,7 +30,7 @@ PROTOCOL = {
 }
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux2: "flux2_klein", z_image: "z_image", qwen_image: "qwen_image",
-           sana: "sana"}
+           sana: "sana", lumina2: "lumina2"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 
@@ -83,6 +83,8 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
     model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))
     if module is z_image:  # its output is the negated velocity, one tensor per image
         model_input = [-tensor for tensor in model_input]
+    if module is lumina2:  # its output is the negated velocity
+        model_input = -model_input
     assert torch.equal(module.prediction(pipe, model_input, latents), latents)
 
 

@@ -22,12 +22,13 @@ from types import ModuleType
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline, ZImagePipeline
+from diffusers import (Flux2KleinPipeline, Lumina2Pipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline,
+                       ZImagePipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
-from training_utils.families import flux2, qwen_image, sana, sd3, z_image
+from training_utils.families import flux2, lumina2, qwen_image, sana, sd3, z_image
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -132,6 +133,17 @@ FAMILIES = [
                                          "validation renders only) is not carried; validation decodes whole images"),
                (["--max_sequence_length", 1], "--max_sequence_length=1: expected an integer above 1 (the first token "
                                               "and the last ones are kept)"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("lumina2", "dreambooth/train_dreambooth_lora_lumina2.py", Lumina2Pipeline, lumina2,
+           {f"{block}.attn.{layer}" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")
+            for layer in ("to_q", "to_k", "to_v", "to_out.0")},
+           (*INT8, "--lora_layers", "feed_forward.linear_2", "--system_prompt", "Draw:", "--gradient_checkpointing"),
+           {f"{block}.feed_forward.linear_2" for block in ("noise_refiner.0", "context_refiner.0", "layers.0",
+                                                           "layers.1")},
+           ("--max_sequence_length", 48), validation_size=(32, 48),
+           refused=[
+               (["--max_sequence_length", 513], "--max_sequence_length=513: expected a positive integer of at most "
+                                                "512 (Lumina2Pipeline's limit)"),
                *NO_TEXT_ENCODER_TRAINING]),
     Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
            attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),

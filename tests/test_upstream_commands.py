@@ -327,9 +327,11 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 # The scripts here whose upstream counterparts have no example test, and why.
 WITHOUT_UPSTREAM_TESTS = {
     "dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
-    # Each of them passes --instance_prompt "", which every DreamBooth script here stops at, in one line, before any
-    # weights load ("--instance_prompt='': expected a non-empty prompt"); no run of them is left to compare.
+    # Each of their tests passes --instance_prompt "", which every DreamBooth script here stops at, in one line,
+    # before any weights load ("--instance_prompt='': expected a non-empty prompt"); no run of them is left to compare.
     "dreambooth/train_dreambooth_lora_sana.py": "upstream's SANA tests all train on an empty --instance_prompt",
+    "dreambooth/train_dreambooth_lora_lumina2.py":
+        "upstream's Lumina 2 tests all train on an empty --instance_prompt",
 }
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
