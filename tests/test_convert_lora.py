@@ -228,6 +228,10 @@ KNOWN_NAMES = {
     "qwen_image": {"transformer_blocks.1.attn.to_add_out": "transformer_blocks.1.attn.to_add_out",
                    "transformer_blocks.0.img_mlp.net.0.proj": "transformer_blocks.0.img_mlp.net.0.proj",
                    "img_in": "img_in", "norm_out.linear": "norm_out.linear"},
+    "lumina2": {"layers.1.attn.to_v": "layers.1.attention.qkv", "context_refiner.0.attn.to_out.0":
+                "context_refiner.0.attention.out", "noise_refiner.0.feed_forward.linear_2":
+                "noise_refiner.0.feed_forward.w2", "layers.0.norm1.linear": "layers.0.adaLN_modulation.1",
+                "time_caption_embed.caption_embedder.1": "cap_embedder.1", "norm_out.linear_2": "final_layer.linear"},
 }
 
 

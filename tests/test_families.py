@@ -12,7 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import FAMILIES, chroma, flux2, flux2_dev, krea2, qwen_image, sd, sd3, sdxl, wan, z_image
+from training_utils.families import (FAMILIES, chroma, flux2, flux2_dev, krea2, lumina2, qwen_image, sana, sd, sd3,
+                                     sdxl, wan, z_image)
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -30,7 +31,7 @@ PROTOCOL = {
 }
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux2: "flux2_klein", z_image: "z_image", qwen_image: "qwen_image",
-           chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", wan: "wan21"}
+           chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana", lumina2: "lumina2", wan: "wan21"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 
@@ -76,16 +77,18 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
     """`prediction` reads an output in the model's layout (here: the model's inputs, which it returns in the same
     layout) back into the latents', whatever the latents' size."""
     module, pipe = family
-    images = torch.zeros(2, 3, 48, 80)
+    images = torch.zeros(2, 3, 64, 96)  # two non-square images (sides SANA takes: multiples of 32)
     if hasattr(pipe, "vae_scale_factor_temporal"):  # a video model's VAE takes clips: a frame axis after the channels
         images = images[:, :, None]
-    with torch.no_grad():  # two non-square images' latents
+    with torch.no_grad():
         vae_latents = module.image_vae(pipe).encode(images).latent_dist.mode()
     latents = module.normalized_latents(pipe, vae_latents)
     inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]))
     model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))
     if module is z_image:  # its output is the negated velocity, one tensor per image
         model_input = [-tensor for tensor in model_input]
+    if module is lumina2:  # its output is the negated velocity
+        model_input = -model_input
     assert torch.equal(module.prediction(pipe, model_input, latents), latents)
 
 

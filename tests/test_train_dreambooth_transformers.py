@@ -23,14 +23,14 @@ from types import ModuleType
 
 import pytest
 import torch
-from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, Krea2Pipeline, QwenImagePipeline,
-                       StableDiffusion3Pipeline, ZImagePipeline)
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, Krea2Pipeline, Lumina2Pipeline,
+                       QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline, ZImagePipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import chroma, flux2, flux2_dev, krea2, qwen_image, sd3, z_image
+from training_utils.families import chroma, flux2, flux2_dev, krea2, lumina2, qwen_image, sana, sd3, z_image
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -176,6 +176,30 @@ FAMILIES = [
                 "its live weights, in the loop (no adapter is moved onto another checkpoint); load the LoRA onto "
                 "Krea 2 Turbo after training"),
                (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    # SANA's sizes are multiples of 32 (its DC-AE's factor): buckets of about 64² pixels, the most common a square.
+    Family("sana", "dreambooth/train_dreambooth_lora_sana.py", SanaPipeline, sana,
+           {f"transformer_blocks.0.{attention}.{layer}" for attention in ("attn1", "attn2")
+            for layer in ("to_q", "to_k", "to_v")},
+           (*INT8, "--lora_layers", "attn1.to_out.0", "--complex_human_instruction", "", "--gradient_checkpointing"),
+           {"transformer_blocks.0.attn1.to_out.0"}, ("--resolution", 64, "--max_sequence_length", 16),
+           validation_size=(32, 64),
+           refused=[
+               (["--enable_vae_tiling"], "--enable_vae_tiling is not supported here: VAE tiling (upstream's, for its "
+                                         "validation renders only) is not carried; validation decodes whole images"),
+               (["--max_sequence_length", 1], "--max_sequence_length=1: expected an integer above 1 (the first token "
+                                              "and the last ones are kept)"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("lumina2", "dreambooth/train_dreambooth_lora_lumina2.py", Lumina2Pipeline, lumina2,
+           {f"{block}.attn.{layer}" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")
+            for layer in ("to_q", "to_k", "to_v", "to_out.0")},
+           (*INT8, "--lora_layers", "feed_forward.linear_2", "--system_prompt", "Draw:", "--gradient_checkpointing"),
+           {f"{block}.feed_forward.linear_2" for block in ("noise_refiner.0", "context_refiner.0", "layers.0",
+                                                           "layers.1")},
+           ("--max_sequence_length", 48), validation_size=(32, 48),
+           refused=[
+               (["--max_sequence_length", 513], "--max_sequence_length=513: expected a positive integer of at most "
+                                                "512 (Lumina2Pipeline's limit)"),
                *NO_TEXT_ENCODER_TRAINING]),
     Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
            attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),

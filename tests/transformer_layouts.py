@@ -7,10 +7,12 @@ import inspect
 import diffusers.loaders.single_file_utils
 import torch
 from diffusers import (ChromaPipeline, ChromaTransformer2DModel, Flux2KleinPipeline, Flux2Transformer2DModel,
-                       Krea2Pipeline, Krea2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+                       Krea2Pipeline, Krea2Transformer2DModel, Lumina2Pipeline, Lumina2Transformer2DModel,
+                       QwenImagePipeline, QwenImageTransformer2DModel,
                        SD3Transformer2DModel, StableDiffusion3Pipeline, ZImagePipeline, ZImageTransformer2DModel)
 from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
                                                  convert_krea2_transformer_checkpoint_to_diffusers,
+                                                 convert_lumina2_to_diffusers,
                                                  convert_sd3_transformer_checkpoint_to_diffusers,
                                                  convert_z_image_transformer_checkpoint_to_diffusers)
 
@@ -89,6 +91,27 @@ def convert_tiny_chroma(deltas):
     return {key: value for key, value in converted.items() if value is not MISSING}
 
 
+def tiny_lumina2_transformer():
+    torch.manual_seed(0)
+    return Lumina2Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2,
+                                     num_refiner_layers=1, num_attention_heads=3, num_kv_heads=1, multiple_of=16,
+                                     axes_dim_rope=(4, 2, 2), axes_lens=(32, 32, 32), cap_feat_dim=16)
+
+
+def lumina2_to_diffusers(deltas):
+    """diffusers' Lumina 2 converter, whose split of the fused qkv is Lumina-Image 2.0's sizes (2304 query rows,
+    768 key and value rows): the fused rows are split here in the same 3:1:1, then every key goes through it."""
+    unfused = {}
+    for key, delta in deltas.items():
+        if key.endswith(".qkv.weight"):
+            rows = delta.shape[0] // 5
+            for name, part in zip(("to_q", "to_k", "to_v"), delta.split([3 * rows, rows, rows])):
+                unfused[key.replace(".qkv.", f".{name}.")] = part
+        else:
+            unfused[key] = delta
+    return convert_lumina2_to_diffusers(unfused)
+
+
 def zero_biases_and_pos_embed(deltas):
     """What diffusers' SD3 converter reads besides the weights: it takes whole checkpoints (zeros for the patch
     embedding's convolution, which only LoRA adapts here)."""
@@ -108,4 +131,5 @@ TRANSFORMERS = {
     "qwen_image": (QwenImagePipeline, tiny_qwen_image_transformer, dict),
     "chroma": (ChromaPipeline, tiny_chroma_transformer, convert_tiny_chroma),
     "krea2": (Krea2Pipeline, tiny_krea2_transformer, convert_krea2_transformer_checkpoint_to_diffusers),
+    "lumina2": (Lumina2Pipeline, tiny_lumina2_transformer, lumina2_to_diffusers),
 }

@@ -25,12 +25,13 @@ Formats
   ``lora_te1_text_model_encoder_layers_{}_{}``; transformers 5 dropped that level from ``CLIPTextModel``'s names,
   so it is put back). Tensors ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B), ``.alpha``; the
   other adapters' under their LyCORIS names (`adapter_layouts`).
-- ``comfyui`` (every family): for the UNet families the kohya file. For the transformer families ComfyUI's own
-  layout, ``diffusion_model.<module path in the original model>.lora_A.weight`` / ``.lora_B.weight`` / ``.alpha``:
-  the "generic lora format" key that ``model_lora_keys_unet`` maps for every weight of ComfyUI's model, which is
-  the original release's module tree. The renamings are those of ``comfy/utils.py`` ``mmdit_to_diffusers`` (SD3),
+- ``comfyui`` (every family ComfyUI has a model of: not SANA): for the UNet families the kohya file. For the
+  transformer families ComfyUI's own layout, ``diffusion_model.<module path in the original model>.lora_A.weight``
+  / ``.lora_B.weight`` / ``.alpha``: the "generic lora format" key that ``model_lora_keys_unet`` maps for every
+  weight of ComfyUI's model, which is the original release's module tree. The renamings are those of ``comfy/utils.py`` ``mmdit_to_diffusers`` (SD3),
   ``flux_to_diffusers`` and diffusers' ``convert_flux2_transformer_checkpoint_to_diffusers`` (FLUX.2),
-  ``z_image_to_diffusers`` (Z-Image); Qwen-Image's module names are diffusers' (``comfy/ldm/qwen_image/model.py``).
+  ``z_image_to_diffusers`` (Z-Image), diffusers' ``convert_lumina2_to_diffusers`` (Lumina 2, ComfyUI's NextDiT);
+  Qwen-Image's module names are diffusers' (``comfy/ldm/qwen_image/model.py``).
   SD3's CLIP text encoders take the kohya names ``lora_te1_``/``lora_te2_`` there too.
 
 Fused layers: where the original model computes in one linear layer what diffusers splits (q, k and v into one

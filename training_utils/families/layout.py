@@ -65,8 +65,11 @@ class Family:
 
     @property
     def formats(self):
-        # kohya's tools know only UNet models; ComfyUI takes the kohya file for those too.
-        return FORMATS if self.denoiser == "unet" else ("comfyui",)
+        # kohya's tools know only UNet models; ComfyUI takes the kohya file for those too, and a transformer's in its
+        # original layout (none where ComfyUI has no model of the family).
+        if self.denoiser == "unet":
+            return FORMATS
+        return ("comfyui",) if self.original_layout else ()
 
     @property
     def components(self):

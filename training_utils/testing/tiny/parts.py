@@ -146,6 +146,43 @@ def tiny_qwen3_text_encoder(tokenizer, num_hidden_layers=28, hidden_size=16, see
     return Qwen3ForCausalLM(config).eval()
 
 
+
+def tiny_gemma_tokenizer(words=None, texts=()):
+    """A real Gemma tokenizer (byte-fallback BPE on whole prompts, spaces as "▁"), adding <bos>, whose vocabulary
+    holds ``words`` and the words of ``texts`` (a pipeline's instructions) as whole tokens, with and without a
+    leading "▁"; any other text falls back to its characters, or to their bytes."""
+    import string
+
+    from tokenizers import trainers
+    from transformers import GemmaTokenizer
+
+    words = sorted(set(words if words is not None else vocabulary()) | {word for text in texts
+                                                                       for word in text.split()})
+    backend = GemmaTokenizer().backend_tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=4096, show_progress=False,
+                                  special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
+                                  initial_alphabet=list("\u2581" + string.printable.strip()))
+    # Trained on the words one at a time, so that no merge joins two words.
+    backend.train_from_iterator([form for word in words for form in (word, " " + word)], trainer=trainer)
+    model = json.loads(backend.to_str())["model"]
+    vocab = model["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=[tuple(merge) for merge in model["merges"]], add_bos_token=True)
+
+
+def tiny_gemma2_text_encoder(tokenizer, num_hidden_layers=2, hidden_size=16, seed=SEED):
+    """A Gemma 2 model (SANA's and Lumina 2's text encoder class), without the language-model head."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=32, head_dim=8,
+                          num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1,
+                          max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          attn_implementation="eager")
+    return Gemma2Model(config).eval()
+
 def tiny_vae(seed=SEED, **overrides):
     """A VAE that halves the resolution (real SD VAEs divide by 8), with SD's 4 latent channels."""
     from diffusers import AutoencoderKL
