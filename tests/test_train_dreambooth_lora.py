@@ -9,10 +9,12 @@ from diffusers import StableDiffusionPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, launching, usage_error
+from helpers import import_script, launch, launch_together, launching, usage_error
+from training_utils.families import sd
 from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     rendered_images, reported_buckets)
+from training_utils.testing.tiny.data import CAPTION_FILES, INSTANCE_CAPTIONS
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 LORA = "pytorch_lora_weights.safetensors"
@@ -34,11 +36,20 @@ def prior_flags(class_dir):
             "--train_text_encoder", "--ema_decay", 0, "--max_train_steps", 3, "--checkpointing_steps", 1000]
 
 
-def bucketed(tiny):
-    """The 6 instance images of mixed shapes in aspect-ratio buckets, each seen twice an epoch (12 samples), the
-    instance prompt dropped with probability 0.3."""
-    return ["--instance_data_dir", tiny["instance_mixed"], "--use_aspect_ratio_buckets", "--caption_dropout", 0.3,
-            "--repeats", 2]
+def bucketed(*source):
+    """The 6 instance images of mixed shapes from ``source`` (flags: a folder or a dataset, and their captions) in
+    aspect-ratio buckets, each seen twice an epoch (12 samples), the captions dropped with probability 0.3."""
+    return [*source, "--use_aspect_ratio_buckets", "--caption_dropout", 0.3, "--repeats", 2]
+
+
+def sidecar_captioned(tiny):
+    """The captioned instance pictures with their caption files; two of them have none (the instance prompt)."""
+    return ["--instance_data_dir", tiny["instance_captioned"], "--caption_extension", ".txt"]
+
+
+def dataset_captioned(tiny):
+    """The captioned instance pictures as a dataset, with a caption column."""
+    return ["--dataset_name", tiny["instance_captioned"], "--caption_column", "text"]
 
 
 def snapshot(folder):
@@ -56,20 +67,20 @@ def four_images(tiny, tmp_path_factory):
 
 def cache_flags(tiny, class_dir, *extra):
     """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder) on the `bucketed`
-    images, validating and checkpointing every 2. The 12 samples pair with 3 class images, each drawn 4 times an
+    images with their caption files (`sidecar_captioned`), validating and checkpointing every 2. The 12 samples pair with 3 class images, each drawn 4 times an
     epoch and laid out to its instance image's bucket; every bucket holds an even number of them (each image is
     there twice), so there are 6 batches an epoch and step 2 falls mid-epoch."""
-    return [*bucketed(tiny), "--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir,
-            "--class_prompt", CLASS_PROMPT,
+    return [*bucketed(*sidecar_captioned(tiny)), "--center_crop", "--with_prior_preservation", "--class_data_dir",
+            class_dir, "--class_prompt", CLASS_PROMPT,
             "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
             "--checkpointing_steps", 2, "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
             "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
 
 
 def trained_text_encoder_flags(tiny, *extra):
-    """3 center-cropped steps on the `bucketed` images without prior preservation, the text encoder trained with
-    the UNet (embedding the instance and the empty prompt in every step)."""
-    return [*bucketed(tiny), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
+    """3 center-cropped steps on the `bucketed` images of the `dataset_captioned` without prior preservation, the
+    text encoder trained with the UNet (embedding the batch's captions in every step)."""
+    return [*bucketed(*dataset_captioned(tiny)), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
             "--checkpointing_steps", 1000, *extra]
 
 
@@ -83,8 +94,9 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
     - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3;
     - prior_first, prior_second: `prior_flags` twice with the same class folder (``../prior_class``): the first
       run fills it, the second finds it full;
-    - uncached, cached: `cache_flags` without and with --cache_latents; the uncached run generates the class images
-      (``../class``) that the cached run then encodes once per bucket they are drawn into, with the instance images;
+    - uncached, cached: `cache_flags` without and with --cache_latents (on disk, in ``../features``); the uncached
+      run generates the class images (``../class``) that the cached run then encodes once per bucket they are
+      drawn into, with the instance images;
     - trained_text_encoder_uncached, trained_text_encoder_cached: `trained_text_encoder_flags` without and with
       --cache_latents.
     """
@@ -104,7 +116,8 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
     after_first = snapshot(root / "prior_class")
     results |= launch_together({
         "prior_second": (SCRIPT, *common(tiny, root / "prior_second", *prior_flags(root / "prior_class"))),
-        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(tiny, root / "class", "--cache_latents"))),
+        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(tiny, root / "class", "--cache_latents",
+                                                                       "--feature_cache_dir", root / "features"))),
     })
     return {name: (root / name, result) for name, result in results.items()}, after_first
 
@@ -251,3 +264,29 @@ def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_
     for name in (LORA, f"ema/{LORA}"):
         cached_weights = assert_close_files(uncached / name, cached / name)
         assert {key.split(".")[0] for key in cached_weights} == {"unet", "text_encoder"}
+
+
+def test_caption_files_caption_their_images_and_each_caption_is_embedded_once_as_the_pipeline_does(tiny, runs):
+    # The cached run: four pictures with caption files, two without (the instance prompt), class images on the class
+    # prompt, dropped captions on the empty one; each embedded once, in that order, as sd.encode_prompts does (its
+    # own test: what the pipeline's encode_prompt gives). `test_dreambooth` shows each sample gets its own's.
+    output_dir, result = runs["cached"]
+    assert "2 of 6 instance images have no .txt caption file beside them; they train on --instance_prompt" \
+        in result.stderr
+    prompts = [*INSTANCE_CAPTIONS[:CAPTION_FILES], INSTANCE_PROMPT, CLASS_PROMPT, ""]
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    args = import_script(SCRIPT).parse_args(list(map(str, common(tiny, output_dir))))
+    with torch.no_grad():
+        expected = sd.encode_prompts(pipe, prompts, "cpu", sd.prompt_settings(pipe, args))
+    text = load_file(next((output_dir.parent / "features").glob("text_embeddings-*/shard-*")))
+    assert text["0/indices"].tolist() == list(range(len(prompts)))
+    assert [torch.equal(text[f"0/{part}"], tensor) for part, tensor in enumerate(expected)] == [True] * len(expected)
+    card = (output_dir / "README.md").read_text()
+    assert "## Training captions" in card and all(f'- "{caption}"' in card for caption in prompts[:5])
+
+
+def test_a_datasets_caption_column_captions_its_images_on_the_card(runs):
+    # The runs whose text encoder trains read the pictures as a dataset, each distinct caption listed once.
+    card = (runs["trained_text_encoder_uncached"][0] / "README.md").read_text()
+    listed = card.split("## Training captions\n\n")[1].split("\n\n")[0].splitlines()
+    assert listed == [f'- "{caption}"' for caption in INSTANCE_CAPTIONS[:5]]
