@@ -15,12 +15,12 @@ from PIL import Image
 from training_utils.args import TrainingArgumentParser
 from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.cache import FrozenEncoders
-from training_utils.data import make_dataloader
+from training_utils.data import make_dataloader, sample_generator
 from training_utils.dreambooth import (EmbeddedImage, InstanceImages, add_dreambooth_args, check_dreambooth_args,
                                        dreambooth_dataset, dreambooth_prompts, generate_class_images,
                                        instance_then_class_collate, list_images, training_captions)
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform
+from training_utils.images import ImageTransform, read_image
 from training_utils.prompts import cached_rows
 
 
@@ -150,7 +150,7 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
     assert len(dataset) == 5
     for index in range(5):
         example = dataset[index]
-        assert example.keys() == {"instance", "class", "prompt", "class_prompt"}
+        assert example.keys() == {"instance", "class", "instance_layout", "class_layout", "prompt", "class_prompt"}
         assert (example["prompt"], example["class_prompt"]) == ("sks", "dog")
         assert example["instance"].shape == (3, 8, 8)
         # Solid grey images: the pixel value says which file was read.
@@ -161,7 +161,7 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
 def test_dataset_without_class_images_has_the_instance_images_only(instance_dir):
     dataset = dreambooth_dataset(captioned(list_images(instance_dir), "sks"), None, pixels_of(ImageTransform(8)), 0)
     assert len(dataset) == 3
-    assert dataset[1].keys() == {"instance", "prompt"} and dataset[1]["prompt"] == "sks"
+    assert dataset[1].keys() == {"instance", "instance_layout", "prompt"} and dataset[1]["prompt"] == "sks"
 
 
 def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
@@ -210,17 +210,33 @@ def test_with_cached_latents_the_dataset_draws_the_flips_the_uncached_one_draws(
     assert len(shapes) == (1 if buckets is None else 2)
 
 
-def test_the_collate_puts_the_instance_half_first_each_image_with_its_prompt():
+def test_the_collate_puts_the_instance_half_first_each_image_with_its_layout_and_prompt():
     examples = [{"instance": torch.full((3, 2, 2), float(i)), "class": torch.full((3, 2, 2), 10.0 + i),
+                 "instance_layout": torch.full((6,), i), "class_layout": torch.full((6,), 10 + i),
                  "prompt": ["sks", ""][i % 2], "class_prompt": "dog"} for i in range(3)]
     batch = instance_then_class_collate(examples)
-    assert batch.keys() == {"images", "prompts"}
+    assert batch.keys() == {"images", "layouts", "prompts"}
     assert batch["images"][:, 0, 0, 0].tolist() == [0, 1, 2, 10, 11, 12]
+    assert batch["layouts"][:, 0].tolist() == [0, 1, 2, 10, 11, 12] and batch["layouts"].shape == (6, 6)
     assert batch["prompts"] == ["sks", "", "sks", "dog", "dog", "dog"]
-    instance_only = instance_then_class_collate([{"instance": e["instance"], "prompt": e["prompt"]}
+    instance_only = instance_then_class_collate([{key: e[key] for key in ("instance", "instance_layout", "prompt")}
                                                  for e in examples])
     assert instance_only["images"][:, 0, 0, 0].tolist() == [0, 1, 2]
+    assert instance_only["layouts"][:, 0].tolist() == [0, 1, 2]
     assert instance_only["prompts"] == ["sks", "", "sks"]
+
+
+def test_each_images_layout_is_its_original_size_crop_and_training_shape(tmp_path):
+    # A wide image randomly cropped to its bucket and a small square one: what SDXL's time ids are made of.
+    images = [gradient(tmp_path / "wide.png", (80, 16)), solid(tmp_path / "small.png", 10, (24, 24))]
+    transform = ImageTransform(32, buckets=buckets_of(32))
+    dataset = dreambooth_dataset(captioned(images), None, pixels_of(transform), 3)
+    for index, path in enumerate(images):
+        generator = sample_generator(3, 0, index)
+        expected = transform(read_image(path), generator, dataset.shapes[index])
+        assert dataset[index]["instance_layout"].tolist() == [*expected.original_size, *expected.crop_top_left,
+                                                              *expected.size]
+    assert dataset[0]["instance_layout"][:2].tolist() == [16, 80]
 
 
 def prompt_args(with_prior_preservation, caption_dropout):
@@ -396,6 +412,10 @@ def test_neither_a_folder_nor_a_dataset_fails_and_text_to_image_data_flags_are_r
         check_dreambooth_args(parse("--instance_prompt", "sks"))
     with pytest.raises(UsageError, match="^--train_data_dir is not supported here: DreamBooth's images come from"):
         parse("--instance_prompt", "sks", "--train_data_dir", tmp_path)
+    tmp_path.joinpath("0.png").write_bytes(b"")
+    with pytest.raises(UsageError, match="^--caption_column='text': expected --dataset_name with it"):
+        check_dreambooth_args(parse("--instance_prompt", "sks", "--instance_data_dir", tmp_path, "--caption_column",
+                                    "text"))
 
 
 def test_images_held_in_a_dataset_train_and_cache_like_files(tmp_path, tiny_sd_pipe):

@@ -22,8 +22,8 @@ INSTANCE_PROMPT = "a photo of sks triangle"
 CLASS_PROMPT = "a photo of a triangle"
 
 
-def common(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
+def common(tiny, output_dir, *extra, source=None):
+    return ["--pretrained_model_name_or_path", tiny["sd"], *(source or ("--instance_data_dir", tiny["instance"])),
             "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
             "--rank", 4, "--seed", 3, *extra]
@@ -67,9 +67,10 @@ def four_images(tiny, tmp_path_factory):
 
 def cache_flags(tiny, class_dir, *extra):
     """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder) on the `bucketed`
-    images with their caption files (`sidecar_captioned`), validating and checkpointing every 2. The 12 samples pair with 3 class images, each drawn 4 times an
-    epoch and laid out to its instance image's bucket; every bucket holds an even number of them (each image is
-    there twice), so there are 6 batches an epoch and step 2 falls mid-epoch."""
+    images with their caption files (`sidecar_captioned`), validating and checkpointing every 2. The 12 samples pair
+    with 3 class images, each drawn 4 times an epoch and laid out to its instance image's bucket; every bucket holds
+    an even number of them (each image is there twice), so there are 6 batches an epoch and step 2 falls
+    mid-epoch."""
     return [*bucketed(*sidecar_captioned(tiny)), "--center_crop", "--with_prior_preservation", "--class_data_dir",
             class_dir, "--class_prompt", CLASS_PROMPT,
             "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
@@ -77,10 +78,10 @@ def cache_flags(tiny, class_dir, *extra):
             "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
 
 
-def trained_text_encoder_flags(tiny, *extra):
-    """3 center-cropped steps on the `bucketed` images of the `dataset_captioned` without prior preservation, the
-    text encoder trained with the UNet (embedding the batch's captions in every step)."""
-    return [*bucketed(*dataset_captioned(tiny)), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
+def trained_text_encoder_flags(*extra):
+    """3 center-cropped steps on the `bucketed` images (of `dataset_captioned`, the source to launch with) without
+    prior preservation, the text encoder trained with the UNet (embedding the batch's captions in every step)."""
+    return [*bucketed(), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
             "--checkpointing_steps", 1000, *extra]
 
 
@@ -109,9 +110,11 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
         "prior_first": (SCRIPT, *common(tiny, root / "prior_first", *prior_flags(root / "prior_class"))),
         "uncached": (SCRIPT, *common(tiny, root / "uncached", *cache_flags(tiny, root / "class"))),
         "trained_text_encoder_uncached": (SCRIPT, *common(tiny, root / "trained_text_encoder_uncached",
-                                                          *trained_text_encoder_flags(tiny))),
+                                                          *trained_text_encoder_flags(),
+                                                          source=dataset_captioned(tiny))),
         "trained_text_encoder_cached": (SCRIPT, *common(tiny, root / "trained_text_encoder_cached",
-                                                        *trained_text_encoder_flags(tiny, "--cache_latents"))),
+                                                        *trained_text_encoder_flags("--cache_latents"),
+                                                        source=dataset_captioned(tiny))),
     })
     after_first = snapshot(root / "prior_class")
     results |= launch_together({
@@ -280,7 +283,9 @@ def test_caption_files_caption_their_images_and_each_caption_is_embedded_once_as
         expected = sd.encode_prompts(pipe, prompts, "cpu", sd.prompt_settings(pipe, args))
     text = load_file(next((output_dir.parent / "features").glob("text_embeddings-*/shard-*")))
     assert text["0/indices"].tolist() == list(range(len(prompts)))
-    assert [torch.equal(text[f"0/{part}"], tensor) for part, tensor in enumerate(expected)] == [True] * len(expected)
+    assert len(text) == len(expected) + 1
+    for part, tensor in enumerate(expected):  # a batch of 6 takes other kernels on another thread count: not bitwise
+        torch.testing.assert_close(text[f"0/{part}"], tensor, rtol=1e-5, atol=1e-6)
     card = (output_dir / "README.md").read_text()
     assert "## Training captions" in card and all(f'- "{caption}"' in card for caption in prompts[:5])
 

@@ -147,6 +147,8 @@ def check_dreambooth_args(args):
         require(args.caption_extension is None, "--caption_extension", args.caption_extension,
                 "no caption files with --dataset_name (its captions are in --caption_column)")
         return dataset_instance_images(args)
+    require(args.caption_column is None, "--caption_column", args.caption_column,
+            "--dataset_name with it (--instance_data_dir's captions are in --caption_extension files)")
     require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir, "an existing folder")
     instance_images = list_images(args.instance_data_dir)
     require(instance_images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
@@ -233,8 +235,13 @@ def dreambooth_dataset(instance, class_images, encoders, seed, repeats=1, captio
         example["caption"] = captions[index % len(captions)]
 
     def preprocess(example, generator):
-        sample = {kind: encoders.image_file(example[kind], generator, example["shape"]).pixels
-                  for kind in ("instance", "class") if kind in example}
+        sample = {}
+        for kind in ("instance", "class"):
+            if kind in example:
+                laid_out = encoders.image_file(example[kind], generator, example["shape"])
+                sample[kind] = laid_out.pixels
+                sample[f"{kind}_layout"] = torch.tensor([*laid_out.original_size, *laid_out.crop_top_left,
+                                                         *laid_out.size])
         sample["prompt"] = drop_caption(pick_caption(example["caption"], generator), caption_dropout, generator)
         if "class" in sample:
             sample["class_prompt"] = class_prompt
@@ -244,10 +251,13 @@ def dreambooth_dataset(instance, class_images, encoders, seed, repeats=1, captio
 
 
 def instance_then_class_collate(examples):
-    """``{"images": the instance images, then the class images, "prompts": each image's prompt}``: the two halves
-    line up, so ``chunk(2)`` splits predictions into the instance and the class part."""
+    """``{"images": the instance images, then the class images, "layouts": how each was laid out, "prompts": each
+    image's prompt}``: the two halves line up, so ``chunk(2)`` splits predictions into the instance and the class
+    part. An image's layout is its original (height, width), its crop's (top, left) and the (height, width) it
+    trains at, six integers (SDXL's micro-conditioning)."""
     kinds = [kind for kind in ("instance", "class") if kind in examples[0]]
     return {"images": torch.cat([torch.stack([example[kind] for example in examples]) for kind in kinds]),
+            "layouts": torch.cat([torch.stack([example[f"{kind}_layout"] for example in examples]) for kind in kinds]),
             "prompts": [example["prompt"] for example in examples]
                        + [example["class_prompt"] for example in examples if "class" in example]}
 
