@@ -299,7 +299,8 @@ def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_
         assert {key.split(".")[0] for key in cached_weights} == {"unet", "text_encoder"}
 
 
-def test_caption_files_caption_their_images_and_each_caption_is_embedded_once_as_the_pipeline_does(tiny, runs):
+def test_caption_files_caption_their_images_and_each_caption_is_embedded_once_as_the_pipeline_does(tiny, runs,
+                                                                                                   tmp_path):
     # The cached run: four pictures with caption files, two without (the instance prompt), class images on the class
     # prompt, dropped captions on the empty one; each embedded once, in that order, as sd.encode_prompts does (its
     # own test: what the pipeline's encode_prompt gives). `test_dreambooth` shows each sample gets its own's.
@@ -308,7 +309,7 @@ def test_caption_files_caption_their_images_and_each_caption_is_embedded_once_as
         in result.stderr
     prompts = [*INSTANCE_CAPTIONS[:CAPTION_FILES], INSTANCE_PROMPT, CLASS_PROMPT, ""]
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
-    args = import_script(SCRIPT).parse_args(list(map(str, common(tiny, output_dir))))
+    args = import_script(SCRIPT).parse_args(list(map(str, common(tiny, tmp_path))))
     with torch.no_grad():
         expected = sd.encode_prompts(pipe, prompts, "cpu", sd.prompt_settings(pipe, args))
     text = load_file(next((output_dir.parent / "features").glob("text_embeddings-*/shard-*")))
