@@ -12,7 +12,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import FAMILIES, flux2, qwen_image, sd, sd3, sdxl, z_image
+from training_utils.families import FAMILIES, flux, flux2, qwen_image, sd, sd3, sdxl, z_image
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -29,7 +29,8 @@ PROTOCOL = {
     "prediction": ["pipe", "output", "latents"],
 }
 # Each family module and the tiny fixture of one of its pipelines.
-MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux2: "flux2_klein", z_image: "z_image", qwen_image: "qwen_image"}
+MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
+           qwen_image: "qwen_image"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 

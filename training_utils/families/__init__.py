@@ -22,9 +22,9 @@ LoRAs it lays out, exactly, and its ComfyUI layout (``COMFYUI_LAYOUT``, the orig
 A new family adds its module here (`FAMILIES`).
 """
 
-from . import flux2, qwen_image, sd, sd3, sdxl, z_image
+from . import flux, flux2, qwen_image, sd, sd3, sdxl, z_image
 
-FAMILIES = {module.FAMILY.name: module.FAMILY for module in (sd, sdxl, sd3, flux2, z_image, qwen_image)}
+FAMILIES = {module.FAMILY.name: module.FAMILY for module in (sd, sdxl, sd3, flux, flux2, z_image, qwen_image)}
 
 
 def family_of(name):

@@ -6,8 +6,8 @@ and saved with ``save_pretrained``, so the scripts load it exactly as they load 
     python -m training_utils.testing.tiny --output_dir tiny          # builds every fixture
     python -m training_utils.testing.tiny --output_dir tiny sd shapes
 
-Each family's pipelines are built in a module of their own (`sd`, `sdxl`, `sd3`, `flux2`, `z_image`,
-`qwen_image`) from the shared building blocks of `parts` (offline tokenizers, text encoders, a VAE, a
+Each family's pipelines are built in a module of their own (`sd`, `sdxl`, `sd3`, `flux`, `flux2`,
+`z_image`, `qwen_image`) from the shared building blocks of `parts` (offline tokenizers, text encoders, a VAE, a
 UNet); the datasets are `data`'s. Each module lists its builders, ``build_<name>(path)``, in a
 ``FIXTURES`` dict, merged here: a new family adds its module and one line below.
 """
@@ -15,9 +15,9 @@ UNet); the datasets are `data`'s. Each module lists its builders, ``build_<name>
 import argparse
 from pathlib import Path
 
-from . import data, flux2, qwen_image, sd, sd3, sdxl, z_image
+from . import data, flux, flux2, qwen_image, sd, sd3, sdxl, z_image
 
-FIXTURES = {**sd.FIXTURES, **sdxl.FIXTURES, **sd3.FIXTURES, **flux2.FIXTURES, **z_image.FIXTURES,
+FIXTURES = {**sd.FIXTURES, **sdxl.FIXTURES, **sd3.FIXTURES, **flux.FIXTURES, **flux2.FIXTURES, **z_image.FIXTURES,
             **qwen_image.FIXTURES, **data.FIXTURES}
 
 
