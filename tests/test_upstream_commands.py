@@ -133,8 +133,8 @@ def checkpoints(*steps):
 def dreambooth_family(test_file, family_name, script, model, prompt, extra="", layer=None, block=None,
                       text_encoder=False, metadata=False):
     """The tests upstream's DreamBooth LoRA files for SD3, FLUX.1, FLUX.2 [klein] and Qwen-Image share: a smoke run,
-    latent caching, one layer (``layer``) or one block (``block``), the text encoder (``text_encoder``), the total limit,
-    the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with ``--rank`` 4 (``metadata``).
+    latent caching, one layer (``layer``) or one block (``block``), the text encoder (``text_encoder``), the total
+    limit, the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with ``--rank`` 4 (``metadata``).
     ``family_name`` is the one in its tests' names; ``extra``, the flags each of its runs adds (FLUX.2's prompt
     settings)."""
     def test(name):
