@@ -13,7 +13,8 @@ import stat
 
 import pytest
 import torch
-from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+from diffusers import (Flux2KleinPipeline, Flux2Transformer2DModel, FluxPipeline, FluxTransformer2DModel,
+                       QwenImagePipeline, QwenImageTransformer2DModel,
                        SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
                        StableDiffusionXLPipeline, ZImagePipeline, ZImageTransformer2DModel)
 from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
@@ -280,6 +281,45 @@ def test_known_modules_take_comfyuis_names(transformer_lora):
             assert f"diffusion_model.{comfyui_name}.lora_B.weight" in converted, comfyui_name
 
 
+# diffusers' convert_flux_transformer_checkpoint_to_diffusers (ComfyUI's flux_to_diffusers): diffusers -> ComfyUI.
+FLUX1_NAMES = {"transformer_blocks.0.attn.to_add_out": "double_blocks.0.txt_attn.proj",
+               "transformer_blocks.0.ff.net.0.proj": "double_blocks.0.img_mlp.0",
+               "transformer_blocks.0.ff_context.net.2": "double_blocks.0.txt_mlp.2",
+               "transformer_blocks.0.norm1_context.linear": "double_blocks.0.txt_mod.lin",
+               "single_transformer_blocks.1.proj_out": "single_blocks.1.linear2",
+               "single_transformer_blocks.1.norm.linear": "single_blocks.1.modulation.lin",
+               "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+               "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer", "proj_out": "final_layer.linear"}
+
+
+def test_flux1s_linear1_takes_q_k_v_and_the_four_times_wider_mlp_each_at_its_own_strength(tmp_path):
+    # FLUX.1's single-stream blocks fuse q, k, v and the MLP's input projection (4 times as many rows) into one
+    # linear1: ComfyUI applies one LoRA there, whose rows must be each module's own change, at its trained strength.
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    targets = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets,
+                                       rank_pattern={"proj_mlp": 2, **RANK_PATTERN}, alpha_pattern=ALPHA_PATTERN))
+    perturb([parameter for name, parameter in transformer.named_parameters() if "lora_" in name])
+    tensors, metadata = lora_tensors(LoraExport.of(FluxPipeline, {"transformer": transformer}).save(tmp_path))
+    converted = convert(tensors, metadata, "comfyui", family="flux")
+    deltas, expected = comfyui_deltas(converted), peft_deltas(transformer)
+    linear1 = torch.cat([expected[f"single_transformer_blocks.0.{name}"]
+                         for name in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
+    assert linear1.shape[0] == 7 * transformer.inner_dim
+    torch.testing.assert_close(deltas["single_blocks.0.linear1.weight"], linear1)
+    for stream, names in (("img", ("to_q", "to_k", "to_v")), ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+        qkv = torch.cat([expected[f"transformer_blocks.0.attn.{name}"] for name in names])
+        torch.testing.assert_close(deltas[f"double_blocks.0.{stream}_attn.qkv.weight"], qkv)
+    for diffusers_name, comfyui_name in FLUX1_NAMES.items():
+        torch.testing.assert_close(deltas[f"{comfyui_name}.weight"], expected[diffusers_name], msg=comfyui_name)
+    shift, scale = expected["norm_out.linear"].chunk(2)  # the original orders the final modulation's halves so
+    torch.testing.assert_close(deltas["final_layer.adaLN_modulation.1.weight"], torch.cat([scale, shift]))
+    assert len(deltas) == len(expected) - 2 * 3 - 2 * 2  # every module placed; the fused ones once
+
+
 FLUX2_ATTENTION = "transformer.transformer_blocks.0.attn"
 QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
 
@@ -408,7 +448,8 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
     # Attention projections alone fit SD3, FLUX.2 and Qwen-Image, whose layouts differ.
-    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, which convert them differently"):
+    with pytest.raises(UsageError, match="fit the families sd3, flux, flux2, qwen_image, which convert them "
+                                         "differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
