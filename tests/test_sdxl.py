@@ -73,7 +73,8 @@ def test_a_batchs_time_ids_from_its_layouts_are_each_images_time_ids_in_fp32():
     layouts = torch.tensor([[48, 64, 0, 5, 32, 32], [1023, 700, 3, 0, 24, 40]])
     ids = batch_time_ids(layouts)
     assert ids.dtype == torch.float32
-    assert torch.equal(ids, torch.stack([time_ids((48, 64), (0, 5), (32, 32)), time_ids((1023, 700), (3, 0), (24, 40))]))
+    expected = [time_ids((48, 64), (0, 5), (32, 32)), time_ids((1023, 700), (3, 0), (24, 40))]
+    assert torch.equal(ids, torch.stack(expected))
 
 
 def test_time_ids_of_a_bucketed_image_hold_its_bucket_as_the_target_size(sdxl_pipe):
