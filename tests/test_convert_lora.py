@@ -462,19 +462,20 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
 def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
-    for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
+    for name in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
                  "QwenImagePipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("WanPipeline") == ()
 
 
-@pytest.mark.parametrize("name", ["FluxPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
+@pytest.mark.parametrize("name", ["FluxKontextPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
                                   "Flux2KleinPipelineX"])
 def test_a_family_is_matched_by_its_pipeline_class_exactly(name):
-    # FLUX.1's pipeline is not FLUX.2's, an edit pipeline is not its base's: a look-alike name matches no family
-    # until a family module names it.
+    # FLUX.1 Kontext's pipeline is not FLUX.1's, an edit pipeline is not its base's: a look-alike name matches no
+    # family until a family module names it.
     assert family_of(name) is None and formats_for(name) == ()
     assert family_of("Flux2KleinPipeline").name == "flux2" and family_of("flux2").name == "flux2"
+    assert family_of("FluxPipeline").name == "flux" and family_of("flux").name == "flux"
 
 
 def test_the_command_converts_a_file(unet_lora, tmp_path, capsys):
