@@ -69,10 +69,11 @@ def rendered_images(output_dir):
 
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
-                                        num_inference_steps=2, atol=1e-4):
+                                        num_inference_steps=2, atol=1e-4, **call_kwargs):
     """Render ``prompt`` with the pipeline saved in ``base_model``, then with the LoRA of each of ``lora_dirs``
     loaded in turn (``pipe.load_lora_weights(lora_dir)``, as a user loads it), all with one seed: each LoRA must
-    load and change the images by more than ``atol``. Returns the images (numpy), the base model's first."""
+    load and change the images by more than ``atol``. ``call_kwargs`` go to every render (e.g. a prompt length).
+    Returns the images (numpy), the base model's first."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(base_model)
@@ -80,7 +81,7 @@ def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo"
 
     def render():
         return pipe(prompt=prompt, num_inference_steps=num_inference_steps, height=resolution, width=resolution,
-                    output_type="np", generator=torch.Generator().manual_seed(0)).images
+                    output_type="np", generator=torch.Generator().manual_seed(0), **call_kwargs).images
 
     images = [render()]
     for lora_dir in lora_dirs:
