@@ -54,7 +54,6 @@ REFUSED = {
     "--do_edm_style_training": "EDM-style training (Playground v2.5's) is not carried; the UNet trains on its "
                                "scheduler's own objective (--prediction_type)",
     "--use_dora": "DoRA adapters are not carried yet; the adapters are LoRA",
-    "--adam_weight_decay_text_encoder": "the text encoders train with --adam_weight_decay",
 }
 
 
@@ -62,6 +61,7 @@ def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], resolution=1024, interpolation="lanczos")
     sdxl.add_args(parser)
     add_lora_args(parser, StableDiffusionXLPipeline, train_text_encoder=True)
+    parser.set_defaults(text_encoder_lr=5e-6, adam_weight_decay_text_encoder=1e-3)  # upstream's
     add_diffusion_loss_args(parser)
     add_dreambooth_args(parser)
     add_cache_args(parser)
