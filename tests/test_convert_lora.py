@@ -13,7 +13,7 @@ import stat
 
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionPipeline, StableDiffusionXLPipeline
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
@@ -247,6 +247,45 @@ def test_known_modules_take_comfyuis_names(transformer_lora):
             assert f"diffusion_model.{comfyui_name}.lora_B.weight" in converted, comfyui_name
 
 
+# diffusers' convert_flux_transformer_checkpoint_to_diffusers (ComfyUI's flux_to_diffusers): diffusers -> ComfyUI.
+FLUX1_NAMES = {"transformer_blocks.0.attn.to_add_out": "double_blocks.0.txt_attn.proj",
+               "transformer_blocks.0.ff.net.0.proj": "double_blocks.0.img_mlp.0",
+               "transformer_blocks.0.ff_context.net.2": "double_blocks.0.txt_mlp.2",
+               "transformer_blocks.0.norm1_context.linear": "double_blocks.0.txt_mod.lin",
+               "single_transformer_blocks.1.proj_out": "single_blocks.1.linear2",
+               "single_transformer_blocks.1.norm.linear": "single_blocks.1.modulation.lin",
+               "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+               "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer", "proj_out": "final_layer.linear"}
+
+
+def test_flux1s_linear1_takes_q_k_v_and_the_four_times_wider_mlp_each_at_its_own_strength(tmp_path):
+    # FLUX.1's single-stream blocks fuse q, k, v and the MLP's input projection (4 times as many rows) into one
+    # linear1: ComfyUI applies one LoRA there, whose rows must be each module's own change, at its trained strength.
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    targets = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets,
+                                       rank_pattern={"proj_mlp": 2, **RANK_PATTERN}, alpha_pattern=ALPHA_PATTERN))
+    perturb([parameter for name, parameter in transformer.named_parameters() if "lora_" in name])
+    tensors, metadata = lora_tensors(LoraExport.of(FluxPipeline, {"transformer": transformer}).save(tmp_path))
+    converted = convert(tensors, metadata, "comfyui", family="flux")
+    deltas, expected = comfyui_deltas(converted), peft_deltas(transformer)
+    linear1 = torch.cat([expected[f"single_transformer_blocks.0.{name}"]
+                         for name in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
+    assert linear1.shape[0] == 7 * transformer.inner_dim
+    torch.testing.assert_close(deltas["single_blocks.0.linear1.weight"], linear1)
+    for stream, names in (("img", ("to_q", "to_k", "to_v")), ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+        qkv = torch.cat([expected[f"transformer_blocks.0.attn.{name}"] for name in names])
+        torch.testing.assert_close(deltas[f"double_blocks.0.{stream}_attn.qkv.weight"], qkv)
+    for diffusers_name, comfyui_name in FLUX1_NAMES.items():
+        torch.testing.assert_close(deltas[f"{comfyui_name}.weight"], expected[diffusers_name], msg=comfyui_name)
+    shift, scale = expected["norm_out.linear"].chunk(2)  # the original orders the final modulation's halves so
+    torch.testing.assert_close(deltas["final_layer.adaLN_modulation.1.weight"], torch.cat([scale, shift]))
+    assert len(deltas) == len(expected) - 2 * 3 - 2 * 2  # every module placed; the fused ones once
+
+
 FLUX2_ATTENTION = "transformer.transformer_blocks.0.attn"
 QKV = "diffusion_model.double_blocks.0.img_attn.qkv"
 
@@ -374,10 +413,10 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
     with pytest.raises(UsageError, match=r"--to='kohya': expected comfyui for a FLUX.2 LoRA \(kohya applies to the "
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
-    # Attention projections alone fit SD3, FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and Krea 2, whose layouts
-    # differ.
-    with pytest.raises(UsageError, match="fit the families sd3, flux2, qwen_image, chroma, flux2_dev, krea2, which "
-                                         "convert them differently"):
+    # Attention projections alone fit SD3, FLUX.1, FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and Krea 2, whose
+    # layouts differ.
+    with pytest.raises(UsageError, match="fit the families sd3, flux, flux2, qwen_image, chroma, flux2_dev, krea2, "
+                                         "which convert them differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
@@ -390,19 +429,20 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
 def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
-    for name in ("StableDiffusion3Pipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
+    for name in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
                  "QwenImagePipeline", "ChromaPipeline", "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("CogVideoXPipeline") == ()
 
 
-@pytest.mark.parametrize("name", ["FluxPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
+@pytest.mark.parametrize("name", ["FluxKontextPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
                                   "Flux2KleinPipelineX"])
 def test_a_family_is_matched_by_its_pipeline_class_exactly(name):
-    # FLUX.1's pipeline is not FLUX.2's, an edit pipeline is not its base's: a look-alike name matches no family
-    # until a family module names it.
+    # FLUX.1 Kontext's pipeline is not FLUX.1's, an edit pipeline is not its base's: a look-alike name matches no
+    # family until a family module names it.
     assert family_of(name) is None and formats_for(name) == ()
     assert family_of("Flux2KleinPipeline").name == "flux2" and family_of("flux2").name == "flux2"
+    assert family_of("FluxPipeline").name == "flux" and family_of("flux").name == "flux"
 
 
 def test_the_command_converts_a_file(unet_lora, tmp_path, capsys):

@@ -1,8 +1,10 @@
 """training_utils.dreambooth: checked inputs, instance and class data (prompts, repeats, caption dropout, buckets),
 side-effect-free class images."""
 
+import json
 import math
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,12 +15,13 @@ from PIL import Image
 from training_utils.args import TrainingArgumentParser
 from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.cache import FrozenEncoders
-from training_utils.data import make_dataloader
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, dreambooth_dataset,
-                                       dreambooth_prompts, generate_class_images, instance_then_class_collate,
-                                       list_images)
+from training_utils.data import make_dataloader, sample_generator
+from training_utils.dreambooth import (EmbeddedImage, InstanceImages, add_dreambooth_args, check_dreambooth_args,
+                                       dreambooth_dataset, dreambooth_prompts, generate_class_images,
+                                       instance_then_class_collate, list_images, training_captions)
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform
+from training_utils.images import ImageTransform, read_image
+from training_utils.prompts import cached_rows
 
 
 def solid(path, value, size=(12, 8)):
@@ -72,7 +75,9 @@ def test_list_images_keeps_image_files_sorted_by_name(tmp_path):
 
 def test_check_returns_the_instance_images(instance_dir):
     args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "a photo of sks dog")
-    assert [path.name for path in check_dreambooth_args(args)] == ["0.png", "1.png", "2.png"]
+    instance = check_dreambooth_args(args)
+    assert [path.name for path in instance.images] == ["0.png", "1.png", "2.png"]
+    assert instance.captions == ["a photo of sks dog"] * 3
     assert (args.num_class_images, args.prior_loss_weight, args.sample_batch_size) == (100, 1.0, 4)
 
 
@@ -126,6 +131,10 @@ def test_check_rejects_a_missing_or_empty_instance_folder(tmp_path):
 # Dataset and collate
 
 
+def captioned(images, prompt=""):
+    return InstanceImages.captioned_by(images, prompt)
+
+
 def pixels_of(transform, vae=None):
     """`FrozenEncoders` that give the images' pixels (or, with ``vae``, their cached latent parameters)."""
     return FrozenEncoders(vae, [], transform, "cpu", torch.float32, cache_latents=vae is not None, batch_size=3)
@@ -136,12 +145,12 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
     class_dir.mkdir()
     class_images = [solid(class_dir / f"{index}.png", 100 + 10 * index) for index in range(5)]
     pixels = pixels_of(ImageTransform(8, center_crop=True))
-    dataset = dreambooth_dataset(list_images(instance_dir), class_images, pixels, 0, instance_prompt="sks",
+    dataset = dreambooth_dataset(captioned(list_images(instance_dir), "sks"), class_images, pixels, 0,
                                  class_prompt="dog")
     assert len(dataset) == 5
     for index in range(5):
         example = dataset[index]
-        assert example.keys() == {"instance", "class", "prompt", "class_prompt"}
+        assert example.keys() == {"instance", "class", "instance_layout", "class_layout", "prompt", "class_prompt"}
         assert (example["prompt"], example["class_prompt"]) == ("sks", "dog")
         assert example["instance"].shape == (3, 8, 8)
         # Solid grey images: the pixel value says which file was read.
@@ -150,17 +159,16 @@ def test_dataset_pairs_every_instance_image_with_a_cycling_class_image(tmp_path,
 
 
 def test_dataset_without_class_images_has_the_instance_images_only(instance_dir):
-    dataset = dreambooth_dataset(list_images(instance_dir), None, pixels_of(ImageTransform(8)), 0,
-                                 instance_prompt="sks")
+    dataset = dreambooth_dataset(captioned(list_images(instance_dir), "sks"), None, pixels_of(ImageTransform(8)), 0)
     assert len(dataset) == 3
-    assert dataset[1].keys() == {"instance", "prompt"} and dataset[1]["prompt"] == "sks"
+    assert dataset[1].keys() == {"instance", "instance_layout", "prompt"} and dataset[1]["prompt"] == "sks"
 
 
 def test_random_crops_are_seeded_per_sample_and_epoch(tmp_path):
     images = [gradient(tmp_path / "wide.png")]
 
     def crops(seed, epoch):
-        dataset = dreambooth_dataset(images, None, pixels_of(ImageTransform(16)), seed)
+        dataset = dreambooth_dataset(captioned(images), None, pixels_of(ImageTransform(16)), seed)
         dataset.set_epoch(epoch)
         return [dataset[0]["instance"] for _ in range(2)]
 
@@ -184,8 +192,8 @@ def test_with_cached_latents_the_dataset_draws_the_flips_the_uncached_one_draws(
             image.save(tmp_path / kind / f"{index}.png")
     transform = ImageTransform(32, center_crop=True, random_flip=True, buckets=buckets)
     instance_images, class_images = list_images(tmp_path / "instance"), list_images(tmp_path / "class")
-    uncached = dreambooth_dataset(instance_images, class_images, pixels_of(transform), 5)
-    cached = dreambooth_dataset(instance_images, class_images, pixels_of(transform, tiny_sd_pipe.vae), 5)
+    uncached = dreambooth_dataset(captioned(instance_images), class_images, pixels_of(transform), 5)
+    cached = dreambooth_dataset(captioned(instance_images), class_images, pixels_of(transform, tiny_sd_pipe.vae), 5)
     stripe_on_the_left = set()
     for epoch in range(3):
         uncached.set_epoch(epoch)
@@ -202,17 +210,33 @@ def test_with_cached_latents_the_dataset_draws_the_flips_the_uncached_one_draws(
     assert len(shapes) == (1 if buckets is None else 2)
 
 
-def test_the_collate_puts_the_instance_half_first_each_image_with_its_prompt():
+def test_the_collate_puts_the_instance_half_first_each_image_with_its_layout_and_prompt():
     examples = [{"instance": torch.full((3, 2, 2), float(i)), "class": torch.full((3, 2, 2), 10.0 + i),
+                 "instance_layout": torch.full((6,), i), "class_layout": torch.full((6,), 10 + i),
                  "prompt": ["sks", ""][i % 2], "class_prompt": "dog"} for i in range(3)]
     batch = instance_then_class_collate(examples)
-    assert batch.keys() == {"images", "prompts"}
+    assert batch.keys() == {"images", "layouts", "prompts"}
     assert batch["images"][:, 0, 0, 0].tolist() == [0, 1, 2, 10, 11, 12]
+    assert batch["layouts"][:, 0].tolist() == [0, 1, 2, 10, 11, 12] and batch["layouts"].shape == (6, 6)
     assert batch["prompts"] == ["sks", "", "sks", "dog", "dog", "dog"]
-    instance_only = instance_then_class_collate([{"instance": e["instance"], "prompt": e["prompt"]}
+    instance_only = instance_then_class_collate([{key: e[key] for key in ("instance", "instance_layout", "prompt")}
                                                  for e in examples])
     assert instance_only["images"][:, 0, 0, 0].tolist() == [0, 1, 2]
+    assert instance_only["layouts"][:, 0].tolist() == [0, 1, 2]
     assert instance_only["prompts"] == ["sks", "", "sks"]
+
+
+def test_each_images_layout_is_its_original_size_crop_and_training_shape(tmp_path):
+    # A wide image randomly cropped to its bucket and a small square one: what SDXL's time ids are made of.
+    images = [gradient(tmp_path / "wide.png", (80, 16)), solid(tmp_path / "small.png", 10, (24, 24))]
+    transform = ImageTransform(32, buckets=buckets_of(32))
+    dataset = dreambooth_dataset(captioned(images), None, pixels_of(transform), 3)
+    for index, path in enumerate(images):
+        generator = sample_generator(3, 0, index)
+        expected = transform(read_image(path), generator, dataset.shapes[index])
+        assert dataset[index]["instance_layout"].tolist() == [*expected.original_size, *expected.crop_top_left,
+                                                              *expected.size]
+    assert dataset[0]["instance_layout"][:2].tolist() == [16, 80]
 
 
 def prompt_args(with_prior_preservation, caption_dropout):
@@ -228,14 +252,16 @@ def prompt_args(with_prior_preservation, caption_dropout):
 ])
 def test_the_prompts_are_the_instance_prompt_then_the_class_prompt_then_the_empty_one(
         with_prior_preservation, caption_dropout, expected):
-    assert dreambooth_prompts(prompt_args(with_prior_preservation, caption_dropout)) == expected
+    instance = captioned(["0.png", "1.png"], "a photo of sks dog")
+    assert dreambooth_prompts(prompt_args(with_prior_preservation, caption_dropout), instance) == expected
 
 
 def test_repeats_see_each_instance_image_repeats_times_each_with_draws_of_its_own(tmp_path):
     instance_images = [gradient(tmp_path / f"{index}.png") for index in range(2)]
     (tmp_path / "class").mkdir()
     class_images = [solid(tmp_path / "class" / f"{index}.png", 100 + 10 * index) for index in range(5)]
-    dataset = dreambooth_dataset(instance_images, class_images, pixels_of(ImageTransform(16)), 0, repeats=3)
+    dataset = dreambooth_dataset(captioned(instance_images), class_images, pixels_of(ImageTransform(16)), 0,
+                                 repeats=3)
     # 2 images 3 times: 6 samples, more than the 5 class images, which cycle.
     assert len(dataset) == 6
     assert [example["instance"] for example in dataset.examples] == instance_images * 3
@@ -245,7 +271,8 @@ def test_repeats_see_each_instance_image_repeats_times_each_with_draws_of_its_ow
     crops = [dataset[index]["instance"] for index in (0, 2, 4)]
     assert any(not torch.equal(crops[0], other) for other in crops[1:])
     assert all(torch.equal(crop, dataset[index]["instance"]) for crop, index in zip(crops, (0, 2, 4)))
-    assert len(dreambooth_dataset(instance_images, class_images, pixels_of(ImageTransform(16)), 0, repeats=2)) == 5
+    assert len(dreambooth_dataset(captioned(instance_images), class_images, pixels_of(ImageTransform(16)), 0,
+                                  repeats=2)) == 5
 
 
 def test_with_buckets_each_pair_trains_at_its_instance_images_bucket(tmp_path):
@@ -257,7 +284,7 @@ def test_with_buckets_each_pair_trains_at_its_instance_images_bucket(tmp_path):
                        for index, size in enumerate(sizes)]
     class_images = [solid(tmp_path / "class" / f"{index}.png", 100 + 10 * index, (40, 40)) for index in range(3)]
     transform = ImageTransform(32, center_crop=True, buckets=buckets_of(32))
-    dataset = dreambooth_dataset(instance_images, class_images, pixels_of(transform), 0, repeats=2,
+    dataset = dreambooth_dataset(captioned(instance_images), class_images, pixels_of(transform), 0, repeats=2,
                                  class_prompt="a triangle")
     expected = [transform.shape_of(*size) for size in sizes] * 2
     assert len(set(expected)) == 4 and all(shape != (32, 32) for shape in expected[:2])
@@ -283,8 +310,8 @@ def test_caption_dropout_drops_instance_prompts_at_its_rate_reproducibly(tmp_pat
     def prompts(seed, epoch, samples=repeats):
         """The prompts of the dataset's first ``samples`` samples (their instance images', then their class
         images')."""
-        dataset = dreambooth_dataset([image], [class_image], pixels_of(ImageTransform(8)), seed, repeats,
-                                     caption_dropout=probability, instance_prompt="sks", class_prompt="dog")
+        dataset = dreambooth_dataset(captioned([image], "sks"), [class_image], pixels_of(ImageTransform(8)), seed,
+                                     repeats, caption_dropout=probability, class_prompt="dog")
         dataset.set_epoch(epoch)
         return instance_then_class_collate([dataset[index] for index in range(samples)])["prompts"]
 
@@ -301,6 +328,151 @@ def test_caption_dropout_drops_instance_prompts_at_its_rate_reproducibly(tmp_pat
     assert prompts(0, 0, 100)[:100] == instance_half[:100]
     assert prompts(0, 1, 100)[:100] != instance_half[:100]
     assert prompts(1, 0, 100)[:100] != instance_half[:100]
+
+
+# ---------------------------------------------------------------------------------------------
+# Captions: caption files beside the images, a dataset's caption column
+
+
+def with_caption_files(folder, captions):
+    """Write ``{image name: caption}`` as ``.txt`` files beside the images of ``folder``."""
+    for name, caption in captions.items():
+        (folder / name).with_suffix(".txt").write_text(caption)
+
+
+def test_caption_files_caption_their_images_and_the_others_take_the_instance_prompt(instance_dir, caplog):
+    with_caption_files(instance_dir, {"0.png": "  sks dog, running\n", "2.png": ""})
+    args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "a photo of sks dog",
+                 "--caption_extension", ".txt")
+    with caplog.at_level("WARNING"):
+        instance = check_dreambooth_args(args)
+    assert [path.name for path in instance.images] == ["0.png", "1.png", "2.png"]
+    # Stripped; an empty file is the empty caption, on purpose.
+    assert instance.captions == ["sks dog, running", "a photo of sks dog", ""]
+    assert "1 of 3 instance images have no .txt caption file beside them; they train on --instance_prompt" \
+        in caplog.text
+    # Without --caption_extension the files are not read.
+    assert check_dreambooth_args(parse("--instance_data_dir", instance_dir, "--instance_prompt", "sks")).captions \
+        == ["sks"] * 3
+
+
+@pytest.mark.parametrize("extension, content, message", [
+    ("txt", b"a dog", "--caption_extension='txt': expected a file extension, e.g. .txt"),
+    (".txt", b"\xffa dog", "--caption_extension='.txt': expected UTF-8 caption files: {folder}/0.txt is not"),
+])
+def test_bad_caption_files_fail_in_one_line(instance_dir, extension, content, message):
+    (instance_dir / "0.txt").write_bytes(content)
+    args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "sks", "--caption_extension", extension)
+    with pytest.raises(UsageError) as error:
+        check_dreambooth_args(args)
+    assert str(error.value) == message.format(folder=instance_dir)
+
+
+def imagefolder(folder, captions):
+    """An imagefolder dataset: a solid image per caption, ``metadata.jsonl`` with each one's ``text``."""
+    folder.mkdir()
+    with open(folder / "metadata.jsonl", "w") as metadata:
+        for index, caption in enumerate(captions):
+            solid(folder / f"{index}.png", 10 * index)
+            metadata.write(json.dumps({"file_name": f"{index}.png", "text": caption}) + "\n")
+    return folder
+
+
+def test_a_datasets_caption_column_captions_each_image_and_without_one_the_instance_prompt_does(tmp_path):
+    # Lists of captions (a caption drawn per sample); a column holds lists or strings, not both.
+    folder = imagefolder(tmp_path / "data", [["sks dog"], ["sks dog, left", "sks dog, right"], ["sks dog"]])
+    flags = ["--dataset_name", folder, "--instance_prompt", "a photo of sks dog", "--cache_dir", tmp_path / "cache"]
+    instance = check_dreambooth_args(parse(*flags, "--caption_column", "text"))
+    assert [Path(path).name for path in instance.images] == ["0.png", "1.png", "2.png"]
+    assert all(isinstance(path, Path) for path in instance.images)  # files keep their paths (the cache keys)
+    assert instance.captions == [["sks dog"], ["sks dog, left", "sks dog, right"], ["sks dog"]]
+    assert training_captions(instance) == ["sks dog", "sks dog, left", "sks dog, right"]
+    assert check_dreambooth_args(parse(*flags)).captions == ["a photo of sks dog"] * 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--caption_column", "prompt"], "--caption_column='prompt': expected a column of the dataset: image, text"),
+    (["--image_column", "picture"], "--image_column='picture': expected a column of the dataset: image, text"),
+    (["--caption_extension", ".txt"], "--caption_extension='.txt': expected no caption files with --dataset_name "
+                                      "(its captions are in --caption_column)"),
+    (["--instance_data_dir", "{tmp}"], "--instance_data_dir='{tmp}': expected a folder of images, or "
+                                       "--dataset_name, not both"),
+])
+def test_bad_dataset_flags_fail_in_one_line(tmp_path, extra, message):
+    folder = imagefolder(tmp_path / "data", ["sks dog"])
+    args = parse("--dataset_name", folder, "--instance_prompt", "sks", "--cache_dir", tmp_path / "cache",
+                 *[str(value).format(tmp=tmp_path) for value in extra])
+    with pytest.raises(UsageError) as error:
+        check_dreambooth_args(args)
+    assert str(error.value) == message.format(tmp=tmp_path)
+
+
+def test_neither_a_folder_nor_a_dataset_fails_and_text_to_image_data_flags_are_refused(tmp_path):
+    with pytest.raises(UsageError, match="^--instance_data_dir=None: expected a folder of images, or --dataset_name"):
+        check_dreambooth_args(parse("--instance_prompt", "sks"))
+    with pytest.raises(UsageError, match="^--train_data_dir is not supported here: DreamBooth's images come from"):
+        parse("--instance_prompt", "sks", "--train_data_dir", tmp_path)
+    tmp_path.joinpath("0.png").write_bytes(b"")
+    with pytest.raises(UsageError, match="^--caption_column='text': expected --dataset_name with it"):
+        check_dreambooth_args(parse("--instance_prompt", "sks", "--instance_data_dir", tmp_path, "--caption_column",
+                                    "text"))
+
+
+def test_images_held_in_a_dataset_train_and_cache_like_files(tmp_path, tiny_sd_pipe):
+    import datasets
+
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    pictures = [Image.new("RGB", (16, 16), (value, 0, 0)) for value in (10, 200)]
+    datasets.Dataset.from_dict({"image": pictures, "text": ["sks dark", "sks bright"]}).cast_column(
+        "image", datasets.Image()).to_parquet(folder / "train.parquet")
+    instance = check_dreambooth_args(parse("--dataset_name", folder, "--instance_prompt", "sks", "--caption_column",
+                                           "text", "--cache_dir", tmp_path / "cache"))
+    assert all(isinstance(image, EmbeddedImage) for image in instance.images)
+    assert len({hash(image) for image in instance.images}) == 2
+    transform = ImageTransform(16, center_crop=True)
+    uncached = dreambooth_dataset(instance, None, pixels_of(transform), 0)
+    cached = dreambooth_dataset(instance, None, pixels_of(transform, tiny_sd_pipe.vae), 0)
+    for index, (value, caption) in enumerate([(10, "sks dark"), (200, "sks bright")]):
+        assert uncached[index]["prompt"] == cached[index]["prompt"] == caption
+        assert torch.all(uncached[index]["instance"][0] == scaled(value))
+        with torch.no_grad():
+            expected = tiny_sd_pipe.vae.encode(uncached[index]["instance"][None]).latent_dist.parameters
+        torch.testing.assert_close(cached[index]["instance"][None], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_each_sample_trains_on_its_own_captions_embedding(tmp_path):
+    # Three images of distinct greys with captions of their own (one a list: a caption drawn per sample), each seen
+    # twice, beside class images and with dropped captions; batched as the scripts batch them, each sample's text
+    # conditioning is its own caption's embedding, each caption embedded once.
+    images = [solid(tmp_path / f"{index}.png", 10 * index) for index in range(3)]
+    (tmp_path / "class").mkdir()
+    class_images = [solid(tmp_path / "class" / "0.png", 200)]
+    captions = ["sks dog", ["sks dog, left", "sks dog, right"], "a sks dog on grass"]
+    instance = InstanceImages(images, captions)
+    encoders = pixels_of(ImageTransform(8, center_crop=True))
+    args = prompt_args(True, 0.3)
+
+    def encode(prompts):  # a caption's embedding: its characters' codes
+        return torch.tensor([[float(ord(c)) for c in prompt.ljust(20)] for prompt in prompts])
+
+    prompts = dreambooth_prompts(args, instance)
+    assert prompts == ["sks dog", "sks dog, left", "sks dog, right", "a sks dog on grass", args.class_prompt, ""]
+    embeddings = encoders.text_embeddings(prompts, encode)
+    assert list(embeddings) == prompts
+    dataset = dreambooth_dataset(instance, class_images, encoders, 0, repeats=2, caption_dropout=0.3,
+                                 class_prompt=args.class_prompt)
+    rows = cached_rows(embeddings, "cpu")
+    drawn = set()
+    for batch in make_dataloader(dataset, 3, 0, instance_then_class_collate, seed=0):
+        instance_half = batch["images"][: len(batch["images"]) // 2]
+        for image, prompt, row in zip(instance_half, batch["prompts"], rows(batch["prompts"])):
+            own = captions[round((float(image[0, 0, 0]) + 1) * 127.5) // 10]
+            assert prompt in ([own] if isinstance(own, str) else own) + [""]
+            assert torch.equal(row[0], encode([prompt])[0])
+            drawn.add(prompt)
+        assert batch["prompts"][len(instance_half):] == [args.class_prompt] * len(instance_half)
+    assert drawn >= {"sks dog", "a sks dog on grass"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,8 +57,13 @@ def test_title_and_how_to_load_block(tmp_path):
 
 def test_without_records_no_validation_section(tmp_path):
     text = write_model_card(tmp_path, "b/m", "t", "x = 1").read_text()
-    assert "Validation" not in text
+    assert "Validation" not in text and "Training captions" not in text
     assert "![" not in text
+
+
+def test_training_captions_are_listed_quoted(tmp_path):
+    text = write_model_card(tmp_path, "b/m", "t", "x = 1", captions=['a "sks" dog', "sks dog, running"]).read_text()
+    assert '## Training captions\n\n- "a \\"sks\\" dog"\n- "sks dog, running"\n' in text
 
 
 def test_each_prompt_shows_its_progress_and_last_grid_once_with_links_relative_to_output_dir(tmp_path, records):

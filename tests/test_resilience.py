@@ -273,13 +273,14 @@ def test_dreambooth_style_paths_are_named_and_replaced_also_through_loader_worke
     from training_utils.cache import FrozenEncoders
     from training_utils.data import BatchWithUnreadable, make_dataloader
     from training_utils.images import ImageTransform
-    from training_utils.dreambooth import dreambooth_dataset, instance_then_class_collate, list_images
+    from training_utils.dreambooth import InstanceImages, dreambooth_dataset, instance_then_class_collate, list_images
 
     images = list_images(tiny["instance"])
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
     pixels = FrozenEncoders(None, [], ImageTransform(32), "cpu", torch.float32, cache_latents=False, batch_size=1)
-    dataset = dreambooth_dataset([images[0], broken, images[1]], None, pixels, seed=0)
+    dataset = dreambooth_dataset(InstanceImages.captioned_by([images[0], broken, images[1]], "sks"), None, pixels,
+                                 seed=0)
     sample = dataset[1]
     assert sample.source == str(broken) and "UnidentifiedImageError" in sample.reason
     assert torch.equal(sample.substitute["instance"], dataset[2]["instance"])

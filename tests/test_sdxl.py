@@ -11,7 +11,8 @@ from training_utils.args import training_parser
 from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.data import tokenize
 from training_utils.errors import UsageError
-from training_utils.families.sdxl import add_args, check_vae_path, encode_prompts, time_ids, vae_components
+from training_utils.families.sdxl import (add_args, batch_time_ids, check_vae_path, encode_prompts, time_ids,
+                                         vae_components)
 from training_utils.images import ImageTransform
 
 PROMPTS = ["a red circle on a white background", "a blue square"]
@@ -66,6 +67,14 @@ def test_time_ids_of_a_known_crop_equal_the_pipelines():
     ids = time_ids(laid_out.original_size, laid_out.crop_top_left, laid_out.size)
     assert torch.equal(ids, torch.tensor([48.0, 64.0, 0.0, 5.0, 32.0, 32.0]))
     assert ids.dtype == torch.float32
+
+
+def test_a_batchs_time_ids_from_its_layouts_are_each_images_time_ids_in_fp32():
+    layouts = torch.tensor([[48, 64, 0, 5, 32, 32], [1023, 700, 3, 0, 24, 40]])
+    ids = batch_time_ids(layouts)
+    assert ids.dtype == torch.float32
+    expected = [time_ids((48, 64), (0, 5), (32, 32)), time_ids((1023, 700), (3, 0), (24, 40))]
+    assert torch.equal(ids, torch.stack(expected))
 
 
 def test_time_ids_of_a_bucketed_image_hold_its_bucket_as_the_target_size(sdxl_pipe):

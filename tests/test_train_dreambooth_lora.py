@@ -5,23 +5,26 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, launching, usage_error
-from training_utils.testing import (assert_close_files, assert_close_validations, assert_resumes_exactly,
-                                    assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
-                                    rendered_images, reported_buckets)
+from helpers import import_script, launch, launch_together, launching, usage_error
+from training_utils.families import sd
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_lora_changes_pipeline_output,
+                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
+                                    most_common_bucket, rendered_images, reported_buckets)
+from training_utils.testing.tiny.data import CAPTION_FILES, INSTANCE_CAPTIONS
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
+SDXL_SCRIPT = "dreambooth/train_dreambooth_lora_sdxl.py"
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
 CLASS_PROMPT = "a photo of a triangle"
 
 
-def common(tiny, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
+def common(tiny, output_dir, *extra, source=None, model="sd"):
+    return ["--pretrained_model_name_or_path", tiny[model], *(source or ("--instance_data_dir", tiny["instance"])),
             "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--random_flip", "--use_ema", "--ema_decay", 0.9,
             "--rank", 4, "--seed", 3, *extra]
@@ -34,11 +37,34 @@ def prior_flags(class_dir):
             "--train_text_encoder", "--ema_decay", 0, "--max_train_steps", 3, "--checkpointing_steps", 1000]
 
 
-def bucketed(tiny):
-    """The 6 instance images of mixed shapes in aspect-ratio buckets, each seen twice an epoch (12 samples), the
-    instance prompt dropped with probability 0.3."""
-    return ["--instance_data_dir", tiny["instance_mixed"], "--use_aspect_ratio_buckets", "--caption_dropout", 0.3,
-            "--repeats", 2]
+def bucketed(*source):
+    """The 6 instance images of mixed shapes from ``source`` (flags: a folder or a dataset, and their captions) in
+    aspect-ratio buckets, each seen twice an epoch (12 samples), the captions dropped with probability 0.3."""
+    return [*source, "--use_aspect_ratio_buckets", "--caption_dropout", 0.3, "--repeats", 2]
+
+
+def sidecar_captioned(tiny):
+    """The captioned instance pictures with their caption files; two of them have none (the instance prompt)."""
+    return ["--instance_data_dir", tiny["instance_captioned"], "--caption_extension", ".txt"]
+
+
+def dataset_captioned(tiny):
+    """The captioned instance pictures as a dataset, with a caption column."""
+    return ["--dataset_name", tiny["instance_captioned"], "--caption_column", "text"]
+
+
+def sdxl_flags(tiny, output_dir, *extra, source=None):
+    """Tiny SDXL on the `bucketed` captioned pictures (a dataset's caption column unless ``source`` says
+    otherwise), center-cropped to each bucket (the crop's offsets and the bucket are each image's time ids)."""
+    return common(tiny, output_dir, *bucketed(), "--center_crop", *extra, source=source or dataset_captioned(tiny),
+                  model="sdxl")
+
+
+def sdxl_trained_flags(tiny, class_dir, *extra):
+    """SDXL's UNet and both text encoders trained with prior preservation, 3 steps, checkpointing every 2."""
+    return ["--with_prior_preservation", "--class_data_dir", class_dir, "--class_prompt", CLASS_PROMPT,
+            "--num_class_images", 2, "--sample_batch_size", 2, "--class_inference_steps", 2, "--train_text_encoder",
+            "--max_train_steps", 3, "--checkpointing_steps", 2, *extra]
 
 
 def snapshot(folder):
@@ -56,20 +82,21 @@ def four_images(tiny, tmp_path_factory):
 
 def cache_flags(tiny, class_dir, *extra):
     """4 center-cropped, randomly flipped steps with prior preservation (a frozen text encoder) on the `bucketed`
-    images, validating and checkpointing every 2. The 12 samples pair with 3 class images, each drawn 4 times an
-    epoch and laid out to its instance image's bucket; every bucket holds an even number of them (each image is
-    there twice), so there are 6 batches an epoch and step 2 falls mid-epoch."""
-    return [*bucketed(tiny), "--center_crop", "--with_prior_preservation", "--class_data_dir", class_dir,
-            "--class_prompt", CLASS_PROMPT,
+    images with their caption files (`sidecar_captioned`), validating and checkpointing every 2. The 12 samples pair
+    with 3 class images, each drawn 4 times an epoch and laid out to its instance image's bucket; every bucket holds
+    an even number of them (each image is there twice), so there are 6 batches an epoch and step 2 falls
+    mid-epoch."""
+    return [*bucketed(*sidecar_captioned(tiny)), "--center_crop", "--with_prior_preservation", "--class_data_dir",
+            class_dir, "--class_prompt", CLASS_PROMPT,
             "--num_class_images", 3, "--sample_batch_size", 3, "--class_inference_steps", 2, "--max_train_steps", 4,
             "--checkpointing_steps", 2, "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
             "--validation_inference_steps", 2, "--validation_steps", 2, *extra]
 
 
-def trained_text_encoder_flags(tiny, *extra):
-    """3 center-cropped steps on the `bucketed` images without prior preservation, the text encoder trained with
-    the UNet (embedding the instance and the empty prompt in every step)."""
-    return [*bucketed(tiny), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
+def trained_text_encoder_flags(*extra):
+    """3 center-cropped steps on the `bucketed` images (of `dataset_captioned`, the source to launch with) without
+    prior preservation, the text encoder trained with the UNet (embedding the batch's captions in every step)."""
+    return [*bucketed(), "--center_crop", "--train_text_encoder", "--max_train_steps", 3,
             "--checkpointing_steps", 1000, *extra]
 
 
@@ -83,10 +110,15 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
     - full: 8 steps on `four_images`, validating every 3 steps and at the end, checkpointing every 3;
     - prior_first, prior_second: `prior_flags` twice with the same class folder (``../prior_class``): the first
       run fills it, the second finds it full;
-    - uncached, cached: `cache_flags` without and with --cache_latents; the uncached run generates the class images
-      (``../class``) that the cached run then encodes once per bucket they are drawn into, with the instance images;
+    - uncached, cached: `cache_flags` without and with --cache_latents (on disk, in ``../features``); the uncached
+      run generates the class images (``../class``) that the cached run then encodes once per bucket they are
+      drawn into, with the instance images;
     - trained_text_encoder_uncached, trained_text_encoder_cached: `trained_text_encoder_flags` without and with
-      --cache_latents.
+      --cache_latents;
+    - sdxl_full, then sdxl_cached and sdxl_resumed: the SDXL script, `sdxl_trained_flags`, validating at steps 2
+      and 3; the same with --cache_latents (on the class images the first made); resumed from its checkpoint-2;
+    - sdxl_int8: the SDXL script on an int8 UNet (frozen text encoders, their embeddings on disk in
+      ``../sdxl_features``), on the pictures' caption files.
     """
     root = tmp_path_factory.mktemp("runs")
     results = launch_together({
@@ -97,14 +129,28 @@ def runs_and_class_images_after_the_first(tiny, four_images, tmp_path_factory):
         "prior_first": (SCRIPT, *common(tiny, root / "prior_first", *prior_flags(root / "prior_class"))),
         "uncached": (SCRIPT, *common(tiny, root / "uncached", *cache_flags(tiny, root / "class"))),
         "trained_text_encoder_uncached": (SCRIPT, *common(tiny, root / "trained_text_encoder_uncached",
-                                                          *trained_text_encoder_flags(tiny))),
+                                                          *trained_text_encoder_flags(),
+                                                          source=dataset_captioned(tiny))),
         "trained_text_encoder_cached": (SCRIPT, *common(tiny, root / "trained_text_encoder_cached",
-                                                        *trained_text_encoder_flags(tiny, "--cache_latents"))),
+                                                        *trained_text_encoder_flags("--cache_latents"),
+                                                        source=dataset_captioned(tiny))),
+        "sdxl_full": (SDXL_SCRIPT, *sdxl_flags(tiny, root / "sdxl_full", *sdxl_trained_flags(
+            tiny, root / "sdxl_class", "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
+            "--validation_inference_steps", 2, "--validation_steps", 2))),
+        "sdxl_int8": (SDXL_SCRIPT, *sdxl_flags(tiny, root / "sdxl_int8", "--quantize_base", "int8", "--max_train_steps",
+                                               2, "--feature_cache_dir", root / "sdxl_features",
+                                               source=sidecar_captioned(tiny))),
     })
+    shutil.copytree(root / "sdxl_full" / "checkpoint-2", root / "sdxl_resumed" / "checkpoint-2")
     after_first = snapshot(root / "prior_class")
     results |= launch_together({
         "prior_second": (SCRIPT, *common(tiny, root / "prior_second", *prior_flags(root / "prior_class"))),
-        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(tiny, root / "class", "--cache_latents"))),
+        "cached": (SCRIPT, *common(tiny, root / "cached", *cache_flags(tiny, root / "class", "--cache_latents",
+                                                                       "--feature_cache_dir", root / "features"))),
+        "sdxl_cached": (SDXL_SCRIPT, *sdxl_flags(tiny, root / "sdxl_cached", *sdxl_trained_flags(
+            tiny, root / "sdxl_class", "--cache_latents"))),
+        "sdxl_resumed": (SDXL_SCRIPT, *sdxl_flags(tiny, root / "sdxl_resumed", *sdxl_trained_flags(
+            tiny, root / "sdxl_class", "--resume_from_checkpoint", "latest"))),
     })
     return {name: (root / name, result) for name, result in results.items()}, after_first
 
@@ -251,3 +297,71 @@ def test_cached_latents_without_prior_and_with_a_trained_text_encoder_match_the_
     for name in (LORA, f"ema/{LORA}"):
         cached_weights = assert_close_files(uncached / name, cached / name)
         assert {key.split(".")[0] for key in cached_weights} == {"unet", "text_encoder"}
+
+
+def test_caption_files_caption_their_images_and_each_caption_is_embedded_once_as_the_pipeline_does(tiny, runs,
+                                                                                                   tmp_path):
+    # The cached run: four pictures with caption files, two without (the instance prompt), class images on the class
+    # prompt, dropped captions on the empty one; each embedded once, in that order, as sd.encode_prompts does (its
+    # own test: what the pipeline's encode_prompt gives). `test_dreambooth` shows each sample gets its own's.
+    output_dir, result = runs["cached"]
+    assert "2 of 6 instance images have no .txt caption file beside them; they train on --instance_prompt" \
+        in result.stderr
+    prompts = [*INSTANCE_CAPTIONS[:CAPTION_FILES], INSTANCE_PROMPT, CLASS_PROMPT, ""]
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    args = import_script(SCRIPT).parse_args(list(map(str, common(tiny, tmp_path))))
+    with torch.no_grad():
+        expected = sd.encode_prompts(pipe, prompts, "cpu", sd.prompt_settings(pipe, args))
+    text = load_file(next((output_dir.parent / "features").glob("text_embeddings-*/shard-*")))
+    assert text["0/indices"].tolist() == list(range(len(prompts)))
+    assert len(text) == len(expected) + 1
+    for part, tensor in enumerate(expected):  # a batch of 6 takes other kernels on another thread count: not bitwise
+        torch.testing.assert_close(text[f"0/{part}"], tensor, rtol=1e-5, atol=1e-6)
+    card = (output_dir / "README.md").read_text()
+    assert "## Training captions" in card and all(f'- "{caption}"' in card for caption in prompts[:5])
+
+
+def test_a_datasets_caption_column_captions_its_images_on_the_card(runs):
+    # The runs whose text encoder trains read the pictures as a dataset, each distinct caption listed once.
+    card = (runs["trained_text_encoder_uncached"][0] / "README.md").read_text()
+    listed = card.split("## Training captions\n\n")[1].split("\n\n")[0].splitlines()
+    assert listed == [f'- "{caption}"' for caption in INSTANCE_CAPTIONS[:5]]
+
+
+def test_sdxl_trains_its_unet_and_both_text_encoders_with_prior_preservation_and_validates(runs):
+    output_dir, result = runs["sdxl_full"]
+    raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
+    assert raw.keys() == ema.keys() and all("lora" in key for key in raw)
+    assert {key.split(".")[0] for key in raw} == {"unet", "text_encoder", "text_encoder_2"}
+    assert any(not torch.equal(raw[key], ema[key]) for key in raw)
+    assert f"generated 2 class images into {output_dir.parent / 'sdxl_class'}" in result.stdout
+    log = assert_validated_at(output_dir, [2, 3], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    card = (output_dir / "README.md").read_text()
+    assert "StableDiffusionXLPipeline" in card and log[-1]["progress"] in card
+    assert f'## Training captions\n\n- "{INSTANCE_CAPTIONS[0]}"' in card
+
+
+def test_sdxl_cached_latents_train_like_encoding_every_step_and_a_resumed_run_like_the_whole_one(runs):
+    full, cached, resumed = (runs[name][0] for name in ("sdxl_full", "sdxl_cached", "sdxl_resumed"))
+    for name in (LORA, f"ema/{LORA}"):
+        assert_close_files(full / name, cached / name)
+        assert_same_files(full / name, resumed / name)
+    assert f"resumed from {resumed / 'checkpoint-2'} at step 2" in runs["sdxl_resumed"][1].stdout
+
+
+def test_sdxl_on_an_int8_unet_embeds_each_caption_once_as_the_pipeline_does_and_its_loras_load(tiny, runs):
+    output_dir, result = runs["sdxl_int8"]
+    raw = load_file(output_dir / LORA)
+    assert all(key.startswith("unet.") and tensor.dtype == torch.float32 for key, tensor in raw.items())
+    assert "2 of 6 instance images have no .txt caption file beside them; they train on --instance_prompt" \
+        in result.stderr
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
+    prompts = [*INSTANCE_CAPTIONS[:CAPTION_FILES], INSTANCE_PROMPT, ""]
+    with torch.no_grad():
+        expected = pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
+    text = load_file(next((output_dir.parent / "sdxl_features").glob("text_embeddings-*/shard-*")))
+    assert text["0/indices"].tolist() == list(range(len(prompts)))
+    # A batch of 6 takes other kernels on another thread count: equal up to float rounding, not bitwise.
+    torch.testing.assert_close(text["0/0"], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(text["0/1"], expected[2], rtol=1e-5, atol=1e-6)
+    assert_lora_changes_pipeline_output(tiny["sdxl"], output_dir, prompt=INSTANCE_PROMPT)

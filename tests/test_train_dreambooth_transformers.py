@@ -5,12 +5,14 @@ That each family's training step feeds its transformer what the pipeline's sampl
 own unit test (``test_<family>.py``); here each script runs:
 
 - full: 8 steps on the instance pictures of mixed shapes in aspect-ratio buckets, each twice an epoch (12 samples,
-  an epoch of at least 6 batches of 2), 30% of them on the empty prompt, random flips, validating every 3 steps
-  and at the end, checkpointing every 4 (mid-epoch), the VAE off the accelerator between steps (--offload);
+  an epoch of at least 6 batches of 2), each on its caption file's caption (two have none: the instance prompt),
+  30% of them on the empty prompt, random flips, validating every 3 steps and at the end, checkpointing every 4
+  (mid-epoch), the VAE off the accelerator between steps (--offload);
 - cached: the same 8 steps with --cache_latents, on disk (--feature_cache_dir ``../features``), neither validating
   nor checkpointing;
-- prior: prior preservation (class images in ``../class``, cropped to each sample's bucket) on the same pictures,
-  with the family's own choices (`Family.prior_flags`: an int8 base, other layers, ...), 3 steps;
+- prior: prior preservation (class images in ``../class``, cropped to each sample's bucket) on the same pictures
+  read as a dataset with a caption column (--dataset_name), with the family's own choices (`Family.prior_flags`:
+  an int8 base, other layers, ...), 3 steps;
 - resumed: the full run resumed from its checkpoint-4, checkpointing every step and keeping two.
 
 A new family is one row. The template family (FLUX.2 [klein]) also trains each adapter beside LoRA (`ADAPTERS`), on an
@@ -23,17 +25,18 @@ from types import ModuleType
 
 import pytest
 import torch
-from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, Krea2Pipeline, Lumina2Pipeline,
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, Krea2Pipeline, Lumina2Pipeline,
                        QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline, ZImagePipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import chroma, flux2, flux2_dev, krea2, lumina2, qwen_image, sana, sd3, z_image
+from training_utils.families import chroma, flux, flux2, flux2_dev, krea2, lumina2, qwen_image, sana, sd3, z_image
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
+from training_utils.testing.tiny.data import CAPTION_FILES, INSTANCE_CAPTIONS
 
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
@@ -46,9 +49,8 @@ INT8 = ("--quantize_base", "int8", "--mixed_precision", "bf16")
 REFUSED_EVERYWHERE = [
     (["--optimizer", "prodigy"], "--optimizer is not supported here: AdamW is the only optimizer here "
                                  "(--use_8bit_adam for bitsandbytes' 8-bit AdamW); Prodigy is not carried"),
-    (["--caption_column", "text"], "--caption_column is not supported here: the images come from "
-                                   "--instance_data_dir, captioned by --instance_prompt; a dataset with captions of "
-                                   "its own is not carried yet"),
+    (["--caption_column", "text"], "--caption_column='text': expected --dataset_name with it (--instance_data_dir's "
+                                   "captions are in --caption_extension files)"),
     (["--lora_layers", "to_q,,to_k"], "--lora_layers='to_q,,to_k': expected comma-separated layer names"),
     (["--weighting_scheme", "logit_normal", "--logit_std", 0], "--logit_std=0.0: expected a positive number"),
     (["--oft_block_size", 8], "--oft_block_size=8: expected no --oft_block_size with --adapter lora (a setting of "
@@ -106,6 +108,21 @@ FAMILIES = [
                (["--text_encoder_out_layers", 10, 20, 30],
                 "--text_encoder_out_layers=[10, 20, 30]: expected indices of the text encoder's hidden states, from "
                 "-29 to 28 (it has 28 layers)"),
+               *NO_TEXT_ENCODER_TRAINING]),
+    Family("flux", "dreambooth/train_dreambooth_lora_flux.py", FluxPipeline, flux,
+           attention([0], ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"])
+           | {f"transformer_blocks.0.{layer}" for layer in ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                                           "ff_context.net.2")}
+           | attention([0, 1], ["to_q", "to_k", "to_v"], "single_transformer_blocks"),
+           # The single-stream blocks' MLP input (fused with q, k and v in the original's linear1), another guidance.
+           (*INT8, "--lora_layers", "proj_mlp", "--guidance_scale", 2.0, "--gradient_checkpointing"),
+           {f"single_transformer_blocks.{block}.proj_mlp" for block in (0, 1)}, ("--max_sequence_length", 32),
+           refused=[
+               (["--train_text_encoder"], "--train_text_encoder is not supported here: the CLIP text encoder's LoRA "
+                                          "is not carried yet: both text encoders stay frozen and embed the prompts "
+                                          "once, before training"),
+               (["--max_sequence_length", 513], "--max_sequence_length=513: expected a positive integer of at most 512 "
+                                                "(FluxPipeline's limit)"),
                *NO_TEXT_ENCODER_TRAINING]),
     Family("z_image", "dreambooth/train_dreambooth_lora_z_image.py", ZImagePipeline, z_image,
            {f"{block}.attention.{layer}" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")
@@ -216,8 +233,18 @@ FAMILIES = [
 FAMILY_IDS = [family.name for family in FAMILIES]
 
 
-def common(tiny, family, output_dir, *extra, adapter=("--rank", 4)):
-    return ["--pretrained_model_name_or_path", tiny[family.name], "--instance_data_dir", tiny["instance_mixed"],
+def sidecar_captioned(tiny):
+    """The captioned instance pictures with their caption files; two of them have none (the instance prompt)."""
+    return "--instance_data_dir", tiny["instance_captioned"], "--caption_extension", ".txt"
+
+
+def dataset_captioned(tiny):
+    """The captioned instance pictures as a dataset, with a caption column."""
+    return "--dataset_name", tiny["instance_captioned"], "--caption_column", "text"
+
+
+def common(tiny, family, output_dir, *extra, source=None, adapter=("--rank", 4)):
+    return ["--pretrained_model_name_or_path", tiny[family.name], *(source or sidecar_captioned(tiny)),
             "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip", "--use_ema",
             "--ema_decay", 0.9, *adapter, "--seed", 3, "--use_aspect_ratio_buckets", "--repeats", 2,
@@ -262,7 +289,8 @@ def runs(tiny, tmp_path_factory):
             tiny, family, folder / "cached", "--max_train_steps", 8, "--checkpointing_steps", 1000, "--cache_latents",
             "--feature_cache_dir", folder / "features"))
         launches[family.name, "prior"] = (family.script, *common(
-            tiny, family, folder / "prior", *PRIOR, "--class_data_dir", folder / "class", *family.prior_flags))
+            tiny, family, folder / "prior", *PRIOR, "--class_data_dir", folder / "class", *family.prior_flags,
+            source=dataset_captioned(tiny)))
     template = FAMILIES[0]
     for adapter in ADAPTERS:
         launches[template.name, adapter] = (template.script, *adapter_flags(
@@ -310,6 +338,7 @@ def test_trains_in_buckets_and_validates_at_the_due_steps_at_the_validation_size
     assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(width, height)}
     card = (output_dir / "README.md").read_text()
     assert family.pipeline.__name__ in card and "load_lora_weights" in card and log[-1]["progress"] in card
+    assert f'## Training captions\n\n- "{INSTANCE_CAPTIONS[0]}"' in card
     assert checkpoint_names(output_dir) == ["checkpoint-4", "checkpoint-8"]
 
 
@@ -334,19 +363,30 @@ def test_cached_latents_train_like_encoding_every_step_and_prompts_embed_as_the_
     features = cached_dir.parent / "features"
     pipe = family.pipeline.from_pretrained(tiny[family.name])
     assert_latents_cached_per_bucket(features, result.stderr, pipe.vae_scale_factor)
-    # What the run trained on, the instance prompt and (for the dropped samples) the empty one, is bitwise what the
-    # family's encoding gives for the two (its own test: what the pipeline's encode_prompt gives).
+    # What the run trained on, each caption file's caption, the instance prompt (for the two pictures without one)
+    # and (for the dropped samples) the empty one, each once, is bitwise what the family's encoding gives for them
+    # (its own test: what the pipeline's encode_prompt gives); `test_dreambooth` shows each sample gets its own's.
+    assert "2 of 6 instance images have no .txt caption file beside them; they train on --instance_prompt" \
+        in result.stderr
     args = import_script(family.script).parse_args(list(map(str, common(tiny, family, tmp_path))))
     settings = family.module.prompt_settings(pipe, args)
+    prompts = [*INSTANCE_CAPTIONS[:CAPTION_FILES], INSTANCE_PROMPT, ""]
     with torch.no_grad():
-        expected = family.module.encode_prompts(pipe, [INSTANCE_PROMPT, ""], "cpu", settings)
+        expected = family.module.encode_prompts(pipe, prompts, "cpu", settings)
     text = load_file(next(features.glob("text_embeddings-*/shard-*")))
-    assert text["0/indices"].tolist() == [0, 1]
-    assert [torch.equal(text[f"0/{part}"], tensor) for part, tensor in enumerate(expected)] == [True] * len(expected)
+    assert text["0/indices"].tolist() == list(range(len(prompts)))
+    assert len(text) == len(expected) + 1
+    # A batch of 6 takes other kernels on another thread count: not bitwise. FLUX.1's text ids, one for all the
+    # prompts, are stored with each prompt's row.
+    for part, tensor in enumerate(expected):
+        torch.testing.assert_close(text[f"0/{part}"], tensor.expand_as(text[f"0/{part}"]), rtol=1e-5, atol=1e-6)
 
 
 def test_prior_preservation_generates_class_images_and_trains_the_named_layers(runs, family):
+    # On the pictures of a dataset with a caption column: its distinct captions head the card.
     output_dir, result = runs[family.name, "prior"]
+    listed = (output_dir / "README.md").read_text().split("## Training captions\n\n")[1].split("\n\n")[0]
+    assert listed.splitlines() == [f'- "{caption}"' for caption in INSTANCE_CAPTIONS[:5]]
     class_dir = output_dir.parent / "class"
     assert sorted(path.name for path in class_dir.iterdir()) == ["class-00000.png", "class-00001.png"]
     assert f"generated 2 class images into {class_dir}" in result.stdout
@@ -357,8 +397,10 @@ def test_prior_preservation_generates_class_images_and_trains_the_named_layers(r
 
 def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs, family):
     full_dir, prior_dir = runs[family.name, "full"][0], runs[family.name, "prior"][0]
+    # At the runs' prompt length: the pipelines' own 512 tokens would take most of the test's time.
+    length = dict(zip(family.flags[::2], family.flags[1::2])).get("--max_sequence_length")
     assert_lora_changes_pipeline_output(tiny[family.name], full_dir, full_dir / "ema", prior_dir,
-                                        prompt=INSTANCE_PROMPT)
+                                        prompt=INSTANCE_PROMPT, **({"max_sequence_length": length} if length else {}))
 
 
 @pytest.mark.parametrize("family, flags, message", [

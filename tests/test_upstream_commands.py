@@ -3,9 +3,9 @@
 `UPSTREAM` holds, for every upstream test of a script we have, its runs' flags as upstream wrote them (their
 ``test_args``), and what we expect of each run. The hub models and datasets they name are replaced by our tiny
 fixtures (`SUBSTITUTES`), ``{tmpdir}`` by the run's folder; every other flag stays as upstream wrote it,
-``--resolution 64`` included. Upstream tests of scripts we do not have (``train_dreambooth_lora_sdxl.py``,
-``train_text_to_image_sdxl.py``, ...) are left out; upstream has no test for its Z-Image and Krea 2 scripts, and no
-Chroma script (ours takes its FLUX.1 script's flags).
+``--resolution 64`` included. Upstream tests of scripts we do not have (``train_text_to_image_sdxl.py``, ...) are
+left out; upstream has no test for its Z-Image and Krea 2 scripts, and no Chroma script (ours takes its FLUX.1
+script's flags).
 
 Here: every command parses with its script's own ``parse_args`` (no launch); what the ones that once failed
 (issue 13) ask for runs in the smoke tests (``--num_validation_images 0`` and ``--cache_latents`` with random
@@ -33,6 +33,7 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-pipe": "sd",
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
     "hf-internal-testing/tiny-sd3-pipe": "sd3",
+    "hf-internal-testing/tiny-flux-pipe": "flux",
     # Upstream's tiny FLUX.2 [klein] and [dev] read one text-encoder layer (their tests pass
     # --text_encoder_out_layers 1); ours read three, as the real ones: `flux2_reading_one_layer` makes the ones
     # upstream has.
@@ -115,15 +116,28 @@ def dreambooth_checkpointing(model, prompt, flags, **expected):
                + flags, **expected)
 
 
+def sdxl_dreambooth(source, flags, **expected):
+    """A run of upstream's SDXL DreamBooth LoRA tests: tiny SDXL on ``source`` (their docs images, or their
+    image-text data with its captions), ``--instance_prompt photo``, ``flags`` in place of their step count."""
+    return Run("--pretrained_model_name_or_path hf-internal-testing/tiny-stable-diffusion-xl-pipe " + source
+               + " --instance_prompt photo --resolution 64 --train_batch_size 1 --gradient_accumulation_steps 1 "
+               + flags + " --learning_rate 5.0e-04 --scale_lr --lr_scheduler constant --lr_warmup_steps 0 "
+               "--output_dir {tmpdir}", **expected)
+
+
+DOCS_IMAGES = "--instance_data_dir docs/source/en/imgs"
+CAPTIONED_DATA = "--dataset_name hf-internal-testing/dummy_image_text_data --caption_column text"
+
+
 def checkpoints(*steps):
     return tuple(f"checkpoint-{step}" for step in steps)
 
 
 def dreambooth_family(test_file, family_name, script, model, prompt, extra="", layer=None, block=None,
                       text_encoder=False, metadata=False):
-    """The tests upstream's DreamBooth LoRA files for SD3, FLUX.2 [klein] and Qwen-Image share: a smoke run, latent
-    caching, one layer (``layer``) or one block (``block``), the text encoder (``text_encoder``), the total limit,
-    the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with ``--rank`` 4 (``metadata``).
+    """The tests upstream's DreamBooth LoRA files for SD3, FLUX.1, FLUX.2 [klein] and Qwen-Image share: a smoke run,
+    latent caching, one layer (``layer``) or one block (``block``), the text encoder (``text_encoder``), the total
+    limit, the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with ``--rank`` 4 (``metadata``).
     ``family_name`` is the one in its tests' names; ``extra``, the flags each of its runs adds (FLUX.2's prompt
     settings)."""
     def test(name):
@@ -233,7 +247,7 @@ UPSTREAM = [
             "--gradient_accumulation_steps=1 --controlnet_model_name_or_path=hf-internal-testing/tiny-controlnet-sdxl "
             "--max_train_steps=4 --checkpointing_steps=2", files=(CONTROLNET,)),)),
 
-    # examples/dreambooth/test_dreambooth_lora.py, class DreamBoothLoRA (DreamBoothLoRASDXL is for a script we lack).
+    # examples/dreambooth/test_dreambooth_lora.py, classes DreamBoothLoRA and DreamBoothLoRASDXL.
     Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora", "dreambooth/train_dreambooth_lora.py", (
         dreambooth("hf-internal-testing/tiny-stable-diffusion-pipe", "photo", "", files=(LORA,)),)),
     Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_with_text_encoder",
@@ -261,10 +275,38 @@ UPSTREAM = [
              refused="--tokenizer_max_length is not supported here: DeepFloyd IF's T5 prompt options; Stable "
                      "Diffusion's prompts are tokenized as its pipeline's encode_prompt does (CLIP, the tokenizer's "
                      "length, no attention mask)"),
+    Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_sdxl",
+             "dreambooth/train_dreambooth_lora_sdxl.py",
+             (sdxl_dreambooth(DOCS_IMAGES, "--max_train_steps 2", files=(LORA,)),)),
+    Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_sdxl_with_text_encoder",
+             "dreambooth/train_dreambooth_lora_sdxl.py",
+             (sdxl_dreambooth(DOCS_IMAGES, "--max_train_steps 2 --train_text_encoder", files=(LORA,)),)),
+    Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_sdxl_custom_captions",
+             "dreambooth/train_dreambooth_lora_sdxl.py",
+             (sdxl_dreambooth(CAPTIONED_DATA, "--max_train_steps 2", files=(LORA,)),)),
+    Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_sdxl_text_encoder_custom_captions",
+             "dreambooth/train_dreambooth_lora_sdxl.py",
+             (sdxl_dreambooth(CAPTIONED_DATA, "--max_train_steps 2 --train_text_encoder", files=(LORA,)),)),
+    Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_sdxl_checkpointing_checkpoints_total_limit",
+             "dreambooth/train_dreambooth_lora_sdxl.py", (sdxl_dreambooth(
+                 DOCS_IMAGES, "--max_train_steps 6 --checkpointing_steps=2 --checkpoints_total_limit=2",
+                 checkpoints=checkpoints(4, 6), files=(LORA,)),)),
+    Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora_sdxl_text_encoder_checkpointing_checkpoints_"
+             "total_limit", "dreambooth/train_dreambooth_lora_sdxl.py", (sdxl_dreambooth(
+                 DOCS_IMAGES, "--max_train_steps 7 --checkpointing_steps=2 --checkpoints_total_limit=2 "
+                 "--train_text_encoder", checkpoints=checkpoints(4, 6), files=(LORA,)),)),
 
-    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux2_klein.py, _flux2.py and _qwenimage.py.
+    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux.py, _flux2_klein.py, _flux2.py and _qwenimage.py.
     *dreambooth_family("test_dreambooth_lora_sd3.py", "sd3", "dreambooth/train_dreambooth_lora_sd3.py",
                        "hf-internal-testing/tiny-sd3-pipe", "photo", layer="attn.to_k", block=0, text_encoder=True),
+    *dreambooth_family("test_dreambooth_lora_flux.py", "flux", "dreambooth/train_dreambooth_lora_flux.py",
+                       "hf-internal-testing/tiny-flux-pipe", "photo", layer="single_transformer_blocks.0.attn.to_k",
+                       metadata=True),
+    Upstream("dreambooth/test_dreambooth_lora_flux.py::test_dreambooth_lora_text_encoder_flux",
+             "dreambooth/train_dreambooth_lora_flux.py",
+             (dreambooth("hf-internal-testing/tiny-flux-pipe", "photo", "--train_text_encoder", files=(LORA,)),),
+             refused="--train_text_encoder is not supported here: the CLIP text encoder's LoRA is not carried yet: "
+                     "both text encoders stay frozen and embed the prompts once, before training"),
     *dreambooth_family("test_dreambooth_lora_flux2_klein.py", "flux2",
                        "dreambooth/train_dreambooth_lora_flux2_klein.py", "hf-internal-testing/tiny-flux2-klein", "dog",
                        extra="--max_sequence_length 8 --text_encoder_out_layers 1",
@@ -389,9 +431,9 @@ def test_every_flag_of_the_upstream_counterpart_is_carried_or_refused_in_one_lin
 
 # What each shared refusal reason claims of the script that states it, as a check on its parser.
 CLAIMS = {
-    "the text encoder does not train in this script": lambda parser: isinstance(
-        parser._option_string_actions.get("--train_text_encoder"), (type(None), RefusedFlag)),
-    "captioned by --instance_prompt": lambda parser: "--instance_prompt" in parser._option_string_actions,
+    # --train_text_encoder absent, or itself refused (FLUX.1's)
+    "the text encoder does not train in this script": lambda parser: not isinstance(
+        parser._option_string_actions.get("--train_text_encoder"), argparse._StoreTrueAction),
 }
 
 

@@ -4,6 +4,7 @@ The model card, written into every output folder, says how to load what was trai
 validation's images.
 """
 
+import json
 from pathlib import Path
 
 from .writing import STAGING_PREFIX, write_atomically
@@ -38,9 +39,10 @@ export_to_video(video, "video.mp4", fps=16)
 """
 
 
-def write_model_card(output_dir, base_model, title, how_to_load, records=()):
-    """``README.md`` in ``output_dir``: base model, how to load, and for each validation prompt its progress
-    grid (each variant at every validated step) and the last validation's grid (every image of every variant).
+def write_model_card(output_dir, base_model, title, how_to_load, records=(), captions=()):
+    """``README.md`` in ``output_dir``: base model, how to load, a few of the training ``captions`` (if given), and
+    for each validation prompt its progress grid (each variant at every validated step) and the last validation's
+    grid (every image of every variant).
 
     ``records`` are the last validation's log records (``Validator`` returns them); their image paths are
     relative to ``output_dir``, so the card's pictures show on the hub and on disk alike.
@@ -62,6 +64,8 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=()):
         how_to_load.strip(),
         "```",
     ]
+    if captions:
+        lines += ["", "## Training captions", "", *(f"- {json.dumps(caption)}" for caption in captions)]
     if records:
         lines += ["", f"## Validation at step {records[-1]['step']}", ""]
         shown_grids = set()
@@ -99,10 +103,11 @@ def how_to_load(template, args, pipe, **fields):
     return template.format(**{**defaults, **fields})
 
 
-def finish_run(args, title, how_to_load, records, saved, what):
-    """The end every script shares, on the main process: the model card, the upload if asked, and where
-    everything went. ``saved`` maps each variant ("raw", "ema") of ``what`` ("LoRA") to its written path."""
-    write_model_card(args.output_dir, args.pretrained_model_name_or_path, title, how_to_load, records)
+def finish_run(args, title, how_to_load, records, saved, what, captions=()):
+    """The end every script shares, on the main process: the model card (with a few training ``captions``, if
+    given), the upload if asked, and where everything went. ``saved`` maps each variant ("raw", "ema") of ``what``
+    ("LoRA") to its written path."""
+    write_model_card(args.output_dir, args.pretrained_model_name_or_path, title, how_to_load, records, captions)
     if args.push_to_hub:
         push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
     for variant, path in saved.items():

@@ -32,7 +32,7 @@ from training_utils.compile import compile_repeated_blocks
 from training_utils.data import make_dataloader
 from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
                                        dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
-                                       transformer_dreambooth_refusals)
+                                       training_captions, transformer_dreambooth_refusals)
 from training_utils.ema import make_ema
 from training_utils.export import save_with_ema
 from training_utils.families import chroma
@@ -123,10 +123,10 @@ def main(args):
     def encode_prompts(prompts):
         return chroma.encode_prompts(pipe, prompts, accelerator.device, settings)
 
-    embeddings = frozen.text_embeddings(dreambooth_prompts(args), encode_prompts,
+    embeddings = frozen.text_embeddings(dreambooth_prompts(args, instance_images), encode_prompts,
                                         chroma.prompt_dependencies(pipe, settings))
     dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout,
-                                 args.instance_prompt, args.class_prompt)
+                                 args.class_prompt)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      instance_then_class_collate, args.seed))
 
@@ -166,7 +166,7 @@ def main(args):
         how_to_load_text = how_to_load(export.loading_code, args, pipe,
                                        prompt=(args.validation_prompt or [args.instance_prompt])[0])
         finish_run(args, f"DreamBooth {export.title} (Chroma)", how_to_load_text, loop.records, saved,
-                   export.title)
+                   export.title, captions=training_captions(instance_images))
     end_training(accelerator)
 
 

@@ -108,3 +108,9 @@ def text_inputs(rows):
 def time_ids(original_size, crop_top_left, target_size):
     """The six micro-conditioning numbers of one image: original (h, w), crop (top, left), target (h, w)."""
     return torch.tensor([*original_size, *crop_top_left, *target_size], dtype=torch.float32)
+
+
+def batch_time_ids(layouts):
+    """The `time_ids` of a batch's images from their layouts, ``(B, 6)`` integers in the same order (as
+    `dreambooth.instance_then_class_collate` gives them)."""
+    return layouts.to(torch.float32)

@@ -108,10 +108,31 @@ def build_instance_mixed(path):
     build_instance(path, sizes=MIXED_SIZES)
 
 
+# The captions of `build_instance_captioned`'s pictures, of several lengths (batched, the shorter ones are padded);
+# the last repeats the third.
+INSTANCE_CAPTIONS = ["sks triangle on a gray background", "sks triangle, small, on a plain background, seen from the "
+                     "front", "a sks triangle", "a drawing of sks triangle in purple", "sks", "a sks triangle"]
+CAPTION_FILES = 4  # the first four pictures have sidecar caption files; the last two have none
+
+
+def build_instance_captioned(path):
+    """The DreamBooth instance folder in the `MIXED_SIZES`, captioned twice: a ``.txt`` caption file beside each of
+    the first `CAPTION_FILES` pictures (the others take the instance prompt), and ``metadata.jsonl`` with every
+    picture's `INSTANCE_CAPTIONS` in ``text`` (the folder as a ``--dataset_name`` imagefolder)."""
+    build_instance_mixed(path)
+    path = Path(path)
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index, caption in enumerate(INSTANCE_CAPTIONS):
+            metadata.write(json.dumps({"file_name": f"{index:04d}.png", "text": caption}) + "\n")
+            if index < CAPTION_FILES:
+                (path / f"{index:04d}.txt").write_text(caption + "\n")
+
+
 FIXTURES = {
     "shapes": build_shapes,
     "shapes_controlnet": build_shapes_controlnet,
     "instance": build_instance,
     "shapes_mixed": build_shapes_mixed,
     "instance_mixed": build_instance_mixed,
+    "instance_captioned": build_instance_captioned,
 }

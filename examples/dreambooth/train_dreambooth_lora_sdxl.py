@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+# Copied from examples/dreambooth/train_dreambooth_lora.py; tests/test_drift.py keeps what they share alike.
+"""Teach Stable Diffusion XL a subject from a few images (DreamBooth) with a LoRA, optionally with prior preservation.
+
+    accelerate launch train_dreambooth_lora_sdxl.py \\
+      --pretrained_model_name_or_path=stabilityai/stable-diffusion-xl-base-1.0 \\
+      --pretrained_vae_model_name_or_path=madebyollin/sdxl-vae-fp16-fix \\
+      --instance_data_dir=dog --instance_prompt="a photo of sks dog" --output_dir=out --resolution=1024 \\
+      --with_prior_preservation --class_data_dir=dogs --class_prompt="a photo of a dog" \\
+      --train_text_encoder --validation_prompt "a photo of sks dog in a bucket"
+
+Writes ``pytorch_lora_weights.safetensors`` (UNet and, with ``--train_text_encoder``, both text encoders'
+adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
+``pipe.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
+checkpoints to resume from, and a model card. Missing class images are generated into
+``--class_data_dir`` by the pipeline that trains, before training starts. Frozen text encoders
+embed the prompts once, and ``--cache_latents`` encodes each instance and
+class image once (both flips), before training; what is cached stays off the accelerator except
+while validating. Each image is micro-conditioned on its own original size and crop, as SDXL was trained.
+"""
+
+from diffusers import StableDiffusionXLPipeline
+
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.adapter_export import adapter_export
+from training_utils.adapters import adapter_config
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
+                                 training_parser)
+from training_utils.buckets import validation_size
+from training_utils.cache import FrozenEncoders
+from training_utils.compile import compile_repeated_blocks
+from training_utils.data import make_dataloader
+from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
+from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
+                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
+                                       training_captions)
+from training_utils.ema import make_ema
+from training_utils.export import save_with_ema
+from training_utils.families import sdxl
+from training_utils.hub import finish_run, how_to_load
+from training_utils.images import ImageTransform
+from training_utils.loop import TrainingLoop
+from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows, encoded_rows
+from training_utils.quantization import quantization_config
+from training_utils.run_status import run_script
+from training_utils.validation import make_validator
+
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = {
+    "--do_edm_style_training": "EDM-style training (Playground v2.5's) is not carried; the UNet trains on its "
+                               "scheduler's own objective (--prediction_type)",
+}
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0], resolution=1024, interpolation="lanczos")
+    sdxl.add_args(parser)
+    add_lora_args(parser, StableDiffusionXLPipeline, train_text_encoder=True)
+    parser.set_defaults(text_encoder_lr=5e-6, adam_weight_decay_text_encoder=1e-3)  # upstream's
+    add_diffusion_loss_args(parser)
+    add_dreambooth_args(parser)
+    add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
+    args = parser.parse_args(argv)
+    check_args(args)
+    sdxl.check_args(args)
+    return args
+
+
+def main(args):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    instance_images = check_dreambooth_args(args)
+    accelerator = make_accelerator(args)
+
+    # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
+    #    encoded as its own encode_prompt does, with the same settings everywhere: training, validation, class images.
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    vae_replacement = sdxl.vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
+    quantization = quantization_config(args, weight_dtype, base=["unet"],
+                                       text_encoders=["text_encoder", "text_encoder_2"])
+    pipe = load_pipeline(StableDiffusionXLPipeline, args, weight_dtype, quantization=quantization, **vae_replacement)
+    unet, text_encoders = pipe.unet, [pipe.text_encoder, pipe.text_encoder_2]
+    noise_scheduler = training_noise_scheduler(pipe, prediction_type=args.prediction_type)
+    settings = sdxl.prompt_settings(pipe, args)
+    call_kwargs = sdxl.call_kwargs(pipe, settings)
+
+    # 3. Adapters (--adapter) on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
+    add_adapter(unet, adapter_config(args, ATTENTION_PROJECTIONS))
+    trained = {"unet": unet}
+    if args.train_text_encoder:
+        for name in ("text_encoder", "text_encoder_2"):
+            trained[name] = getattr(pipe, name)
+            add_adapter(trained[name], adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
+    # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator;
+    # if they do, they run in every step, on the accelerator.
+    if args.train_text_encoder:
+        text_encoders = []
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
+    if args.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        for name, module in trained.items():
+            if name != "unet":
+                module.gradient_checkpointing_enable()
+    compile_repeated_blocks(unet, args.torch_compile)
+    parameters = trainable_parameters(trained)
+    export = adapter_export(type(pipe), trained, export_formats(args))
+    ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
+
+    # 4. Data: class images first (only the missing ones are generated; the fresh adapters change nothing yet).
+    #    The frozen encoders run once, here, not in every step (frozen text encoders on the prompts; with
+    #    --cache_latents, the VAE on each image), then leave the accelerator until validation. Optimizer,
+    #    schedule, accelerate; the loop resumes if asked.
+    transform = ImageTransform.from_args(args, pipe)
+    frozen = FrozenEncoders(sdxl.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
+    class_images = class_images_from_args(args, pipe, accelerator, [noise_scheduler], weight_dtype, frozen.on_device,
+                                          call_kwargs=call_kwargs)
+
+    def encode_prompts(prompts):
+        return sdxl.encode_prompts(pipe, prompts, accelerator.device, settings)
+
+    if not args.train_text_encoder:
+        embeddings = frozen.text_embeddings(dreambooth_prompts(args, instance_images), encode_prompts,
+                                            sdxl.prompt_dependencies(pipe, settings))
+    dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout,
+                                 args.class_prompt)
+    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                     instance_then_class_collate, args.seed))
+
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    if args.train_text_encoder:  # the step encodes its prompts through the wrapped encoder, so gradients sync
+        prompt_rows = encoded_rows(lambda prompts: sdxl.encode_prompts(pipe, prompts, accelerator.device, settings,
+                                                                     text_encoders=models))
+    else:
+        prompt_rows = cached_rows(embeddings, accelerator.device)
+
+    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+                               call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
+
+    # 5. The loop: DreamBooth's denoising loss on the family's latents and conditioning (`sdxl`), each image on its
+    # prompt's embedding and its own micro-conditioning (original size, crop, bucket); with prior preservation the
+    # loss adds the class half's, weighted. After each optimizer step the loop updates the EMA, checkpoints and
+    # validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
+    for batch in loop:
+        with accelerator.accumulate(*models.values()):
+            latents = sdxl.normalized_latents(pipe, frozen.latents(batch["images"]))
+            noise = sample_noise(latents, args.noise_offset)
+            timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
+            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
+            text = sdxl.text_inputs(prompt_rows(batch["prompts"]))
+            text["added_cond_kwargs"]["time_ids"] = sdxl.batch_time_ids(batch["layouts"])
+            output = models["unet"](**inputs, **text, return_dict=False)[0]
+            prediction = sdxl.prediction(pipe, output, latents)
+            target = prediction_target(noise_scheduler, latents, noise, timesteps)
+            # The instance half's loss, plus the weighted class half's (prior preservation).
+            halves = 2 if args.with_prior_preservation else 1
+            predictions, targets, steps = (x.chunk(halves) for x in (prediction, target, timesteps))
+            loss = diffusion_loss(predictions[0], targets[0], noise_scheduler, steps[0], args.snr_gamma)
+            if args.with_prior_preservation:
+                prior_loss = diffusion_loss(predictions[1], targets[1], noise_scheduler, steps[1], args.snr_gamma)
+                loss = loss + args.prior_loss_weight * prior_loss
+            loop.backward_and_step(loss)
+
+    # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        saved = save_with_ema(export, args.output_dir, ema)
+        how_to_load_text = how_to_load(export.loading_code, args, pipe,
+                                       prompt=(args.validation_prompt or [args.instance_prompt])[0],
+                                       **sdxl.vae_how_to_load(args.pretrained_vae_model_name_or_path, pipe))
+        finish_run(args, f"DreamBooth {export.title} (SDXL)", how_to_load_text, loop.records, saved,
+                   export.title, captions=training_captions(instance_images))
+    end_training(accelerator)
+
+
+if __name__ == "__main__":
+    run_script(main, parse_args)

@@ -1,0 +1,139 @@
+"""FLUX.1 ([dev], [schnell]): its conditioning and latent layout for training, taken from the pipeline itself
+(`FluxPipeline`), and its LoRA layout in ComfyUI.
+
+The FLUX.1 transformer reads:
+
+- ``encoder_hidden_states``, ``pooled_projections`` and ``txt_ids``: what ``pipe.encode_prompt`` returns
+  (`encode_prompts`): T5's hidden states, CLIP's pooled output, and the text tokens' position ids, one set for every
+  prompt (unbatched); the prompt length is the pipeline's default unless ``--max_sequence_length`` says otherwise;
+- ``hidden_states`` and ``img_ids``: the VAE latents shifted and scaled by the VAE's configuration
+  (`normalized_latents`), packed into a sequence of 2×2 patches, and their position ids (`model_inputs`);
+- ``timestep``: the scheduler's timestep over 1000;
+- ``guidance``, where the transformer embeds it ([dev], distilled to take the guidance scale beside the prompt):
+  ``--guidance_scale`` for every sample, as the pipeline passes its ``guidance_scale``. It comes with each prompt's
+  row (`encode_prompts`), so the protocol's functions keep their signatures.
+
+Its output tokens are unpacked into the latents' layout (`prediction`), where the loss compares them with the
+velocity. Every piece is the pipeline's own (its static helpers, its ``encode_prompt`` and that method's defaults),
+so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
+"""
+
+import inspect
+
+import torch
+
+from ..errors import require
+from ..prompts import stacked
+from .layout import BLOCK, Family, Rename, always, fused
+
+SINGLE = r"single_transformer_blocks\.(\d+)\."
+# The original release's module tree (ComfyUI's FLUX.1 model): diffusers' convert_flux_to_diffusers, read backwards.
+# A single-stream block's linear1 fuses q, k, v and the MLP's input projection, four times as wide as each.
+COMFYUI_LAYOUT = (
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    Rename(BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    Rename(BLOCK + r"ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.0"),
+    Rename(BLOCK + r"ff\.net\.2", r"double_blocks.\1.img_mlp.2"),
+    Rename(BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
+    Rename(BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
+    Rename(BLOCK + r"norm1\.linear", r"double_blocks.\1.img_mod.lin"),
+    Rename(BLOCK + r"norm1_context\.linear", r"double_blocks.\1.txt_mod.lin"),
+    *fused(SINGLE + "{}", r"single_blocks.\1.linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+           sizes=(1, 1, 1, 4)),
+    Rename(SINGLE + r"proj_out", r"single_blocks.\1.linear2"),
+    Rename(SINGLE + r"norm\.linear", r"single_blocks.\1.modulation.lin"),
+    Rename(r"x_embedder", "img_in"),
+    Rename(r"context_embedder", "txt_in"),
+    Rename(r"time_text_embed\.timestep_embedder\.linear_1", "time_in.in_layer"),
+    Rename(r"time_text_embed\.timestep_embedder\.linear_2", "time_in.out_layer"),
+    Rename(r"time_text_embed\.guidance_embedder\.linear_1", "guidance_in.in_layer"),
+    Rename(r"time_text_embed\.guidance_embedder\.linear_2", "guidance_in.out_layer"),
+    Rename(r"time_text_embed\.text_embedder\.linear_1", "vector_in.in_layer"),
+    Rename(r"time_text_embed\.text_embedder\.linear_2", "vector_in.out_layer"),
+    Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
+    Rename(r"proj_out", "final_layer.linear"),
+)
+FAMILY = Family("flux", "FLUX.1", ("FluxPipeline",), "transformer", {}, COMFYUI_LAYOUT)
+
+
+def add_args(parser):
+    """The prompt and guidance flags of the diffusers FLUX.1 script; unset, the pipeline's own defaults apply."""
+    group = parser.add_argument_group("FLUX.1")
+    group.add_argument("--max_sequence_length", type=int, default=None,
+                       help="T5 tokens per prompt (default: the pipeline's, 512)")
+    group.add_argument("--guidance_scale", type=float, default=3.5,
+                       help="the guidance that FLUX.1 [dev]'s transformer embeds in training, and validation's "
+                            "(upstream's default; [schnell] embeds none)")
+
+
+def check_args(args):
+    require(args.max_sequence_length is None or 0 < args.max_sequence_length <= 512, "--max_sequence_length",
+            args.max_sequence_length, "a positive integer of at most 512 (FluxPipeline's limit)")
+
+
+def prompt_settings(pipe, args):
+    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike: ``--max_sequence_length``
+    or the method's default; and the guidance."""
+    defaults = inspect.signature(pipe.encode_prompt).parameters
+    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default,
+            "guidance_scale": args.guidance_scale}
+
+
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings and the guidance."""
+    return dict(settings)
+
+
+def prompt_dependencies(pipe, settings):
+    """What the prompts' rows depend on besides the text encoders' weights, for the disk cache's key: the encoding
+    code, both tokenizers and the settings (the guidance among them)."""
+    return [encode_prompts, pipe.tokenizer, pipe.tokenizer_2, settings]
+
+
+def encode_prompts(pipe, prompts, device, settings):
+    """``(prompt_embeds, pooled_prompt_embeds, text_ids)`` of ``pipe.encode_prompt`` (a row per prompt, and the text
+    ids, one for all: `prompts.text_chunk_encoder` gives each row the whole of it), and where the transformer embeds
+    the guidance, each prompt's: the guidance scale, fp32, as the pipeline passes it."""
+    embeds, pooled, text_ids = pipe.encode_prompt(prompts, device=device,
+                                                  max_sequence_length=settings["max_sequence_length"])
+    if not pipe.transformer.config.guidance_embeds:
+        return embeds, pooled, text_ids
+    return embeds, pooled, text_ids, torch.full((len(prompts),), settings["guidance_scale"], device=embeds.device)
+
+
+def text_inputs(rows):
+    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``: the text
+    ids are every prompt's, unbatched, as the pipeline passes them; the guidance, if the rows hold it."""
+    return {"encoder_hidden_states": stacked(rows, 0), "pooled_projections": stacked(rows, 1), "txt_ids": rows[0][2],
+            "guidance": stacked(rows, 3) if len(rows[0]) > 3 else None}
+
+
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's."""
+    return pipe.vae
+
+
+def normalized_latents(pipe, latents):
+    """VAE latents as the transformer reads them: shifted and scaled by the VAE's configuration, as the pipeline
+    undoes before decoding."""
+    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+
+
+def model_inputs(pipe, noisy_latents, timesteps):
+    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+    passes them: the latents packed into 2×2 patches, their position ids, and the timesteps in the latents' dtype
+    over 1000."""
+    batch, channels, height, width = noisy_latents.shape
+    return {"hidden_states": pipe._pack_latents(noisy_latents, batch, channels, height, width),
+            "img_ids": pipe._prepare_latent_image_ids(batch, height // 2, width // 2, noisy_latents.device,
+                                                      noisy_latents.dtype),
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+
+
+def prediction(pipe, output, latents):
+    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``: the velocity."""
+    height, width = latents.shape[-2:]
+    scale = pipe.vae_scale_factor
+    return pipe._unpack_latents(output, height * scale, width * scale, scale)

@@ -1,0 +1,29 @@
+"""Tiny FLUX.1 [dev]: a FLUX.1 transformer with a guidance embedding, CLIP and T5."""
+
+import torch
+
+from .parts import SEED, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer, tiny_vae
+
+
+def build_flux(path):
+    """A FLUX.1 [dev] pipeline: a FLUX.1 transformer (one double-stream and two single-stream blocks, embedding the
+    guidance as [dev] does), a VAE with FLUX.1's shift and scale, a CLIP encoder (the pooled prompt), a T5 encoder
+    with a real T5 tokenizer (the prompt's tokens), and FLUX.1's resolution-shifted flow-matching scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    clip, t5 = tiny_clip_text_encoder(len(clip_tokenizer)), tiny_t5_encoder(len(t5_tokenizer))
+    vae = tiny_vae(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611)
+    torch.manual_seed(SEED)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * vae.config.latent_channels, num_layers=1, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=t5.config.d_model,
+        pooled_projection_dim=clip.config.hidden_size, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer, text_encoder_2=t5,
+                 tokenizer_2=t5_tokenizer, transformer=transformer).save_pretrained(path)
+
+
+FIXTURES = {"flux": build_flux}
