@@ -1,4 +1,4 @@
-"""Measures of what a model learnt, for the learning tests on the pretrained tiny fixture (`tiny.pretrained`).
+"""Measures of what a model learnt, for the learning tests on the pretrained tiny fixture (`tiny.pretrain`).
 
 Validation images are measured by what a person would look for: how much of the picture has the prompted colour
 (`color_fraction`), and how well the pixels of that colour fill the prompted shape (`shape_overlap`, the best
@@ -139,9 +139,11 @@ def failed_thresholds(measures, thresholds=STAR_THRESHOLDS):
 
 
 STAR_LORA_STEPS = 100
+STAR_LORA_LEARNING_RATE = 1e-3
 
 
-def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LORA_STEPS):
+def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LORA_STEPS,
+                    learning_rate=STAR_LORA_LEARNING_RATE):
     """The flags of the learning run of ``train_dreambooth_lora.py``: a rank-8 LoRA that teaches ``base_model`` (the
     pretrained fixture) the star pictures of ``instance_dir`` as `tiny.data.STAR_PROMPT`, ``steps`` steps of 4
     at 32 px, validated on that prompt once, at the end (4 images)."""
@@ -149,7 +151,7 @@ def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LOR
 
     return ["--pretrained_model_name_or_path", base_model, "--instance_data_dir", instance_dir, "--instance_prompt",
             STAR_PROMPT, "--output_dir", output_dir, "--resolution", 32, "--center_crop", "--cache_latents",
-            "--train_batch_size", 4, "--max_train_steps", steps, "--learning_rate", 1e-3, "--rank", 8, "--seed",
+            "--train_batch_size", 4, "--max_train_steps", steps, "--learning_rate", learning_rate, "--rank", 8, "--seed",
             seed, "--validation_prompt", STAR_PROMPT, "--num_validation_images", 4, "--validation_inference_steps",
             20, "--validation_steps", steps, "--checkpointing_steps", 10 * steps]
 
