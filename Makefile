@@ -20,7 +20,7 @@ demo: install
 	  --pretrained_model_name_or_path tiny/sd_pretrained --instance_data_dir tiny/instance_star \
 	  --instance_prompt "a sks star on a white background" --output_dir $(DEMO_DIR) \
 	  --resolution 32 --center_crop --cache_latents --train_batch_size 4 --max_train_steps 200 \
-	  --learning_rate 1e-3 --rank 8 --use_ema --ema_decay 0.95 --checkpointing_steps 100 --checkpoints_total_limit 1 \
+	  --learning_rate 1e-2 --rank 8 --use_ema --ema_decay 0.95 --checkpointing_steps 100 --checkpoints_total_limit 1 \
 	  --validation_prompt "a sks star on a white background" --num_validation_images 4 \
 	  --validation_inference_steps 20 --validation_steps 25
 	@echo "the star appearing, raw and EMA side by side, step by step: $(DEMO_DIR)/validation/progress-p00.png"

@@ -1,28 +1,36 @@
-"""Training learns: on the pretrained tiny SD 1.x (`training_utils.testing.tiny.pretrain`), which draws the shapes
-it was trained on, a DreamBooth LoRA teaches a shape it never saw, an orange star called "sks", and the measures of
-`training_utils.testing.learning` see it: in the final validation images the star's colour and shape, on held-out
-pictures of the star a denoising loss well below the base model's.
+"""Training learns: on the pretrained tiny SD 1.x (`training_utils.testing.tiny.pretrain`), a DreamBooth LoRA of 100
+steps teaches an orange star called "sks", a shape its captions never named, and its denoising loss on held-out
+pictures of the star falls below `STAR_THRESHOLDS`' fraction of the base model's.
 
-The thresholds (`STAR_THRESHOLDS`) sit with margin beyond what runs measured over 5 seeds, and every deliberately
-broken variant of the training (the target's sign flipped, latents not scaled, the LoRA acting on no layer) fails
-them; ``python -m tests.benchmarks.learning`` trains them all and prints the table below (measured on two shared
-cores; means of the 4 final raw validation images):
+``python -m tests.benchmarks.learning`` trains the run over 5 seeds and three deliberately broken variants, and
+prints every measure (two shared cores, measured 2026-12-02):
 
-MEASURED_TABLE
+| run | held-out loss / base's | orange fraction | star overlap |
+|---|---|---|---|
+| correct, seeds 0-4 | 0.919-0.964 | 0.000-0.101 | 0.00-0.33 |
+| target's sign flipped (seed 0) | 6.74 | 0.001 | 0.03 |
+| latents not scaled (seed 0) | 1.14 | 0.000 | 0.00 |
+| LoRA on no layer (seed 0) | 1.00 | 0.006 | 0.06 |
+
+The threshold, 0.98, passes every correct seed (margin 0.016) and fails every broken variant (margin 0.02). The image
+measures are not required: on this base the star's colour appears in some seeds' images and not in others.
 """
 
+import numpy as np
 import pytest
+import torch
 from diffusers import StableDiffusionPipeline
+from PIL import Image
 
 from helpers import launch, launching
 from training_utils.testing.learning import (STAR_THRESHOLDS, color_fraction, failed_thresholds, final_images,
-                                             held_out_stars, shape_overlap, star_lora_flags, star_measures)
-from training_utils.testing.tiny.data import COLORS, STAR_PROMPT
+                                             held_out_loss, held_out_stars, shape_overlap, star_lora_flags,
+                                             star_measures)
+from training_utils.testing.tiny.data import BACKGROUNDS, COLORS, STAR_PROMPT, draw_shape
 
-CIRCLE_PROMPT = "a red circle on a white background"
-# The pretrained fixture's red circles, 4 images at 20 steps (its committed pretraining.json has the
-# command that made it): their least red fraction and circle overlap measured, and these thresholds below them.
-CIRCLE_THRESHOLDS = {"color_fraction": 0.0, "circle_overlap": 0.0}
+# The committed pretrained fixture's "a red circle on a white background", 4 images at 20 steps: the least white
+# fraction of the 4 measured 0.59 (a random model renders noise: about 0); this threshold below it.
+WHITE_BACKGROUND_FRACTION = 0.45
 
 
 @pytest.fixture(scope="module")
@@ -35,47 +43,30 @@ def star_run(tiny, tmp_path_factory):
     return output_dir
 
 
-def test_pretrained_fixture_loads_and_draws_a_red_circle(tiny):
-    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd_pretrained"])
-    pipe.set_progress_bar_config(disable=True)
-    images = pipe([CIRCLE_PROMPT] * 4, num_inference_steps=20, height=32, width=32,
-                  generator=[__import__("torch").Generator().manual_seed(seed) for seed in range(4)]).images
-    red = COLORS["red"]
-    assert min(color_fraction(image, red) for image in images) > CIRCLE_THRESHOLDS["color_fraction"]
-    assert min(shape_overlap(image, red, "circle") for image in images) > CIRCLE_THRESHOLDS["circle_overlap"]
-
-
 @pytest.mark.parametrize("variant", ["raw", "ema"])
-def test_lora_teaches_the_star(tiny, star_run, tmp_path, variant):
+def test_lora_learns_the_star(tiny, star_run, tmp_path, variant):
     lora_dir = star_run if variant == "raw" else star_run / "ema"
     measures = star_measures(tiny["sd_pretrained"], lora_dir, final_images(star_run, variant),
                              held_out_stars(tmp_path / "held_out"), STAR_PROMPT)
     assert not failed_thresholds(measures), f"{measures} against {STAR_THRESHOLDS}"
 
 
-def test_the_base_model_does_not_draw_the_star(tiny, tmp_path):
-    """The measures are not met before training: the star is new to the base model."""
+def test_pretrained_fixture_loads_and_draws_the_prompted_background(tiny):
+    """The committed weights still load and draw: the background a prompt names covers most of each image."""
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd_pretrained"])
     pipe.set_progress_bar_config(disable=True)
-    images = pipe([STAR_PROMPT] * 4, num_inference_steps=20, height=32, width=32,
-                  generator=[__import__("torch").Generator().manual_seed(seed) for seed in range(4)]).images
-    measures = {"color_fraction": sum(color_fraction(image, COLORS["orange"]) for image in images) / 4,
-                "star_overlap": sum(shape_overlap(image, COLORS["orange"], "star") for image in images) / 4,
-                "held_out_loss_ratio": 1.0}
-    assert set(failed_thresholds(measures)) == set(STAR_THRESHOLDS)
+    images = pipe(["a red circle on a white background"] * 4, num_inference_steps=20, height=32, width=32,
+                  generator=[torch.Generator().manual_seed(seed) for seed in range(4)]).images
+    assert min(color_fraction(image, BACKGROUNDS["white"]) for image in images) > WHITE_BACKGROUND_FRACTION
 
 
 def drawn(shape, color="orange", background="white", seed=1):
-    from PIL import Image
-
-    from training_utils.testing.tiny.data import draw_shape
-
     return draw_shape(shape, color, background, rng=__import__("random").Random(seed))[0].resize((32, 32),
                                                                                                 Image.LANCZOS)
 
 
 def test_color_fraction_counts_the_pixels_near_the_color():
-    image = __import__("numpy").zeros((4, 4, 3), dtype="uint8")
+    image = np.zeros((4, 4, 3), dtype="uint8")
     image[:2, :1] = COLORS["orange"]
     image[2, 0] = (200, 140, 40)  # within the tolerance of orange
     assert color_fraction(image, COLORS["orange"]) == 3 / 16
@@ -91,8 +82,6 @@ def test_shape_overlap_is_highest_for_the_shape_drawn(shape):
 
 
 def test_held_out_loss_is_reproducible_and_depends_on_the_prompt(tiny, tmp_path):
-    from training_utils.testing.learning import held_out_loss
-
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd_pretrained"])
     stars = held_out_stars(tmp_path / "stars", count=4)
     loss = held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)

@@ -97,10 +97,12 @@ def held_out_loss(pipe, images, prompt, seed=0, repeats=8):
     return float(np.mean(losses))
 
 
-# What the learning tests require of a DreamBooth LoRA that taught the pretrained fixture `tiny.data.STAR`, measured
-# on its final validation images and on held-out pictures of the star (the margins over 5 seeds are in
-# tests/test_learning.py).
-STAR_THRESHOLDS = {"color_fraction": 0.0, "star_overlap": 0.0, "held_out_loss_ratio": 1.0}
+# What the learning tests require of a DreamBooth LoRA that taught the pretrained fixture `tiny.data.STAR`: its loss
+# on held-out pictures of the star below this fraction of the base model's. Over seeds 0-4 the runs of
+# `star_lora_flags` measured 0.919-0.964 and the broken variants 1.0-11 (python -m tests.benchmarks.learning). The
+# image measures are printed beside it but not required: on this base, 100 steps draw the star's orange in some
+# seeds and not in others.
+STAR_THRESHOLDS = {"held_out_loss_ratio": 0.98}
 
 
 def final_images(output_dir, variant="raw", prompt=None):
@@ -115,7 +117,7 @@ def final_images(output_dir, variant="raw", prompt=None):
 
 
 def star_measures(base_model, lora_dir, images, held_out_images, prompt):
-    """The measures `STAR_THRESHOLDS` holds for a LoRA (``lora_dir``) of ``base_model``: the mean over ``images``
+    """The measures of a LoRA (``lora_dir``) of ``base_model``: the mean over ``images``
     (its validation images) of the star colour's fraction and of the star's overlap, and its `held_out_loss` on
     ``held_out_images`` as a fraction of the base model's."""
     from diffusers import StableDiffusionPipeline
@@ -139,7 +141,7 @@ def failed_thresholds(measures, thresholds=STAR_THRESHOLDS):
 
 
 STAR_LORA_STEPS = 100
-STAR_LORA_LEARNING_RATE = 1e-3
+STAR_LORA_LEARNING_RATE = 2e-2
 
 
 def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LORA_STEPS,
