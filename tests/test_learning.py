@@ -93,3 +93,53 @@ def test_failed_thresholds_names_the_measures_on_the_wrong_side():
     thresholds = {"color_fraction": 0.1, "held_out_loss_ratio": 0.5}
     assert failed_thresholds({"color_fraction": 0.2, "held_out_loss_ratio": 0.4}, thresholds) == []
     assert failed_thresholds({"color_fraction": 0.1, "held_out_loss_ratio": 0.5}, thresholds) == list(thresholds)
+
+
+def test_star_instance_pictures_are_large_orange_stars(tiny):
+    pictures = sorted(tiny["instance_star"].glob("*.png"))
+    assert len(pictures) == 8
+    for path in pictures:
+        image = Image.open(path).resize((32, 32), Image.LANCZOS)
+        assert shape_overlap(image, COLORS["orange"], "star") > 0.8
+        assert color_fraction(image, COLORS["orange"]) > 0.1
+
+
+def test_shape_pictures_cover_every_combination_in_range():
+    from training_utils.testing.tiny.pretrain import shape_pictures
+
+    pictures = shape_pictures(count=54, resolution=16)
+    assert pictures.shape == (54, 3, 16, 16) and pictures.min() >= -1 and pictures.max() <= 1
+    assert torch.equal(pictures, shape_pictures(count=54, resolution=16))
+
+
+def test_train_vae_is_deterministic_and_scales_latents_to_unit_variance():
+    from training_utils.testing.tiny.parts import tiny_vae
+    from training_utils.testing.tiny.pretrain import shape_pictures, train_vae
+
+    pictures = shape_pictures(count=8, resolution=16)
+    first, second = tiny_vae(), tiny_vae()
+    errors = [train_vae(vae, pictures, steps=2, batch_size=2) for vae in (first, second)]
+    assert errors[0] == errors[1]
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    with torch.no_grad():
+        latents = first.encode(pictures).latent_dist.mean * first.config.scaling_factor
+    assert latents.std().item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_distinct_token_embeddings_set_unit_variance_and_separate_prompts():
+    from training_utils.testing.tiny.parts import sd_components
+    from training_utils.testing.tiny.pretrain import distinct_token_embeddings
+
+    components = sd_components()
+    encoder, tokenizer = components["text_encoder"], components["tokenizer"]
+    ids = tokenizer(["a red circle", "a blue circle"], return_tensors="pt").input_ids
+
+    def word_distance():
+        with torch.no_grad():
+            states = encoder(ids).last_hidden_state
+        return (states[0, 2] - states[1, 2]).norm().item()  # the colour word's output
+
+    before = word_distance()
+    distinct_token_embeddings(encoder)
+    assert encoder.get_input_embeddings().weight.std().item() == pytest.approx(1.0, abs=0.05)
+    assert word_distance() > 3 * before
