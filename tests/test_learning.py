@@ -7,9 +7,9 @@ prints every measure (two shared cores, measured 2026-12-02):
 
 | run | held-out loss / base's | orange fraction | star overlap |
 |---|---|---|---|
-| correct, seeds 0-4 | 0.919-0.964 | 0.000-0.101 | 0.00-0.33 |
-| target's sign flipped (seed 0) | 6.74 | 0.001 | 0.03 |
-| latents not scaled (seed 0) | 1.14 | 0.000 | 0.00 |
+| correct, seeds 0-4 | 0.922-0.964 | 0.000-0.101 | 0.00-0.33 |
+| target's sign flipped (seed 0) | 10.95 | 0.002 | 0.07 |
+| latents not scaled (seed 0) | 1.145 | 0.000 | 0.00 |
 | LoRA on no layer (seed 0) | 1.00 | 0.006 | 0.06 |
 
 The threshold, 0.98, passes every correct seed (margin 0.016) and fails every broken variant (margin 0.02). The image

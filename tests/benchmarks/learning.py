@@ -12,7 +12,7 @@ patched in before the script imports what it patches:
 - ``lora_on_no_layer``: the LoRA adapters added but scaled by 0, so they act on no layer (their gradients vanish).
 
 Every ``correct`` run must pass `STAR_THRESHOLDS` and every broken one fail at least one. Not part of the test
-suite: a run is about ten seconds on two cores (its interpreter and launcher included), and the variants are
+suite: each run is a fresh interpreter and launcher (a minute or two on a busy two-core machine), and the variants are
 run only here, to keep the suite's time.
 """
 

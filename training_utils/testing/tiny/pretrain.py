@@ -1,9 +1,11 @@
 """How the pretrained tiny Stable Diffusion 1.x was made: a VAE that reconstructs the shapes, a UNet that draws them.
 
 The random fixtures of `sd` render coloured noise, so a run on them shows the machinery but not learning. The
-pretrained one draws ``a red circle on a white background`` as one, so that a LoRA trained on it (`make demo`, the
-learning tests) visibly learns something new. Its weights are committed (`sd.PRETRAINED`, safetensors, about 3 MB;
-the fixture ``sd_pretrained`` copies them), made deterministically on the CPU by::
+pretrained one's VAE reconstructs the shapes, and its UNet, after 600 steps, draws the background a prompt names
+and coloured blobs (not yet the prompted colour and shape reliably), so that a LoRA trained on it (`make demo`,
+the learning tests) visibly learns something new. Its weights are committed (`sd.PRETRAINED`, safetensors, about
+4 MB; the fixture ``sd_pretrained`` copies them), made deterministically on the CPU (single-threaded: about 2.5
+minutes of CPU time; the VAE reproduced bitwise) by::
 
     python -m training_utils.testing.tiny.pretrain
 
