@@ -11,16 +11,20 @@ install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e ".[test]"
 
-# A real LoRA training run, with EMA and validation, on the embedded tiny model and dataset.
+# A real DreamBooth LoRA run, with EMA and validation: it teaches the pretrained tiny model (committed weights that
+# draw coloured circles, squares and triangles) an orange star it never saw, called "sks".
 demo: install
-	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny
+	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny sd_pretrained instance_star
 	rm -rf $(DEMO_DIR)
-	$(LAUNCH) examples/text_to_image/train_text_to_image_lora.py \
-	  --pretrained_model_name_or_path tiny/sd --train_data_dir tiny/shapes --output_dir $(DEMO_DIR) \
-	  --resolution 32 --train_batch_size 4 --max_train_steps 200 --learning_rate 1e-3 --random_flip \
-	  --rank 8 --use_ema --ema_decay 0.99 --checkpointing_steps 100 --checkpoints_total_limit 1 \
-	  --validation_prompt "a red circle on a white background" "a blue square on a black background" \
-	  --num_validation_images 4 --validation_inference_steps 20 --validation_steps 50
+	$(LAUNCH) examples/dreambooth/train_dreambooth_lora.py \
+	  --pretrained_model_name_or_path tiny/sd_pretrained --instance_data_dir tiny/instance_star \
+	  --instance_prompt "a sks star on a white background" --output_dir $(DEMO_DIR) \
+	  --resolution 32 --center_crop --cache_latents --train_batch_size 4 --max_train_steps 200 \
+	  --learning_rate 1e-2 --rank 8 --use_ema --ema_decay 0.95 --checkpointing_steps 100 --checkpoints_total_limit 1 \
+	  --validation_prompt "a sks star on a white background" --num_validation_images 4 \
+	  --validation_inference_steps 20 --validation_steps 25
+	@echo "the star appearing, raw and EMA side by side, step by step: $(DEMO_DIR)/validation/progress-p00.png"
+	@echo "the model card, which shows it: $(DEMO_DIR)/README.md"
 
 test: install
 	$(PYTHON) -m pytest

@@ -6,6 +6,7 @@ conditioning image.
 """
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -29,17 +30,19 @@ MIXED_SIZES = [(64, 32), (32, 64), (48, 48), (64, 48), (24, 24), (96, 24)]
 SEED = 0
 
 
-def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
-    """One synthetic picture and its mask: a coloured shape at a jittered position on a plain background, a
+def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None, extent=None):
+    """One synthetic picture and its mask: a coloured shape (one of `SHAPES`, or the DreamBooth demo's ``star``,
+    which no caption of the datasets names) at a jittered position on a plain background, a
     ``size`` square or ``size`` (width, height).
 
-    Returns ``(image, mask)``; the mask is white where the shape is, black elsewhere.
+    The shape's side is drawn from ``extent`` (lowest, highest) in pixels, by default a third to a half of the
+    shorter side. Returns ``(image, mask)``; the mask is white where the shape is, black elsewhere.
     """
     rng = rng or random.Random(SEED)
     width, height = (size, size) if isinstance(size, int) else size
     image = Image.new("RGB", (width, height), BACKGROUNDS[background])
     mask = Image.new("RGB", (width, height), (0, 0, 0))
-    extent = rng.randint(min(width, height) // 3, min(width, height) // 2)
+    extent = rng.randint(*(extent or (min(width, height) // 3, min(width, height) // 2)))
     left = rng.randint(2, width - extent - 2)
     top = rng.randint(2, height - extent - 2)
     box = (left, top, left + extent, top + extent)
@@ -49,9 +52,19 @@ def draw_shape(shape, color, background, size=IMAGE_SIZE, rng=None):
             draw.ellipse(box, fill=fill)
         elif shape == "square":
             draw.rectangle(box, fill=fill)
+        elif shape == "star":
+            draw.polygon(star_points(box), fill=fill)
         else:
             draw.polygon([(left + extent // 2, top), (left, top + extent), (left + extent, top + extent)], fill=fill)
     return image, mask
+
+
+def star_points(box):
+    """The corners of a five-pointed star, point up, inscribed in ``box`` (left, top, right, bottom)."""
+    left, top, right, bottom = box
+    center_x, center_y, radius = (left + right) / 2, (top + bottom) / 2, (right - left) / 2
+    return [(center_x + r * math.sin(math.pi * k / 5), center_y - r * math.cos(math.pi * k / 5))
+            for k, r in enumerate([radius, radius * 0.45] * 5)]
 
 
 def build_shapes(path, num_images=36, with_conditioning=False, sizes=(IMAGE_SIZE,)):
@@ -128,6 +141,22 @@ def build_instance_captioned(path):
                 (path / f"{index:04d}.txt").write_text(caption + "\n")
 
 
+STAR = ("star", "orange", "white")
+STAR_PROMPT = "a sks star on a white background"
+STAR_EXTENT = (40, 52)
+
+
+def build_star_instance(path, num_images=8, seed=SEED + 2):
+    """A DreamBooth instance folder of a shape the shapes datasets never show: an orange five-pointed star on
+    white (`STAR`), large (`STAR_EXTENT`) so that its points survive the 32 px the tests train at, taught as
+    `STAR_PROMPT` by `make demo` and the learning tests."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for index in range(num_images):
+        draw_shape(*STAR, rng=rng, extent=STAR_EXTENT)[0].save(path / f"{index:04d}.png")
+
+
 FIXTURES = {
     "shapes": build_shapes,
     "shapes_controlnet": build_shapes_controlnet,
@@ -135,4 +164,5 @@ FIXTURES = {
     "shapes_mixed": build_shapes_mixed,
     "instance_mixed": build_instance_mixed,
     "instance_captioned": build_instance_captioned,
+    "instance_star": build_star_instance,
 }

@@ -1,6 +1,12 @@
-"""Tiny Stable Diffusion 1.x: the pipeline, and a ControlNet made from its UNet."""
+"""Tiny Stable Diffusion 1.x: the pipeline, a ControlNet made from its UNet, and the pretrained pipeline."""
+
+import shutil
+from pathlib import Path
 
 from .parts import sd_components, sd_inference_scheduler, tiny_unet
+
+# The committed weights of a tiny SD 1.x that draws the shapes (made by `pretrain`).
+PRETRAINED = Path(__file__).with_name("pretrained") / "sd"
 
 
 def build_sd(path):
@@ -20,4 +26,10 @@ def build_controlnet(path):
     ControlNetModel.from_unet(tiny_unet(), conditioning_embedding_out_channels=(16, 32)).save_pretrained(path)
 
 
-FIXTURES = {"sd": build_sd, "controlnet": build_controlnet}
+def build_sd_pretrained(path):
+    """The pretrained pipeline, whose VAE reconstructs the shapes and whose UNet draws them (`pretrain`): its
+    committed weights (`PRETRAINED`) copied to ``path``."""
+    shutil.copytree(PRETRAINED, path, dirs_exist_ok=True)
+
+
+FIXTURES = {"sd": build_sd, "controlnet": build_controlnet, "sd_pretrained": build_sd_pretrained}

@@ -1,0 +1,150 @@
+"""How the pretrained tiny Stable Diffusion 1.x was made: a VAE that reconstructs the shapes, a UNet that draws them.
+
+The random fixtures of `sd` render coloured noise, so a run on them shows the machinery but not learning. The
+pretrained one's VAE reconstructs the shapes, and its UNet, after 600 steps, draws the background a prompt names
+and coloured blobs (not yet the prompted colour and shape reliably), so that a LoRA trained on it (`make demo`,
+the learning tests) visibly learns something new. Its weights are committed (`sd.PRETRAINED`, safetensors, about
+4 MB; the fixture ``sd_pretrained`` copies them), made deterministically on the CPU (single-threaded: about 2.5
+minutes of CPU time; the VAE reproduced bitwise) by::
+
+    python -m training_utils.testing.tiny.pretrain
+
+which trains the tiny VAE on pictures of the shapes with `train_vae` (there is no VAE training script; the routine
+is a few lines), then the whole UNet with our own full fine-tune script, ``examples/text_to_image/
+train_text_to_image.py``, on captioned pictures of every shape, colour and background, and keeps its EMA UNet.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .data import BACKGROUNDS, COLORS, SEED, SHAPES, build_shapes, draw_shape
+from .parts import sd_components, sd_inference_scheduler, tiny_unet
+from .sd import PRETRAINED
+
+REPOSITORY = Path(__file__).parents[3]
+FULL_FINE_TUNE = REPOSITORY / "examples" / "text_to_image" / "train_text_to_image.py"
+RESOLUTION = 32
+# How the committed weights were trained (the command above uses these).
+VAE_STEPS = 300
+UNET_STEPS = 600
+UNET_LEARNING_RATE = 1e-3
+# The CPU threads of every step: one, as float reductions depend on their number (more gain little on tiny models).
+THREADS = 1
+PRETRAINING_IMAGES = 216  # every shape, colour and background combination, four times at other places and sizes
+
+
+def shape_pictures(count=PRETRAINING_IMAGES, resolution=RESOLUTION, seed=SEED):
+    """``count`` pictures of every shape, colour and background in turn, drawn at 64 px and resized to
+    ``resolution`` as the scripts resize them (lanczos), as a ``(count, 3, resolution, resolution)`` tensor in
+    [-1, 1]."""
+    rng = random.Random(seed)
+    combos = [(shape, color, background) for shape in SHAPES for color in COLORS for background in BACKGROUNDS]
+    pictures = []
+    for index in range(count):
+        image, _ = draw_shape(*combos[index % len(combos)], rng=rng)
+        pixels = np.asarray(image.resize((resolution, resolution), Image.LANCZOS), dtype=np.float32)
+        pictures.append(torch.from_numpy(pixels).permute(2, 0, 1) / 127.5 - 1)
+    return torch.stack(pictures)
+
+
+def train_vae(vae, pictures, steps=VAE_STEPS, batch_size=16, learning_rate=2e-3, kl_weight=1e-4, seed=SEED):
+    """Train ``vae`` in place to reconstruct ``pictures`` (mean squared error plus a small KL term, as VAEs are
+    trained), on `THREADS` threads, deterministic on the CPU; then set its ``scaling_factor`` so that scaled latents
+    have unit variance, as Stable Diffusion's does. Returns the reconstruction error of the pictures' mean
+    latents."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        optimizer = torch.optim.AdamW(vae.parameters(), lr=learning_rate, weight_decay=0.0)
+        vae.train()
+        for _ in range(steps):
+            batch = pictures[torch.randint(0, len(pictures), (batch_size,), generator=generator)]
+            posterior = vae.encode(batch).latent_dist
+            latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+            loss = (vae.decode(latents).sample - batch).pow(2).mean() + kl_weight * posterior.kl().mean() / batch[
+                0].numel()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        vae.eval()
+        with torch.no_grad():
+            means = vae.encode(pictures).latent_dist.mean
+            error = (vae.decode(means).sample - pictures).pow(2).mean().item()
+        vae.register_to_config(scaling_factor=1.0 / means.std().item())
+        return error
+    finally:
+        torch.set_num_threads(threads)
+
+
+def distinct_token_embeddings(text_encoder, seed=SEED):
+    """Redraw the random CLIP text encoder's token embeddings with unit variance (CLIP draws them, like its position
+    embeddings, with 0.02): each caption word then dominates its position's output, as in a trained CLIP, instead
+    of prompts that differ in a word giving nearly the same embeddings. Nothing trains the text encoder."""
+    weight = text_encoder.get_input_embeddings().weight
+    with torch.no_grad():
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_learning_rate=UNET_LEARNING_RATE,
+                work_dir=None, log=print):
+    """Train the tiny SD 1.x pipeline's VAE (`train_vae`), then its whole UNet with the full fine-tune script, and
+    save the pipeline, with the EMA UNet, to ``output_dir``."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    from ..launch import launch_script
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
+        scratch = Path(scratch)
+        components = sd_components()
+        distinct_token_embeddings(components["text_encoder"])
+        error = train_vae(components["vae"], shape_pictures(), steps=vae_steps)
+        log(f"VAE: {vae_steps} steps, reconstruction error {error:.4f} ({time.monotonic() - started:.0f} s)")
+        StableDiffusionPipeline(unet=tiny_unet(), scheduler=sd_inference_scheduler(), safety_checker=None,
+                                feature_extractor=None, requires_safety_checker=False,
+                                **components).save_pretrained(scratch / "base")
+        build_shapes(scratch / "shapes", num_images=PRETRAINING_IMAGES)
+        launch_script(FULL_FINE_TUNE, "--pretrained_model_name_or_path", scratch / "base", "--train_data_dir",
+                      scratch / "shapes", "--output_dir", scratch / "out", "--resolution", RESOLUTION,
+                      "--center_crop", "--random_flip", "--cache_latents", "--train_batch_size", 16,
+                      "--max_train_steps", unet_steps, "--learning_rate", unet_learning_rate, "--lr_warmup_steps", 50,
+                      "--use_ema", "--ema_decay", 0.99, "--seed", SEED, "--checkpointing_steps", 10 * unet_steps,
+                      "--validation_prompt", "a red circle on a white background", "--num_validation_images", 4,
+                      "--validation_inference_steps", 20, "--validation_steps", unet_steps, timeout=1800,
+                      env={"PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
+                           "OMP_NUM_THREADS": str(THREADS)})
+        log(f"UNet: {unet_steps} steps of train_text_to_image.py ({time.monotonic() - started:.0f} s)")
+        pipe = StableDiffusionPipeline.from_pretrained(scratch / "out")
+        pipe.unet = UNet2DConditionModel.from_pretrained(scratch / "out" / "ema" / "unet")
+        pipe.save_pretrained(output_dir)
+        shutil.copy(scratch / "out" / "validation" / "progress-p00.png", Path(output_dir) / "validation.png")
+    (Path(output_dir) / "pretraining.json").write_text(json.dumps(
+        {"vae_steps": vae_steps, "unet_steps": unet_steps, "unet_learning_rate": unet_learning_rate,
+         "vae_reconstruction_error": round(error, 5), "command": "python -m training_utils.testing.tiny.pretrain"}, indent=1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default=str(PRETRAINED), help=f"where the pipeline goes (default: {PRETRAINED})")
+    parser.add_argument("--vae_steps", type=int, default=VAE_STEPS)
+    parser.add_argument("--unet_steps", type=int, default=UNET_STEPS)
+    parser.add_argument("--unet_learning_rate", type=float, default=UNET_LEARNING_RATE)
+    args = parser.parse_args(argv)
+    pretrain_sd(args.output_dir, args.vae_steps, args.unet_steps, args.unet_learning_rate,
+                log=lambda line: print(line, file=sys.stderr))
+
+
+if __name__ == "__main__":
+    main()
