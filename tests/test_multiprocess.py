@@ -1,5 +1,6 @@
 """The LoRA script on two CPU processes (gloo), on images of mixed shapes in aspect-ratio buckets: no hang, one
-writer, a consistent EMA, exact resume, the encoding shared; and DoRA and OFT, their EMAs consistent."""
+writer, a consistent EMA, exact resume, the encoding shared; and an adapter in peft's own format (OFT), its EMA
+consistent."""
 
 import json
 import shutil
@@ -65,9 +66,10 @@ def resumed_run(tiny, mixed_shapes, two_process_run, tmp_path_factory):
     return output_dir, result.stdout
 
 
-# An adapter of each export beside LoRA's, and the file that holds its weights: DoRA (a LoRA file, with magnitudes
-# that each step renormalises) and OFT (peft's format, as LoKr and LoHa, whose tensors DDP treats as it does LoRA's).
-ADAPTER_FILES = {"dora": LORA, "oft": "unet/adapter_model.safetensors"}
+# The adapter of the other export than LoRA's, and the file that holds its weights: OFT, in peft's format as LoKr and
+# LoHa are, whose tensors DDP treats as it does LoRA's. (DoRA, a LoRA file, was checked so when the adapters came;
+# its two-process run is left out of the suite for time.)
+ADAPTER_FILES = {"oft": "unet/adapter_model.safetensors"}
 
 
 @pytest.fixture(scope="module")
