@@ -290,3 +290,15 @@ def launched_usage_error(result):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr[-2000:]
     return errors[0]
+
+
+def family_args(module, model, *argv):
+    """The flags of a family's module (its `add_args`) parsed from ``argv`` for the pipeline at ``model``, and checked
+    (its `check_args`), as a script parses them."""
+    from training_utils.args import training_parser
+
+    parser = training_parser("test")
+    module.add_args(parser)
+    args = parser.parse_args(["--pretrained_model_name_or_path", str(model), *map(str, argv)])
+    module.check_args(args)
+    return args

@@ -5,13 +5,16 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
 what the pipeline's sampling loop gives the transformer at each noise level."""
 
+import functools
+
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
 
-from training_utils.families import flux2
+from helpers import family_args
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
+from training_utils.families import flux2
 from training_utils.flow_matching import add_noise, velocity
 
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
@@ -26,14 +29,7 @@ def pipe(tiny):
 
 @pytest.fixture(scope="module")
 def parse(tiny):
-    def parse(*argv):
-        parser = training_parser("test")
-        flux2.add_args(parser)
-        args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["flux2_klein"]), *map(str, argv)])
-        flux2.check_args(args)
-        return args
-
-    return parse
+    return functools.partial(family_args, flux2, tiny["flux2_klein"])
 
 
 def test_unset_prompt_settings_are_the_pipelines_defaults_and_encode_as_it_does(pipe, parse):

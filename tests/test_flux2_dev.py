@@ -5,11 +5,13 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path step by step and ends on the clean latents, and the training step's inputs, the guidance included, are what
 the pipeline's sampling loop gives the transformer at each noise level."""
 
+import functools
+
 import pytest
 import torch
 from diffusers import Flux2Pipeline
 
-from training_utils.args import training_parser
+from helpers import family_args
 from training_utils.errors import UsageError
 from training_utils.families import flux2_dev
 from training_utils.flow_matching import add_noise, velocity
@@ -26,14 +28,7 @@ def pipe(tiny):
 
 @pytest.fixture(scope="module")
 def parse(tiny):
-    def parse(*argv):
-        parser = training_parser("test")
-        flux2_dev.add_args(parser)
-        args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["flux2_dev"]), *map(str, argv)])
-        flux2_dev.check_args(args)
-        return args
-
-    return parse
+    return functools.partial(family_args, flux2_dev, tiny["flux2_dev"])
 
 
 def test_prompts_encode_as_the_pipeline_does_after_its_system_message(pipe, parse):

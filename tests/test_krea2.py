@@ -6,11 +6,13 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path step by step and ends on the clean latents, and the training step's inputs, the rotary coordinates of the
 text and image tokens included, are what the pipeline's sampling loop gives the transformer at each noise level."""
 
+import functools
+
 import pytest
 import torch
 from diffusers import Krea2Pipeline
 
-from training_utils.args import training_parser
+from helpers import family_args
 from training_utils.errors import UsageError
 from training_utils.families import krea2
 from training_utils.flow_matching import add_noise, velocity
@@ -27,14 +29,7 @@ def pipe(tiny):
 
 @pytest.fixture(scope="module")
 def parse(tiny):
-    def parse(*argv):
-        parser = training_parser("test")
-        krea2.add_args(parser)
-        args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["krea2"]), *map(str, argv)])
-        krea2.check_args(args)
-        return args
-
-    return parse
+    return functools.partial(family_args, krea2, tiny["krea2"])
 
 
 def test_prompts_encode_as_the_pipeline_does_with_the_mask_of_their_real_tokens(pipe, parse):

@@ -5,15 +5,17 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
 what the pipeline's sampling loop gives the transformer at each noise level."""
 
+import functools
 import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-from training_utils.families import qwen_image
+from helpers import family_args
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
+from training_utils.families import qwen_image
 from training_utils.flow_matching import add_noise, velocity
 from training_utils.testing.tiny.parts import vocabulary
 
@@ -30,14 +32,7 @@ def pipe(tiny):
 
 @pytest.fixture(scope="module")
 def parse(tiny):
-    def parse(*argv):
-        parser = training_parser("test")
-        qwen_image.add_args(parser)
-        args = parser.parse_args(["--pretrained_model_name_or_path", str(tiny["qwen_image"]), *map(str, argv)])
-        qwen_image.check_args(args)
-        return args
-
-    return parse
+    return functools.partial(family_args, qwen_image, tiny["qwen_image"])
 
 
 def test_the_tiny_tokenizer_drops_the_templates_system_turn_as_qwens_does(pipe):
