@@ -26,13 +26,14 @@ Formats
   so it is put back). Tensors ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B), ``.alpha``; the
   other adapters' under their LyCORIS names (`adapter_layouts`).
 - ``comfyui`` (every family ComfyUI has a model of: not SANA): for the UNet families the kohya file. For the
-  transformer families ComfyUI's own layout, ``diffusion_model.<module path in the original model>.lora_A.weight``
-  / ``.lora_B.weight`` / ``.alpha``: the "generic lora format" key that ``model_lora_keys_unet`` maps for every
-  weight of ComfyUI's model, which is the original release's module tree. The renamings are those of ``comfy/utils.py`` ``mmdit_to_diffusers`` (SD3),
-  ``flux_to_diffusers`` and diffusers' ``convert_flux2_transformer_checkpoint_to_diffusers`` (FLUX.2),
-  ``z_image_to_diffusers`` (Z-Image), diffusers' ``convert_lumina2_to_diffusers`` (Lumina 2, ComfyUI's NextDiT);
-  Qwen-Image's module names are diffusers' (``comfy/ldm/qwen_image/model.py``).
-  SD3's CLIP text encoders take the kohya names ``lora_te1_``/``lora_te2_`` there too.
+  transformer families ComfyUI's own layout, ``diffusion_model.<module path in the original model>.lora_A.weight`` /
+  ``.lora_B.weight`` / ``.alpha``: the "generic lora format" key that ``model_lora_keys_unet`` maps for every weight
+  of ComfyUI's model, which is the original release's module tree. The renamings are those of ``comfy/utils.py``
+  ``mmdit_to_diffusers`` (SD3), ``flux_to_diffusers`` and diffusers'
+  ``convert_flux2_transformer_checkpoint_to_diffusers`` (FLUX.2), ``z_image_to_diffusers`` (Z-Image), diffusers'
+  ``convert_lumina2_to_diffusers`` (Lumina 2, ComfyUI's NextDiT); Qwen-Image's module names are diffusers'
+  (``comfy/ldm/qwen_image/model.py``). SD3's CLIP text encoders take the kohya names ``lora_te1_``/``lora_te2_`` there
+  too.
 
 Fused layers: where the original model computes in one linear layer what diffusers splits (q, k and v into one
 ``qkv``), the generic key has no way to address a slice of it (ComfyUI's slice targets, ``(key, (dim, offset,

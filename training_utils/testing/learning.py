@@ -153,9 +153,9 @@ def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LOR
 
     return ["--pretrained_model_name_or_path", base_model, "--instance_data_dir", instance_dir, "--instance_prompt",
             STAR_PROMPT, "--output_dir", output_dir, "--resolution", 32, "--center_crop", "--cache_latents",
-            "--train_batch_size", 4, "--max_train_steps", steps, "--learning_rate", learning_rate, "--rank", 8, "--seed",
-            seed, "--validation_prompt", STAR_PROMPT, "--num_validation_images", 4, "--validation_inference_steps",
-            20, "--validation_steps", steps, "--checkpointing_steps", 10 * steps]
+            "--train_batch_size", 4, "--max_train_steps", steps, "--learning_rate", learning_rate, "--rank", 8,
+            "--seed", seed, "--validation_prompt", STAR_PROMPT, "--num_validation_images", 4,
+            "--validation_inference_steps", 20, "--validation_steps", steps, "--checkpointing_steps", 10 * steps]
 
 
 def held_out_stars(path, count=8, resolution=32):

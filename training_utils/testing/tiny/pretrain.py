@@ -132,12 +132,14 @@ def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_lea
         shutil.copy(scratch / "out" / "validation" / "progress-p00.png", Path(output_dir) / "validation.png")
     (Path(output_dir) / "pretraining.json").write_text(json.dumps(
         {"vae_steps": vae_steps, "unet_steps": unet_steps, "unet_learning_rate": unet_learning_rate,
-         "vae_reconstruction_error": round(error, 5), "command": "python -m training_utils.testing.tiny.pretrain"}, indent=1))
+         "vae_reconstruction_error": round(error, 5), "command": "python -m training_utils.testing.tiny.pretrain"},
+        indent=1))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(PRETRAINED), help=f"where the pipeline goes (default: {PRETRAINED})")
+    parser.add_argument("--output_dir", default=str(PRETRAINED),
+                        help=f"where the pipeline goes (default: {PRETRAINED})")
     parser.add_argument("--vae_steps", type=int, default=VAE_STEPS)
     parser.add_argument("--unet_steps", type=int, default=UNET_STEPS)
     parser.add_argument("--unet_learning_rate", type=float, default=UNET_LEARNING_RATE)
