@@ -62,6 +62,10 @@ def test_run_outputs_are_what_runs_write_not_logs_statuses_staging_or_the_users_
     assert "transformer" not in run_outputs(tmp_path)
     (tmp_path / "transformer" / "adapter_config.json").write_text("{}")  # a LoKr, LoHa or OFT in peft's format
     assert "transformer" in run_outputs(tmp_path) and "my_notes" not in run_outputs(tmp_path)
+    (tmp_path / "transformer_2").mkdir()  # Wan 2.2's low-noise expert's LoRA, beside the high-noise one's
+    assert "transformer_2" not in run_outputs(tmp_path)
+    (tmp_path / "transformer_2" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    assert "transformer_2" in run_outputs(tmp_path)
     assert run_outputs(tmp_path / "missing") == []
 
 

@@ -13,6 +13,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from .adapter_export import LORA_WEIGHTS_NAME, SAVED_AS
 from .checkpoint_folders import CHECKPOINT_PATTERN, complete_checkpoints
 from .errors import few, require
 from .run_status import COMPLETED, RUN, RUNNING, STATUS_FILE, read_status
@@ -31,9 +32,8 @@ PEFT_CONFIG_NAME = "adapter_config.json"
 
 def run_outputs(folder):
     """The names of what runs write at the top of ``folder`` (sorted; none if it does not exist): checkpoints,
-    LoRA files, peft adapter folders, ControlNet or pipeline files and their components, EMA and post-hoc EMA,
-    validation, model card.
-    Tracker logs, ``run_status.json`` and staging folders are not among them: they hold nothing of a result."""
+    LoRA files, adapter folders (`adapter_folder`), ControlNet or pipeline files and their components, EMA and
+    post-hoc EMA, validation, model card. Tracker logs, ``run_status.json`` and staging folders are not among them: they hold nothing of a result."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -41,7 +41,13 @@ def run_outputs(folder):
     return sorted(path.name for path in folder.iterdir()
                   if path.name in names or path.name.startswith(OUTPUT_FILE_PREFIXES)
                   or (CHECKPOINT_PATTERN.match(path.name) and path.is_dir())
-                  or (path / PEFT_CONFIG_NAME).is_file())
+                  or adapter_folder(path))
+
+
+def adapter_folder(path):
+    """Whether ``path`` is a component's adapter in a folder of its own: peft's format (LoKr, LoHa, OFT), or a LoRA
+    written as another component's beside that one's (Wan 2.2's low-noise expert, `adapter_export.SAVED_AS`)."""
+    return (path / PEFT_CONFIG_NAME).is_file() or (path.name in SAVED_AS and (path / LORA_WEIGHTS_NAME).is_file())
 
 
 def pipeline_components(folder):
