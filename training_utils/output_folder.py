@@ -33,7 +33,8 @@ PEFT_CONFIG_NAME = "adapter_config.json"
 def run_outputs(folder):
     """The names of what runs write at the top of ``folder`` (sorted; none if it does not exist): checkpoints,
     LoRA files, adapter folders (`adapter_folder`), ControlNet or pipeline files and their components, EMA and
-    post-hoc EMA, validation, model card. Tracker logs, ``run_status.json`` and staging folders are not among them: they hold nothing of a result."""
+    post-hoc EMA, validation, model card. Tracker logs, ``run_status.json`` and staging folders are not among them:
+    they hold nothing of a result."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
