@@ -25,10 +25,7 @@ static helpers, its ``encode_prompt`` and that method's defaults), so training f
 pipeline's sampling loop feeds it at the same noise level.
 """
 
-import inspect
-
-from ..errors import require
-from ..prompts import stacked
+from ..prompts import check_max_sequence_length, max_sequence_length, stacked
 from .layout import BLOCK, Family, Rename, fused
 
 SINGLE_BLOCK = r"single_transformer_blocks\.(\d+)\."
@@ -65,15 +62,13 @@ def add_args(parser):
 
 
 def check_args(args):
-    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer")
+    check_max_sequence_length(args)
 
 
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
     ``--max_sequence_length``, or where unset the method's own default."""
-    defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+    return {"max_sequence_length": max_sequence_length(pipe, args)}
 
 
 def call_kwargs(pipe, settings):

@@ -24,7 +24,7 @@ from diffusers import Flux2Transformer2DModel
 from transformers import AutoConfig
 
 from ..errors import UsageError, require
-from ..prompts import stacked
+from ..prompts import check_max_sequence_length, stacked
 from .layout import BLOCK, Family, Rename, always, fused
 
 # The original release's module tree (ComfyUI's FLUX.2 model): diffusers'
@@ -66,8 +66,7 @@ def add_args(parser):
 def check_args(args):
     """Fail in one line on a bad prompt setting, before any weights load: ``--text_encoder_out_layers`` is
     checked against the text encoder's and the transformer's configurations, which load without weights."""
-    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer")
+    check_max_sequence_length(args)
     if args.text_encoder_out_layers is not None:
         check_text_encoder_out_layers(args.text_encoder_out_layers, *model_configs(args))
 

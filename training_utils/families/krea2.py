@@ -28,13 +28,11 @@ Every piece is the pipeline's own, so training feeds the transformer what the pi
 the same noise level.
 """
 
-import inspect
-
 import torch
 from diffusers import AutoencoderKLQwenImage
 
 from ..errors import UsageError, require
-from ..prompts import stacked
+from ..prompts import check_max_sequence_length, max_sequence_length, stacked
 from . import qwen_image
 from .layout import Family, Rename
 
@@ -72,8 +70,7 @@ def add_args(parser):
 def check_args(args):
     """Fail in one line on a bad prompt length or image size, before any weights load: the size is checked against
     the VAE's configuration, which loads without weights."""
-    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer")
+    check_max_sequence_length(args)
     path, options = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
     try:
         scale = 2 ** len(AutoencoderKLQwenImage.load_config(path, subfolder="vae", **options)["temperal_downsample"])
@@ -88,8 +85,7 @@ def check_args(args):
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
     ``--max_sequence_length``, or where unset the method's own default."""
-    defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+    return {"max_sequence_length": max_sequence_length(pipe, args)}
 
 
 def call_kwargs(pipe, settings):

@@ -19,7 +19,6 @@ trains a LoRA on one of them (`trained_experts`), drawing only its timesteps (`s
 both, each optimizer step training one expert drawn with its share of the schedule (`step_expert`).
 """
 
-import inspect
 import json
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..errors import require
 from ..flow_matching import sample_flow_matching_timesteps
-from ..prompts import stacked
+from ..prompts import check_max_sequence_length, max_sequence_length, stacked
 from .layout import Family, Rename
 
 BLOCKS = r"blocks\.(\d+)\."
@@ -64,8 +63,7 @@ def add_args(parser):
 def check_args(args):
     """Fail in one line on a bad setting, before any weights load: ``--train_expert`` against the pipeline's
     ``model_index.json`` (a local folder's)."""
-    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer")
+    check_max_sequence_length(args)
     index = Path(args.pretrained_model_name_or_path) / "model_index.json"
     if index.is_file():
         experts = json.loads(index.read_text()).get("transformer_2", [None])[0] is not None
@@ -76,8 +74,7 @@ def check_args(args):
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with everywhere: the ``max_sequence_length`` the pipeline's ``__call__``
     passes it (512), or ``--max_sequence_length``."""
-    default = inspect.signature(type(pipe).__call__).parameters["max_sequence_length"].default
-    return {"max_sequence_length": args.max_sequence_length or default}
+    return {"max_sequence_length": max_sequence_length(pipe, args, "__call__")}
 
 
 def call_kwargs(pipe, settings):

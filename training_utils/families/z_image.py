@@ -23,11 +23,9 @@ loop's conventions), so training feeds the transformer what the pipeline's sampl
 level.
 """
 
-import inspect
-
 import torch
 
-from ..errors import require
+from ..prompts import check_max_sequence_length, max_sequence_length
 from .layout import Family, Rename, fused
 
 # The original release's module tree (ComfyUI's Z-Image model): comfy/utils.py z_image_to_diffusers, read backwards.
@@ -51,15 +49,13 @@ def add_args(parser):
 
 
 def check_args(args):
-    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer")
+    check_max_sequence_length(args)
 
 
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
     ``--max_sequence_length``, or where unset the method's own default."""
-    defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+    return {"max_sequence_length": max_sequence_length(pipe, args)}
 
 
 def call_kwargs(pipe, settings):
