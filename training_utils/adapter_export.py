@@ -180,11 +180,14 @@ class AdapterExport(Export):
             tensors = {f"{name}.{key}": tensor for component, name in names.items()
                        for key, tensor in layers[component].items()}
             configs = {name: self.adapter_configs[component] for component, name in names.items()}
+
+            def base_weight(name, path, component_of=component_of):  # by the file's names
+                return base_weights(component_of[name], path)
+
             for layout in self.formats:
                 if layout != DIFFUSERS:
                     converted[str(Path(folder) / converted_name(layout))] = convert_adapter(
-                        tensors, configs, layout, family=self.pipeline_class.__name__,
-                        base_weights=lambda name, path: base_weights(component_of[name], path))
+                        tensors, configs, layout, family=self.pipeline_class.__name__, base_weights=base_weight)
         return converted
 
     def read_checkpoint(self, directory):
