@@ -96,6 +96,10 @@ def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_lo
         find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"))
     assert str(error.value).endswith(f"a caption for every file, in metadata.jsonl or a sidecar .txt "
                                      f"({folder / '03.mp4'} have none)")
+    (folder / "03.txt").write_bytes(b"a yellow \xff circle")  # Latin-1, as an old editor saves it
+    with pytest.raises(UsageError, match=f"--train_data_dir={str(folder)!r}: expected UTF-8 caption files: "
+                                         f"{folder / '03.txt'} is not"):
+        find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"))
 
 
 def test_a_dataset_folder_with_a_video_column_gives_its_clips(clips_dir, tmp_path):

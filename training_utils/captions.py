@@ -23,6 +23,17 @@ def is_caption(value):
                                       and all(isinstance(caption, str) for caption in value))
 
 
+def read_caption_file(path, flag, value):
+    """The stripped text of the caption file ``path`` (a sidecar ``.txt`` beside its image or clip), or None if there
+    is none; one that is not UTF-8 stops the run in one line naming it (``flag``, ``value``: what pointed to it)."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UsageError(flag, value, f"UTF-8 caption files: {path} is not") from None
+
+
 def check_metadata(path, flag, value, caption_column=None):
     """Stop with one line naming the file and line if ``path`` (an imagefolder's ``metadata.jsonl``) is not UTF-8
     text of one JSON object per line or, with ``caption_column``, if a line holds no caption there. A column that no

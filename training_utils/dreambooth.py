@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from .captions import distinct_captions
+from .captions import distinct_captions, read_caption_file
 from .data import TrainDataset, drop_caption, load_train_dataset, pick_caption
-from .errors import UsageError, require
+from .errors import require
 from .images import IMAGE_EXTENSIONS, image_sizes
 from .parser import add_refused_args
 from .pipeline import modules_of
@@ -162,22 +162,12 @@ def sidecar_captioned_images(images, extension, instance_prompt):
     an empty file is the empty caption), or by ``instance_prompt`` where it has none; logs how many have none."""
     require(extension.startswith(".") and len(extension) > 1, "--caption_extension", extension,
             "a file extension, e.g. .txt")
-    captions = [read_caption_file(image.with_suffix(extension), extension) for image in images]
+    captions = [read_caption_file(image.with_suffix(extension), "--caption_extension", extension) for image in images]
     missing = captions.count(None)
     if missing:
         logger.warning(f"{missing} of {len(images)} instance images have no {extension} caption file beside them; "
                        f"they train on --instance_prompt")
     return InstanceImages(images, [instance_prompt if caption is None else caption for caption in captions])
-
-
-def read_caption_file(path, extension):
-    """The stripped text of the caption file ``path``, or None if there is none."""
-    if not path.is_file():
-        return None
-    try:
-        return path.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise UsageError("--caption_extension", extension, f"UTF-8 caption files: {path} is not") from None
 
 
 def dataset_instance_images(args):

@@ -46,7 +46,7 @@ def read_image(source):
     their range (`HIGH_BIT_DEPTH_MODES`): 16-bit PNG and TIFF from 0-65535, float from 0-1 (or 0-255, 0-65535 where
     their values exceed the range before)."""
     if not isinstance(source, Image.Image):
-        with Image.open(_openable(source)) as image:
+        with Image.open(openable(source)) as image:
             image.load()
             return read_image(image)
     image = source
@@ -65,8 +65,8 @@ def _eight_bit(values, ranges):
     return np.round(np.clip(values / maximum, 0.0, 1.0) * 255).astype(np.uint8)
 
 
-def _openable(source):
-    """What ``Image.open`` takes for a path or datasets' undecoded ``{"path", "bytes"}``."""
+def openable(source):
+    """What ``Image.open`` (and PyAV's ``av.open``) takes for a path or datasets' undecoded ``{"path", "bytes"}``."""
     if isinstance(source, dict):
         return io.BytesIO(source["bytes"]) if source["bytes"] else source["path"]
     return source
@@ -200,7 +200,7 @@ def image_sizes(values):
     sizes = []
     for value in values:
         try:
-            with Image.open(_openable(value)) as image:
+            with Image.open(openable(value)) as image:
                 width, height = image.size
                 sizes.append((height, width) if image.getexif().get(ORIENTATION) in QUARTER_TURNS else (width, height))
         except UNREADABLE_IMAGE_ERRORS:

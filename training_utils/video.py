@@ -10,7 +10,6 @@ resolution buckets batch alike. A clip's frames start at its first frame; its cr
 sample for all its frames, as an image's are.
 """
 
-import io
 import json
 import logging
 from pathlib import Path
@@ -22,10 +21,10 @@ from PIL import Image
 
 from .cache import image_source, many, sample_latents
 from .cache_keys import describe
-from .captions import check_captions, check_metadata, is_caption
+from .captions import check_captions, check_metadata, is_caption, read_caption_file
 from .errors import UsageError, few, require
 from .feature_store import Block, block_bytes, encode_once, encoders_on
-from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, read_image
+from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, openable, read_image
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +68,6 @@ def check_video_args(args, temporal=4):
     require(args.validation_fps > 0, "--validation_fps", args.validation_fps, "a positive integer")
 
 
-def _openable(source):
-    if isinstance(source, dict):
-        return io.BytesIO(source["bytes"]) if source.get("bytes") else source["path"]
-    return str(source)
-
-
 def is_still(source):
     """Whether ``source`` (a path, or datasets' ``{"path", "bytes"}``) is a still image."""
     path = source["path"] if isinstance(source, dict) else source
@@ -88,7 +81,7 @@ def probe(source):
         return 1, None, read_image(source if isinstance(source, dict) else str(source)).size
     import av
 
-    with av.open(_openable(source)) as container:
+    with av.open(openable(source)) as container:
         stream = container.streams.video[0]
         fps = float(stream.average_rate or stream.guessed_rate or DEFAULT_FPS)
         count = sum(1 for _ in container.decode(stream))
@@ -117,7 +110,7 @@ def read_frames(source, indices):
     import av
 
     wanted, frames = set(indices), {}
-    with av.open(_openable(source)) as container:
+    with av.open(openable(source)) as container:
         for index, frame in enumerate(container.decode(container.streams.video[0])):
             if index in wanted:
                 frames[index] = frame.to_image().convert("RGB")
@@ -157,9 +150,8 @@ def _folder_rows(folder):
     for path in sorted(folder.rglob("*")):
         if path.suffix.lower() in VIDEO_EXTENSIONS | IMAGE_EXTENSIONS:
             caption = captions.get(path.resolve())
-            sidecar = path.with_suffix(".txt")
-            if caption is None and sidecar.is_file():
-                caption = sidecar.read_text().strip()
+            if caption is None:
+                caption = read_caption_file(path.with_suffix(".txt"), "--train_data_dir", str(folder))
             rows.append((path, caption))
     return rows
 
