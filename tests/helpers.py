@@ -46,8 +46,8 @@ def run_bounded(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S, cwd=REPO):
 
 
 def run_warm(command, env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT_S, cwd=REPO):
-    """`run_bounded` for a single-process ``accelerate launch``, whose script a child of the session's warm server
-    runs (`warm_runner`): the same argv and environment, no interpreter to start, nothing to import."""
+    """`run_bounded` for an ``accelerate launch``, whose script children of the session's warm server run, one per
+    process (`warm_runner`): the same argv and environments, no interpreter to start, nothing to import."""
     only_in_slow_tests()
     return _unless_hung(*warm_server().run(command, env, timeout, cwd, stop=_stop_tree), timeout)
 
@@ -160,11 +160,11 @@ def only_in_slow_tests():
 
 def launch(script, *args, processes=1, quiet=False, **options):
     """`training_utils.testing.launch_script` on ``examples/<script>`` (or an absolute path) with this checkout's
-    training_utils, a hang reported in full. A single-process run's script runs in the warm server (`run_warm`)
-    unless ``TESTS_COLD_LAUNCH=1``; a multi-process run, and a ``quiet`` one (what users see of the launcher),
-    through ``accelerate launch`` itself (`run_bounded`)."""
+    training_utils, a hang reported in full. The script runs in the warm server (`run_warm`) unless
+    ``TESTS_COLD_LAUNCH=1``; a ``quiet`` run (what users see of the launcher) through ``accelerate launch`` itself
+    (`run_bounded`)."""
     only_in_slow_tests()
-    warm = processes == 1 and not quiet and os.environ.get("TESTS_COLD_LAUNCH") != "1"
+    warm = not quiet and os.environ.get("TESTS_COLD_LAUNCH") != "1"
     return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet, env=REPO_ON_PATH,
                          run=run_warm if warm else run_bounded, **options)
 

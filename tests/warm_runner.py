@@ -11,9 +11,11 @@ does, not the ~10 s of imports and the launcher.
     result, stopped = server.run(command, env, timeout, cwd, stop)   # like training_utils.testing.run_captured
     process = server.spawn(command, env, cwd, stdout, stderr)        # like subprocess.Popen
 
-The server is single-threaded and never runs a tensor operation before forking, so that no thread (nor OpenMP's
-pool) is lost in the children. Multi-process runs, usage errors through the launcher and the copied-script test
-still go through the real ``accelerate launch``.
+A multi-process launch forks one child per process, each with the environment that accelerate's multi-process
+launcher and torchrun give that rank (`worker_environment`): the children rendezvous over gloo as launched workers
+do. The server is single-threaded and never runs a tensor operation before forking, so that no thread (nor
+OpenMP's pool) is lost in the children. Usage errors through the launcher and the copied-script test still go
+through the real ``accelerate launch``.
 """
 
 import atexit
@@ -30,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -156,9 +159,11 @@ class WarmServer:
 
     def spawn(self, command, env, cwd, stdout, stderr):
         """A `WarmProcess` running ``command`` (a script under ``python``, or a single-process ``accelerate launch``
-        of one: `script_and_environment`) in ``env`` and ``cwd``, its output in the files named ``stdout`` and
-        ``stderr``."""
-        argv, env = script_and_environment(command, env)
+        of one) in ``env`` and ``cwd``, its output in the files named ``stdout`` and ``stderr``."""
+        (argv, env), = scripts_and_environments(command, env)
+        return self._fork(argv, env, cwd, stdout, stderr)
+
+    def _fork(self, argv, env, cwd, stdout, stderr):
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(str(self.path))
         request = {"argv": argv, "env": dict(env), "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
@@ -166,38 +171,96 @@ class WarmServer:
         return WarmProcess(connection)
 
     def run(self, command, env, timeout, cwd, stop):
-        """``(result, stopped)`` as `training_utils.testing.run_captured` gives them, for ``command`` run by a child
-        of the server (`spawn`); ``stop(process, stderr_file)`` ends a child still running after ``timeout`` seconds,
-        and what it returns is ``stopped``."""
-        with tempfile.NamedTemporaryFile("w+") as stdout, tempfile.NamedTemporaryFile("w+") as stderr:
-            process = self.spawn(command, env, cwd, stdout.name, stderr.name)
+        """``(result, stopped)`` as `training_utils.testing.run_captured` gives them, for ``command`` run by children
+        of the server, one per process (`scripts_and_environments`); the output is each process's in turn. As
+        torchrun does, a process that fails has the others stopped (SIGTERM); the status is the first failing
+        script's own (the real launcher says only 1). ``stop(process, stderr_file)`` ends each child still running
+        after ``timeout`` seconds, and what it returns (joined by lines, with several) is ``stopped``."""
+        workers = scripts_and_environments(command, env)
+        with contextlib.ExitStack() as files:
+            outputs = [[files.enter_context(tempfile.NamedTemporaryFile("w+")) for _ in ("out", "err")]
+                       for _ in workers]
+            processes = [self._fork(argv, worker_env, cwd, stdout.name, stderr.name)
+                         for (argv, worker_env), (stdout, stderr) in zip(workers, outputs)]
             stopped = None
             try:
-                process.wait(timeout)
+                returncode = wait_like_torchrun(processes, time.monotonic() + timeout)
             except subprocess.TimeoutExpired:
-                stopped = stop(process, stderr)
-                process.wait()
-            stdout.seek(0)
-            stderr.seek(0)
-            return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read()), stopped
+                stopped = "\n".join(str(stop(process, stderr)) for process, (_, stderr) in zip(processes, outputs)
+                                    if process.poll() is None)
+                returncode = next((code for code in [process.wait() for process in processes] if code), 0)
+            text = []
+            for stream in zip(*outputs):
+                for file in stream:
+                    file.seek(0)
+                text.append("".join(file.read() for file in stream))
+            return subprocess.CompletedProcess(command, returncode, *text), stopped
 
 
-def script_and_environment(command, env):
-    """``(argv, environment)`` of the script that ``command`` runs: ``[python, script, *args]`` as it is, or
-    ``python -m accelerate.commands.launch ... script *args`` on one process as accelerate's own simple launcher runs
-    it: the variables it sets (mixed precision, the CPU, ...) over ``env``."""
+def wait_like_torchrun(processes, deadline):
+    """The status of ``processes`` run together: 0 when all succeed; else the first failure's, once the others have
+    ended, sent SIGTERM (and SIGKILL 30 s later) as torchrun sends them. Raises `subprocess.TimeoutExpired` at
+    ``deadline``."""
+    running = list(processes)
+    while running:
+        for process in list(running):
+            if process.poll() is not None:
+                running.remove(process)
+                if process.returncode:
+                    for other in running:
+                        other.send_signal(signal.SIGTERM)
+                    for other in running:  # torchrun's grace period, then SIGKILL
+                        try:
+                            other.wait(30)
+                        except subprocess.TimeoutExpired:
+                            other.kill()
+                            other.wait()
+                    return process.returncode
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("warm run", deadline)
+        time.sleep(0.01)
+    return 0
+
+
+def scripts_and_environments(command, env):
+    """``[(argv, environment)]`` of the processes that ``command`` starts: ``[python, script, *args]`` as it is; an
+    ``accelerate launch`` of a script as accelerate runs it: on one process, as its simple launcher does (the
+    variables it sets, mixed precision, the CPU..., over ``env``); on several, as its multi-process launcher has
+    torchrun start each worker (`worker_environment`)."""
     command = [str(part) for part in command]
     if command[1:3] != ["-m", "accelerate.commands.launch"]:
-        return command[1:], env
+        return [(command[1:], env)]
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(command[3:]))
-    if args.num_processes != 1 or args.quiet:
-        raise ValueError(f"not a single-process launch: {command}")
-    script_command, launcher_env = prepare_simple_launcher_cmd_env(args)
-    set_by_launcher = {name: value for name, value in launcher_env.items() if os.environ.get(name) != value}
-    return script_command[1:], {**env, **set_by_launcher}
+    multi_process = (args.use_fsdp or args.multi_gpu) and not args.cpu  # what accelerate's launch_command tests
+    if args.quiet or args.use_deepspeed or args.num_machines != 1 or multi_process != (args.num_processes > 1):
+        raise ValueError(f"not a launch the warm runner makes: {command}")
+    if not multi_process:
+        script_command, launcher_env = prepare_simple_launcher_cmd_env(args)
+        return [(script_command[1:], {**env, **set_by_launcher(launcher_env)})]
+    launcher_env = set_by_launcher(prepare_multi_gpu_env(args))
+    argv = [args.training_script, *args.training_script_args]
+    return [(argv, {**env, **launcher_env, **worker_environment(rank, args)}) for rank in range(args.num_processes)]
+
+
+def set_by_launcher(launcher_env):
+    """The variables of ``launcher_env`` (the launcher's environment, made from this process's) that it set."""
+    return {name: value for name, value in launcher_env.items() if os.environ.get(name) != value}
+
+
+def worker_environment(rank, args):
+    """What torchrun's local agent adds to the environment of the worker of rank ``rank`` on one machine (the
+    variables of ``torch.distributed.elastic``'s ``LocalElasticAgent._start_workers``). Each worker makes the
+    rendezvous store itself (rank 0 serves it) where torchrun's agent would serve it."""
+    size = str(args.num_processes)
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": size, "MASTER_ADDR": args.main_process_ip or "127.0.0.1",
+            "MASTER_PORT": str(args.main_process_port), "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
 
 
 class WarmProcess:
