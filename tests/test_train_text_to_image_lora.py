@@ -269,7 +269,18 @@ def test_bad_input_fails_with_one_line_also_through_accelerate_launch(tiny, tmp_
         assert not (tmp_path / str(index)).exists()
 
 
-def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs):
+@pytest.fixture(scope="module")
+def synthesized(runs):
+    """The post-hoc run's folder, once ``python -m training_utils.posthoc_ema`` has synthesized sigma_rel 0.05 and 0.08
+    there."""
+    output_dir, _ = runs["posthoc"]
+    result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
+                          "--sigma_rel", "0.05", "0.08"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs, synthesized):
     output_dir, _ = runs["posthoc"]
     snapshots = sorted(path.name for path in (output_dir / "posthoc_ema").glob("snapshot-*.safetensors"))
     assert len(snapshots) == 3 * 2 and snapshots[0].startswith("snapshot-00000002-")
@@ -289,9 +300,6 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs):
         expected = progress_grid([record for record in log if record["prompt"] == PROMPTS[0]], PROMPTS[0], output_dir)
         assert np.array_equal(np.asarray(progress), np.asarray(expected[0]))
 
-    result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
-                          "--sigma_rel", "0.05", "0.08"])
-    assert result.returncode == 0, result.stderr[-3000:]
     tracked = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.05" / LORA)
     assert_lora_changes_pipeline_output(tiny["sd"], output_dir / "posthoc_ema" / "sigma_rel-0.08")
     synthesized = load_file(output_dir / "posthoc_ema" / "sigma_rel-0.08" / LORA)
@@ -299,11 +307,8 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs):
     assert any(not torch.equal(tracked[key], synthesized[key]) for key in tracked)
 
 
-def test_every_lora_written_is_also_in_the_asked_layouts_and_the_kohya_one_renders_the_same(tiny, runs):
-    output_dir, _ = runs["posthoc"]
-    result = run_bounded([sys.executable, "-m", "training_utils.posthoc_ema", "--output_dir", str(output_dir),
-                          "--sigma_rel", "0.05", "0.08"])
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_every_lora_written_is_also_in_the_asked_layouts_and_the_kohya_one_renders_the_same(tiny, synthesized):
+    output_dir = synthesized
     checkpoint = output_dir / "checkpoint-6"
     folders = [output_dir, output_dir / "ema", checkpoint, checkpoint / "ema", *(
         output_dir / "posthoc_ema" / f"sigma_rel-{sigma_rel}" for sigma_rel in ("0.05", "0.08"))]
