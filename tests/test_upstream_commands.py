@@ -43,6 +43,10 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-qwenimage-pipe": "qwen_image",
     "hf-internal-testing/tiny-sana-pipe": "sana",
     "hf-internal-testing/tiny-lumina2-pipe": "lumina2",
+    "hf-internal-testing/tiny-hidream-i1-pipe": "hidream",
+    # Upstream's HiDream tests pass this one folder for both the Llama and its tokenizer: `hidream_llama` holds the tiny
+    # HiDream's text_encoder_4 and tokenizer_4 together.
+    "hf-internal-testing/tiny-random-LlamaForCausalLM": "hidream_llama",
     # DeepFloyd IF (pixel space, no VAE) is not an SD 1.x pipeline: its test's flags run on the tiny SD one.
     "hf-internal-testing/tiny-if-pipe": "sd",
     "hf-internal-testing/tiny-controlnet": "controlnet",
@@ -374,6 +378,10 @@ UPSTREAM = [
                        metadata=True),
     *unprompted_family("test_dreambooth_lora_lumina2.py", "lumina2", "dreambooth/train_dreambooth_lora_lumina2.py",
                        "hf-internal-testing/tiny-lumina2-pipe", "layers.0.attn.to_k", first_length=166),
+    *unprompted_family("test_dreambooth_lora_hidream.py", "hidream", "dreambooth/train_dreambooth_lora_hidream.py",
+                       "hf-internal-testing/tiny-hidream-i1-pipe", "double_stream_blocks.0.block.attn1.to_k",
+                       extra=" ".join(f"--pretrained_{part}_4_name_or_path hf-internal-testing/tiny-random-"
+                                      "LlamaForCausalLM" for part in ("text_encoder", "tokenizer"))),
 ]
 
 
@@ -391,10 +399,20 @@ def flux2_reading_one_layer(pipeline, directory):
     return Path(directory)
 
 
+def llama_folder(hidream, directory):
+    """The tiny HiDream pipeline ``hidream``'s Llama and its tokenizer, together in ``directory`` (as a hub model
+    holds them)."""
+    for component in ("text_encoder_4", "tokenizer_4"):
+        shutil.copytree(Path(hidream) / component, directory, dirs_exist_ok=True)
+    return Path(directory)
+
+
 def upstream_fixtures(tiny, directory):
-    """``{fixture name: path}``: the tiny fixtures and the one-layer FLUX.2 pipelines upstream's tests need."""
+    """``{fixture name: path}``: the tiny fixtures, and the one-layer FLUX.2 pipelines and the Llama folder upstream's
+    tests need."""
     return {**tiny, **{f"{name}_one_layer": flux2_reading_one_layer(tiny[name], Path(directory) / f"{name}_one_layer")
-                       for name in ("flux2_klein", "flux2_dev")}}
+                       for name in ("flux2_klein", "flux2_dev")},
+            "hidream_llama": llama_folder(tiny["hidream"], Path(directory) / "hidream_llama")}
 
 
 def command(flags, fixtures, output_dir):
@@ -413,8 +431,8 @@ def command(flags, fixtures, output_dir):
 
 def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
     """Launch ``upstream``'s runs in turn in ``output_dir`` as its test does (deleting what it deletes between them);
-    returns the results. A refused command (or run) must stop with its one line; every other run must succeed and leave the
-    checkpoints and files its `Run` names."""
+    returns the results. A refused command (or run) must stop with its one line; every other run must succeed and
+    leave the checkpoints and files its `Run` names."""
     results = []
     for run in upstream.runs:
         for name in run.remove_first:
