@@ -233,7 +233,7 @@ FAMILIES = [
            # The text stream's attention, which upstream's default layers leave out.
            (*INT8, "--lora_layers", "to_q_t,to_k_t,to_v_t,to_out_t", "--gradient_checkpointing"),
            {f"double_stream_blocks.0.block.attn1.{layer}" for layer in ("to_q_t", "to_k_t", "to_v_t", "to_out_t")},
-           ("--max_sequence_length", 32), validation_size=(16, 64),
+           ("--max_sequence_length", 16), validation_size=(16, 64),
            refused=[(["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
                     *NO_TEXT_ENCODER_TRAINING],
            fixture_flags={"--pretrained_text_encoder_4_name_or_path": "text_encoder_4",
