@@ -232,6 +232,9 @@ KNOWN_NAMES = {
                 "context_refiner.0.attention.out", "noise_refiner.0.feed_forward.linear_2":
                 "noise_refiner.0.feed_forward.w2", "layers.0.norm1.linear": "layers.0.adaLN_modulation.1",
                 "time_caption_embed.caption_embedder.1": "cap_embedder.1", "norm_out.linear_2": "final_layer.linear"},
+    "hidream": {"double_stream_blocks.0.block.attn1.to_q_t": "double_stream_blocks.0.block.attn1.to_q_t",
+                "single_stream_blocks.0.block.ff_i.experts.1.w2": "single_stream_blocks.0.block.ff_i.experts.1.w2",
+                "caption_projection.2.linear": "caption_projection.2.linear", "x_embedder.proj": "x_embedder.proj"},
 }
 
 

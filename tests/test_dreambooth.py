@@ -121,10 +121,20 @@ def test_check_rejects_a_missing_or_empty_instance_folder(tmp_path):
         args = parse("--instance_data_dir", tmp_path / folder, "--instance_prompt", "a dog")
         with pytest.raises(UsageError, match=expected):
             check_dreambooth_args(args)
-    args = parse("--instance_data_dir", tmp_path / "empty", "--instance_prompt", " ")
-    (tmp_path / "empty" / "0.png").write_bytes(b"")
-    with pytest.raises(UsageError, match="--instance_prompt=' ': expected a non-empty prompt"):
-        check_dreambooth_args(args)
+
+
+def test_an_empty_instance_prompt_trains_unprompted_with_a_warning_where_an_image_takes_it(tmp_path, caplog):
+    for name in ("a.png", "b.png"):
+        (tmp_path / name).write_bytes(b"")
+    args = parse("--instance_data_dir", tmp_path, "--instance_prompt", "")
+    assert check_dreambooth_args(args).captions == ["", ""]
+    assert "--instance_prompt='' is empty: the adapter learns the subject without a trigger word" in caplog.text
+    caplog.clear()
+    (tmp_path / "a.txt").write_text("a red circle")
+    (tmp_path / "b.txt").write_text("a blue square")
+    args = parse("--instance_data_dir", tmp_path, "--instance_prompt", " ", "--caption_extension", ".txt")
+    assert check_dreambooth_args(args).captions == ["a red circle", "a blue square"]
+    assert "--instance_prompt" not in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, krea2, lumina2, qwen_image, sana, sd,
-                                     sd3, sdxl, wan, z_image)
+from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, hidream, krea2, lumina2, qwen_image,
+                                     sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -32,7 +32,7 @@ PROTOCOL = {
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
-           lumina2: "lumina2", wan: "wan21"}
+           lumina2: "lumina2", hidream: "hidream", wan: "wan21"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 
@@ -90,6 +90,10 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
         model_input = [-tensor for tensor in model_input]
     if module is lumina2:  # its output is the negated velocity
         model_input = -model_input
+    if module is hidream:  # its training-mode output is the negated velocity's patches, unfolded
+        batch, channels, height, width = model_input.shape
+        model_input = -model_input.reshape(batch, channels, height // 2, 2, width // 2, 2).permute(
+            0, 1, 2, 4, 3, 5).reshape(batch, channels, height * width // 4, 4)
     assert torch.equal(module.prediction(pipe, model_input, latents), latents)
 
 

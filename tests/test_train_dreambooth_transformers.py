@@ -25,14 +25,16 @@ from types import ModuleType
 
 import pytest
 import torch
-from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, Krea2Pipeline, Lumina2Pipeline,
-                       QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline, ZImagePipeline)
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, HiDreamImagePipeline,
+                       Krea2Pipeline, Lumina2Pipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline,
+                       ZImagePipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import chroma, flux, flux2, flux2_dev, krea2, lumina2, qwen_image, sana, sd3, z_image
+from training_utils.families import (chroma, flux, flux2, flux2_dev, hidream, krea2, lumina2, qwen_image, sana, sd3,
+                                     z_image)
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -94,6 +96,8 @@ class Family:
     flags: tuple = ()  # what every run adds (the family's prompt settings)
     validation_size: tuple = None  # (height, width) asked for; by default the most common bucket's
     refused: list = field(default_factory=list)  # (flags, message) of the family's own refusals and checks
+    fixture_flags: dict = field(default_factory=dict)  # {flag: folder of the fixture} that every run adds
+    prepare_render: object = None  # what the script does to the pipeline it renders with, if anything
 
 
 FAMILIES = [
@@ -221,6 +225,20 @@ FAMILIES = [
                (["--max_sequence_length", 513], "--max_sequence_length=513: expected a positive integer of at most "
                                                 "512 (Lumina2Pipeline's limit)"),
                *NO_TEXT_ENCODER_TRAINING]),
+    # HiDream renders at --resolution's area, whatever the size asked (`hidream.render_at_resolution`): a bucket's
+    # aspect ratio at 32² pixels. Its Llama comes from flags of its own (the fixture holds it as a component).
+    Family("hidream", "dreambooth/train_dreambooth_lora_hidream.py", HiDreamImagePipeline, hidream,
+           {f"{stream}_stream_blocks.0.block.attn1.{layer}" for stream in ("double", "single")
+            for layer in ("to_q", "to_k", "to_v", "to_out")},
+           # The text stream's attention, which upstream's default layers leave out.
+           (*INT8, "--lora_layers", "to_q_t,to_k_t,to_v_t,to_out_t", "--gradient_checkpointing"),
+           {f"double_stream_blocks.0.block.attn1.{layer}" for layer in ("to_q_t", "to_k_t", "to_v_t", "to_out_t")},
+           ("--max_sequence_length", 16), validation_size=(16, 64),
+           refused=[(["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+                    *NO_TEXT_ENCODER_TRAINING],
+           fixture_flags={"--pretrained_text_encoder_4_name_or_path": "text_encoder_4",
+                          "--pretrained_tokenizer_4_name_or_path": "tokenizer_4"},
+           prepare_render=lambda pipe: hidream.render_at_resolution(pipe, 32)),
     Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
            attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),
            # Block 0 only, the CLIP encoders' adapters (they embed the batch's prompts in every step) at their own
@@ -251,7 +269,8 @@ def common(tiny, family, output_dir, *extra, source=None, adapter=("--rank", 4))
             "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
             "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip", "--use_ema",
             "--ema_decay", 0.9, *adapter, "--seed", 3, "--use_aspect_ratio_buckets", "--repeats", 2,
-            "--caption_dropout", 0.3, *family.flags, *extra]
+            "--caption_dropout", 0.3, *family.flags, *extra,
+            *(word for flag, folder in family.fixture_flags.items() for word in (flag, tiny[family.name] / folder))]
 
 
 def adapter_flags(tiny, family, output_dir, adapter):
@@ -404,7 +423,8 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs, fa
     # At the runs' prompt length: the pipelines' own 512 tokens would take most of the test's time.
     length = dict(zip(family.flags[::2], family.flags[1::2])).get("--max_sequence_length")
     assert_lora_changes_pipeline_output(tiny[family.name], full_dir, full_dir / "ema", prior_dir,
-                                        prompt=INSTANCE_PROMPT, **({"max_sequence_length": length} if length else {}))
+                                        prompt=INSTANCE_PROMPT, prepare=family.prepare_render,
+                                        **({"max_sequence_length": length} if length else {}))
 
 
 @pytest.mark.parametrize("family, flags, message", [

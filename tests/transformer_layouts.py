@@ -7,7 +7,8 @@ import inspect
 import diffusers.loaders.single_file_utils
 import torch
 from diffusers import (ChromaPipeline, ChromaTransformer2DModel, Flux2KleinPipeline, Flux2Transformer2DModel,
-                       Krea2Pipeline, Krea2Transformer2DModel, Lumina2Pipeline, Lumina2Transformer2DModel,
+                       HiDreamImagePipeline, HiDreamImageTransformer2DModel, Krea2Pipeline, Krea2Transformer2DModel,
+                       Lumina2Pipeline, Lumina2Transformer2DModel,
                        QwenImagePipeline, QwenImageTransformer2DModel,
                        SD3Transformer2DModel, StableDiffusion3Pipeline, ZImagePipeline, ZImageTransformer2DModel)
 from diffusers.loaders.single_file_utils import (convert_flux2_transformer_checkpoint_to_diffusers,
@@ -98,6 +99,14 @@ def tiny_lumina2_transformer():
                                      axes_dim_rope=(4, 2, 2), axes_lens=(32, 32, 32), cap_feat_dim=16)
 
 
+def tiny_hidream_transformer():
+    torch.manual_seed(0)
+    return HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=2,
+        num_activated_experts=1, axes_dims_rope=(4, 2, 2), max_resolution=(16, 16), llama_layers=(0, 1))
+
+
 def lumina2_to_diffusers(deltas):
     """diffusers' Lumina 2 converter, whose split of the fused qkv is Lumina-Image 2.0's sizes (2304 query rows,
     768 key and value rows): the fused rows are split here in the same 3:1:1, then every key goes through it."""
@@ -132,4 +141,6 @@ TRANSFORMERS = {
     "chroma": (ChromaPipeline, tiny_chroma_transformer, convert_tiny_chroma),
     "krea2": (Krea2Pipeline, tiny_krea2_transformer, convert_krea2_transformer_checkpoint_to_diffusers),
     "lumina2": (Lumina2Pipeline, tiny_lumina2_transformer, lumina2_to_diffusers),
+    # ComfyUI's HiDream model (comfy/ldm/hidream/model.py) names its modules as diffusers does.
+    "hidream": (HiDreamImagePipeline, tiny_hidream_transformer, dict),
 }

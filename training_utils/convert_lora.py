@@ -32,8 +32,9 @@ Formats
   ``mmdit_to_diffusers`` (SD3), ``flux_to_diffusers`` and diffusers'
   ``convert_flux2_transformer_checkpoint_to_diffusers`` (FLUX.2), ``z_image_to_diffusers`` (Z-Image), diffusers'
   ``convert_lumina2_to_diffusers`` (Lumina 2, ComfyUI's NextDiT); Qwen-Image's module names are diffusers'
-  (``comfy/ldm/qwen_image/model.py``). SD3's CLIP text encoders take the kohya names ``lora_te1_``/``lora_te2_`` there
-  too.
+  (``comfy/ldm/qwen_image/model.py``), and so are HiDream's (diffusers' ``convert_hidream_transformer_to_diffusers``
+  only strips the checkpoint's prefix). SD3's CLIP text encoders take the kohya names ``lora_te1_``/``lora_te2_``
+  there too.
 
 Fused layers: where the original model computes in one linear layer what diffusers splits (q, k and v into one
 ``qkv``), the generic key has no way to address a slice of it (ComfyUI's slice targets, ``(key, (dim, offset,

@@ -128,7 +128,6 @@ def check_dreambooth_args(args):
     require(not (args.pre_compute_text_embeddings and getattr(args, "train_text_encoder", False)),
             "--pre_compute_text_embeddings", True, "no --train_text_encoder with it (a text encoder that trains "
             "embeds the prompts in every step)")
-    require(args.instance_prompt.strip(), "--instance_prompt", args.instance_prompt, "a non-empty prompt")
     require((args.instance_data_dir is None) != (args.dataset_name is None), "--instance_data_dir",
             args.instance_data_dir, "a folder of images, or --dataset_name, not both")
     require(args.num_class_images > 0, "--num_class_images", args.num_class_images, "a positive integer")
@@ -143,6 +142,16 @@ def check_dreambooth_args(args):
                 args.class_data_dir, "a folder (it is created if missing)")
         require(args.class_prompt is not None and args.class_prompt.strip(), "--class_prompt", args.class_prompt,
                 "a non-empty prompt with --with_prior_preservation")
+    instance_images = captioned_instance_images(args)
+    if not args.instance_prompt.strip() and args.instance_prompt in instance_images.captions:
+        # Accepted, as upstream's scripts accept it: those images train on the pipeline's encoding of that prompt.
+        logger.warning(f"--instance_prompt={args.instance_prompt!r} is empty: the adapter learns the subject without "
+                       "a trigger word, as what the model draws unprompted")
+    return instance_images
+
+
+def captioned_instance_images(args):
+    """The `InstanceImages` of ``--instance_data_dir`` or ``--dataset_name``, each with its caption."""
     if args.dataset_name is not None:
         require(args.caption_extension is None, "--caption_extension", args.caption_extension,
                 "no caption files with --dataset_name (its captions are in --caption_column)")

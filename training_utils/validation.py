@@ -1,6 +1,6 @@
 """Validation from the live components, with no side effects on training.
 
-Rendering mutates scheduler state (timesteps, sigmas, multistep buffers), flips modules to eval
+Rendering mutates scheduler state (timesteps, sigmas, multistep buffers), runs modules in eval mode
 and, unless told otherwise, draws noise from the global RNG. `Validator` snapshots and restores
 the schedulers, restores every module's train/eval mode, renders with seeded generators only
 inside a forked RNG, and swaps EMA weights in and out bitwise. A run with validation therefore
@@ -193,6 +193,10 @@ class Validator:
 
             with (preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()),
                   self.encoders_on_device()):
+                # As a loaded pipeline renders: in training mode, some models compute otherwise (dropout, a LoRA's
+                # included) or lay their output out otherwise (HiDream's transformer).
+                for module in modules_of(self.pipe).values():
+                    module.eval()
                 for variant, items in groupby(work[rank::world], key=itemgetter(0)):
                     with variants[variant][1]():
                         for item in items:

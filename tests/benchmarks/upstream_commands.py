@@ -31,8 +31,10 @@ def outcome(upstream, fixtures, output_dir):
         run_upstream_test(upstream, fixtures, output_dir)
     except AssertionError as failure:
         return "FAIL", time.monotonic() - start, reason(str(failure))
-    if upstream.refused is not None:
-        return "refused", time.monotonic() - start, upstream.refused
+    refused = [upstream.refused] if upstream.refused is not None else [run.refused for run in upstream.runs
+                                                                          if run.refused is not None]
+    if refused:
+        return "refused", time.monotonic() - start, refused[0]
     return "pass", time.monotonic() - start, ""
 
 

@@ -62,7 +62,7 @@ def tiny_clip_tokenizer(words=None, model_max_length=77):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
-def tiny_clip_text_encoder(vocab_size, with_projection=False, hidden_size=32, seed=SEED):
+def tiny_clip_text_encoder(vocab_size, with_projection=False, hidden_size=32, seed=SEED, max_position_embeddings=77):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
@@ -72,7 +72,7 @@ def tiny_clip_text_encoder(vocab_size, with_projection=False, hidden_size=32, se
         intermediate_size=37,
         num_hidden_layers=2,
         num_attention_heads=4,
-        max_position_embeddings=77,
+        max_position_embeddings=max_position_embeddings,
         projection_dim=hidden_size,
         bos_token_id=vocab_size - 2,
         eos_token_id=vocab_size - 1,
@@ -145,6 +145,39 @@ def tiny_qwen3_text_encoder(tokenizer, num_hidden_layers=28, hidden_size=16, see
                          bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     return Qwen3ForCausalLM(config).eval()
 
+
+
+def tiny_llama3_tokenizer(words=None):
+    """A real byte-level BPE tokenizer as Llama 3's (a ``PreTrainedTokenizerFast`` adding ``<|begin_of_text|>``,
+    ending turns with ``<|eot_id|>``), whose vocabulary holds ``words`` as whole tokens, with and without a leading
+    space; every byte has a token, so any text tokenizes."""
+    from tokenizers import pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
+
+    words = sorted(set(words if words is not None else vocabulary()))
+    begin, end_of_text, end_of_turn = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
+    backend = Qwen2Tokenizer().backend_tokenizer  # byte-level BPE with GPT-2's splitting, as Llama 3's
+    trainer = trainers.BpeTrainer(vocab_size=4096, show_progress=False, special_tokens=[begin, end_of_text,
+                                                                                        end_of_turn],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([form for word in words for form in (word, " " + word)], trainer=trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{begin} $A", pair=f"{begin} $A {begin} $B", special_tokens=[(begin, backend.token_to_id(begin))])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=begin, eos_token=end_of_turn,
+                                   model_max_length=131072)
+
+
+def tiny_llama_text_encoder(tokenizer, num_hidden_layers=2, hidden_size=16, seed=SEED):
+    """A Llama causal LM (HiDream's fourth text encoder class, Llama 3.1 Instruct's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=32,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=8, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                         attn_implementation="eager")
+    return LlamaForCausalLM(config).eval()
 
 
 def tiny_gemma_tokenizer(words=None, texts=()):
