@@ -250,6 +250,7 @@ def how_to_edit(template, args, single_reference=False):
     paths = (args.validation_image or [["reference.png"]])[0]
     images = [f'load_image("{path}")' for path in paths]
     image = images[0] if single_reference else f"[{', '.join(images)}]"
+    imports = "from diffusers import {imports}\n"
     template = template.replace('pipe("{prompt}")', 'pipe("{prompt}", image={image})').replace(
-        "from diffusers import {imports}\n", "from diffusers import {imports}\nfrom diffusers.utils import load_image\n")
+        imports, imports + "from diffusers.utils import load_image\n")
     return template, {"image": image}

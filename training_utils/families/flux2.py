@@ -19,8 +19,9 @@ standardised as the target is (`reference_latents`), and its tokens follow the t
 position ids whose time coordinate tells the references apart (10, 20, ...: `model_inputs`).
 
 Its output tokens, the target's (the references' are dropped, as the pipeline drops them), are unpacked into the
-latents' layout (`prediction`), where the loss compares them with the velocity. Every piece is the pipeline's own (its static helpers, its ``encode_prompt`` and that method's defaults),
-so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
+latents' layout (`prediction`), where the loss compares them with the velocity. Every piece is the pipeline's own
+(its static helpers, its ``encode_prompt`` and that method's defaults, its image processor), so training feeds the
+transformer what the pipeline's sampling loop feeds it at the same noise level.
 """
 
 import functools
