@@ -457,6 +457,10 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
                           "dreambooth/train_dreambooth_lora_krea2.py": "upstream has no test for its Krea 2 script",
                           "dreambooth/train_dreambooth_lora_chroma.py": "upstream has no Chroma script",
+                          "dreambooth/train_dreambooth_lora_flux2_klein_img2img.py":
+                              "upstream has no test for its FLUX.2 [klein] image-to-image script",
+                          "dreambooth/train_dreambooth_lora_flux2_img2img.py":
+                              "upstream has no test for its FLUX.2 image-to-image script",
                           "video/train_text_to_video_lora_wan.py": "upstream has no Wan training script",
                           "video/train_image_to_video_lora_wan.py": "upstream has no Wan training script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
