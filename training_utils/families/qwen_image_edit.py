@@ -1,0 +1,199 @@
+"""Qwen-Image-Edit (`QwenImageEditPlusPipeline`, 2509/2511, one to three references; `QwenImageEditPipeline`, the
+first Edit model, one): Qwen-Image's transformer, VAE and latent layout (`qwen_image`), conditioned on reference
+images twice, each as the pipeline does it:
+
+- in the prompt: the Qwen2.5-VL text encoder sees each reference (its vision tower, through the pipeline's
+  ``processor``) inside the pipeline's edit template, Edit Plus numbering them ("Picture 1: <image>..."), so the
+  prompt's embeddings depend on the references (`encode_prompts` takes ``(instruction, references)``). Edit Plus
+  gives the encoder each reference resized to about 384×384 pixels (``CONDITION_IMAGE_SIZE``) at its aspect ratio;
+  the first Edit gives it the reference at the VAE's size;
+- in the image stream: each reference resized to about 1024×1024 pixels (Edit Plus' ``VAE_IMAGE_SIZE``, the first
+  Edit's literal), encoded by the VAE (the mode, standardised like the target), packed into tokens after the
+  target's, with its own (frames, rows, columns) in ``img_shapes`` (`with_references`). The transformer's output
+  is cut back to the target's tokens (`prediction`), as the sampling loop cuts it.
+
+``--reference_area`` trains on references of another area (memory, speed); validation then renders at that area
+(`rendering_references_at`), since the pipelines fix theirs in code. The pipeline's ``Qwen2VLProcessor`` needs
+torchvision in transformers 5 only for its video processor, which editing never uses: `load_processor` loads it
+without (`QwenVLImageProcessor`).
+"""
+
+import contextlib
+import sys
+
+import torch
+from transformers import Qwen2VLProcessor
+
+from ..errors import require
+from . import qwen_image
+from .layout import Family
+
+# Qwen-Image's own: the VAE, the latents' standardisation, a batch's text inputs from its samples' rows.
+image_vae, normalized_latents, text_inputs = qwen_image.image_vae, qwen_image.normalized_latents, qwen_image.text_inputs
+# ComfyUI loads Qwen-Image-Edit's transformer as Qwen-Image's: the same module names.
+FAMILY = Family("qwen_image_edit", "Qwen-Image-Edit", ("QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
+                "transformer", {}, qwen_image.COMFYUI_LAYOUT)
+# The references each pipeline conditions on: the first Edit's template holds one image; Edit Plus numbers up to
+# three (the count its model was trained with).
+REFERENCES = {"QwenImageEditPipeline": (1, 1), "QwenImageEditPlusPipeline": (0, 3)}
+# The area that QwenImageEditPipeline.__call__ resizes its reference to, a literal there.
+EDIT_IMAGE_AREA = 1024 * 1024
+
+
+class QwenVLImageProcessor(Qwen2VLProcessor):
+    """The pipeline's ``Qwen2VLProcessor`` without a video processor: its tokenizer and image processor, loaded from
+    the same files, do all that the edit pipelines ask of it (text and images), and transformers 5's video processor
+    needs torchvision."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def load_processor(args):
+    """The pipeline's processor (``processor/`` of ``--pretrained_model_name_or_path``) as a `QwenVLImageProcessor`,
+    to pass to ``from_pretrained``."""
+    return QwenVLImageProcessor.from_pretrained(args.pretrained_model_name_or_path, subfolder="processor",
+                                                revision=args.revision, cache_dir=args.cache_dir)
+
+
+def add_args(parser):
+    """Qwen-Image's prompt-length flag, and the references' area."""
+    qwen_image.add_args(parser)
+    parser.add_argument("--reference_area", type=int, default=None,
+                        help="pixels of each reference image for the VAE, resized at its aspect ratio (default: the "
+                             "pipeline's, 1024*1024); validation renders at the same")
+
+
+def check_args(args):
+    qwen_image.check_args(args)
+    require(args.reference_area is None or args.reference_area >= 32 * 32, "--reference_area", args.reference_area,
+            "a number of pixels of at least 32*32 (the pipeline rounds sides to multiples of 32)")
+
+
+def prompt_settings(pipe, args):
+    """Qwen-Image's settings and the references' area (``None``: the pipeline's)."""
+    return {**qwen_image.prompt_settings(pipe, args), "reference_area": args.reference_area}
+
+
+def call_kwargs(pipe, settings):
+    """What every render passes to the pipeline: Qwen-Image's, without the area (`rendering_references_at`)."""
+    return qwen_image.call_kwargs(pipe, {key: value for key, value in settings.items() if key != "reference_area"})
+
+
+def _pipeline_module(pipe):
+    return sys.modules[type(pipe).__module__]
+
+
+def reference_sizes(pipe, reference, settings):
+    """``((width, height) for the text encoder, (width, height) for the VAE)`` of a PIL reference, by the
+    pipeline's rules: its aspect ratio at each area, sides rounded to multiples of 32."""
+    module = _pipeline_module(pipe)
+    ratio = reference.width / reference.height
+    if hasattr(module, "VAE_IMAGE_SIZE"):
+        vae_area = settings["reference_area"] or module.VAE_IMAGE_SIZE
+        return module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, ratio)[:2], \
+            module.calculate_dimensions(vae_area, ratio)[:2]
+    size = module.calculate_dimensions(settings["reference_area"] or EDIT_IMAGE_AREA, ratio)[:2]
+    return size, size
+
+
+def condition_images(pipe, references, settings):
+    """What the pipeline's ``encode_prompt`` gets as ``image`` for these PIL references: each resized to the text
+    encoder's size, a list for Edit Plus, the image itself for the first Edit; None without references."""
+    if not references:
+        return None
+    resized = [pipe.image_processor.resize(reference, height, width)
+               for reference, ((width, height), _) in ((ref, reference_sizes(pipe, ref, settings))
+                                                      for ref in references)]
+    return resized if hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE") else resized[0]
+
+
+def vae_images(pipe, references, settings):
+    """Each PIL reference as the pipeline gives it to the VAE: at the VAE's size, in [-1, 1], ``(1, 3, 1, H, W)``."""
+    images = []
+    for reference in references:
+        _, (width, height) = reference_sizes(pipe, reference, settings)
+        images.append(pipe.image_processor.preprocess(reference, height, width).unsqueeze(2))
+    return images
+
+
+def reference_latents(pipe, vae_latent_parameters):
+    """The latents of references from the VAE's ``latent_dist.parameters`` ``(B, 2C, 1, h, w)``: the mode (the
+    pipeline encodes references with ``sample_mode="argmax"``), standardised as the target's."""
+    mode = vae_latent_parameters.chunk(2, dim=1)[0]
+    return normalized_latents(pipe, mode)
+
+
+def prompt_dependencies(pipe, settings):
+    """What the embeddings depend on besides the text encoder's weights and the prompts with their references: the
+    encoding code, the tokenizer, the image processor's configuration, the template and its dropped prefix, the
+    pipeline class (its rules) and the settings."""
+    return [encode_prompts, condition_images, reference_sizes, pipe.tokenizer, pipe.processor.image_processor.to_dict(),
+            pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, type(pipe).__name__, settings]
+
+
+def encode_prompts(pipe, prompts, device, settings):
+    """``(prompt_embeds, mask)`` for ``prompts``, each an instruction (no reference: text to image) or a pair
+    ``(instruction, PIL references)``: each one's row is ``pipe.encode_prompt(instruction, image=...)``'s, as the
+    pipeline encodes it for its call with those references, padded with zeros to the longest row; the mask marks the
+    real tokens. Each is encoded alone (the pipeline gives one set of references to the whole batch)."""
+    rows = []
+    for prompt in prompts:
+        instruction, references = (prompt, ()) if isinstance(prompt, str) else prompt
+        prompt_embeds, _ = pipe.encode_prompt(instruction, image=condition_images(pipe, references, settings),
+                                              device=device)
+        rows.append(prompt_embeds[0])
+    length = max(len(row) for row in rows)
+    prompt_embeds = torch.stack([torch.cat([row, row.new_zeros(length - len(row), row.shape[1])]) for row in rows])
+    mask = torch.stack([torch.arange(length, device=prompt_embeds.device) < len(row) for row in rows]).long()
+    return prompt_embeds, mask
+
+
+def model_inputs(pipe, noisy_latents, timesteps):
+    """Qwen-Image's inputs for the target alone (`with_references` adds the references)."""
+    return qwen_image.model_inputs(pipe, noisy_latents, timesteps)
+
+
+def with_references(pipe, inputs, references):
+    """``inputs`` (`model_inputs`) with the references' tokens after the target's, as the sampling loop concatenates
+    them: ``references`` holds a batch ``(B, C, 1, h, w)`` of `reference_latents` per reference, in order (the
+    batch's samples share their references' count and sizes); each adds its (frames, rows, columns) of patches to
+    every sample's ``img_shapes``."""
+    if not references:
+        return inputs
+    tokens = [pipe._pack_latents(latents, *latents.shape[:2], *latents.shape[-2:]) for latents in references]
+    shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2) for latents in references]
+    return {**inputs, "hidden_states": torch.cat([inputs["hidden_states"], *tokens], dim=1),
+            "img_shapes": [[*sample, *shapes] for sample in inputs["img_shapes"]]}
+
+
+def prediction(pipe, output, latents):
+    """The transformer's output tokens for the target (the first ones; the references' follow) in the layout of
+    the `normalized_latents` ``latents``: the velocity it predicts."""
+    height, width = latents.shape[-2:]
+    return qwen_image.prediction(pipe, output[:, : (height // 2) * (width // 2)], latents)
+
+
+def render_kwargs(pipe, references):
+    """The pipeline call's ``image`` for these PIL references (Edit Plus a list, the first Edit the image)."""
+    return {"image": list(references) if hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE") else references[0]}
+
+
+@contextlib.contextmanager
+def rendering_references_at(pipe, settings):
+    """While inside, the pipeline resizes references for the VAE to the settings' ``reference_area`` (the first
+    Edit: for the text encoder too, as it trained): the pipelines fix their areas in code, a module constant (Edit
+    Plus) or a literal given to the module's ``calculate_dimensions`` (the first Edit). Nothing changes when the
+    area is the pipeline's."""
+    module, area = _pipeline_module(pipe), settings["reference_area"]
+    if area is None:
+        yield
+        return
+    name, original = (("VAE_IMAGE_SIZE", module.VAE_IMAGE_SIZE) if hasattr(module, "VAE_IMAGE_SIZE")
+                      else ("calculate_dimensions", module.calculate_dimensions))
+    replacement = area if name == "VAE_IMAGE_SIZE" else (lambda target_area, ratio: original(area, ratio))
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
