@@ -49,11 +49,10 @@ class QwenVLImageProcessor(Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
-def load_processor(args):
-    """The pipeline's processor (``processor/`` of ``--pretrained_model_name_or_path``) as a `QwenVLImageProcessor`,
-    to pass to ``from_pretrained``."""
-    return QwenVLImageProcessor.from_pretrained(args.pretrained_model_name_or_path, subfolder="processor",
-                                                revision=args.revision, cache_dir=args.cache_dir)
+def load_processor(path, revision=None, cache_dir=None):
+    """The processor (``processor/``) of the pipeline at ``path`` as a `QwenVLImageProcessor`, to pass to the
+    pipeline's ``from_pretrained``."""
+    return QwenVLImageProcessor.from_pretrained(path, subfolder="processor", revision=revision, cache_dir=cache_dir)
 
 
 def add_args(parser):
@@ -119,9 +118,13 @@ def vae_images(pipe, references, settings):
 
 def reference_latents(pipe, vae_latent_parameters):
     """The latents of references from the VAE's ``latent_dist.parameters`` ``(B, 2C, 1, h, w)``: the mode (the
-    pipeline encodes references with ``sample_mode="argmax"``), standardised as the target's."""
+    pipeline encodes references with ``sample_mode="argmax"``), standardised exactly as the pipeline standardises
+    them (dividing by the standard deviation, where `normalized_latents` multiplies by its inverse)."""
     mode = vae_latent_parameters.chunk(2, dim=1)[0]
-    return normalized_latents(pipe, mode)
+    shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
+    mean, std = (torch.tensor(values).view(shape).to(mode.device, mode.dtype)
+                 for values in (pipe.vae.config.latents_mean, pipe.vae.config.latents_std))
+    return (mode - mean) / std
 
 
 def prompt_dependencies(pipe, settings):

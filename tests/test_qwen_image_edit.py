@@ -1,0 +1,178 @@
+"""training_utils.families.qwen_image_edit: Qwen-Image-Edit's references reach the prompt and the image stream as
+the pipelines put them.
+
+The central check: sampling with a transformer that predicts exactly the training target follows the training
+path, and at every step the transformer gets what training gives it: the target's tokens then the references',
+their ``img_shapes``, and the prompt encoded with the references."""
+
+import functools
+
+import pytest
+import torch
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+from PIL import Image
+
+from helpers import family_args
+from training_utils.errors import UsageError
+from training_utils.families import qwen_image_edit
+from training_utils.flow_matching import add_noise, velocity
+
+INSTRUCTION = "a purple triangle on a white background"
+# The references' area for the VAE in the tests (--reference_area): 32×32 pixels for both references below (sides
+# are multiples of 32), instead of the pipeline's 1024×1024, which the tiny VAE takes seconds to encode.
+AREA = 32 * 32
+
+
+def references():
+    """Two references of other aspect ratios, a wide red one and a tall blue one."""
+    return [Image.new("RGB", (48, 32), (255, 0, 0)), Image.new("RGB", (32, 64), (0, 0, 255))]
+
+
+def load(tiny, name, pipeline_class):
+    pipe = pipeline_class.from_pretrained(tiny[name], processor=qwen_image_edit.load_processor(tiny[name]))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def plus(tiny):
+    return load(tiny, "qwen_image_edit_plus", QwenImageEditPlusPipeline)
+
+
+@pytest.fixture(scope="module")
+def edit(tiny):
+    return load(tiny, "qwen_image_edit", QwenImageEditPipeline)
+
+
+@pytest.fixture(scope="module")
+def parse(tiny):
+    return functools.partial(family_args, qwen_image_edit, tiny["qwen_image_edit_plus"])
+
+
+def test_the_processor_loads_without_torchvision_and_the_tokenizer_drops_the_templates_system_turn(plus):
+    assert type(plus.processor) is qwen_image_edit.QwenVLImageProcessor
+    assert type(plus.processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    system_turn = plus.prompt_template_encode.split("{}")[0]
+    tokens = plus.tokenizer.tokenize(system_turn)
+    assert len(tokens) == plus.prompt_template_encode_start_idx == 64 and tokens[-2:] == ["user", "Ċ"]
+    first, second = (plus.tokenizer(prompt).input_ids for prompt in ["a red circle", INSTRUCTION])
+    assert first != second
+
+
+def test_reference_sizes_follow_the_pipelines_rules(plus, edit, parse):
+    wide, tall = references()
+    pipelines_area = qwen_image_edit.prompt_settings(plus, parse())
+    assert pipelines_area["reference_area"] is None
+    # Edit Plus: about 384×384 for the text encoder, 1024×1024 for the VAE, at the reference's aspect ratio.
+    assert qwen_image_edit.reference_sizes(plus, wide, pipelines_area) == ((480, 320), (1248, 832))
+    assert qwen_image_edit.reference_sizes(plus, tall, pipelines_area) == ((256, 544), (736, 1440))
+    assert qwen_image_edit.reference_sizes(edit, wide, pipelines_area) == ((1248, 832), (1248, 832))
+    settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
+    assert qwen_image_edit.reference_sizes(plus, wide, settings) == ((480, 320), (32, 32))
+    assert qwen_image_edit.reference_sizes(edit, tall, settings) == ((32, 32), (32, 32))
+
+
+def test_a_bad_reference_area_fails_in_one_line(parse):
+    with pytest.raises(UsageError) as error:
+        parse("--reference_area", 100)
+    assert str(error.value) == ("--reference_area=100: expected a number of pixels of at least 32*32 (the pipeline "
+                                "rounds sides to multiples of 32)")
+
+
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_the_prompt_is_encoded_with_its_references_as_the_pipeline_encodes_it(plus, parse, count):
+    settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
+    refs = references()[:count]
+    with torch.no_grad():
+        prompt_embeds, mask = qwen_image_edit.encode_prompts(plus, [(INSTRUCTION, refs), "a red circle"], "cpu",
+                                                             settings)
+        condition = [plus.image_processor.resize(ref, height, width)
+                     for ref, (width, height) in zip(refs, [(480, 320), (256, 544)])]
+        expected, _ = plus.encode_prompt(INSTRUCTION, image=condition or None)
+        alone, _ = plus.encode_prompt("a red circle")
+    # The references' vision tokens (the processor's patches of each, at most 8×8 pixels), each with "Picture n: ",
+    # are among the prompt's tokens.
+    assert expected.shape[1] == [12, 31, 48][count] and mask.sum(1).tolist() == [expected.shape[1], alone.shape[1]]
+    assert torch.equal(prompt_embeds[0, : expected.shape[1]], expected[0]) and not prompt_embeds[1, 8:].any()
+    assert torch.equal(prompt_embeds[1, : alone.shape[1]], alone[0])
+
+
+def test_the_first_edit_encodes_its_one_reference_at_the_vaes_size(edit, parse):
+    settings = qwen_image_edit.prompt_settings(edit, parse("--reference_area", AREA))
+    with torch.no_grad():
+        prompt_embeds, _ = qwen_image_edit.encode_prompts(edit, [(INSTRUCTION, references()[:1])], "cpu", settings)
+        expected, _ = edit.encode_prompt(INSTRUCTION, image=edit.image_processor.resize(references()[0], 32, 32))
+    assert torch.equal(prompt_embeds, expected)
+
+
+def test_rendering_at_the_trained_area_changes_the_pipelines_rule_only_inside(plus, edit, parse):
+    settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
+    for pipe in (plus, edit):
+        module = qwen_image_edit._pipeline_module(pipe)
+        before = dict(vars(module))
+        with qwen_image_edit.rendering_references_at(pipe, settings):
+            assert module.calculate_dimensions(1024 * 1024, 1.5)[:2] == (32, 32) or module.VAE_IMAGE_SIZE == AREA
+        assert vars(module) == before
+
+
+def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, width=48):
+    """The transformer's inputs at each step of the pipeline's sampling loop with a transformer that predicts the
+    training target, and those that training computes at the same noise levels."""
+    generator = torch.Generator().manual_seed(0)
+    latent_height, latent_width = height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+    vae_latents = torch.randn(1, 4, 1, latent_height, latent_width, generator=generator)
+    latents = qwen_image_edit.normalized_latents(pipe, vae_latents)
+    noise = torch.randn(latents.shape, generator=generator)
+    target_tokens = pipe._pack_latents(velocity(latents, noise), 1, 4, latent_height, latent_width)
+    packed_noise = pipe._pack_latents(noise, 1, 4, latent_height, latent_width)
+    calls, decoded = [], []
+
+    def transformer_predicting_the_target(**inputs):
+        calls.append(inputs)
+        # The references' tokens' output follows the target's: the pipeline cuts it off, as training does.
+        return (torch.cat([target_tokens, torch.randn_like(inputs["hidden_states"][:, target_tokens.shape[1]:])], 1),)
+
+    def decode(latents, return_dict=True):
+        decoded.append(latents)
+        return (torch.zeros(1, 3, 1, height, width),)
+
+    monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
+    monkeypatch.setattr(pipe.vae, "decode", decode)
+    with qwen_image_edit.rendering_references_at(pipe, settings):
+        pipe(prompt=INSTRUCTION, height=height, width=width, num_inference_steps=3, latents=packed_noise,
+             output_type="np", **qwen_image_edit.call_kwargs(pipe, settings),
+             **qwen_image_edit.render_kwargs(pipe, refs))
+    torch.testing.assert_close(decoded[0], vae_latents, rtol=0, atol=1e-5)
+    output = calls[0]["hidden_states"]  # what an output of the inputs' layout reads back as, in the latents'
+    assert torch.equal(qwen_image_edit.prediction(pipe, output, latents), pipe._unpack_latents(
+        output[:, : packed_noise.shape[1]], height, width, pipe.vae_scale_factor))
+
+    monkeypatch.undo()
+    with torch.no_grad():
+        rows = list(zip(*qwen_image_edit.encode_prompts(pipe, [(INSTRUCTION, refs)], "cpu", settings)))
+        reference_latents = [qwen_image_edit.reference_latents(pipe, pipe.vae.encode(image).latent_dist.parameters)
+                             for image in qwen_image_edit.vae_images(pipe, refs, settings)]
+    trained = [{**qwen_image_edit.with_references(
+        pipe, qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, pipe.scheduler.sigmas[step]),
+                                           pipe.scheduler.timesteps[step].expand(1)), reference_latents),
+                **qwen_image_edit.text_inputs(rows)} for step in range(len(calls))]
+    return calls, trained
+
+
+@pytest.mark.parametrize("pipeline, count", [("plus", 1), ("plus", 2), ("edit", 1)])
+def test_sampling_towards_the_training_target_gets_the_training_inputs_with_references(request, parse, monkeypatch,
+                                                                                       pipeline, count):
+    pipe = request.getfixturevalue(pipeline)
+    settings = qwen_image_edit.prompt_settings(pipe, parse("--reference_area", AREA))
+    refs = references()[:count]
+    calls, trained = sampled_and_trained_inputs(pipe, settings, refs, monkeypatch)
+    # The target (32×48 pixels: 16×24 latents, 8×12 tokens), then each reference at about 32×32 pixels.
+    reference_shapes = [(1, 8, 8), (1, 8, 8)][:count]
+    for call, expected in zip(calls, trained):
+        assert call["img_shapes"] == expected["img_shapes"] == [[(1, 8, 12), *reference_shapes]]
+        assert call["hidden_states"].shape[1] == 96 + 64 * count
+        torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
+        assert torch.equal(call["hidden_states"][:, 96:], expected["hidden_states"][:, 96:])
+        assert torch.equal(call["timestep"], expected["timestep"])
+        assert torch.equal(call["encoder_hidden_states"], expected["encoder_hidden_states"])
+        assert call["encoder_hidden_states_mask"] is expected["encoder_hidden_states_mask"] is None
