@@ -72,6 +72,17 @@ def test_reference_sizes_follow_the_pipelines_rules(plus, edit, parse):
     assert qwen_image_edit.reference_sizes(edit, tall, settings) == ((32, 32), (32, 32))
 
 
+def test_the_reference_layout_is_the_vaes_input_and_its_description_changes_with_the_area(plus, edit, parse):
+    settings, pipelines = (qwen_image_edit.prompt_settings(plus, parse(*flags)) for flags in [("--reference_area",
+                                                                                                 AREA), ()])
+    wide = references()[0]
+    pixels = qwen_image_edit.ReferenceLayout(plus, settings)(wide)
+    assert torch.equal(pixels, plus.image_processor.preprocess(wide, 32, 32)[0]) and pixels.shape == (3, 32, 32)
+    descriptions = {str(qwen_image_edit.ReferenceLayout(pipe, chosen)) for pipe in (plus, edit)
+                    for chosen in (settings, pipelines)}
+    assert len(descriptions) == 4
+
+
 def test_a_bad_reference_area_fails_in_one_line(parse):
     with pytest.raises(UsageError) as error:
         parse("--reference_area", 100)
@@ -150,8 +161,10 @@ def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, wid
     monkeypatch.undo()
     with torch.no_grad():
         rows = list(zip(*qwen_image_edit.encode_prompts(pipe, [(INSTRUCTION, refs)], "cpu", settings)))
-        reference_latents = [qwen_image_edit.reference_latents(pipe, pipe.vae.encode(image).latent_dist.parameters)
-                             for image in qwen_image_edit.vae_images(pipe, refs, settings)]
+        # As training lays out and encodes them (`edit_samples.References`), one at a time.
+        layout, vae = qwen_image_edit.ReferenceLayout(pipe, settings), qwen_image_edit.image_vae(pipe)
+        reference_latents = [qwen_image_edit.reference_latents(pipe, vae.encode(layout(ref)[None]).latent_dist
+                                                               .parameters) for ref in refs]
     trained = [{**qwen_image_edit.with_references(
         pipe, qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, pipe.scheduler.sigmas[step]),
                                            pipe.scheduler.timesteps[step].expand(1)), reference_latents),

@@ -19,11 +19,13 @@ without (`QwenVLImageProcessor`).
 """
 
 import contextlib
+import json
 import sys
 
 import torch
 from transformers import Qwen2VLProcessor
 
+from ..cache_keys import describe
 from ..errors import require
 from . import qwen_image
 from .layout import Family
@@ -56,27 +58,30 @@ def load_processor(path, revision=None, cache_dir=None):
 
 
 def add_args(parser):
-    """Qwen-Image's prompt-length flag, and the references' area."""
-    qwen_image.add_args(parser)
-    parser.add_argument("--reference_area", type=int, default=None,
-                        help="pixels of each reference image for the VAE, resized at its aspect ratio (default: the "
-                             "pipeline's, 1024*1024); validation renders at the same")
+    """The references' area for the VAE. (No ``--max_sequence_length``: the edit pipelines never cut a prompt.)"""
+    group = parser.add_argument_group("Qwen-Image-Edit")
+    group.add_argument("--reference_area", type=int, default=None,
+                       help="pixels of each reference image for the VAE, resized at its aspect ratio (default: the "
+                            "pipeline's, 1024*1024); validation renders at the same")
 
 
 def check_args(args):
-    qwen_image.check_args(args)
+    """Fail in one line on a bad area or image size, before any weights load (the size against the VAE's
+    configuration, as Qwen-Image checks it)."""
     require(args.reference_area is None or args.reference_area >= 32 * 32, "--reference_area", args.reference_area,
             "a number of pixels of at least 32*32 (the pipeline rounds sides to multiples of 32)")
+    qwen_image.check_resolution(args)
 
 
 def prompt_settings(pipe, args):
-    """Qwen-Image's settings and the references' area (``None``: the pipeline's)."""
-    return {**qwen_image.prompt_settings(pipe, args), "reference_area": args.reference_area}
+    """The references' area for the VAE (``None``: the pipeline's), on which the first Edit's prompt depends too."""
+    return {"reference_area": args.reference_area}
 
 
 def call_kwargs(pipe, settings):
-    """What every render passes to the pipeline: Qwen-Image's, without the area (`rendering_references_at`)."""
-    return qwen_image.call_kwargs(pipe, {key: value for key, value in settings.items() if key != "reference_area"})
+    """What every render passes to the pipeline: no true classifier-free guidance, as Qwen-Image (the area is not an
+    argument of the pipeline's: `rendering_references_at`)."""
+    return {"true_cfg_scale": 1.0}
 
 
 def _pipeline_module(pipe):
@@ -107,13 +112,21 @@ def condition_images(pipe, references, settings):
     return resized if hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE") else resized[0]
 
 
-def vae_images(pipe, references, settings):
-    """Each PIL reference as the pipeline gives it to the VAE: at the VAE's size, in [-1, 1], ``(1, 3, 1, H, W)``."""
-    images = []
-    for reference in references:
-        _, (width, height) = reference_sizes(pipe, reference, settings)
-        images.append(pipe.image_processor.preprocess(reference, height, width).unsqueeze(2))
-    return images
+class ReferenceLayout:
+    """``lay_out(image)`` for `edit_samples.References`: a PIL reference as the pipeline gives it to the VAE, at the
+    VAE's size (`reference_sizes`), CHW in [-1, 1]. What it depends on (the pipeline class, the area, the code)
+    describes it for the disk cache's key."""
+
+    def __init__(self, pipe, settings):
+        self.pipe, self.settings = pipe, settings
+
+    def __call__(self, reference):
+        _, (width, height) = reference_sizes(self.pipe, reference, self.settings)
+        return self.pipe.image_processor.preprocess(reference, height, width)[0]
+
+    def __str__(self):
+        return json.dumps([type(self.pipe).__name__, self.settings, describe(reference_sizes),
+                           describe(ReferenceLayout.__call__)])
 
 
 def reference_latents(pipe, vae_latent_parameters):
