@@ -13,16 +13,18 @@ images twice, each as the pipeline does it:
   is cut back to the target's tokens (`prediction`), as the sampling loop cuts it.
 
 ``--reference_area`` trains on references of another area (memory, speed); validation then renders at that area
-(`rendering_references_at`), since the pipelines fix theirs in code. The pipeline's ``Qwen2VLProcessor`` needs
-torchvision in transformers 5 only for its video processor, which editing never uses: `load_processor` loads it
-without (`QwenVLImageProcessor`).
+(`rendering_references_at`, `rendering`), since the pipelines fix theirs in code. The pipeline's
+``Qwen2VLProcessor`` needs torchvision in transformers 5 only for its video processor, which editing never uses:
+`load_processor` loads it without (`QwenVLImageProcessor`).
 """
 
 import contextlib
 import json
 import sys
 
+import diffusers
 import torch
+from diffusers import DiffusionPipeline
 from transformers import Qwen2VLProcessor
 
 from ..cache_keys import describe
@@ -66,11 +68,27 @@ def add_args(parser):
 
 
 def check_args(args):
-    """Fail in one line on a bad area or image size, before any weights load (the size against the VAE's
-    configuration, as Qwen-Image checks it)."""
+    """Fail in one line on a bad area or image size, or a model that is no edit pipeline, before any weights load
+    (the size against the VAE's configuration, as Qwen-Image checks it)."""
     require(args.reference_area is None or args.reference_area >= 32 * 32, "--reference_area", args.reference_area,
             "a number of pixels of at least 32*32 (the pipeline rounds sides to multiples of 32)")
+    require(not getattr(args, "random_flip", False), "--random_flip", True,
+            "no mirroring: the text encoder sees each reference as it is, while the target would be mirrored")
+    pipeline_class(args)
     qwen_image.check_resolution(args)
+
+
+def pipeline_class(args):
+    """The edit pipeline class that ``--pretrained_model_name_or_path``'s ``model_index.json`` names (read without
+    loading weights): the first Edit's or Edit Plus'."""
+    path = args.pretrained_model_name_or_path
+    try:
+        name = DiffusionPipeline.load_config(path, revision=args.revision, cache_dir=args.cache_dir)["_class_name"]
+    except (OSError, ValueError, KeyError):
+        name = None
+    require(name in REFERENCES, "--pretrained_model_name_or_path", path,
+            f"a Qwen-Image-Edit pipeline ({' or '.join(REFERENCES)}), not {name}")
+    return getattr(diffusers, name)
 
 
 def prompt_settings(pipe, args):
@@ -213,3 +231,14 @@ def rendering_references_at(pipe, settings):
         yield
     finally:
         setattr(module, name, original)
+
+
+def rendering(pipe, settings, encoders_on_device):
+    """The validator's ``encoders_on_device`` (entered around each validation's rendering) that also renders the
+    references at the trained area (`rendering_references_at`)."""
+    @contextlib.contextmanager
+    def around_rendering():
+        with encoders_on_device(), rendering_references_at(pipe, settings):
+            yield
+
+    return around_rendering
