@@ -102,6 +102,22 @@ def test_an_unreadable_reference_is_named_before_weights_load_or_its_row_skipped
     assert "1 rows left out for an unreadable reference image: row 3: " in caplog.text
 
 
+def refuse_under_80(width, height):
+    if min(width, height) < 80:
+        raise ValueError(f"{width}x{height} is under 80 pixels")
+
+
+def test_a_reference_size_the_pipeline_refuses_is_named_before_weights_load(edit_data):
+    argv = ["--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column", "text"]
+    with pytest.raises(UsageError, match=r"expected reference images the pipeline takes: row 0's .*0000-0.png is not "
+                                         r"\(64x64 is under 80 pixels\)"):
+        check_edit_args(parse(*argv), check_size=refuse_under_80)
+    with pytest.raises(UsageError, match=r"--validation_image='.*0001-0.png': expected reference images the pipeline "
+                                         r"takes: .*0001-0.png is not \(96x64 is under 80 pixels\)"):
+        validation_inputs(parse(*argv, "--validation_prompt", "a", "--validation_image",
+                                edit_data / "references" / "0001-0.png"), check_size=refuse_under_80)
+
+
 def test_an_instance_folder_holds_targets_only(edit_data, tmp_path):
     folder = tmp_path / "targets"
     folder.mkdir()
@@ -147,7 +163,7 @@ def dataset_of(rows, vae, cache_latents, cache_dir=None, buckets=False, repeats=
 def test_samples_batch_by_their_target_and_reference_shapes(edit_rows, vae):
     dataset, encoders, references = dataset_of(edit_rows, vae, cache_latents=False, buckets=True,
                                                repeats=2)
-    assert dataset.shapes[0] == ((32, 32), (32, 32)) and dataset.shapes[1] == ((32, 32), (16, 40), (32, 24))
+    assert dataset.shapes[0] == ((32, 32), (32, 32)) and dataset.shapes[1] == ((32, 32), (24, 32), (32, 24))
     assert dataset.shapes[2] == SampleShape([(24, 40)]) and dataset.target_shapes[2] == (24, 40)
     assert dataset.shape_of(8) == dataset.shapes[2]  # the second repeat
     assert "bucket target 24x40, references none: 4 images" in "\n".join(BucketBatchSampler(dataset, 2, 0).report())
@@ -204,10 +220,10 @@ def test_cached_reference_latents_equal_uncached(edit_rows, vae, tmp_path, on_di
 def test_validation_references_once_for_every_prompt_or_once_each(edit_data, tmp_path):
     first, second = edit_data / "references" / "0001-0.png", edit_data / "references" / "0001-1.png"
     args = parse("--dataset_name", edit_data, "--validation_prompt", "a", "b", "--validation_image", first, second)
-    assert [[image.size for image in images] for images in validation_references(args)] == [[(64, 32), (40, 56)]] * 2
+    assert [[image.size for image in images] for images in validation_references(args)] == [[(96, 64), (64, 80)]] * 2
     args = parse("--dataset_name", edit_data, "--validation_prompt", "a", "b", "--validation_image", first,
                  "--validation_image", second)
-    assert [[image.size for image in images] for images in validation_references(args)] == [[(64, 32)], [(40, 56)]]
+    assert [[image.size for image in images] for images in validation_references(args)] == [[(96, 64)], [(64, 80)]]
     assert validation_references(parse("--dataset_name", edit_data, "--validation_prompt", "a")) == [[]]
     (tmp_path / "broken.png").write_bytes(b"no")
     for argv, message in (([first, "--validation_image", first, "--validation_image", first], "one per prompt"),
@@ -224,11 +240,11 @@ def test_validation_inputs_pass_the_references_as_the_pipelines_image_and_show_t
     inputs = validation_inputs(args)
     assert inputs["conditioning_label"] == "references"
     assert [[image.size for image in kwargs["image"]] for kwargs in inputs["prompt_kwargs"]] == [
-        [(64, 32)], [(64, 32), (40, 56)]]
+        [(96, 64)], [(96, 64), (64, 80)]]
     assert inputs["conditioning_images"][1] == inputs["prompt_kwargs"][1]["image"]
     with pytest.raises(UsageError, match="one reference image a prompt for this model"):
         validation_inputs(args, single_reference=True)
     single = validation_inputs(parse("--dataset_name", edit_data, "--validation_prompt", "a", "--validation_image",
                                      first), single_reference=True)
-    assert single["prompt_kwargs"][0]["image"].size == (64, 32)
+    assert single["prompt_kwargs"][0]["image"].size == (96, 64)
     assert validation_inputs(parse("--dataset_name", edit_data, "--validation_prompt", "a"))["prompt_kwargs"] == [{}]

@@ -23,7 +23,7 @@ from PIL import Image
 from .data import load_train_dataset
 from .dreambooth import NOT_DREAMBOOTH_DATA, EmbeddedImage, list_images, sidecar_captioned_images
 from .errors import UsageError, require
-from .images import UNREADABLE_IMAGE_ERRORS, openable, read_image
+from .images import UNREADABLE_IMAGE_ERRORS, image_sizes, openable, read_image
 from .parser import add_refused_args
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,10 @@ class EditRows(NamedTuple):
         return EditRows(*([values[index] for index in keep] for values in self))
 
 
-def check_edit_args(args, max_references=None):
+def check_edit_args(args, max_references=None, check_size=None):
     """Fail on bad edit data before any weights load; returns the `EditRows`. ``max_references`` is the most
-    references the model takes in one sample (None: no limit)."""
+    references the model takes in one sample (None: no limit); ``check_size(width, height)`` raises ValueError for
+    a reference size the model's pipeline refuses (`readable_references`)."""
     require((args.instance_data_dir is None) != (args.dataset_name is None), "--instance_data_dir",
             args.instance_data_dir, "a folder of target images, or --dataset_name, not both")
     require(args.instance_prompt is None or args.instance_prompt.strip(), "--instance_prompt", args.instance_prompt,
@@ -100,7 +101,7 @@ def check_edit_args(args, max_references=None):
     most = max(map(len, rows.references))
     require(max_references is None or most <= max_references, "--cond_image_column", args.cond_image_column,
             f"at most {max_references} reference images a row for this model (a row has {most})")
-    rows = readable_references(rows, args.skip_corrupt_images)
+    rows = readable_references(rows, args.cond_image_column, args.skip_corrupt_images, check_size)
     without = sum(not references for references in rows.references)
     if without:
         logger.info(f"{without} of {len(rows.targets)} rows have no reference image: they train as text-to-image")
@@ -162,9 +163,10 @@ def image_name(image):
     return str(image["path"] or "an embedded image") if isinstance(image, dict) else str(image)
 
 
-def readable_references(rows, skip_unreadable):
+def readable_references(rows, column, skip_unreadable, check_size=None):
     """``rows`` whose references all open (their headers are read); a row with one that does not stops the run in
-    one line naming it, or with ``skip_unreadable`` is left out, named in a warning."""
+    one line naming it, or with ``skip_unreadable`` is left out, named in a warning. ``check_size(width, height)``
+    (the family's) raises ValueError for a size its pipeline refuses: that stops the run, naming the image."""
     unreadable = {}
     for index, references in enumerate(rows.references):
         for reference in references:
@@ -174,20 +176,33 @@ def readable_references(rows, skip_unreadable):
             except UNREADABLE_IMAGE_ERRORS as error:
                 unreadable[index] = f"{image_name(reference)} ({type(error).__name__}: {error})"
                 break
+            check_reference_size(reference, check_size, "--cond_image_column", column, f"row {index}'s ")
     if not unreadable:
         return rows
     first = next(iter(unreadable.items()))
     if not skip_unreadable:
-        raise UsageError("--cond_image_column", None, f"readable reference images: row {first[0]}'s "
+        raise UsageError("--cond_image_column", column, f"readable reference images: row {first[0]}'s "
                          f"{first[1]} is not (--skip_corrupt_images leaves such rows out)")
     logger.warning(f"{len(unreadable)} rows left out for an unreadable reference image: "
                    + "; ".join(f"row {index}: {name}" for index, name in unreadable.items()))
     return rows.select([index for index in range(len(rows.targets)) if index not in unreadable])
 
 
-def validation_references(args):
+def check_reference_size(image, check_size, flag, value, whose=""):
+    """Stop in one line naming ``image`` if ``check_size`` (a family's: ValueError for a size its pipeline refuses)
+    refuses its upright size."""
+    if check_size is not None:
+        try:
+            check_size(*image_sizes([image])[0] if not isinstance(image, Image.Image) else image.size)
+        except ValueError as error:
+            raise UsageError(flag, value, f"reference images the pipeline takes: {whose}{image_name(image)} is not "
+                                          f"({error})") from None
+
+
+def validation_references(args, check_size=None):
     """Each validation prompt's reference images (a list of PIL images, maybe empty), from ``--validation_image``:
-    given once, every prompt's; given once per prompt, that prompt's. Read before any weights load."""
+    given once, every prompt's; given once per prompt, that prompt's. Read, and their sizes checked
+    (``check_size``, as `readable_references`), before any weights load."""
     prompts = args.validation_prompt or []
     given = args.validation_image or []
     if not given:
@@ -201,15 +216,16 @@ def validation_references(args):
             read[path] = read_image(path)
         except UNREADABLE_IMAGE_ERRORS as error:
             raise UsageError("--validation_image", path, f"a readable image ({type(error).__name__})") from None
+        check_reference_size(path, check_size, "--validation_image", path)
     sets = [[read[path] for path in paths] for paths in given]
     return sets * len(prompts) if len(sets) == 1 else sets
 
 
-def validation_inputs(args, single_reference=False):
+def validation_inputs(args, single_reference=False, check_size=None):
     """`validation.make_validator`'s keyword arguments for ``--validation_image``: each prompt's references as the
     pipeline's ``image`` (a list, or with ``single_reference`` the image itself, for a pipeline that takes one) and
     as the conditioning images that each step's grid shows first, labelled "references"."""
-    references = validation_references(args)
+    references = validation_references(args, check_size)
     if single_reference:
         require(all(len(images) <= 1 for images in references), "--validation_image", args.validation_image,
                 "one reference image a prompt for this model")

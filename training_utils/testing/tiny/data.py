@@ -159,7 +159,7 @@ def build_star_instance(path, num_images=8, seed=SEED + 2):
 
 # How many reference images each row of `build_shapes_edit` has, and the sizes they take in turn: (width, height).
 EDIT_REFERENCE_COUNTS = (1, 2, 0, 1, 2, 0)
-EDIT_REFERENCE_SIZES = [(48, 48), (64, 32), (40, 56)]
+EDIT_REFERENCE_SIZES = [(64, 64), (96, 64), (64, 80)]  # FLUX.2's pipelines take none under 64 pixels
 EDIT_TARGET_SIZES = [IMAGE_SIZE, IMAGE_SIZE, (64, 32)]
 
 
