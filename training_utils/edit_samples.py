@@ -13,7 +13,7 @@ prompt embedding depends on the references (Qwen-Image-Edit's) looks it up by ro
 import contextlib
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .cache import UnreadableImage, image_source, many
 from .cache_keys import describe
@@ -141,7 +141,7 @@ def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.
         return {"image": laid_out.pixels,
                 "references": [references.sample(reference, flip) for reference in example["references"]],
                 "prompt": drop_caption(pick_caption(example["caption"], generator), caption_dropout, generator),
-                "row": example["row"]}
+                "row": example["row"], "flip": flip}
 
     dataset = TrainDataset(examples, preprocess, seed, repeats, shapes)
     dataset.target_shapes = target_shapes
@@ -149,31 +149,36 @@ def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.
 
 
 def edit_collate(examples):
-    """``{"images", "references": a list with one stacked tensor per reference place, "prompts", "rows"}``."""
-    batch = stack_collate([{"image": example["image"], "prompt": example["prompt"], "row": example["row"]}
-                           for example in examples])
-    return {"images": batch["image"], "prompts": batch["prompt"], "rows": batch["row"],
+    """``{"images", "references": a list with one stacked tensor per reference place, "prompts", "rows",
+    "flips"}`` (whether each sample's target and references are mirrored)."""
+    batch = stack_collate([{"image": example["image"], "prompt": example["prompt"], "row": example["row"],
+                            "flip": example["flip"]} for example in examples])
+    return {"images": batch["image"], "prompts": batch["prompt"], "rows": batch["row"], "flips": batch["flip"],
             "references": [torch.stack(place) for place in zip(*(example["references"] for example in examples))]}
 
 
-def embeddings_with_references(encoders, rows, caption_dropout, encode, depends_on=()):
-    """``{(row, instruction): embedding row}`` for a family whose prompt embedding depends on the references
+def embeddings_with_references(encoders, rows, caption_dropout, encode, depends_on=(), mirrored=False):
+    """``{(row, instruction, flip): embedding row}`` for a family whose prompt embedding depends on the references
     (Qwen-Image-Edit's text encoder sees them): each row's instructions (and with ``caption_dropout`` the empty
-    one), each encoded once with the row's references by ``encode(list of (instruction, PIL references))`` before
-    training, held in memory, or on disk under ``encoders.cache_dir`` keyed by the instructions, the references'
-    sources, the text encoders, ``encode``'s code and ``depends_on``. A batch's samples look theirs up by their
-    ``"rows"`` and ``"prompts"``."""
-    keys = list(dict.fromkeys((row, instruction) for row, caption in enumerate(rows.captions)
-                              for instruction in [*distinct_captions([caption]), *([""] if caption_dropout else [])]))
+    one), each encoded once with the row's references (and with ``mirrored``, random flips, once more with them
+    mirrored, as its samples' are) by ``encode(list of (instruction, PIL references))`` before training, held in
+    memory, or on disk under ``encoders.cache_dir`` keyed by the instructions, the references' sources, the text
+    encoders, ``encode``'s code and ``depends_on``. A batch's samples look theirs up by their ``"rows"``,
+    ``"prompts"`` and ``"flips"``."""
+    keys = list(dict.fromkeys(
+        (row, instruction, flip) for row, caption in enumerate(rows.captions)
+        for instruction in [*distinct_captions([caption]), *([""] if caption_dropout else [])]
+        for flip in ((False, True) if mirrored else (False,))))
     store = encoders.store("text_embeddings_with_references", {
         "encoders": [describe(encoder) for encoder in encoders.text_encoders],
         "depends_on": [describe(thing) for thing in depends_on], "encode": describe(encode),
-        "samples": many([[instruction, *map(image_source, rows.references[row])] for row, instruction in keys],
-                        "samples")})
+        "samples": many([[instruction, flip, *map(image_source, rows.references[row])]
+                         for row, instruction, flip in keys], "samples")})
 
     def encode_keys(chosen):
-        return encode([(instruction, [read_image(reference) for reference in rows.references[row]])
-                       for row, instruction in chosen])
+        return encode([(instruction, [ImageOps.mirror(image) if flip else image
+                                      for image in map(read_image, rows.references[row])])
+                       for row, instruction, flip in chosen])
 
     encode_chunk = text_chunk_encoder(keys, encode_keys)
     blocks = encode_once("text embeddings with references", len(keys), encode_chunk,

@@ -134,7 +134,7 @@ def main(args):
         return qwen_image_edit.encode_prompts(pipe, prompts, accelerator.device, settings)
 
     embeddings = embeddings_with_references(frozen, rows, args.caption_dropout, encode_prompts,
-                                            qwen_image_edit.prompt_dependencies(pipe, settings))
+                                            qwen_image_edit.prompt_dependencies(pipe, settings), args.random_flip)
     references = References(qwen_image_edit.ReferenceLayout(pipe, settings), frozen)
     dataset = edit_dataset(rows, frozen, references, args.seed, args.repeats, args.caption_dropout)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
@@ -144,7 +144,7 @@ def main(args):
     optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
-    prompt_rows = cached_rows(embeddings, accelerator.device)  # each sample's by its (row, instruction)
+    prompt_rows = cached_rows(embeddings, accelerator.device)  # each sample's by its (row, instruction, flip)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype,
@@ -171,7 +171,7 @@ def main(args):
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
             inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
             inputs = qwen_image_edit.with_references(pipe, inputs, reference_latents)
-            text = qwen_image_edit.text_inputs(prompt_rows(zip(batch["rows"], batch["prompts"])))
+            text = qwen_image_edit.text_inputs(prompt_rows(zip(batch["rows"], batch["prompts"], batch["flips"])))
             output = models["transformer"](**inputs, **text, return_dict=False)[0]
             loss = flow_matching_loss(qwen_image_edit.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)

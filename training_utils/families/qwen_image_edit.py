@@ -72,8 +72,6 @@ def check_args(args):
     (the size against the VAE's configuration, as Qwen-Image checks it)."""
     require(args.reference_area is None or args.reference_area >= 32 * 32, "--reference_area", args.reference_area,
             "a number of pixels of at least 32*32 (the pipeline rounds sides to multiples of 32)")
-    require(not getattr(args, "random_flip", False), "--random_flip", True,
-            "no mirroring: the text encoder sees each reference as it is, while the target would be mirrored")
     pipeline_class(args)
     qwen_image.check_resolution(args)
 
