@@ -10,12 +10,17 @@ import functools
 import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-from PIL import Image
+from PIL import Image, ImageOps
 
 from helpers import family_args
+from training_utils.cache import FrozenEncoders
+from training_utils.args import training_parser
+from training_utils.edit import add_edit_args, check_edit_args
+from training_utils.edit_samples import embeddings_with_references
 from training_utils.errors import UsageError
 from training_utils.families import qwen_image_edit
 from training_utils.flow_matching import add_noise, velocity
+from training_utils.images import read_image
 
 INSTRUCTION = "a purple triangle on a white background"
 # The references' area for the VAE in the tests (--reference_area): 32×32 pixels for both references below (sides
@@ -189,3 +194,43 @@ def test_sampling_towards_the_training_target_gets_the_training_inputs_with_refe
         assert torch.equal(call["timestep"], expected["timestep"])
         assert torch.equal(call["encoder_hidden_states"], expected["encoder_hidden_states"])
         assert call["encoder_hidden_states_mask"] is expected["encoder_hidden_states_mask"] is None
+
+
+def test_each_rows_instructions_are_embedded_with_its_references_once_and_cached_on_disk(tiny, plus, parse, tmp_path):
+    data = tiny["shapes_edit"]
+    parser = training_parser("edit")
+    add_edit_args(parser)
+    rows = check_edit_args(parser.parse_args(["--pretrained_model_name_or_path", "unused", "--dataset_name", str(data),
+                                              "--cond_image_column", "reference", "--caption_column", "text"]))
+    rows = rows.select([0, 1, 2])  # one reference, two, none
+    settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
+    encoded = []
+
+    def encode(prompts):
+        encoded.extend(prompts)
+        return qwen_image_edit.encode_prompts(plus, prompts, "cpu", settings)
+
+    def embeddings():
+        encoders = FrozenEncoders(qwen_image_edit.image_vae(plus), [plus.text_encoder], None, "cpu", torch.float32,
+                                  cache_dir=tmp_path / "features")
+        return embeddings_with_references(encoders, rows, 0.5, encode,
+                                          qwen_image_edit.prompt_dependencies(plus, settings), mirrored=True)
+
+    found = embeddings()
+    # Each row's instruction and the empty one, each with the row's references as they are and mirrored.
+    assert sorted(found) == sorted((row, instruction, flip) for row, caption in enumerate(rows.captions)
+                                   for instruction in (caption, "") for flip in (False, True))
+    assert len(found) == 4 * len(rows.captions) and len(encoded) == len(found) + 1  # the first once more, to size it
+    for row, instruction, flip in [(1, rows.captions[1], True), (1, "", False), (2, rows.captions[2], False)]:
+        references = [read_image(reference) for reference in rows.references[row]]
+        with torch.no_grad():
+            expected = qwen_image_edit.encode_prompts(
+                plus, [(instruction, [ImageOps.mirror(image) if flip else image for image in references])], "cpu",
+                settings)
+        embeds, mask = found[row, instruction, flip]
+        torch.testing.assert_close(embeds[: int(mask.sum())], expected[0][0], rtol=1e-5, atol=1e-6)
+        assert mask.sum() == expected[1].sum()
+    # Mirrored references are what the text encoder sees: their embedding differs.
+    assert not torch.equal(found[1, rows.captions[1], True][0], found[1, rows.captions[1], False][0])
+    again = embeddings()  # a second run reads them back: the encoder does not run
+    assert len(encoded) == len(found) + 1 and all(torch.equal(again[key][0], found[key][0]) for key in found)
