@@ -151,15 +151,15 @@ def dreambooth_family(test_file, family_name, script, model, prompt, extra="", l
                  (smoke(f"--cache_latents {extra}", files=(LORA,)),)),
     ]
     if text_encoder:
-        family.append(Upstream(test("test_dreambooth_lora_text_encoder_sd3"), script,
+        family.append(Upstream(test(f"test_dreambooth_lora_text_encoder_{family_name}"), script,
                                (smoke(f"--train_text_encoder {extra}", files=(LORA,)),)))
     if block is not None:
         family.append(Upstream(test("test_dreambooth_lora_block"), script,
                                (smoke(f"--lora_blocks {block} {extra}", files=(LORA,)),)))
     if layer is not None:
         # Upstream's SD3 file names it test_dreambooth_lora_layer, without --cache_latents; the others, _layers, with.
-        name, cache = ("test_dreambooth_lora_layer", "") if text_encoder else ("test_dreambooth_lora_layers",
-                                                                               "--cache_latents ")
+        name, cache = ("test_dreambooth_lora_layer", "") if family_name == "sd3" else (
+            "test_dreambooth_lora_layers", "--cache_latents ")
         family.append(Upstream(test(name), script, (smoke(f"{cache}--lora_layers {layer} {extra}", files=(LORA,)),)))
     family += [
         Upstream(test(f"test_dreambooth_lora_{family_name}_checkpointing_checkpoints_total_limit"), script, (
@@ -301,12 +301,7 @@ UPSTREAM = [
                        "hf-internal-testing/tiny-sd3-pipe", "photo", layer="attn.to_k", block=0, text_encoder=True),
     *dreambooth_family("test_dreambooth_lora_flux.py", "flux", "dreambooth/train_dreambooth_lora_flux.py",
                        "hf-internal-testing/tiny-flux-pipe", "photo", layer="single_transformer_blocks.0.attn.to_k",
-                       metadata=True),
-    Upstream("dreambooth/test_dreambooth_lora_flux.py::test_dreambooth_lora_text_encoder_flux",
-             "dreambooth/train_dreambooth_lora_flux.py",
-             (dreambooth("hf-internal-testing/tiny-flux-pipe", "photo", "--train_text_encoder", files=(LORA,)),),
-             refused="--train_text_encoder is not supported here: the CLIP text encoder's LoRA is not carried yet: "
-                     "both text encoders stay frozen and embed the prompts once, before training"),
+                       text_encoder=True, metadata=True),
     *dreambooth_family("test_dreambooth_lora_flux2_klein.py", "flux2",
                        "dreambooth/train_dreambooth_lora_flux2_klein.py", "hf-internal-testing/tiny-flux2-klein", "dog",
                        extra="--max_sequence_length 8 --text_encoder_out_layers 1",
@@ -431,7 +426,7 @@ def test_every_flag_of_the_upstream_counterpart_is_carried_or_refused_in_one_lin
 
 # What each shared refusal reason claims of the script that states it, as a check on its parser.
 CLAIMS = {
-    # --train_text_encoder absent, or itself refused (FLUX.1's)
+    # --train_text_encoder absent, or itself refused
     "the text encoder does not train in this script": lambda parser: not isinstance(
         parser._option_string_actions.get("--train_text_encoder"), argparse._StoreTrueAction),
 }

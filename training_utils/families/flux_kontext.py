@@ -14,7 +14,7 @@ import math
 import torch
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-from .flux import (COMFYUI_LAYOUT, add_args, call_kwargs, check_args, encode_prompts, image_vae, model_inputs,
+from .flux import (COMFYUI_LAYOUT, TEXT_ENCODER_PREFIXES, add_args, call_kwargs, check_args, encode_prompts, image_vae, model_inputs,
                    normalized_latents, prompt_dependencies, prompt_settings, text_inputs)
 from .flux import prediction as flux_prediction
 from .layout import Family
@@ -22,7 +22,8 @@ from .layout import Family
 __all__ = ["add_args", "call_kwargs", "check_args", "encode_prompts", "image_vae", "model_inputs",
            "normalized_latents", "prompt_dependencies", "prompt_settings", "text_inputs", "prediction",
            "reference_size", "render_kwargs", "with_reference"]
-FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer", {}, COMFYUI_LAYOUT)
+FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer", TEXT_ENCODER_PREFIXES,
+                COMFYUI_LAYOUT)
 # The area of the pipeline's preferred resolutions (each about one megapixel).
 PREFERRED_AREA = 1024 ** 2
 
