@@ -66,9 +66,9 @@ def test_a_batch_without_references_keeps_flux_inputs(pipe):
     assert flux_kontext.with_reference(pipe, inputs, None) is inputs
 
 
-# A square target with a wider reference, and a non-square bucket (24 pixels high, 40 wide) with a square one: the
+# A square target with a wider reference, and a non-square bucket (24 pixels high, 40 wide) with a tall one: the
 # reference's tokens follow the target's, with their own position ids, whatever the two sizes.
-@pytest.mark.parametrize("height, width, reference_size", [(32, 32, (40, 24)), (24, 40, (32, 32))])
+@pytest.mark.parametrize("height, width, reference_size", [(32, 32, (50, 30)), (24, 40, (20, 44))])
 def test_sampling_towards_the_training_target_follows_the_training_path(pipe, monkeypatch, height, width,
                                                                         reference_size):
     settings = settings_for(pipe, "--max_sequence_length", 16, "--guidance_scale", 2.5)
@@ -80,10 +80,11 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     target = velocity(latents, noise)
     target_tokens = pipe._pack_latents(target, 1, 4, *target.shape[-2:])
     reference = Image.fromarray(np.random.default_rng(0).integers(0, 256, (*reference_size[::-1], 3), np.uint8))
-    # The reference as training encodes it: the pipeline's pixels, the VAE's mode, shifted and scaled.
+    # The reference as training lays it out and encodes it, at the target's area; validation passes it resized.
+    layout = flux_kontext.reference_layout(pipe, area=height * width)
     with torch.no_grad():
-        pixels = pipe.image_processor.preprocess(reference, reference_size[1], reference_size[0])
-        reference_latents = flux_kontext.normalized_latents(pipe, pipe.vae.encode(pixels).latent_dist.mode())
+        parameters = pipe.vae.encode(layout(reference)[None]).latent_dist.parameters
+    reference_latents = flux_kontext.reference_latents(pipe, parameters)
     calls = []
 
     def transformer_predicting_the_target(**inputs):
@@ -91,7 +92,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
         return (torch.cat([target_tokens, torch.zeros_like(inputs["hidden_states"][:, target_tokens.shape[1]:])], 1),)
 
     monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
-    sampled = pipe(image=reference, prompt=PROMPTS[0], num_inference_steps=4,
+    sampled = pipe(image=layout.resized(reference), prompt=PROMPTS[0], num_inference_steps=4,
                    latents=pipe._pack_latents(noise, 1, 4, *noise.shape[-2:]), output_type="latent",
                    **flux_kontext.render_kwargs({"height": height, "width": width}),
                    **flux_kontext.call_kwargs(pipe, settings)).images
@@ -111,7 +112,9 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
             assert torch.equal(call[name], value), name
     # The target's tokens, then the reference's: (0, row, column) ids, then (1, row, column) over the reference.
     target_count = (height // scale // 2) * (width // scale // 2)
-    reference_rows, reference_columns = reference_size[1] // scale // 2, reference_size[0] // scale // 2
+    reference_width, reference_height = layout.resized(reference).size
+    assert (reference_width > reference_height) == (reference_size[0] > reference_size[1])
+    reference_rows, reference_columns = reference_height // scale // 2, reference_width // scale // 2
     ids = calls[0]["img_ids"]
     assert ids.shape[0] == target_count + reference_rows * reference_columns
     assert ids[:target_count, 0].eq(0).all() and ids[target_count:, 0].eq(1).all()

@@ -10,8 +10,11 @@ FLUX.1 does, text to image. Every piece is the pipeline's own (its static helper
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from .flux import (COMFYUI_LAYOUT, TEXT_ENCODER_PREFIXES, add_args, call_kwargs, check_args, encode_prompts, image_vae, model_inputs,
@@ -21,7 +24,7 @@ from .layout import Family
 
 __all__ = ["add_args", "call_kwargs", "check_args", "encode_prompts", "image_vae", "model_inputs",
            "normalized_latents", "prompt_dependencies", "prompt_settings", "text_inputs", "prediction",
-           "reference_size", "render_kwargs", "with_reference"]
+           "reference_latents", "reference_layout", "reference_size", "render_kwargs", "with_reference"]
 FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer", TEXT_ENCODER_PREFIXES,
                 COMFYUI_LAYOUT)
 # The area of the pipeline's preferred resolutions (each about one megapixel).
@@ -33,12 +36,48 @@ def reference_size(pipe, width, height, area=PREFERRED_AREA):
     one nearest its aspect ratio, as the pipeline chooses it (ties broken as it breaks them), scaled to ``area``
     (the preferred resolutions themselves at the pipeline's one megapixel) and floored to the multiple of the
     latents' 2×2 patches' pixels, as the pipeline floors it."""
+    return _reference_size(pipe.vae_scale_factor * 2, width, height, area)
+
+
+def _reference_size(multiple, width, height, area):
     _, preferred_width, preferred_height = min((abs(width / height - w / h), w, h)
                                                for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
     scale = math.sqrt(area / PREFERRED_AREA)
-    multiple = pipe.vae_scale_factor * 2
     return (max(multiple, int(preferred_width * scale) // multiple * multiple),
             max(multiple, int(preferred_height * scale) // multiple * multiple))
+
+
+@dataclass(frozen=True)
+class ReferenceLayout:
+    """A reference image laid out as the pipeline lays it out (`edit.References`'s ``lay_out``): resized to its
+    `reference_size` at ``area`` by the pipeline's image processor (``resized``, a PIL image, which the pipeline
+    keeps as it is), then CHW pixels in [-1, 1] (``__call__``). Its fields are all it depends on (the cache's key)."""
+
+    multiple: int  # the pixels of the latents' 2×2 patches
+    area: int
+
+    def processor(self):
+        return VaeImageProcessor(vae_scale_factor=self.multiple)
+
+    def resized(self, image):
+        width, height = _reference_size(self.multiple, image.width, image.height, self.area)
+        return self.processor().resize(image, height, width)
+
+    def __call__(self, image):
+        image = self.resized(image)
+        return self.processor().preprocess(image, image.height, image.width)[0]
+
+
+def reference_layout(pipe, area):
+    """The `ReferenceLayout` of ``pipe``'s references at ``area`` (the target's, ``--resolution`` squared: at
+    1024 the pipeline's own preferred resolutions)."""
+    return ReferenceLayout(pipe.vae_scale_factor * 2, area)
+
+
+def reference_latents(pipe, parameters):
+    """The `normalized_latents` of references from their VAE latent distribution's ``parameters``: the mode, as the
+    pipeline encodes a reference (``sample_mode="argmax"``)."""
+    return normalized_latents(pipe, DiagonalGaussianDistribution(parameters).mode())
 
 
 def render_kwargs(size):
