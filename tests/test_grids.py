@@ -46,6 +46,19 @@ def test_step_grid_has_a_row_per_variant_and_a_column_per_image():
     assert grid.size[1] == layout.header_height + 2 * 16
 
 
+def test_step_grid_shows_the_inputs_first_each_fitted_into_a_cell():
+    variants = [("raw", [solid(1), solid(2)]), ("ema", [solid(3), solid(4)])]
+    tall, wide, small = Image.new("RGB", (8, 32), (9, 9, 9)), Image.new("RGB", (48, 32), (7, 7, 7)), solid(5)
+    grid, layout = step_grid(7, "a prompt", variants, ("references", [tall, wide, small]))
+    assert grid.size[1] == layout.header_height + 3 * 16
+    assert grid.size[0] == layout.label_width + 3 * 24  # three references, two images a variant
+    assert np.array_equal(cell(grid, layout, 1, 0), np.asarray(solid(1)))  # raw below the references
+    first = cell(grid, layout, 0, 0)  # 4x16, centred on the background
+    assert (first[:, 10:14] == 9).all() and (first[:, :10] == BACKGROUND).all() and (first[:, 14:] == BACKGROUND).all()
+    assert (cell(grid, layout, 0, 1) == 7).all() and np.array_equal(cell(grid, layout, 0, 2), np.asarray(small))
+    assert step_grid(7, "a prompt", variants, ("references", []))[0].size == step_grid(7, "a prompt", variants)[0].size
+
+
 def test_progress_grid_shows_each_variants_first_image_per_step_and_blanks_where_it_was_not_rendered(tmp_path):
     records = []
     for step, variants in ((2, ["raw", "ema"]), (4, ["raw", "ema", "ema_sigma_rel-0.1"])):

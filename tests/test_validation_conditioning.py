@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from PIL import Image
 
+from training_utils.grids import step_grid
 from training_utils.validation import Validator
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle"]
@@ -84,6 +85,20 @@ def test_prompts_without_a_conditioning_image_are_allowed(tmp_path):
                                                   "images": ["validation/conditioning-p01.png"]}
 
 
+def test_a_prompt_may_have_several_conditioning_images(tmp_path):
+    first, second, shared = mask((0, 0, 8, 8)), mask((8, 8, 16, 16)), mask((0, 0, 4, 4))
+    validator = Validator(None, stub_accelerator(), tmp_path, PROMPTS, 1, 2, 0,
+                          conditioning_images=[[first, second], [], shared])
+    assert validator.conditioning_paths == [
+        ["validation/conditioning-p00-00.png", "validation/conditioning-p00-01.png"], [], "validation/conditioning-p02.png"]
+    assert sorted(path.name for path in (tmp_path / "validation").iterdir()) == [
+        "conditioning-p00-00.png", "conditioning-p00-01.png", "conditioning-p02.png"]
+    records = [{"step": 2, "variant": "raw", "prompt": prompt, "images": ["x.png"]} for prompt in PROMPTS]
+    assert validator.card_records(records)[:2] == [
+        {"step": 2, "variant": "conditioning", "prompt": PROMPTS[0], "images": validator.conditioning_paths[0]},
+        {"step": 2, "variant": "conditioning", "prompt": PROMPTS[2], "images": [validator.conditioning_paths[2]]}]
+
+
 def test_conditioning_images_must_match_the_prompts(tmp_path):
     with pytest.raises(ValueError, match="2 conditioning_images for 3 prompts"):
         Validator(None, stub_accelerator(), tmp_path, PROMPTS, 1, 2, 0, conditioning_images=[mask((0, 0, 1, 1))] * 2)
@@ -120,6 +135,11 @@ def test_renders_each_prompt_with_its_conditioning_image_and_keeps_the_log_schem
     rendered = [Image.open(tmp_path / record["images"][0]) for record in first]
     assert [image.size for image in rendered] == [(40, 24)] * 2  # the pipeline resized the conditioning images
     assert not np.array_equal(np.asarray(rendered[0]), np.asarray(rendered[1]))
+    # Each step's grid shows the conditioning image, fitted to the cells, above the render.
+    for record, image, render in zip(second, images, rendered):
+        expected = step_grid(2, record["prompt"], [("raw", [Image.open(tmp_path / record["images"][0])])],
+                             ("conditioning", [image]))[0]
+        assert np.array_equal(np.asarray(Image.open(tmp_path / record["grid"])), np.asarray(expected))
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -178,7 +178,9 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         for shape, indices in self.groups.items():
             batches, left_over = divmod(len(indices), self.batch_size)
             sides = "frames x height x width" if len(shape) == 3 else "height x width"
-            line = f"bucket {'x'.join(map(str, shape))} ({sides}): {counted(len(indices), 'image')}, "
+            # A shape may describe itself (an edit sample's: its target's and its references').
+            label = getattr(shape, "label", f"{'x'.join(map(str, shape))} ({sides})")
+            line = f"bucket {label}: {counted(len(indices), 'image')}, "
             if left_over:
                 line += (f"{counted(batches + 1, 'batch')} an epoch; {left_over} left over at the end of an epoch, "
                          f"batched with {self.batch_size - left_over} of the bucket's images seen that epoch")

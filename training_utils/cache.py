@@ -263,6 +263,16 @@ class FrozenEncoders:
             return self.transform(read_image(path), generator, shape)
         return cached_latent_parameters(self.latent_cache[path, shape], self.transform, generator)
 
+    def image_file_with_flip(self, path, generator, shape=None):
+        """`image_file`'s `images.TrainingImage`, and whether its draw mirrored the image (an edit sample's
+        references are mirrored with their target). The draw is the same as `image_file`'s."""
+        if self.latent_cache is None:
+            image = read_image(path)
+            layout = self.transform.draw_layout(image.width, image.height, generator, shape=shape)
+            return self.transform.lay_out(image, layout), layout.flip
+        laid_out, layout = _drawn(self.latent_cache[path, shape], self.transform, generator)
+        return laid_out, layout.flip
+
     def latents(self, images):
         """A batch's latents, before the VAE's scaling: drawn from the cached distributions (from the global
         RNG, as ``latent_dist.sample()`` draws) or encoded now. Contiguous either way: the CPU VAE returns

@@ -66,10 +66,26 @@ def labelled_grid(title, row_labels, column_labels, rows):
     return grid, layout
 
 
-def step_grid(step, prompt, variants):
-    """One validation's grid for one prompt: ``variants`` is ``[(variant, images)]``, a row each."""
-    return labelled_grid(f"step {step}: {prompt}", [variant for variant, _ in variants],
-                         [str(index) for index in range(len(variants[0][1]))], [images for _, images in variants])
+def step_grid(step, prompt, variants, inputs=None):
+    """One validation's grid for one prompt: ``variants`` is ``[(variant, images)]``, a row each. ``inputs``,
+    ``(label, images)``, are what the prompt renders from (a ControlNet's conditioning image, an edit's
+    references), shown in the first row, each fitted into a cell."""
+    rows = list(variants)
+    if inputs is not None and inputs[1]:
+        cell_size = variants[0][1][0].size
+        rows.insert(0, (inputs[0], [fitted(image, cell_size) for image in inputs[1]]))
+    return labelled_grid(f"step {step}: {prompt}", [variant for variant, _ in rows],
+                         [str(index) for index in range(len(variants[0][1]))], [images for _, images in rows])
+
+
+def fitted(image, cell_size):
+    """``image`` scaled to fit a cell of ``cell_size`` (width, height), its aspect kept, centred on the background."""
+    scale = min(cell_size[0] / image.width, cell_size[1] / image.height)
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    cell = Image.new("RGB", cell_size, BACKGROUND)
+    cell.paste(image.convert("RGB").resize(size, Image.BICUBIC),
+               ((cell_size[0] - size[0]) // 2, (cell_size[1] - size[1]) // 2))
+    return cell
 
 
 def progress_grid(records, prompt, root):

@@ -97,10 +97,11 @@ class Validator:
     holds one dict per prompt (e.g. a ControlNet's conditioning image). Images are written under
     ``output_dir/validation`` and described in ``validation/log.jsonl``.
 
-    ``conditioning_images`` (one PIL image or None per prompt) are the inputs shown beside each
-    prompt's samples: each distinct image is saved once, as ``validation/conditioning-pNN.png``
-    (``conditioning_paths``), logged to the trackers with every validation, and put into the model
-    card by `card_records`. The log records keep their schema.
+    ``conditioning_images`` (per prompt: one PIL image, a list of them, or None) are the inputs shown beside each
+    prompt's samples: each distinct image is saved once, as ``validation/conditioning-pNN.png`` (of a list,
+    ``conditioning-pNN-KK.png``; ``conditioning_paths``: a path, a list of them, or None per prompt), shown in the
+    first row of each step's grid (labelled ``conditioning_label``), logged to the trackers with every validation,
+    and put into the model card by `card_records`. The log records keep their schema.
 
     ``encoders_on_device`` (a context manager factory, e.g. `cache.FrozenEncoders.on_device`) is entered
     around each validation's rendering: it brings the encoders a script keeps off the accelerator back.
@@ -113,7 +114,7 @@ class Validator:
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
                  ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
                  conditioning_images=None, posthoc=None, sigma_rels=None, encoders_on_device=contextlib.nullcontext,
-                 video_fps=None):
+                 video_fps=None, conditioning_label="conditioning"):
         self.pipe = pipe
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
@@ -131,6 +132,7 @@ class Validator:
         self.conditioning_images = list(conditioning_images or [None] * len(self.prompts))
         if len(self.conditioning_images) != len(self.prompts):
             raise ValueError(f"{len(self.conditioning_images)} conditioning_images for {len(self.prompts)} prompts")
+        self.conditioning_label = conditioning_label
         self.conditioning_paths = self._save_conditioning_images()
         self.posthoc = posthoc
         self.sigma_rels = list(sigma_rels or (posthoc.sigma_rels if posthoc is not None else ()))
@@ -138,25 +140,36 @@ class Validator:
         self.video_fps = video_fps
 
     def _save_conditioning_images(self):
-        """Each distinct conditioning image once (main process); returns each prompt's path, or None."""
+        """Each distinct conditioning image once (main process); returns each prompt's path (a list of them for a
+        list of images), or None."""
         saved = {}
         paths = []
-        for index, image in enumerate(self.conditioning_images):
-            if image is not None and id(image) not in saved:
-                saved[id(image)] = f"{VALIDATION_DIR}/conditioning-p{index:02d}.png"
-                if self.accelerator.is_main_process:
-                    (self.output_dir / VALIDATION_DIR).mkdir(parents=True, exist_ok=True)
-                    image.save(self.output_dir / saved[id(image)])
-            paths.append(saved.get(id(image)))
+        for index, given in enumerate(self.conditioning_images):
+            images = given if isinstance(given, list) else [] if given is None else [given]
+            for number, image in enumerate(images):
+                if id(image) not in saved:
+                    number = f"-{number:02d}" if isinstance(given, list) else ""
+                    saved[id(image)] = f"{VALIDATION_DIR}/conditioning-p{index:02d}{number}.png"
+                    if self.accelerator.is_main_process:
+                        (self.output_dir / VALIDATION_DIR).mkdir(parents=True, exist_ok=True)
+                        image.save(self.output_dir / saved[id(image)])
+            prompt_paths = [saved[id(image)] for image in images]
+            paths.append(prompt_paths if isinstance(given, list) else (prompt_paths or [None])[0])
         return paths
+
+    def _conditioning_of(self, prompt_index):
+        """The prompt's conditioning images, a list (maybe empty)."""
+        given = self.conditioning_images[prompt_index]
+        return given if isinstance(given, list) else [] if given is None else [given]
 
     def card_records(self, records):
         """``records`` for the model card, led by each prompt's conditioning image (variant "conditioning")."""
         if not records:
             return []
         step = records[-1]["step"]
-        shown = [{"step": step, "variant": "conditioning", "prompt": prompt, "images": [path]}
-                 for prompt, path in zip(self.prompts, self.conditioning_paths) if path is not None]
+        shown = [{"step": step, "variant": "conditioning", "prompt": prompt,
+                  "images": paths if isinstance(paths, list) else [paths]}
+                 for prompt, paths in zip(self.prompts, self.conditioning_paths) if paths]
         return shown + list(records)
 
     def __call__(self, step, final=False):
@@ -248,7 +261,8 @@ class Validator:
         grids = []
         for index, prompt in enumerate(self.prompts):
             grid = step_grid(step, prompt, [(name, [still(image) for image in rendered[variant, index]])
-                                            for variant, name in enumerate(variant_names)])[0]
+                                            for variant, name in enumerate(variant_names)],
+                             (self.conditioning_label, self._conditioning_of(index)))[0]
             grid.save(self.output_dir / grid_path(step, index))
             records = [record for record in log if record.get("progress") == progress_path(index)]
             progress_grid(records, prompt, self.output_dir)[0].save(self.output_dir / progress_path(index))
@@ -287,9 +301,12 @@ class Validator:
         return record
 
     def _log_conditioning_images(self, step):
-        for index, (prompt, image) in enumerate(zip(self.prompts, self.conditioning_images)):
-            if image is not None:
-                self._show(f"validation/conditioning/p{index:02d}", prompt, [image], step)
+        # One tag an image: a prompt's references may differ in size, which one tensorboard entry cannot hold.
+        for index, prompt in enumerate(self.prompts):
+            images = self._conditioning_of(index)
+            for number, image in enumerate(images):
+                suffix = f"-{number:02d}" if len(images) > 1 else ""
+                self._show(f"validation/conditioning/p{index:02d}{suffix}", prompt, [image], step)
 
     def _log(self, rendered):
         with open(self.output_dir / VALIDATION_DIR / LOG_NAME, "a") as log:

@@ -157,8 +157,44 @@ def build_star_instance(path, num_images=8, seed=SEED + 2):
         draw_shape(*STAR, rng=rng, extent=STAR_EXTENT)[0].save(path / f"{index:04d}.png")
 
 
+# How many reference images each row of `build_shapes_edit` has, and the sizes they take in turn: (width, height).
+EDIT_REFERENCE_COUNTS = (1, 2, 0, 1, 2, 0)
+EDIT_REFERENCE_SIZES = [(64, 64), (96, 64), (64, 80)]  # FLUX.2's pipelines take none under 64 pixels
+EDIT_TARGET_SIZES = [IMAGE_SIZE, IMAGE_SIZE, (64, 32)]
+
+
+def build_shapes_edit(path):
+    """An edit dataset, an imagefolder: a row's target (``file_name``), its reference images
+    (``reference_file_names``: `EDIT_REFERENCE_COUNTS` of them) and its instruction (``text``). With one reference
+    the target is its shape recoloured ("make the circle blue"); with two, that shape recoloured on the second's
+    background; without, a shape the caption describes (a text-to-image row)."""
+    path = Path(path)
+    (path / "references").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED + 3)
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index, count in enumerate(EDIT_REFERENCE_COUNTS):
+            shape, color, recolor = rng.choice(SHAPES), *rng.sample(sorted(COLORS), 2)
+            background, other = rng.sample(sorted(BACKGROUNDS), 2)
+            size = EDIT_TARGET_SIZES[index % len(EDIT_TARGET_SIZES)]
+            state = rng.getstate()  # the target's shape sits where the reference's does
+            target = draw_shape(shape, recolor, other if count == 2 else background, size, rng=rng)[0]
+            row = {"file_name": f"{index:04d}.png", "reference_file_names": []}
+            target.save(path / row["file_name"])
+            for number in range(count):
+                rng.setstate(state)
+                reference_size = EDIT_REFERENCE_SIZES[(index + number) % len(EDIT_REFERENCE_SIZES)]
+                reference = (draw_shape(shape, color, background, reference_size, rng=rng)[0] if number == 0
+                             else Image.new("RGB", reference_size, BACKGROUNDS[other]))
+                row["reference_file_names"].append(f"references/{index:04d}-{number}.png")
+                reference.save(path / row["reference_file_names"][-1])
+            row["text"] = [f"a {recolor} {shape} on a {background} background", f"make the {shape} {recolor}",
+                           f"make the {shape} {recolor} on the second image's background"][count]
+            metadata.write(json.dumps(row) + "\n")
+
+
 FIXTURES = {
     "shapes": build_shapes,
+    "shapes_edit": build_shapes_edit,
     "shapes_controlnet": build_shapes_controlnet,
     "instance": build_instance,
     "shapes_mixed": build_shapes_mixed,

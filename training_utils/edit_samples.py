@@ -1,0 +1,155 @@
+"""Edit samples: a target, its references and its instruction, laid out, cached and batched for training.
+
+The target is laid out as every training image is (buckets, crops, flips: the run's `ImageTransform`), and its
+latents cached as theirs are (`cache.FrozenEncoders`). Each reference is laid out by the family's own function
+(``lay_out(image)``: CHW pixels in [-1, 1], resized as the pipeline resizes references; passed in by the script),
+mirrored when its target is, and encoded by the VAE to its latent distribution's parameters, cached with
+``--cache_latents`` (in memory, or on disk with ``--feature_cache_dir``) and otherwise encoded in each step
+(`References`). A batch holds samples whose target and references have one shape each (`SampleShape`), so that
+they stack. The rows come from `edit.check_edit_args`. A sample carries its row's position, so that a family whose
+prompt embedding depends on the references (Qwen-Image-Edit's) looks it up by row and instruction.
+"""
+
+import contextlib
+
+import torch
+from PIL import Image
+
+from .cache import UnreadableImage, image_source, many
+from .cache_keys import describe
+from .captions import distinct_captions
+from .data import TrainDataset, drop_caption, pick_caption, stack_collate
+from .feature_store import Block, encode_once, encoders_on
+from .images import READING, image_sizes, read_image
+
+
+class SampleShape(tuple):
+    """A sample's shapes, its target's (height, width) first, then each reference's pixels': samples of one
+    `SampleShape` stack into a batch (`buckets.BucketBatchSampler` batches them together)."""
+
+    @property
+    def target(self):
+        return self[0]
+
+    @property
+    def label(self):
+        references = ", ".join("x".join(map(str, shape)) for shape in self[1:]) or "none"
+        return f"target {'x'.join(map(str, self.target))}, references {references}"
+
+
+class References:
+    """Reference images as a pipeline conditions on them: laid out by ``lay_out`` (the family's function: a PIL
+    image to CHW pixels in [-1, 1]), mirrored with their target, and encoded by ``encoders``' VAE to the latent
+    distribution's parameters, which the family turns into latents as its pipeline does (the mode, or a sample).
+
+    With ``encoders.cache_latents`` each distinct reference is encoded once (both mirrorings) by `cache`, in memory
+    or under ``encoders.cache_dir``; a sample then carries the parameters, else the pixels."""
+
+    def __init__(self, lay_out, encoders):
+        self.lay_out = lay_out
+        self.encoders = encoders
+        self.cached = None
+        self._shapes = {}
+
+    def shape_of(self, width, height):
+        """The (height, width) of the pixels ``lay_out`` makes of a ``width``×``height`` image (only the size
+        matters to its resize and crop, so a blank image of that size tells)."""
+        if (width, height) not in self._shapes:
+            self._shapes[width, height] = tuple(self.lay_out(Image.new("RGB", (width, height))).shape[-2:])
+        return self._shapes[width, height]
+
+    def shapes(self, references):
+        """Each reference's laid-out (height, width), from its header."""
+        return [self.shape_of(*size) for size in image_sizes(references)]
+
+    def pixels(self, reference, flip=False):
+        pixels = self.lay_out(read_image(reference))
+        return pixels.flip(-1) if flip else pixels
+
+    def cache(self, references):
+        """With cached latents, encode each distinct reference of ``references`` once (unflipped and flipped)."""
+        if not self.encoders.cache_latents:
+            return
+        keys = list(dict.fromkeys(references))
+        encoders = self.encoders
+        store = encoders.store("reference_latents", {
+            "vae": describe(encoders.vae), "images": many([image_source(key) for key in keys], "images"),
+            "reading": READING, "layout": describe(self.lay_out)})
+
+        def encode_chunk(indices):
+            pixels = [self.pixels(keys[index], flip) for index in indices for flip in (False, True)]
+            parameters = encoders.vae.encode(torch.stack(pixels).to(encoders.device, encoders.dtype))
+            return Block(torch.tensor(indices), {"parameters": parameters.latent_dist.parameters.cpu().unflatten(
+                0, (len(indices), 2))}, {})
+
+        def bytes_per_item():
+            return encode_chunk([0]).tensors["parameters"].nbytes
+
+        # One reference a chunk: references differ in size, and a chunk's tensors stack.
+        blocks = encode_once("reference latents", len(keys), encode_chunk, bytes_per_item,
+                             lambda: encoders_on(encoders.device, [encoders.vae]), 1, store)
+        found = {}
+        for block in blocks:
+            found.update({index: block.tensors["parameters"][row] for row, index in enumerate(block.indices.tolist())})
+        self.cached = {key: found[index] for index, key in enumerate(keys)}
+
+    def sample(self, reference, flip):
+        """What a sample carries for ``reference``: its cached parameters (of the mirrored image if ``flip``), or
+        its pixels."""
+        if self.cached is None:
+            return self.pixels(reference, flip)
+        cached = self.cached[reference]
+        if isinstance(cached, UnreadableImage):
+            raise cached
+        return cached[int(flip)]
+
+    def parameters(self, batch):
+        """The latent parameters of a batch's references (a list, one tensor of shape (B, 3, H, W) or of cached
+        parameters per reference), encoded now when not cached."""
+        if self.cached is not None:
+            return list(batch)
+        encoders = self.encoders
+        offloaded = encoders.vae in encoders.off_device
+        with encoders_on(encoders.device, [encoders.vae]) if offloaded else contextlib.nullcontext():
+            return [encoders.vae.encode(pixels.to(encoders.device, encoders.dtype)).latent_dist.parameters
+                    for pixels in batch]
+
+
+def edit_prompts(rows, caption_dropout):
+    """The instructions a run trains on, each once, and with ``caption_dropout`` the empty one."""
+    return [*distinct_captions(rows.captions), *([""] if caption_dropout > 0 else [])]
+
+
+def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.0):
+    """A `data.TrainDataset` of the `EditRows` ``rows``, each ``repeats`` times. A sample is ``{"image"``: the
+    target as ``encoders.image_file`` gives it (pixels or cached latent parameters), ``"references"``: a list of
+    what `References.sample` gives for each, mirrored with the target, ``"prompt"``: its instruction (one drawn
+    from a list; the empty one with probability ``caption_dropout``), ``"row"``: its row's position}. Samples are
+    batched by `SampleShape`; the dataset's ``target_shapes`` are the targets' (for the validation size)."""
+    transform = encoders.transform
+    target_shapes = transform.shapes(image_sizes(rows.targets))
+    shapes = [SampleShape([target, *references.shapes(refs)]) for target, refs in zip(target_shapes, rows.references)]
+    encoders.cache_image_files(zip(rows.targets, target_shapes))
+    references.cache([reference for refs in rows.references for reference in refs])
+    examples = [{"target": target, "references": list(refs), "caption": caption, "row": index}
+                for index, (target, refs, caption) in enumerate(zip(*rows))]
+
+    def preprocess(example, generator):
+        shape = shapes[example["row"]]
+        laid_out, flip = encoders.image_file_with_flip(example["target"], generator, shape.target)
+        return {"image": laid_out.pixels,
+                "references": [references.sample(reference, flip) for reference in example["references"]],
+                "prompt": drop_caption(pick_caption(example["caption"], generator), caption_dropout, generator),
+                "row": example["row"]}
+
+    dataset = TrainDataset(examples, preprocess, seed, repeats, shapes)
+    dataset.target_shapes = target_shapes
+    return dataset
+
+
+def edit_collate(examples):
+    """``{"images", "references": a list with one stacked tensor per reference place, "prompts", "rows"}``."""
+    batch = stack_collate([{"image": example["image"], "prompt": example["prompt"], "row": example["row"]}
+                           for example in examples])
+    return {"images": batch["image"], "prompts": batch["prompt"], "rows": batch["row"],
+            "references": [torch.stack(place) for place in zip(*(example["references"] for example in examples))]}
