@@ -118,9 +118,10 @@ FAMILIES = [
                                                            "ff_context.net.2")}
            | attention([0, 1], ["to_q", "to_k", "to_v"], "single_transformer_blocks"),
            # The single-stream blocks' MLP input (fused with q, k and v in the original's linear1), another guidance,
-           # and the CLIP encoder's adapter (it embeds the batch's prompts in every step, T5 beside it, frozen).
+           # and the CLIP encoder's adapter (it embeds the batch's prompts in every step, T5 beside it, frozen), also
+           # in ComfyUI's layout.
            (*INT8, "--lora_layers", "proj_mlp", "--guidance_scale", 2.0, "--gradient_checkpointing",
-            "--train_text_encoder", "--text_encoder_lr", 1e-3),
+            "--train_text_encoder", "--text_encoder_lr", 1e-3, "--export_formats", "comfyui"),
            {f"single_transformer_blocks.{block}.proj_mlp" for block in (0, 1)} | {"text_encoder"},
            ("--max_sequence_length", 32),
            refused=[
@@ -457,6 +458,12 @@ def test_flux_clip_encoder_trains_beside_the_transformer_and_changes_the_pooled_
     pipe.load_lora_weights(output_dir)
     trained_embeds, trained_pooled = embeddings()
     assert torch.equal(trained_embeds, embeds) and not torch.allclose(trained_pooled, pooled, atol=1e-4)  # T5, CLIP
+    # ComfyUI reads FLUX.1's CLIP-L adapter under kohya's lora_te1 names, beside the transformer's original ones.
+    comfyui = load_file(output_dir / converted_name("comfyui"))
+    assert {key.split("_")[0] if key.startswith("lora_te1_") else key.split(".")[0] for key in comfyui} == {
+        "lora", "diffusion_model"}
+    assert len([key for key in comfyui if key.startswith("lora_te1_text_model_encoder_layers_")]) == \
+        3 * len([key for key in raw if key.startswith("text_encoder.") and "lora_A" in key])  # down, up, alpha
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
     "hf-internal-testing/tiny-sd3-pipe": "sd3",
     "hf-internal-testing/tiny-flux-pipe": "flux",
+    "hf-internal-testing/tiny-flux-kontext-pipe": "flux_kontext",
     # Upstream's tiny FLUX.2 [klein] and [dev] read one text-encoder layer (their tests pass
     # --text_encoder_out_layers 1); ours read three, as the real ones: `flux2_reading_one_layer` makes the ones
     # upstream has.
@@ -135,9 +136,10 @@ def checkpoints(*steps):
 
 def dreambooth_family(test_file, family_name, script, model, prompt, extra="", layer=None, block=None,
                       text_encoder=False, metadata=False):
-    """The tests upstream's DreamBooth LoRA files for SD3, FLUX.1, FLUX.2 [klein] and Qwen-Image share: a smoke run,
-    latent caching, one layer (``layer``) or one block (``block``), the text encoder (``text_encoder``), the total
-    limit, the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with ``--rank`` 4 (``metadata``).
+    """The tests upstream's DreamBooth LoRA files for SD3, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein] and Qwen-Image
+    share: a smoke run, latent caching, one layer (``layer``) or one block (``block``), the text encoder
+    (``text_encoder``), the total limit, the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with
+    ``--rank`` 4 (``metadata``).
     ``family_name`` is the one in its tests' names; ``extra``, the flags each of its runs adds (FLUX.2's prompt
     settings)."""
     def test(name):
@@ -296,12 +298,16 @@ UPSTREAM = [
                  DOCS_IMAGES, "--max_train_steps 7 --checkpointing_steps=2 --checkpoints_total_limit=2 "
                  "--train_text_encoder", checkpoints=checkpoints(4, 6), files=(LORA,)),)),
 
-    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux.py, _flux2_klein.py, _flux2.py and _qwenimage.py.
+    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux.py, _flux_kontext.py, _flux2_klein.py, _flux2.py and
+    # _qwenimage.py.
     *dreambooth_family("test_dreambooth_lora_sd3.py", "sd3", "dreambooth/train_dreambooth_lora_sd3.py",
                        "hf-internal-testing/tiny-sd3-pipe", "photo", layer="attn.to_k", block=0, text_encoder=True),
     *dreambooth_family("test_dreambooth_lora_flux.py", "flux", "dreambooth/train_dreambooth_lora_flux.py",
                        "hf-internal-testing/tiny-flux-pipe", "photo", layer="single_transformer_blocks.0.attn.to_k",
                        text_encoder=True, metadata=True),
+    *dreambooth_family("test_dreambooth_lora_flux_kontext.py", "flux_kontext",
+                       "dreambooth/train_dreambooth_lora_flux_kontext.py", "hf-internal-testing/tiny-flux-kontext-pipe",
+                       "photo", layer="single_transformer_blocks.0.attn.to_k", text_encoder=True, metadata=True),
     *dreambooth_family("test_dreambooth_lora_flux2_klein.py", "flux2",
                        "dreambooth/train_dreambooth_lora_flux2_klein.py", "hf-internal-testing/tiny-flux2-klein", "dog",
                        extra="--max_sequence_length 8 --text_encoder_out_layers 1",

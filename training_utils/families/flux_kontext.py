@@ -17,8 +17,8 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-from .flux import (COMFYUI_LAYOUT, TEXT_ENCODER_PREFIXES, add_args, call_kwargs, check_args, encode_prompts, image_vae, model_inputs,
-                   normalized_latents, prompt_dependencies, prompt_settings, text_inputs)
+from .flux import (COMFYUI_LAYOUT, TEXT_ENCODER_PREFIXES, add_args, call_kwargs, check_args, encode_prompts, image_vae,
+                   model_inputs, normalized_latents, prompt_dependencies, prompt_settings, text_inputs)
 from .flux import prediction as flux_prediction
 from .layout import Family
 
