@@ -12,8 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, krea2, lumina2, qwen_image,
-                                     qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
+from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, flux_kontext, krea2, lumina2,
+                                     qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -32,7 +32,7 @@ PROTOCOL = {
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
-           lumina2: "lumina2", wan: "wan21", qwen_image_edit: "qwen_image_edit_plus"}
+           lumina2: "lumina2", wan: "wan21", flux_kontext: "flux_kontext", qwen_image_edit: "qwen_image_edit_plus"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 

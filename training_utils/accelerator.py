@@ -43,7 +43,13 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     """accelerate's ``prepare`` of what trains: the modules of ``trained`` (``{component: module}``, wrapped where
     several processes train), the optimizer and its schedule. Returns the prepared modules by component name, which
     the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
-    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports."""
+    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports.
+
+    DDP leaves the frozen parameters alone: every process loaded the same ones, and a quantised base's (an int8
+    tensor subclass) cannot be broadcast."""
+    for module in trained.values():
+        frozen = [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
     prepared = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
     return dict(zip(trained, prepared)), *prepared[len(trained):]
 

@@ -104,7 +104,7 @@ def check_edit_args(args, max_references=None, check_size=None):
     rows = readable_references(rows, args.cond_image_column, args.skip_corrupt_images, check_size)
     without = sum(not references for references in rows.references)
     if without:
-        logger.info(f"{without} of {len(rows.targets)} rows have no reference image: they train as text-to-image")
+        logger.warning(f"{without} of {len(rows.targets)} rows have no reference image: they train as text-to-image")
     return rows
 
 

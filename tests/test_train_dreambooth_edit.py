@@ -1,0 +1,204 @@
+"""Smoke tests of the edit scripts (a target rendered from reference images and an instruction), one row of
+`EDIT_SCRIPTS` each: every script end to end on its tiny fixture and the edit dataset (``shapes_edit``: rows with
+references and rows without), with the same runs and the same checks.
+
+That each family's training step feeds its transformer what the pipeline's sampling loop feeds it, references
+included, is the family's own unit test (``test_<family>.py``); the edit data (rows, references laid out and cached,
+validation references) is `test_edit`'s. Here each script runs:
+
+- full: 6 steps on the edit rows (each twice an epoch; the references of a row beyond what the model takes left
+  out), centre crops (a cache keeps the crops it drew) and random flips, an EMA, validating with a fixed reference
+  every 3 steps (and so at the end), checkpointing every 3, the VAE off the accelerator between steps (--offload);
+- cached: the same 6 steps with --cache_latents, on disk (--feature_cache_dir), neither validating nor checkpointing;
+- resumed: the full run resumed from its checkpoint-3, never validating;
+- two processes: 2 steps on two CPU processes (gloo) on an int8 base, the latents cached, every file also in
+  ComfyUI's layout.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import pytest
+import torch
+from diffusers import FluxKontextPipeline
+from PIL import Image
+from safetensors.torch import load_file
+
+from helpers import launch_processes, launch_together, launching, usage_error
+from training_utils.adapter_export import converted_name
+from training_utils.convert_lora import convert, read_lora
+from training_utils.families import flux_kontext
+from training_utils.testing import assert_lora_changes_pipeline_output, assert_same_files, assert_validated_at, \
+    checkpoint_names
+
+LORA = "pytorch_lora_weights.safetensors"
+PROMPT = "make the circle blue"
+INT8 = ("--quantize_base", "int8", "--mixed_precision", "bf16")
+
+
+@dataclass(frozen=True)
+class EditScript:
+    """An edit script and what its runs must show."""
+
+    name: str  # the row's id, and its tiny fixture
+    script: str
+    pipeline: type
+    module: ModuleType  # its `training_utils.families` module
+    max_references: int  # the most a sample takes; the fixture's rows keep at most so many
+    flags: tuple = ()  # what every run adds (the family's prompt settings)
+    refused: list = field(default_factory=list)  # (flags, message) of the script's own refusals and checks
+
+
+EDIT_SCRIPTS = [
+    EditScript("flux_kontext", "dreambooth/train_dreambooth_lora_flux_kontext.py", FluxKontextPipeline,
+               flux_kontext, 1, ("--max_sequence_length", 32), refused=[
+                   (["--vae_encode_mode", "sample"],
+                    "--vae_encode_mode is not supported here: the targets' latents are drawn from the VAE's "
+                    "distribution, as every script here draws them, and a reference's are its mode, as "
+                    "FluxKontextPipeline encodes references"),
+                   (["--with_prior_preservation"],
+                    "--with_prior_preservation is not supported here: prior preservation is not carried for edits: "
+                    "an edit's class images would need references and edited targets, which text-to-image "
+                    "generation does not make")]),
+]
+SCRIPT_IDS = [script.name for script in EDIT_SCRIPTS]
+
+
+def edit_rows(tiny, folder, max_references):
+    """The edit fixture with at most ``max_references`` references a row (each row's first), in ``folder``."""
+    shutil.copytree(tiny["shapes_edit"], folder)
+    metadata = folder / "metadata.jsonl"
+    rows = [json.loads(line) for line in metadata.read_text().splitlines()]
+    metadata.write_text("".join(json.dumps({**row, "reference_file_names": row["reference_file_names"][
+        :max_references]}) + "\n" for row in rows))
+    return folder, rows
+
+
+def common(tiny, edit, data, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny[edit.name], "--dataset_name", data, "--cond_image_column",
+            "reference", "--caption_column", "text", "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip", "--use_ema",
+            "--ema_decay", 0.9,
+            "--rank", 4, "--seed", 3, "--use_aspect_ratio_buckets", "--repeats", 2, *edit.flags, *extra]
+
+
+def validating(data):
+    return ("--validation_prompt", PROMPT, "--validation_image", data / "references" / "0000-0.png",
+            "--num_validation_images", 1, "--validation_inference_steps", 2)
+
+
+@pytest.fixture(scope="module")
+@launching
+def runs(tiny, tmp_path_factory):
+    """``{(script name, run): (output_dir, result)}``; the resumed runs once the full ones have left checkpoint-3,
+    the two-process runs beside them."""
+    root = tmp_path_factory.mktemp("dreambooth_edit")
+    launches, data = {}, {}
+    for edit in EDIT_SCRIPTS:
+        folder = root / edit.name
+        data[edit.name], _ = edit_rows(tiny, folder / "data", edit.max_references)
+        launches[edit.name, "full"] = (edit.script, *common(
+            tiny, edit, data[edit.name], folder / "full", "--max_train_steps", 6, *validating(data[edit.name]),
+            "--validation_steps", 3, "--checkpointing_steps", 3, "--offload"))
+        launches[edit.name, "cached"] = (edit.script, *common(
+            tiny, edit, data[edit.name], folder / "cached", "--max_train_steps", 6, "--checkpointing_steps", 1000,
+            "--cache_latents", "--feature_cache_dir", folder / "features"))
+    results = launch_together(launches)
+    later = {}
+    for edit in EDIT_SCRIPTS:
+        folder = root / edit.name
+        shutil.copytree(folder / "full" / "checkpoint-3", folder / "resumed" / "checkpoint-3")
+        later[edit.name, "resumed"] = (edit.script, *common(
+            tiny, edit, data[edit.name], folder / "resumed", "--max_train_steps", 6, "--checkpointing_steps", 1000,
+            "--resume_from_checkpoint", "latest"))
+    results.update(launch_together(later))
+    for edit in EDIT_SCRIPTS:
+        folder = root / edit.name
+        results[edit.name, "two_processes"] = launch_processes(
+            edit.script, lambda: folder / "two_processes", lambda output_dir: common(
+                tiny, edit, data[edit.name], output_dir, "--max_train_steps", 2, *INT8, "--cache_latents",
+                "--export_formats", "comfyui", "--checkpointing_steps", 1000))[1]
+    return {(name, run): (root / name / run, result) for (name, run), result in results.items()}
+
+
+@pytest.fixture(params=EDIT_SCRIPTS, ids=SCRIPT_IDS)
+def edit(request):
+    return request.param
+
+
+def test_trains_rows_with_and_without_a_reference_and_validates_with_the_reference_shown(runs, edit):
+    output_dir, result = runs[edit.name, "full"]
+    raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
+    assert raw.keys() == ema.keys() and all(key.startswith("transformer.") and "lora" in key for key in raw)
+    assert any(not torch.equal(raw[key], ema[key]) for key in raw)
+    assert "2 of 6 rows have no reference image: they train as text-to-image" in result.stderr
+    assert "references none" in result.stderr and "references 32x32" in result.stderr, result.stderr[-3000:]
+    assert_validated_at(output_dir, [3, 6], ("raw", "ema"), [PROMPT], num_images=1)
+    # The grid's first row is the reference as given; the renders are the most common target bucket's size.
+    data = output_dir.parent / "data"
+    shown = Image.open(output_dir / "validation" / "conditioning-p00-00.png")
+    assert shown.tobytes() == Image.open(data / "references" / "0000-0.png").convert("RGB").tobytes()
+    assert Image.open(output_dir / "validation" / "step-000006" / "raw-p00-00.png").size == (32, 32)
+    assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
+    assert edit.pipeline.__name__ in (output_dir / "README.md").read_text()
+
+
+def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(runs, edit):
+    (output_dir, result), (straight_dir, _) = runs[edit.name, "resumed"], runs[edit.name, "full"]
+    assert f"resumed from {output_dir / 'checkpoint-3'} at step 3" in result.stdout
+    for name in (LORA, f"ema/{LORA}"):
+        assert_same_files(output_dir / name, straight_dir / name)
+
+
+def test_cached_targets_and_references_train_like_encoding_every_step(runs, edit):
+    cached_dir, encoded_dir = runs[edit.name, "cached"][0], runs[edit.name, "full"][0]
+    for name in (LORA, f"ema/{LORA}"):
+        cached, encoded = load_file(cached_dir / name), load_file(encoded_dir / name)
+        assert cached.keys() == encoded.keys()
+        for key in cached:  # the VAE ran on other batch sizes: equal up to float rounding
+            torch.testing.assert_close(cached[key], encoded[key], rtol=1e-4, atol=1e-5)
+    features = cached_dir.parent / "features"
+    assert list(features.glob("reference_latents-*")) and list(features.glob("latents-*"))
+
+
+def test_the_lora_loads_in_the_pipeline_and_changes_an_edit(tiny, runs, edit):
+    full_dir, processes_dir = runs[edit.name, "full"][0], runs[edit.name, "two_processes"][0]
+    pipe = edit.pipeline.from_pretrained(tiny[edit.name])
+    reference = Image.open(full_dir.parent / "data" / "references" / "0000-0.png").convert("RGB")
+    reference = edit.module.reference_layout(pipe, 32 * 32).resized(reference)
+    render = {**edit.module.render_kwargs({"height": 32, "width": 32}), "image": reference}
+    length = dict(zip(edit.flags[::2], edit.flags[1::2])).get("--max_sequence_length")
+    assert_lora_changes_pipeline_output(tiny[edit.name], full_dir, full_dir / "ema", processes_dir, prompt=PROMPT,
+                                        **{key: value for key, value in render.items() if key not in ("height",
+                                                                                                       "width")},
+                                        max_sequence_length=length)
+
+
+def test_two_processes_on_an_int8_base_write_once_with_comfyuis_layout(runs, edit):
+    output_dir, result = runs[edit.name, "two_processes"]
+    assert result.stdout.count(f"raw LoRA: {output_dir / LORA}") == 1
+    # ComfyUI's file is FLUX.1's layout of the same LoRA (Kontext is FLUX.1's transformer), at the trained alphas.
+    for folder in (output_dir, output_dir / "ema"):
+        comfyui = load_file(folder / converted_name("comfyui"))
+        expected = convert(*read_lora(folder / LORA), "comfyui", family="flux")
+        assert comfyui.keys() == expected.keys() and all(key.startswith("diffusion_model.") for key in comfyui)
+        assert all(torch.equal(comfyui[key], expected[key]) for key in comfyui)
+
+
+@pytest.mark.parametrize("edit, flags, message", [
+    pytest.param(edit, flags, message, id=f"{edit.name}-{flags[0]}") for edit in EDIT_SCRIPTS
+    for flags, message in edit.refused])
+def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, edit, flags, message):
+    data, _ = edit_rows(tiny, tmp_path / "data", edit.max_references)
+    assert usage_error(edit.script, *common(tiny, edit, data, tmp_path / "out", *flags)) == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_row_with_more_references_than_the_model_takes_fails_in_one_line(tiny, tmp_path, edit):
+    data, rows = edit_rows(tiny, tmp_path / "data", edit.max_references + 1)
+    most = max(len(row["reference_file_names"]) for row in rows)
+    assert usage_error(edit.script, *common(tiny, edit, data, tmp_path / "out")) == (
+        f"error: --cond_image_column='reference': expected at most {edit.max_references} reference images a row for "
+        f"this model (a row has {most})")
