@@ -15,21 +15,23 @@ validation references) is `test_edit`'s. Here each script runs:
   ComfyUI's layout.
 """
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Callable
 
 import pytest
 import torch
-from diffusers import FluxKontextPipeline
+from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch_processes, launch_together, launching, usage_error
 from training_utils.adapter_export import converted_name
 from training_utils.convert_lora import convert, read_lora
-from training_utils.families import flux_kontext
+from training_utils.families import flux_kontext, qwen_image_edit
 from training_utils.testing import assert_lora_changes_pipeline_output, assert_same_files, assert_validated_at, \
     checkpoint_names
 
@@ -47,13 +49,38 @@ class EditScript:
     pipeline: type
     module: ModuleType  # its `training_utils.families` module
     max_references: int  # the most a sample takes; the fixture's rows keep at most so many
+    # ``(components, call kwargs, context)`` that render an edit of a reference at 32×32 as the run validated
+    edit_render: Callable
+    comfyui_family: str  # the converter's family whose ComfyUI layout the run writes
     flags: tuple = ()  # what every run adds (the family's prompt settings)
     refused: list = field(default_factory=list)  # (flags, message) of the script's own refusals and checks
 
 
+def kontext_edit_render(tiny, reference):
+    """FLUX.1 Kontext: the reference passed resized as training resizes it, which the pipeline keeps, at the runs'
+    prompt length."""
+    pipe = FluxKontextPipeline.from_pretrained(tiny["flux_kontext"])
+    render = flux_kontext.render_kwargs({"height": 32, "width": 32})
+    return {}, {**{key: value for key, value in render.items() if key not in ("height", "width")},
+                "image": flux_kontext.reference_layout(pipe, 32 * 32).resized(reference),
+                "max_sequence_length": 32}, contextlib.nullcontext()
+
+
+# The references' area of the Qwen-Image-Edit runs (the pipeline's 1024×1024 takes the tiny VAE seconds to encode).
+QWEN_REFERENCE_AREA = 32 * 32
+
+
+def qwen_image_edit_render(tiny, reference):
+    """Qwen-Image-Edit: its processor loaded without torchvision, the reference resized by the pipeline at the runs'
+    area."""
+    return ({"processor": qwen_image_edit.load_processor(tiny["qwen_image_edit_plus"])}, {"image": [reference]},
+            qwen_image_edit.rendering_references_at(QwenImageEditPlusPipeline,
+                                                    {"reference_area": QWEN_REFERENCE_AREA}))
+
+
 EDIT_SCRIPTS = [
     EditScript("flux_kontext", "dreambooth/train_dreambooth_lora_flux_kontext.py", FluxKontextPipeline,
-               flux_kontext, 1, ("--max_sequence_length", 32), refused=[
+               flux_kontext, 1, kontext_edit_render, "flux", ("--max_sequence_length", 32), refused=[
                    (["--vae_encode_mode", "sample"],
                     "--vae_encode_mode is not supported here: the targets' latents are drawn from the VAE's "
                     "distribution, as every script here draws them, and a reference's are its mode, as "
@@ -62,6 +89,18 @@ EDIT_SCRIPTS = [
                     "--with_prior_preservation is not supported here: prior preservation is not carried for edits: "
                     "an edit's class images would need references and edited targets, which text-to-image "
                     "generation does not make")]),
+    # Edit Plus (one to three references; rows without one train as text-to-image), its references at a small area.
+    EditScript("qwen_image_edit_plus", "dreambooth/train_dreambooth_lora_qwen_image_edit.py",
+               QwenImageEditPlusPipeline, qwen_image_edit, 3, qwen_image_edit_render, "qwen_image",
+               ("--reference_area", QWEN_REFERENCE_AREA), refused=[
+                   (["--max_sequence_length", 32],
+                    "--max_sequence_length is not supported here: the Qwen-Image-Edit pipelines never cut a prompt"),
+                   (["--with_prior_preservation"],
+                    "--with_prior_preservation is not supported here: no prior preservation: an edit model learns an "
+                    "edit from its examples, not a subject"),
+                   (["--reference_area", 100],
+                    "--reference_area=100: expected a number of pixels of at least 32*32 (the pipeline rounds sides "
+                    "to multiples of 32)")]),
 ]
 SCRIPT_IDS = [script.name for script in EDIT_SCRIPTS]
 
@@ -165,24 +204,21 @@ def test_cached_targets_and_references_train_like_encoding_every_step(runs, edit
 
 def test_the_lora_loads_in_the_pipeline_and_changes_an_edit(tiny, runs, edit):
     full_dir, processes_dir = runs[edit.name, "full"][0], runs[edit.name, "two_processes"][0]
-    pipe = edit.pipeline.from_pretrained(tiny[edit.name])
     reference = Image.open(full_dir.parent / "data" / "references" / "0000-0.png").convert("RGB")
-    reference = edit.module.reference_layout(pipe, 32 * 32).resized(reference)
-    render = {**edit.module.render_kwargs({"height": 32, "width": 32}), "image": reference}
-    length = dict(zip(edit.flags[::2], edit.flags[1::2])).get("--max_sequence_length")
-    assert_lora_changes_pipeline_output(tiny[edit.name], full_dir, full_dir / "ema", processes_dir, prompt=PROMPT,
-                                        **{key: value for key, value in render.items() if key not in ("height",
-                                                                                                       "width")},
-                                        max_sequence_length=length)
+    components, render, context = edit.edit_render(tiny, reference)
+    with context:
+        assert_lora_changes_pipeline_output(tiny[edit.name], full_dir, full_dir / "ema", processes_dir,
+                                            prompt=PROMPT, components=components, **render)
 
 
 def test_two_processes_on_an_int8_base_write_once_with_comfyuis_layout(runs, edit):
     output_dir, result = runs[edit.name, "two_processes"]
     assert result.stdout.count(f"raw LoRA: {output_dir / LORA}") == 1
-    # ComfyUI's file is FLUX.1's layout of the same LoRA (Kontext is FLUX.1's transformer), at the trained alphas.
+    # ComfyUI's file is the base model's layout of the same LoRA (Kontext is FLUX.1's transformer, Qwen-Image-Edit
+    # Qwen-Image's), at the trained alphas.
     for folder in (output_dir, output_dir / "ema"):
         comfyui = load_file(folder / converted_name("comfyui"))
-        expected = convert(*read_lora(folder / LORA), "comfyui", family="flux")
+        expected = convert(*read_lora(folder / LORA), "comfyui", family=edit.comfyui_family)
         assert comfyui.keys() == expected.keys() and all(key.startswith("diffusion_model.") for key in comfyui)
         assert all(torch.equal(comfyui[key], expected[key]) for key in comfyui)
 
@@ -197,8 +233,19 @@ def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, edit, 
 
 
 def test_a_row_with_more_references_than_the_model_takes_fails_in_one_line(tiny, tmp_path, edit):
-    data, rows = edit_rows(tiny, tmp_path / "data", edit.max_references + 1)
-    most = max(len(row["reference_file_names"]) for row in rows)
+    data, rows = edit_rows(tiny, tmp_path / "data", edit.max_references)
+    most = edit.max_references + 1  # the first row's reference, repeated
+    rows[0]["reference_file_names"] = rows[0]["reference_file_names"][:1] * most
+    (data / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert usage_error(edit.script, *common(tiny, edit, data, tmp_path / "out")) == (
         f"error: --cond_image_column='reference': expected at most {edit.max_references} reference images a row for "
         f"this model (a row has {most})")
+
+
+def test_the_first_qwen_image_edit_takes_its_one_reference_in_every_row(tiny, tmp_path):
+    edit = EDIT_SCRIPTS[SCRIPT_IDS.index("qwen_image_edit_plus")]
+    data, _ = edit_rows(tiny, tmp_path / "data", 1)
+    argv = common(tiny, edit, data, tmp_path / "out")
+    argv[argv.index(tiny[edit.name])] = tiny["qwen_image_edit"]
+    assert usage_error(edit.script, *argv) == ("error: --cond_image_column='reference': expected 1 reference image in "
+                                               "every row for QwenImageEditPipeline")

@@ -101,7 +101,8 @@ def call_kwargs(pipe, settings):
 
 
 def _pipeline_module(pipe):
-    return sys.modules[type(pipe).__module__]
+    """The module of the pipeline (or pipeline class) ``pipe``, which holds its rules."""
+    return sys.modules[(pipe if isinstance(pipe, type) else type(pipe)).__module__]
 
 
 def reference_sizes(pipe, reference, settings):
@@ -213,10 +214,10 @@ def render_kwargs(pipe, references):
 
 @contextlib.contextmanager
 def rendering_references_at(pipe, settings):
-    """While inside, the pipeline resizes references for the VAE to the settings' ``reference_area`` (the first
-    Edit: for the text encoder too, as it trained): the pipelines fix their areas in code, a module constant (Edit
-    Plus) or a literal given to the module's ``calculate_dimensions`` (the first Edit). Nothing changes when the
-    area is the pipeline's."""
+    """While inside, the pipeline (``pipe``, or its class) resizes references for the VAE to the settings'
+    ``reference_area`` (the first Edit: for the text encoder too, as it trained): the pipelines fix their areas in
+    code, a module constant (Edit Plus) or a literal given to the module's ``calculate_dimensions`` (the first
+    Edit). Nothing changes when the area is the pipeline's."""
     module, area = _pipeline_module(pipe), settings["reference_area"]
     if area is None:
         yield
