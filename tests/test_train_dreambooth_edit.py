@@ -174,6 +174,8 @@ def test_trains_rows_with_and_without_a_reference_and_validates_with_the_referen
     assert any(not torch.equal(raw[key], ema[key]) for key in raw)
     assert "2 of 6 rows have no reference image: they train as text-to-image" in result.stderr
     assert "references none" in result.stderr and "references 32x32" in result.stderr, result.stderr[-3000:]
+    # A model that takes several trains the rows with two references too, in batches of their own.
+    assert ("references 32x32, 32x32:" in result.stderr) == (edit.max_references > 1)
     assert_validated_at(output_dir, [3, 6], ("raw", "ema"), [PROMPT], num_images=1)
     # The grid's first row is the reference as given; the renders are the most common target bucket's size.
     data = output_dir.parent / "data"
