@@ -179,8 +179,8 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(export.loading_code, args, pipe,
-                                       prompt=(args.validation_prompt or [rows.captions[0]])[0])
+        code = qwen_image_edit.loading_code(pipe, export.loading_code, (args.validation_image or [[]])[0])
+        how_to_load_text = how_to_load(code, args, pipe, prompt=(args.validation_prompt or [rows.captions[0]])[0])
         finish_run(args, f"{export.title} (Qwen-Image-Edit)", how_to_load_text, loop.records, saved,
                    export.title, captions=distinct_captions(rows.captions)[:5])
     end_training(accelerator)
