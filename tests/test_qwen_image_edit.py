@@ -124,12 +124,17 @@ def test_the_first_edit_encodes_its_one_reference_at_the_vaes_size(edit, parse):
 
 def test_rendering_at_the_trained_area_changes_the_pipelines_rule_only_inside(plus, edit, parse):
     settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
-    for pipe in (plus, edit):
+    # Edit Plus: its module's area for the VAE; the first Edit: the area its call gives calculate_dimensions.
+    for pipe, rule in [(plus, lambda module: module.VAE_IMAGE_SIZE),
+                       (edit, lambda module: module.calculate_dimensions(1024 * 1024, 1.5)[:2])]:
         module = qwen_image_edit._pipeline_module(pipe)
         before = dict(vars(module))
+        pipelines = rule(module)
         with qwen_image_edit.rendering_references_at(pipe, settings):
-            assert module.calculate_dimensions(1024 * 1024, 1.5)[:2] == (32, 32) or module.VAE_IMAGE_SIZE == AREA
+            assert rule(module) == {plus: AREA, edit: (32, 32)}[pipe] != pipelines
         assert vars(module) == before
+    with qwen_image_edit.rendering_references_at(plus, {"reference_area": None}):
+        assert qwen_image_edit._pipeline_module(plus).VAE_IMAGE_SIZE == 1024 * 1024
 
 
 def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, width=48):
@@ -158,7 +163,7 @@ def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, wid
     with qwen_image_edit.rendering_references_at(pipe, settings):
         pipe(prompt=INSTRUCTION, height=height, width=width, num_inference_steps=3, latents=packed_noise,
              output_type="np", **qwen_image_edit.call_kwargs(pipe, settings),
-             **qwen_image_edit.render_kwargs(pipe, refs))
+             image=refs if type(pipe) is QwenImageEditPlusPipeline else refs[0])
     torch.testing.assert_close(decoded[0], vae_latents, rtol=0, atol=1e-5)
     output = calls[0]["hidden_states"]  # what an output of the inputs' layout reads back as, in the latents'
     assert torch.equal(qwen_image_edit.prediction(pipe, output, latents), pipe._unpack_latents(

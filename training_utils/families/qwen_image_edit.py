@@ -105,12 +105,17 @@ def _pipeline_module(pipe):
     return sys.modules[(pipe if isinstance(pipe, type) else type(pipe)).__module__]
 
 
+def _edit_plus(pipe):
+    """Whether ``pipe`` is Edit Plus: references in a list, its areas the constants of its module."""
+    return hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE")
+
+
 def reference_sizes(pipe, reference, settings):
     """``((width, height) for the text encoder, (width, height) for the VAE)`` of a PIL reference, by the
     pipeline's rules: its aspect ratio at each area, sides rounded to multiples of 32."""
     module = _pipeline_module(pipe)
     ratio = reference.width / reference.height
-    if hasattr(module, "VAE_IMAGE_SIZE"):
+    if _edit_plus(pipe):
         vae_area = settings["reference_area"] or module.VAE_IMAGE_SIZE
         return module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, ratio)[:2], \
             module.calculate_dimensions(vae_area, ratio)[:2]
@@ -123,10 +128,11 @@ def condition_images(pipe, references, settings):
     encoder's size, a list for Edit Plus, the image itself for the first Edit; None without references."""
     if not references:
         return None
-    resized = [pipe.image_processor.resize(reference, height, width)
-               for reference, ((width, height), _) in ((ref, reference_sizes(pipe, ref, settings))
-                                                      for ref in references)]
-    return resized if hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE") else resized[0]
+    resized = []
+    for reference in references:
+        (width, height), _ = reference_sizes(pipe, reference, settings)
+        resized.append(pipe.image_processor.resize(reference, height, width))
+    return resized if _edit_plus(pipe) else resized[0]
 
 
 class ReferenceLayout:
@@ -207,11 +213,6 @@ def prediction(pipe, output, latents):
     return qwen_image.prediction(pipe, output[:, : (height // 2) * (width // 2)], latents)
 
 
-def render_kwargs(pipe, references):
-    """The pipeline call's ``image`` for these PIL references (Edit Plus a list, the first Edit the image)."""
-    return {"image": list(references) if hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE") else references[0]}
-
-
 @contextlib.contextmanager
 def rendering_references_at(pipe, settings):
     """While inside, the pipeline (``pipe``, or its class) resizes references for the VAE to the settings'
@@ -222,7 +223,7 @@ def rendering_references_at(pipe, settings):
     if area is None:
         yield
         return
-    name, original = (("VAE_IMAGE_SIZE", module.VAE_IMAGE_SIZE) if hasattr(module, "VAE_IMAGE_SIZE")
+    name, original = (("VAE_IMAGE_SIZE", module.VAE_IMAGE_SIZE) if _edit_plus(pipe)
                       else ("calculate_dimensions", module.calculate_dimensions))
     replacement = area if name == "VAE_IMAGE_SIZE" else (lambda target_area, ratio: original(area, ratio))
     setattr(module, name, replacement)
@@ -248,7 +249,7 @@ def loading_code(pipe, template, references=()):
     ``--validation_image`` set; a placeholder without) as the pipeline takes them: a list for Edit Plus, the image
     itself for the first Edit."""
     images = [f'load_image("{path}")' for path in references or ["reference.png"]]
-    image = f"[{', '.join(images)}]" if hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE") else images[0]
+    image = f"[{', '.join(images)}]" if _edit_plus(pipe) else images[0]
     imports = "from diffusers import {imports}\n"
     return template.replace('pipe("{prompt}")', f'pipe("{{prompt}}", image={image})').replace(
         imports, imports + "from diffusers.utils import load_image\n")
