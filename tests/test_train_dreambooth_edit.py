@@ -6,11 +6,11 @@ That each family's training step feeds its transformer what the pipeline's sampl
 included, is the family's own unit test (``test_<family>.py``); the edit data (rows, references laid out and cached,
 validation references) is `test_edit`'s. Here each script runs:
 
-- full: 6 steps on the edit rows (each twice an epoch; the references of a row beyond what the model takes left
+- full: 4 steps on the edit rows (each twice an epoch; the references of a row beyond what the model takes left
   out), centre crops (a cache keeps the crops it drew) and random flips, an EMA, validating with a fixed reference
-  every 3 steps (and so at the end), checkpointing every 3, the VAE off the accelerator between steps (--offload);
-- cached: the same 6 steps with --cache_latents, on disk (--feature_cache_dir), neither validating nor checkpointing;
-- resumed: the full run resumed from its checkpoint-3, never validating;
+  every 2 steps (and so at the end), checkpointing every 2, the VAE off the accelerator between steps (--offload);
+- cached: the same 4 steps with --cache_latents, on disk (--feature_cache_dir), neither validating nor checkpointing;
+- resumed: the full run resumed from its checkpoint-2, never validating;
 - two processes: 2 steps on two CPU processes (gloo) on an int8 base, the latents cached, every file also in
   ComfyUI's layout.
 """
@@ -92,7 +92,7 @@ def validating(data):
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
-    """``{(script name, run): (output_dir, result)}``; the resumed runs once the full ones have left checkpoint-3,
+    """``{(script name, run): (output_dir, result)}``; the resumed runs once the full ones have left checkpoint-2,
     the two-process runs beside them."""
     root = tmp_path_factory.mktemp("dreambooth_edit")
     launches, data = {}, {}
@@ -100,18 +100,18 @@ def runs(tiny, tmp_path_factory):
         folder = root / edit.name
         data[edit.name], _ = edit_rows(tiny, folder / "data", edit.max_references)
         launches[edit.name, "full"] = (edit.script, *common(
-            tiny, edit, data[edit.name], folder / "full", "--max_train_steps", 6, *validating(data[edit.name]),
-            "--validation_steps", 3, "--checkpointing_steps", 3, "--offload"))
+            tiny, edit, data[edit.name], folder / "full", "--max_train_steps", 4, *validating(data[edit.name]),
+            "--validation_steps", 2, "--checkpointing_steps", 2, "--offload"))
         launches[edit.name, "cached"] = (edit.script, *common(
-            tiny, edit, data[edit.name], folder / "cached", "--max_train_steps", 6, "--checkpointing_steps", 1000,
+            tiny, edit, data[edit.name], folder / "cached", "--max_train_steps", 4, "--checkpointing_steps", 1000,
             "--cache_latents", "--feature_cache_dir", folder / "features"))
     results = launch_together(launches)
     later = {}
     for edit in EDIT_SCRIPTS:
         folder = root / edit.name
-        shutil.copytree(folder / "full" / "checkpoint-3", folder / "resumed" / "checkpoint-3")
+        shutil.copytree(folder / "full" / "checkpoint-2", folder / "resumed" / "checkpoint-2")
         later[edit.name, "resumed"] = (edit.script, *common(
-            tiny, edit, data[edit.name], folder / "resumed", "--max_train_steps", 6, "--checkpointing_steps", 1000,
+            tiny, edit, data[edit.name], folder / "resumed", "--max_train_steps", 4, "--checkpointing_steps", 1000,
             "--resume_from_checkpoint", "latest"))
     results.update(launch_together(later))
     for edit in EDIT_SCRIPTS:
@@ -135,19 +135,19 @@ def test_trains_rows_with_and_without_a_reference_and_validates_with_the_referen
     assert any(not torch.equal(raw[key], ema[key]) for key in raw)
     assert "2 of 6 rows have no reference image: they train as text-to-image" in result.stderr
     assert "references none" in result.stderr and "references 32x32" in result.stderr, result.stderr[-3000:]
-    assert_validated_at(output_dir, [3, 6], ("raw", "ema"), [PROMPT], num_images=1)
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), [PROMPT], num_images=1)
     # The grid's first row is the reference as given; the renders are the most common target bucket's size.
     data = output_dir.parent / "data"
     shown = Image.open(output_dir / "validation" / "conditioning-p00-00.png")
     assert shown.tobytes() == Image.open(data / "references" / "0000-0.png").convert("RGB").tobytes()
-    assert Image.open(output_dir / "validation" / "step-000006" / "raw-p00-00.png").size == (32, 32)
-    assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
+    assert Image.open(output_dir / "validation" / "step-000004" / "raw-p00-00.png").size == (32, 32)
+    assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
     assert edit.pipeline.__name__ in (output_dir / "README.md").read_text()
 
 
 def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(runs, edit):
     (output_dir, result), (straight_dir, _) = runs[edit.name, "resumed"], runs[edit.name, "full"]
-    assert f"resumed from {output_dir / 'checkpoint-3'} at step 3" in result.stdout
+    assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in result.stdout
     for name in (LORA, f"ema/{LORA}"):
         assert_same_files(output_dir / name, straight_dir / name)
 
