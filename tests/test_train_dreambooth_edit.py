@@ -15,6 +15,7 @@ validation references) is `test_edit`'s. Here each script runs:
   ComfyUI's layout.
 """
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from diffusers import FluxKontextPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch_processes, launch_together, launching, usage_error
+from helpers import launch, launch_processes, launch_together, launching, together, usage_error
 from training_utils.adapter_export import converted_name
 from training_utils.convert_lora import convert, read_lora
 from training_utils.families import flux_kontext
@@ -89,38 +90,43 @@ def validating(data):
             "--num_validation_images", 1, "--validation_inference_steps", 2)
 
 
+def two_processes(tiny, edit, data, prepare):
+    """``(output_dir, result)`` of 2 steps on two processes (in the folder ``prepare()`` makes), on an int8 base,
+    the latents cached, also in ComfyUI's layout."""
+    return launch_processes(edit.script, prepare, lambda output_dir: common(
+        tiny, edit, data, output_dir, "--max_train_steps", 2, *INT8, "--cache_latents", "--export_formats",
+        "comfyui", "--checkpointing_steps", 1000))
+
+
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
-    """``{(script name, run): (output_dir, result)}``; the resumed runs once the full ones have left checkpoint-2,
-    the two-process runs beside them."""
+    """``{(script name, run): (output_dir, result)}``: the full, cached and two-process runs side by side, then the
+    resumed ones (once the full ones have left checkpoint-2)."""
     root = tmp_path_factory.mktemp("dreambooth_edit")
-    launches, data = {}, {}
+    calls, data = {}, {}
     for edit in EDIT_SCRIPTS:
         folder = root / edit.name
         data[edit.name], _ = edit_rows(tiny, folder / "data", edit.max_references)
-        launches[edit.name, "full"] = (edit.script, *common(
+        calls[edit.name, "full"] = functools.partial(launch, edit.script, *common(
             tiny, edit, data[edit.name], folder / "full", "--max_train_steps", 4, *validating(data[edit.name]),
             "--validation_steps", 2, "--checkpointing_steps", 2, "--offload"))
-        launches[edit.name, "cached"] = (edit.script, *common(
+        calls[edit.name, "cached"] = functools.partial(launch, edit.script, *common(
             tiny, edit, data[edit.name], folder / "cached", "--max_train_steps", 4, "--checkpointing_steps", 1000,
             "--cache_latents", "--feature_cache_dir", folder / "features"))
-    results = launch_together(launches)
-    later = {}
+        calls[edit.name, "two_processes"] = functools.partial(
+            two_processes, tiny, edit, data[edit.name], functools.partial(tmp_path_factory.mktemp, "two_processes"))
+    results = together(calls)
+    resumed = {}
     for edit in EDIT_SCRIPTS:
         folder = root / edit.name
         shutil.copytree(folder / "full" / "checkpoint-2", folder / "resumed" / "checkpoint-2")
-        later[edit.name, "resumed"] = (edit.script, *common(
+        resumed[edit.name, "resumed"] = (edit.script, *common(
             tiny, edit, data[edit.name], folder / "resumed", "--max_train_steps", 4, "--checkpointing_steps", 1000,
             "--resume_from_checkpoint", "latest"))
-    results.update(launch_together(later))
-    for edit in EDIT_SCRIPTS:
-        folder = root / edit.name
-        results[edit.name, "two_processes"] = launch_processes(
-            edit.script, lambda: folder / "two_processes", lambda output_dir: common(
-                tiny, edit, data[edit.name], output_dir, "--max_train_steps", 2, *INT8, "--cache_latents",
-                "--export_formats", "comfyui", "--checkpointing_steps", 1000))[1]
-    return {(name, run): (root / name / run, result) for (name, run), result in results.items()}
+    results.update(launch_together(resumed))
+    return {(name, run): result if run == "two_processes" else (root / name / run, result)
+            for (name, run), result in results.items()}
 
 
 @pytest.fixture(params=EDIT_SCRIPTS, ids=SCRIPT_IDS)
