@@ -148,7 +148,9 @@ def test_trains_rows_with_and_without_a_reference_and_validates_with_the_referen
     assert shown.tobytes() == Image.open(data / "references" / "0000-0.png").convert("RGB").tobytes()
     assert Image.open(output_dir / "validation" / "step-000004" / "raw-p00-00.png").size == (32, 32)
     assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
-    assert edit.pipeline.__name__ in (output_dir / "README.md").read_text()
+    card = (output_dir / "README.md").read_text()  # its loading code renders the first prompt from its reference
+    assert edit.pipeline.__name__ in card and f'"{PROMPT}", image=load_image("{data / "references" / "0000-0.png"}")' \
+        in card
 
 
 def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(runs, edit):
