@@ -1,5 +1,6 @@
-"""training_utils.edit and edit_samples: edit rows checked before weights load, samples of a target with 0..n references batched by
-shape, references mirrored with their target, their latents cached equal to uncached, validation references."""
+"""training_utils.edit and edit_samples: edit rows checked before weights load, samples of a target with 0..n
+references batched by shape, references mirrored with their target, their latents cached equal to uncached,
+validation references, the loading code of an edit."""
 
 import json
 import logging
@@ -15,9 +16,11 @@ from training_utils.args import training_parser
 from training_utils.buckets import AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets
 from training_utils.cache import FrozenEncoders
 from training_utils.data import make_dataloader
-from training_utils.edit import EditRows, add_edit_args, check_edit_args, validation_inputs, validation_references
+from training_utils.edit import (EditRows, add_edit_args, check_edit_args, how_to_edit, validation_inputs,
+                                 validation_references)
 from training_utils.edit_samples import References, SampleShape, edit_collate, edit_dataset, edit_prompts
 from training_utils.errors import UsageError
+from training_utils.hub import LORA_HOW_TO_LOAD, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.testing.tiny.data import EDIT_REFERENCE_COUNTS
 
@@ -248,3 +251,14 @@ def test_validation_inputs_pass_the_references_as_the_pipelines_image_and_show_t
                                      first), single_reference=True)
     assert single["prompt_kwargs"][0]["image"].size == (96, 64)
     assert validation_inputs(parse("--dataset_name", edit_data, "--validation_prompt", "a"))["prompt_kwargs"] == [{}]
+
+
+def test_the_loading_code_renders_an_edit_of_the_validation_references(edit_data):
+    args = parse("--dataset_name", edit_data, "--validation_prompt", "a", "--validation_image", "x.png", "y.png")
+    template, fields = how_to_edit(LORA_HOW_TO_LOAD, args)
+    code = how_to_load(template, args, object(), **fields)
+    assert "from diffusers.utils import load_image\n" in code
+    assert 'image = pipe("a", image=[load_image("x.png"), load_image("y.png")]).images[0]' in code
+    args = parse("--dataset_name", edit_data)
+    template, fields = how_to_edit(LORA_HOW_TO_LOAD, args, single_reference=True)
+    assert 'pipe("a photo", image=load_image("reference.png"))' in how_to_load(template, args, object(), **fields)

@@ -7,9 +7,11 @@ what the pipeline's sampling loop gives the transformer at each noise level."""
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
+from PIL import Image
 
 from helpers import family_args
 from training_utils.args import training_parser
@@ -122,3 +124,76 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     # The first step starts from pure noise; the steps' noise levels are shifted for the image size by the pipeline.
     assert torch.equal(calls[0]["hidden_states"], pipe._pack_latents(noise))
     assert pipe.scheduler.sigmas[0] == 1 and pipe.scheduler.config.use_dynamic_shifting
+
+
+class Captured(Exception):
+    """Stops a pipeline call once it has shown what the test needs."""
+
+
+@pytest.mark.parametrize("size", [(102, 70), (1100, 1000)])
+def test_references_are_laid_out_as_the_pipeline_lays_them_out(pipe, monkeypatch, size):
+    # One to cut down to multiples of the patch size, one above 1024² pixels (scaled down first).
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    captured = []
+
+    def capture(images, **kwargs):
+        captured.extend(images)
+        raise Captured
+
+    monkeypatch.setattr(pipe, "prepare_image_latents", capture)
+    with pytest.raises(Captured):
+        pipe(prompt=PROMPTS[0], image=[image], height=32, width=32, num_inference_steps=1, max_sequence_length=16)
+    laid_out = flux2.reference_pixels(pipe, image)
+    assert torch.equal(laid_out[None], captured[0])
+    patch = pipe.vae_scale_factor * 2
+    assert laid_out.shape[-2] % patch == 0 and laid_out.shape[-1] % patch == 0 and laid_out.shape[-1] < size[0]
+    assert laid_out.shape[-2] * laid_out.shape[-1] <= flux2.REFERENCE_AREA
+
+
+def test_a_reference_the_pipeline_refuses_is_refused():
+    flux2.check_reference_size(64, 64)
+    for size in ((63, 64), (600, 64)):
+        with pytest.raises(ValueError):
+            flux2.check_reference_size(*size)
+
+
+def test_sampling_with_references_feeds_the_transformer_the_training_inputs(pipe, parse, monkeypatch):
+    # Two references of other sizes than the 32x32 target: their tokens follow the target's, told apart by the
+    # time coordinate of their ids; the transformer's output for them is dropped.
+    settings = flux2.prompt_settings(pipe, parse("--max_sequence_length", 16))
+    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(1)
+    references = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+                  for width, height in ((96, 64), (64, 80))]
+    scale = pipe.vae_scale_factor
+    vae_latents = torch.randn(1, 4, 32 // scale, 32 // scale, generator=generator)
+    latents = flux2.normalized_latents(pipe, vae_latents)
+    noise = torch.randn(latents.shape, generator=generator)
+    target_tokens = pipe._pack_latents(velocity(latents, noise))
+    with torch.no_grad():
+        parameters = [pipe.vae.encode(flux2.reference_pixels(pipe, image)[None]).latent_dist.parameters
+                      for image in references]
+    reference_latents = flux2.reference_latents(pipe, parameters)
+    calls = []
+
+    def transformer_predicting_the_target(hidden_states, **inputs):
+        calls.append({"hidden_states": hidden_states, **inputs})
+        # Something else for the references' tokens: the pipeline drops them, as `prediction` does.
+        return (torch.cat([target_tokens, torch.ones(1, hidden_states.shape[1] - target_tokens.shape[1],
+                                                     target_tokens.shape[2])], dim=1),)
+
+    monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
+    sampled = pipe(prompt=PROMPTS[0], image=references, height=32, width=32, num_inference_steps=3, guidance_scale=1.0,
+                   latents=noise, output_type="latent", **settings).images
+    torch.testing.assert_close(sampled, vae_latents, rtol=0, atol=1e-5)
+    assert len(calls) == 3
+    for step, call in enumerate(calls):
+        sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
+        expected = flux2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, reference_latents)
+        torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
+        assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
+    # The target's tokens, then each reference's (a token a patch of 2x2 latent cells), at times 0, 10 and 20.
+    counts = [(32 // scale // 2) ** 2, (64 // scale // 2) * (96 // scale // 2), (80 // scale // 2) * (64 // scale // 2)]
+    assert calls[0]["img_ids"][0, :, 0].tolist() == [0] * counts[0] + [10] * counts[1] + [20] * counts[2]
+    output = torch.cat([target_tokens, torch.ones(1, sum(counts[1:]), target_tokens.shape[2])], dim=1)
+    assert torch.equal(flux2.prediction(pipe, output, latents), velocity(latents, noise))

@@ -7,9 +7,11 @@ the pipeline's sampling loop gives the transformer at each noise level."""
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from diffusers import Flux2Pipeline
+from PIL import Image
 
 from helpers import family_args
 from training_utils.errors import UsageError
@@ -105,3 +107,42 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     assert calls[0]["guidance"].tolist() == [2.5]
     assert torch.equal(calls[0]["hidden_states"], pipe._pack_latents(noise))
     assert pipe.scheduler.sigmas[0] == 1 and pipe.scheduler.config.use_dynamic_shifting
+
+
+def test_sampling_with_references_feeds_the_transformer_the_training_inputs(pipe, parse, monkeypatch):
+    # [klein]'s layout of references (its own test checks it against its pipeline) is Flux2Pipeline's too: two
+    # references' clean tokens follow the target's, with their ids, beside the prompt and the guidance.
+    settings = flux2_dev.prompt_settings(pipe, parse("--max_sequence_length", 48, "--guidance_scale", 2.5))
+    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(1)
+    references = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+                  for width, height in ((64, 64), (80, 64))]
+    scale = pipe.vae_scale_factor
+    latents = flux2_dev.normalized_latents(pipe, torch.randn(1, 4, 32 // scale, 32 // scale, generator=generator))
+    noise = torch.randn(latents.shape, generator=generator)
+    target_tokens = pipe._pack_latents(velocity(latents, noise))
+    lay_out, _ = flux2_dev.reference_layout(pipe)
+    with torch.no_grad():
+        reference_latents = flux2_dev.reference_latents(pipe, [
+            pipe.vae.encode(lay_out(image)[None]).latent_dist.parameters for image in references])
+    calls = []
+
+    def transformer_predicting_the_target(hidden_states, **inputs):
+        calls.append({"hidden_states": hidden_states, **inputs})
+        return (torch.cat([target_tokens, torch.ones(1, hidden_states.shape[1] - target_tokens.shape[1],
+                                                     target_tokens.shape[2])], dim=1),)
+
+    monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
+    sampled = pipe(prompt=PROMPTS[0], image=references, height=32, width=32, num_inference_steps=3, latents=noise,
+                   output_type="latent", **flux2_dev.call_kwargs(pipe, settings)).images
+    torch.testing.assert_close(sampled, pipe._pack_latents(latents), rtol=0, atol=1e-5)
+    assert len(calls) == 3
+    for step, call in enumerate(calls):
+        sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
+        expected = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, reference_latents)
+        torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
+        assert torch.equal(call["img_ids"], expected["img_ids"]) and call["guidance"].tolist() == [2.5]
+    assert sorted(set(calls[0]["img_ids"][0, :, 0].tolist())) == [0, 10, 20]
+    output = torch.cat([target_tokens, torch.ones(1, len(calls[0]["img_ids"][0]) - target_tokens.shape[1],
+                                                  target_tokens.shape[2])], dim=1)
+    assert torch.equal(flux2_dev.prediction(pipe, output, latents), velocity(latents, noise))

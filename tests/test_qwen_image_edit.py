@@ -20,7 +20,6 @@ from training_utils.edit_samples import embeddings_with_references
 from training_utils.errors import UsageError
 from training_utils.families import qwen_image_edit
 from training_utils.flow_matching import add_noise, velocity
-from training_utils.hub import LORA_HOW_TO_LOAD
 from training_utils.images import read_image
 
 INSTRUCTION = "a purple triangle on a white background"
@@ -241,12 +240,3 @@ def test_each_rows_instructions_are_embedded_with_its_references_once_and_cached
     again = embeddings()  # a second run reads them back: the encoder does not run
     assert len(encoded) == len(found) + 1 and all(torch.equal(again[key][0], found[key][0]) for key in found)
 
-
-def test_the_cards_loading_code_edits_the_references_as_each_pipeline_takes_them(plus, edit):
-    template = LORA_HOW_TO_LOAD
-    plus_code = qwen_image_edit.loading_code(plus, template, ["a.png", "b.png"]).format(
-        imports="QwenImageEditPlusPipeline", pipeline_class="QwenImageEditPlusPipeline", base_model="base",
-        load_options="", output_dir="out", prompt="make it blue")
-    assert 'image = pipe("make it blue", image=[load_image("a.png"), load_image("b.png")]).images[0]' in plus_code
-    assert "from diffusers.utils import load_image\n" in plus_code
-    assert 'pipe("{prompt}", image=load_image("reference.png"))' in qwen_image_edit.loading_code(edit, template)

@@ -6,16 +6,17 @@ That each family's training step feeds its transformer what the pipeline's sampl
 included, is the family's own unit test (``test_<family>.py``); the edit data (rows, references laid out and cached,
 validation references) is `test_edit`'s. Here each script runs:
 
-- full: 6 steps on the edit rows (each twice an epoch; the references of a row beyond what the model takes left
+- full: 4 steps on the edit rows (each twice an epoch; the references of a row beyond what the model takes left
   out), centre crops (a cache keeps the crops it drew) and random flips, an EMA, validating with a fixed reference
-  every 3 steps (and so at the end), checkpointing every 3, the VAE off the accelerator between steps (--offload);
-- cached: the same 6 steps with --cache_latents, on disk (--feature_cache_dir), neither validating nor checkpointing;
-- resumed: the full run resumed from its checkpoint-3, never validating;
+  every 2 steps (and so at the end), checkpointing every 2, the VAE off the accelerator between steps (--offload);
+- cached: the same 4 steps with --cache_latents, on disk (--feature_cache_dir), neither validating nor checkpointing;
+- resumed: the full run resumed from its checkpoint-2, never validating;
 - two processes: 2 steps on two CPU processes (gloo) on an int8 base, the latents cached, every file also in
   ComfyUI's layout.
 """
 
 import contextlib
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch_processes, launch_together, launching, usage_error
+from helpers import launch, launch_processes, launch_together, launching, together, usage_error
 from training_utils.adapter_export import converted_name
 from training_utils.convert_lora import convert, read_lora
 from training_utils.families import flux_kontext, qwen_image_edit
@@ -128,38 +129,43 @@ def validating(data):
             "--num_validation_images", 1, "--validation_inference_steps", 2)
 
 
+def two_processes(tiny, edit, data, prepare):
+    """``(output_dir, result)`` of 2 steps on two processes (in the folder ``prepare()`` makes), on an int8 base,
+    the latents cached, also in ComfyUI's layout."""
+    return launch_processes(edit.script, prepare, lambda output_dir: common(
+        tiny, edit, data, output_dir, "--max_train_steps", 2, *INT8, "--cache_latents", "--export_formats",
+        "comfyui", "--checkpointing_steps", 1000))
+
+
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
-    """``{(script name, run): (output_dir, result)}``; the resumed runs once the full ones have left checkpoint-3,
-    the two-process runs beside them."""
+    """``{(script name, run): (output_dir, result)}``: the full, cached and two-process runs side by side, then the
+    resumed ones (once the full ones have left checkpoint-2)."""
     root = tmp_path_factory.mktemp("dreambooth_edit")
-    launches, data = {}, {}
+    calls, data = {}, {}
     for edit in EDIT_SCRIPTS:
         folder = root / edit.name
         data[edit.name], _ = edit_rows(tiny, folder / "data", edit.max_references)
-        launches[edit.name, "full"] = (edit.script, *common(
-            tiny, edit, data[edit.name], folder / "full", "--max_train_steps", 6, *validating(data[edit.name]),
-            "--validation_steps", 3, "--checkpointing_steps", 3, "--offload"))
-        launches[edit.name, "cached"] = (edit.script, *common(
-            tiny, edit, data[edit.name], folder / "cached", "--max_train_steps", 6, "--checkpointing_steps", 1000,
+        calls[edit.name, "full"] = functools.partial(launch, edit.script, *common(
+            tiny, edit, data[edit.name], folder / "full", "--max_train_steps", 4, *validating(data[edit.name]),
+            "--validation_steps", 2, "--checkpointing_steps", 2, "--offload"))
+        calls[edit.name, "cached"] = functools.partial(launch, edit.script, *common(
+            tiny, edit, data[edit.name], folder / "cached", "--max_train_steps", 4, "--checkpointing_steps", 1000,
             "--cache_latents", "--feature_cache_dir", folder / "features"))
-    results = launch_together(launches)
-    later = {}
+        calls[edit.name, "two_processes"] = functools.partial(
+            two_processes, tiny, edit, data[edit.name], functools.partial(tmp_path_factory.mktemp, "two_processes"))
+    results = together(calls)
+    resumed = {}
     for edit in EDIT_SCRIPTS:
         folder = root / edit.name
-        shutil.copytree(folder / "full" / "checkpoint-3", folder / "resumed" / "checkpoint-3")
-        later[edit.name, "resumed"] = (edit.script, *common(
-            tiny, edit, data[edit.name], folder / "resumed", "--max_train_steps", 6, "--checkpointing_steps", 1000,
+        shutil.copytree(folder / "full" / "checkpoint-2", folder / "resumed" / "checkpoint-2")
+        resumed[edit.name, "resumed"] = (edit.script, *common(
+            tiny, edit, data[edit.name], folder / "resumed", "--max_train_steps", 4, "--checkpointing_steps", 1000,
             "--resume_from_checkpoint", "latest"))
-    results.update(launch_together(later))
-    for edit in EDIT_SCRIPTS:
-        folder = root / edit.name
-        results[edit.name, "two_processes"] = launch_processes(
-            edit.script, lambda: folder / "two_processes", lambda output_dir: common(
-                tiny, edit, data[edit.name], output_dir, "--max_train_steps", 2, *INT8, "--cache_latents",
-                "--export_formats", "comfyui", "--checkpointing_steps", 1000))[1]
-    return {(name, run): (root / name / run, result) for (name, run), result in results.items()}
+    results.update(launch_together(resumed))
+    return {(name, run): result if run == "two_processes" else (root / name / run, result)
+            for (name, run), result in results.items()}
 
 
 @pytest.fixture(params=EDIT_SCRIPTS, ids=SCRIPT_IDS)
@@ -176,19 +182,21 @@ def test_trains_rows_with_and_without_a_reference_and_validates_with_the_referen
     assert "references none" in result.stderr and "references 32x32" in result.stderr, result.stderr[-3000:]
     # A model that takes several trains the rows with two references too, in batches of their own.
     assert ("references 32x32, 32x32:" in result.stderr) == (edit.max_references > 1)
-    assert_validated_at(output_dir, [3, 6], ("raw", "ema"), [PROMPT], num_images=1)
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), [PROMPT], num_images=1)
     # The grid's first row is the reference as given; the renders are the most common target bucket's size.
     data = output_dir.parent / "data"
     shown = Image.open(output_dir / "validation" / "conditioning-p00-00.png")
     assert shown.tobytes() == Image.open(data / "references" / "0000-0.png").convert("RGB").tobytes()
-    assert Image.open(output_dir / "validation" / "step-000006" / "raw-p00-00.png").size == (32, 32)
-    assert checkpoint_names(output_dir) == ["checkpoint-3", "checkpoint-6"]
-    assert edit.pipeline.__name__ in (output_dir / "README.md").read_text()
+    assert Image.open(output_dir / "validation" / "step-000004" / "raw-p00-00.png").size == (32, 32)
+    assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
+    card = (output_dir / "README.md").read_text()  # its loading code renders the first prompt from its reference
+    assert edit.pipeline.__name__ in card and f'"{PROMPT}", image=load_image("{data / "references" / "0000-0.png"}")' \
+        in card
 
 
 def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(runs, edit):
     (output_dir, result), (straight_dir, _) = runs[edit.name, "resumed"], runs[edit.name, "full"]
-    assert f"resumed from {output_dir / 'checkpoint-3'} at step 3" in result.stdout
+    assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in result.stdout
     for name in (LORA, f"ema/{LORA}"):
         assert_same_files(output_dir / name, straight_dir / name)
 

@@ -380,6 +380,10 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
                           "dreambooth/train_dreambooth_lora_krea2.py": "upstream has no test for its Krea 2 script",
                           "dreambooth/train_dreambooth_lora_chroma.py": "upstream has no Chroma script",
+                          "dreambooth/train_dreambooth_lora_flux2_klein_img2img.py":
+                              "upstream has no test for its FLUX.2 [klein] image-to-image script",
+                          "dreambooth/train_dreambooth_lora_flux2_img2img.py":
+                              "upstream has no test for its FLUX.2 image-to-image script",
                           # Each of their tests passes --instance_prompt "", which every DreamBooth script here
                           # stops at, in one line, before any weights load ("--instance_prompt='': expected a
                           # non-empty prompt"); no run of them is left to compare.

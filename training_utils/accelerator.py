@@ -45,11 +45,11 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
     ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports.
 
-    DDP leaves the frozen parameters alone: every process loaded the same ones, and a quantised base's (an int8
-    tensor subclass) cannot be broadcast."""
+    DDP leaves the frozen weights alone: every process loaded the same ones, and broadcasting them when it wraps a
+    module would fail on a quantised base (torchao's int8 tensors cannot be viewed as a flat buffer)."""
     for module in trained.values():
-        frozen = [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
+        module._ddp_params_and_buffers_to_ignore = [name for name, parameter in module.named_parameters()
+                                                    if not parameter.requires_grad]
     prepared = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
     return dict(zip(trained, prepared)), *prepared[len(trained):]
 

@@ -29,6 +29,15 @@ from .parser import add_refused_args
 logger = logging.getLogger(__name__)
 
 
+# The DreamBooth flags of upstream's edit scripts that no edit script here carries.
+EDIT_REFUSALS = {
+    "--class_data_dir": "an edit trains on its rows alone, without prior preservation (upstream's image-to-image "
+                        "scripts take the flag and never read it)",
+    "--sample_batch_size": "an edit generates no class images (upstream's image-to-image scripts take the flag and "
+                           "never read it)",
+}
+
+
 def add_edit_args(parser):
     """Upstream's data flags of its edit scripts (``--cond_image_column``, ``--validation_image``), and the target
     and instruction flags with their meanings here (replacing the DreamBooth ones of the same names)."""
@@ -232,3 +241,16 @@ def validation_inputs(args, single_reference=False, check_size=None):
     return {"prompt_kwargs": [{"image": images[0] if single_reference else images} if images else {}
                               for images in references],
             "conditioning_images": references, "conditioning_label": "references"}
+
+
+def how_to_edit(template, args, single_reference=False):
+    """``(template, fields)`` for `hub.how_to_load`: a loading code ``template`` (e.g. `hub.LORA_HOW_TO_LOAD`) whose
+    call passes references as the pipeline's ``image`` (a list, or with ``single_reference`` one image): the first
+    validation prompt's, or a placeholder file name."""
+    paths = (args.validation_image or [["reference.png"]])[0]
+    images = [f'load_image("{path}")' for path in paths]
+    image = images[0] if single_reference else f"[{', '.join(images)}]"
+    imports = "from diffusers import {imports}\n"
+    template = template.replace('pipe("{prompt}")', 'pipe("{prompt}", image={image})').replace(
+        imports, imports + "from diffusers.utils import load_image\n")
+    return template, {"image": image}

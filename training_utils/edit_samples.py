@@ -44,11 +44,14 @@ class References:
     distribution's parameters, which the family turns into latents as its pipeline does (the mode, or a sample).
 
     With ``encoders.cache_latents`` each distinct reference is encoded once (both mirrorings) by `cache`, in memory
-    or under ``encoders.cache_dir``; a sample then carries the parameters, else the pixels."""
+    or under ``encoders.cache_dir``; a sample then carries the parameters, else the pixels. The disk cache is keyed
+    by ``lay_out``'s code (a ``functools.partial``'s function's) and ``depends_on``, what else the layout depends on
+    (e.g. the pipeline's image processor settings)."""
 
-    def __init__(self, lay_out, encoders):
+    def __init__(self, lay_out, encoders, depends_on=()):
         self.lay_out = lay_out
         self.encoders = encoders
+        self.depends_on = list(depends_on)
         self.cached = None
         self._shapes = {}
 
@@ -75,7 +78,8 @@ class References:
         encoders = self.encoders
         store = encoders.store("reference_latents", {
             "vae": describe(encoders.vae), "images": many([image_source(key) for key in keys], "images"),
-            "reading": READING, "layout": describe(self.lay_out)})
+            "reading": READING, "layout": describe(getattr(self.lay_out, "func", self.lay_out)),
+            "depends_on": [describe(thing) for thing in self.depends_on]})
 
         def encode_chunk(indices):
             pixels = [self.pixels(keys[index], flip) for index in indices for flip in (False, True)]

@@ -36,7 +36,7 @@ from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import make_dataloader
 from training_utils.dreambooth import training_captions, transformer_dreambooth_refusals
-from training_utils.edit import add_edit_args, check_edit_args, validation_inputs
+from training_utils.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
 from training_utils.edit_samples import References, edit_collate, edit_dataset, edit_prompts
 from training_utils.ema import make_ema
 from training_utils.export import save_with_ema
@@ -189,10 +189,11 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(export.loading_code, args, pipe,
-                                       prompt=(args.validation_prompt or [args.instance_prompt or "an edit"])[0])
-        finish_run(args, f"{export.title} (FLUX.1 Kontext)", how_to_load_text, loop.records, saved,
-                   export.title, captions=training_captions(rows))
+        captions = training_captions(rows)
+        template, fields = how_to_edit(export.loading_code, args, single_reference=True)
+        how_to_load_text = how_to_load(template, args, pipe, prompt=(args.validation_prompt or captions)[0], **fields)
+        finish_run(args, f"Edit {export.title} (FLUX.1 Kontext)", how_to_load_text, loop.records, saved,
+                   export.title, captions=captions)
     end_training(accelerator)
 
 

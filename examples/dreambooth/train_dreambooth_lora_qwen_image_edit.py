@@ -30,11 +30,10 @@ from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_
                                  export_formats, training_parser)
 from training_utils.buckets import validation_size
 from training_utils.cache import FrozenEncoders
-from training_utils.captions import distinct_captions
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data import make_dataloader
-from training_utils.dreambooth import transformer_dreambooth_refusals
-from training_utils.edit import add_edit_args, check_edit_args, validation_inputs
+from training_utils.dreambooth import training_captions, transformer_dreambooth_refusals
+from training_utils.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
 from training_utils.edit_samples import References, edit_collate, edit_dataset, embeddings_with_references
 from training_utils.ema import make_ema
 from training_utils.errors import require
@@ -92,7 +91,8 @@ def main(args):
     rows = check_edit_args(args, max_references=most)
     require(min(map(len, rows.references)) >= fewest, "--cond_image_column", args.cond_image_column,
             f"{fewest} reference image in every row for {pipeline_class.__name__}")
-    validation = validation_inputs(args, single_reference=pipeline_class is QwenImageEditPipeline)
+    single_reference = pipeline_class is QwenImageEditPipeline
+    validation = validation_inputs(args, single_reference=single_reference)
     require(all(validation["conditioning_images"]), "--validation_image", args.validation_image,
             "reference images for every --validation_prompt (the edit pipelines render from references)")
     accelerator = make_accelerator(args)
@@ -179,10 +179,11 @@ def main(args):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        code = qwen_image_edit.loading_code(pipe, export.loading_code, (args.validation_image or [[]])[0])
-        how_to_load_text = how_to_load(code, args, pipe, prompt=(args.validation_prompt or [rows.captions[0]])[0])
-        finish_run(args, f"{export.title} (Qwen-Image-Edit)", how_to_load_text, loop.records, saved,
-                   export.title, captions=distinct_captions(rows.captions)[:5])
+        captions = training_captions(rows)
+        template, fields = how_to_edit(export.loading_code, args, single_reference=single_reference)
+        how_to_load_text = how_to_load(template, args, pipe, prompt=(args.validation_prompt or captions)[0], **fields)
+        finish_run(args, f"Edit {export.title} (Qwen-Image-Edit)", how_to_load_text, loop.records, saved,
+                   export.title, captions=captions)
     end_training(accelerator)
 
 

@@ -12,15 +12,26 @@ The FLUX.2 transformer reads:
   (`model_inputs`);
 - ``timestep``: the scheduler's timestep over 1000, and no guidance embedding (the pipeline passes none).
 
-Its output tokens are unpacked into the latents' layout (`prediction`), where the loss compares them with the
-velocity. Every piece is the pipeline's own (its static helpers, its ``encode_prompt`` and that method's defaults),
-so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
+With reference images (the image-to-image scripts: the pipeline's ``image=``), each reference is laid out as the
+pipeline lays it out (`reference_pixels`: at most 1024² pixels in area, its sides cut down to multiples of 16,
+`check_reference_size` refusing what the pipeline refuses), encoded to its latent distribution's mode, patchified and
+standardised as the target is (`reference_latents`), and its tokens follow the target's in ``hidden_states``, with
+position ids whose time coordinate tells the references apart (10, 20, ...: `model_inputs`).
+
+Its output tokens, the target's (the references' are dropped, as the pipeline drops them), are unpacked into the
+latents' layout (`prediction`), where the loss compares them with the velocity. Every piece is the pipeline's own
+(its static helpers, its ``encode_prompt`` and that method's defaults, its image processor), so training feeds the
+transformer what the pipeline's sampling loop feeds it at the same noise level.
 """
 
+import functools
 import inspect
 
 import torch
 from diffusers import Flux2Transformer2DModel
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+from PIL import Image
 from transformers import AutoConfig
 
 from ..errors import UsageError, require
@@ -51,6 +62,8 @@ COMFYUI_LAYOUT = (
     Rename(r"proj_out", "final_layer.linear"),
 )
 FAMILY = Family("flux2", "FLUX.2", ("Flux2KleinPipeline",), "transformer", {}, COMFYUI_LAYOUT)
+# The largest reference, in pixels, that the FLUX.2 pipelines encode as it is; a larger one is scaled down to it.
+REFERENCE_AREA = 1024 * 1024
 
 
 def add_args(parser):
@@ -140,17 +153,55 @@ def normalized_latents(pipe, latents):
     return (patches - mean) / std
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
+def model_inputs(pipe, noisy_latents, timesteps, references=()):
     """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens, their position ids, and the timesteps in the latents' dtype over
-    1000 (the pipeline's scale; the transformer multiplies it back)."""
-    return {"hidden_states": pipe._pack_latents(noisy_latents),
-            "img_ids": pipe._prepare_latent_ids(noisy_latents).to(noisy_latents.device),
-            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+    1000 (the pipeline's scale; the transformer multiplies it back). The `reference_latents` ``references`` (of each
+    sample, one tensor per reference) follow in the sequence, with the ids the pipeline gives them."""
+    hidden_states = pipe._pack_latents(noisy_latents)
+    img_ids = pipe._prepare_latent_ids(noisy_latents).to(noisy_latents.device)
+    if references:
+        reference_ids = pipe._prepare_image_ids([latents[:1] for latents in references]).to(noisy_latents.device)
+        tokens = torch.cat([pipe._pack_latents(latents) for latents in references], dim=1)
+        hidden_states = torch.cat([hidden_states, tokens.to(hidden_states.dtype)], dim=1)
+        img_ids = torch.cat([img_ids, reference_ids.expand(len(noisy_latents), -1, -1)], dim=1)
+    return {"hidden_states": hidden_states, "img_ids": img_ids, "timestep": timesteps.to(noisy_latents.dtype) / 1000}
 
 
 def prediction(pipe, output, latents):
     """The transformer's output tokens in the layout of the `normalized_latents` ``latents``, placed by their
-    position ids: the velocity it predicts."""
+    position ids: the velocity it predicts (the tokens after the target's, the references', are dropped)."""
     height, width = latents.shape[-2:]
-    return pipe._unpack_latents_with_ids(output, pipe._prepare_latent_ids(latents).to(output.device), height, width)
+    ids = pipe._prepare_latent_ids(latents).to(output.device)
+    return pipe._unpack_latents_with_ids(output[:, :ids.shape[1]], ids, height, width)
+
+
+def check_reference_size(width, height):
+    """Raise ValueError for a reference of ``width``×``height`` that the pipeline refuses (too small, too narrow)."""
+    Flux2ImageProcessor.check_image_input(Image.new("RGB", (width, height)))
+
+
+def reference_pixels(pipe, image):
+    """A reference image (PIL) laid out as the pipeline lays out its ``image=``: scaled down to `REFERENCE_AREA` if
+    larger, then resized and centre-cropped to sides that are multiples of 16 (2×2 patches of the VAE's 8×8 cells);
+    CHW in [-1, 1]."""
+    processor = pipe.image_processor
+    if image.width * image.height > REFERENCE_AREA:
+        image = processor._resize_to_target_area(image, REFERENCE_AREA)
+    multiple = pipe.vae_scale_factor * 2
+    height, width = image.height // multiple * multiple, image.width // multiple * multiple
+    return processor.preprocess(image, height=height, width=width, resize_mode="crop")[0]
+
+
+def reference_layout(pipe):
+    """``(lay_out, depends_on)`` for `edit_samples.References`: `reference_pixels` with ``pipe``'s image processor,
+    and what it depends on besides its code (the processor's settings, the VAE's scale, the largest area)."""
+    return (functools.partial(reference_pixels, pipe),
+            [dict(pipe.image_processor.config), pipe.vae_scale_factor, REFERENCE_AREA])
+
+
+def reference_latents(pipe, parameters):
+    """The references of a batch as the pipeline encodes them, from their VAE latent distributions' ``parameters``
+    (a list, one ``(B, 2C, h, w)`` tensor per reference): the mode (the pipeline's ``sample_mode="argmax"``),
+    patchified and standardised (`normalized_latents`)."""
+    return [normalized_latents(pipe, DiagonalGaussianDistribution(batch).mode()) for batch in parameters]

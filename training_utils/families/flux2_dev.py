@@ -14,7 +14,7 @@ What differs from [klein] is the text encoder and the guidance embedding. The FL
   rows' (`encode_prompts`, `text_inputs`);
 - ``hidden_states``, ``img_ids`` and ``timestep``: as [klein]'s (`flux2.normalized_latents`, `flux2.model_inputs`):
   the VAE latents folded into 2×2 patches, standardised with the VAE's batch-norm statistics, packed into tokens,
-  their position ids, and the scheduler's timestep over 1000.
+  their position ids, and the scheduler's timestep over 1000; reference images' tokens after them, as [klein]'s.
 
 Its output tokens are placed back into the latents' layout by their position ids (`prediction`), where the loss
 compares them with the velocity. Every piece is the pipeline's own, so training feeds the transformer what the
@@ -32,6 +32,9 @@ from .layout import Family
 
 FAMILY = Family("flux2_dev", "FLUX.2 [dev]", ("Flux2Pipeline",), "transformer", {}, flux2.COMFYUI_LAYOUT)
 image_vae, normalized_latents, model_inputs = flux2.image_vae, flux2.normalized_latents, flux2.model_inputs
+# Reference images (Flux2Pipeline's image=) are laid out, encoded and placed as [klein]'s pipeline does them.
+check_reference_size, reference_layout, reference_latents = (flux2.check_reference_size, flux2.reference_layout,
+                                                             flux2.reference_latents)
 
 
 def add_args(parser):
@@ -95,5 +98,6 @@ def text_inputs(rows):
 
 def prediction(pipe, output, latents):
     """The transformer's output tokens in the layout of the `normalized_latents` ``latents``, placed by their
-    position ids: the velocity it predicts."""
-    return pipe._unpack_latents_with_ids(output, pipe._prepare_latent_ids(latents).to(output.device))
+    position ids: the velocity it predicts (the tokens after the target's, the references', are dropped)."""
+    ids = pipe._prepare_latent_ids(latents).to(output.device)
+    return pipe._unpack_latents_with_ids(output[:, :ids.shape[1]], ids)

@@ -243,13 +243,3 @@ def rendering(pipe, settings, encoders_on_device):
 
     return around_rendering
 
-
-def loading_code(pipe, template, references=()):
-    """A `hub` loading-code ``template`` whose render edits ``references`` (image paths, e.g. the first
-    ``--validation_image`` set; a placeholder without) as the pipeline takes them: a list for Edit Plus, the image
-    itself for the first Edit."""
-    images = [f'load_image("{path}")' for path in references or ["reference.png"]]
-    image = f"[{', '.join(images)}]" if _edit_plus(pipe) else images[0]
-    imports = "from diffusers import {imports}\n"
-    return template.replace('pipe("{prompt}")', f'pipe("{{prompt}}", image={image})').replace(
-        imports, imports + "from diffusers.utils import load_image\n")
