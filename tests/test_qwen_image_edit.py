@@ -5,7 +5,9 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path, and at every step the transformer gets what training gives it: the target's tokens then the references',
 their ``img_shapes``, and the prompt encoded with the references."""
 
+import contextlib
 import functools
+import json
 
 import pytest
 import torch
@@ -64,28 +66,34 @@ def test_the_processor_loads_without_torchvision_and_the_tokenizer_drops_the_tem
     assert first != second
 
 
-def test_reference_sizes_follow_the_pipelines_rules(plus, edit, parse):
+def at_area(*pipes):
+    """The pipelines' references at the tests' `AREA` while inside."""
+    stack = contextlib.ExitStack()
+    for pipe in pipes:
+        stack.enter_context(qwen_image_edit.references_at_area(pipe, AREA))
+    return stack
+
+
+def test_reference_sizes_follow_the_pipelines_rules(plus, edit):
     wide, tall = references()
-    pipelines_area = qwen_image_edit.prompt_settings(plus, parse())
-    assert pipelines_area["reference_area"] is None
     # Edit Plus: about 384×384 for the text encoder, 1024×1024 for the VAE, at the reference's aspect ratio.
-    assert qwen_image_edit.reference_sizes(plus, wide, pipelines_area) == ((480, 320), (1248, 832))
-    assert qwen_image_edit.reference_sizes(plus, tall, pipelines_area) == ((256, 544), (736, 1440))
-    assert qwen_image_edit.reference_sizes(edit, wide, pipelines_area) == ((1248, 832), (1248, 832))
-    settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
-    assert qwen_image_edit.reference_sizes(plus, wide, settings) == ((480, 320), (32, 32))
-    assert qwen_image_edit.reference_sizes(edit, tall, settings) == ((32, 32), (32, 32))
+    assert qwen_image_edit.reference_sizes(plus, wide) == ((480, 320), (1248, 832))
+    assert qwen_image_edit.reference_sizes(plus, tall) == ((256, 544), (736, 1440))
+    assert qwen_image_edit.reference_sizes(edit, wide) == ((1248, 832), (1248, 832))
+    with at_area(plus, edit):
+        assert qwen_image_edit.reference_sizes(plus, wide) == ((480, 320), (32, 32))
+        assert qwen_image_edit.reference_sizes(edit, tall) == ((32, 32), (32, 32))
 
 
-def test_the_reference_layout_is_the_vaes_input_and_its_description_changes_with_the_area(plus, edit, parse):
-    settings, pipelines = (qwen_image_edit.prompt_settings(plus, parse(*flags)) for flags in [("--reference_area",
-                                                                                                 AREA), ()])
+def test_the_reference_layout_is_the_vaes_input_and_depends_on_the_area(plus, edit):
     wide = references()[0]
-    pixels = qwen_image_edit.ReferenceLayout(plus, settings)(wide)
+    with at_area(plus, edit):
+        lay_out, small = qwen_image_edit.reference_layout(plus)
+        pixels = lay_out(wide)
+        others = [qwen_image_edit.reference_layout(edit)[1]]
     assert torch.equal(pixels, plus.image_processor.preprocess(wide, 32, 32)[0]) and pixels.shape == (3, 32, 32)
-    descriptions = {str(qwen_image_edit.ReferenceLayout(pipe, chosen)) for pipe in (plus, edit)
-                    for chosen in (settings, pipelines)}
-    assert len(descriptions) == 4
+    others += [qwen_image_edit.reference_layout(pipe)[1] for pipe in (plus, edit)]
+    assert len({json.dumps(dependencies, default=str) for dependencies in [small, *others]}) == 4
 
 
 def test_a_bad_reference_area_fails_in_one_line(parse):
@@ -99,7 +107,7 @@ def test_a_bad_reference_area_fails_in_one_line(parse):
 def test_the_prompt_is_encoded_with_its_references_as_the_pipeline_encodes_it(plus, parse, count):
     settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
     refs = references()[:count]
-    with torch.no_grad():
+    with torch.no_grad(), at_area(plus):
         prompt_embeds, mask = qwen_image_edit.encode_prompts(plus, [(INSTRUCTION, refs), "a red circle"], "cpu",
                                                              settings)
         condition = [plus.image_processor.resize(ref, height, width)
@@ -115,24 +123,23 @@ def test_the_prompt_is_encoded_with_its_references_as_the_pipeline_encodes_it(pl
 
 def test_the_first_edit_encodes_its_one_reference_at_the_vaes_size(edit, parse):
     settings = qwen_image_edit.prompt_settings(edit, parse("--reference_area", AREA))
-    with torch.no_grad():
+    with torch.no_grad(), at_area(edit):
         prompt_embeds, _ = qwen_image_edit.encode_prompts(edit, [(INSTRUCTION, references()[:1])], "cpu", settings)
         expected, _ = edit.encode_prompt(INSTRUCTION, image=edit.image_processor.resize(references()[0], 32, 32))
     assert torch.equal(prompt_embeds, expected)
 
 
-def test_rendering_at_the_trained_area_changes_the_pipelines_rule_only_inside(plus, edit, parse):
-    settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
+def test_the_area_changes_the_pipelines_rule_only_inside(plus, edit):
     # Edit Plus: its module's area for the VAE; the first Edit: the area its call gives calculate_dimensions.
     for pipe, rule in [(plus, lambda module: module.VAE_IMAGE_SIZE),
                        (edit, lambda module: module.calculate_dimensions(1024 * 1024, 1.5)[:2])]:
         module = qwen_image_edit._pipeline_module(pipe)
         before = dict(vars(module))
         pipelines = rule(module)
-        with qwen_image_edit.rendering_references_at(pipe, settings):
+        with qwen_image_edit.references_at_area(pipe, AREA):
             assert rule(module) == {plus: AREA, edit: (32, 32)}[pipe] != pipelines
         assert vars(module) == before
-    with qwen_image_edit.rendering_references_at(plus, {"reference_area": None}):
+    with qwen_image_edit.references_at_area(plus, None):
         assert qwen_image_edit._pipeline_module(plus).VAE_IMAGE_SIZE == 1024 * 1024
 
 
@@ -159,7 +166,7 @@ def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, wid
 
     monkeypatch.setattr(pipe.transformer, "forward", transformer_predicting_the_target)
     monkeypatch.setattr(pipe.vae, "decode", decode)
-    with qwen_image_edit.rendering_references_at(pipe, settings):
+    with at_area(pipe):
         pipe(prompt=INSTRUCTION, height=height, width=width, num_inference_steps=3, latents=packed_noise,
              output_type="np", **qwen_image_edit.call_kwargs(pipe, settings),
              image=refs if type(pipe) is QwenImageEditPlusPipeline else refs[0])
@@ -169,15 +176,14 @@ def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, wid
         output[:, : packed_noise.shape[1]], height, width, pipe.vae_scale_factor))
 
     monkeypatch.undo()
-    with torch.no_grad():
+    with torch.no_grad(), at_area(pipe):
         rows = list(zip(*qwen_image_edit.encode_prompts(pipe, [(INSTRUCTION, refs)], "cpu", settings)))
         # As training lays out and encodes them (`edit_samples.References`), one at a time.
-        layout, vae = qwen_image_edit.ReferenceLayout(pipe, settings), qwen_image_edit.image_vae(pipe)
-        reference_latents = [qwen_image_edit.reference_latents(pipe, vae.encode(layout(ref)[None]).latent_dist
-                                                               .parameters) for ref in refs]
-    trained = [{**qwen_image_edit.with_references(
-        pipe, qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, pipe.scheduler.sigmas[step]),
-                                           pipe.scheduler.timesteps[step].expand(1)), reference_latents),
+        lay_out, vae = qwen_image_edit.reference_layout(pipe)[0], qwen_image_edit.image_vae(pipe)
+        reference_latents = qwen_image_edit.reference_latents(
+            pipe, [vae.encode(lay_out(ref)[None]).latent_dist.parameters for ref in refs])
+    trained = [{**qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, pipe.scheduler.sigmas[step]),
+                                               pipe.scheduler.timesteps[step].expand(1), reference_latents),
                 **qwen_image_edit.text_inputs(rows)} for step in range(len(calls))]
     return calls, trained
 

@@ -75,8 +75,7 @@ def qwen_image_edit_render(tiny, reference):
     """Qwen-Image-Edit: its processor loaded without torchvision, the reference resized by the pipeline at the runs'
     area."""
     return ({"processor": qwen_image_edit.load_processor(tiny["qwen_image_edit_plus"])}, {"image": [reference]},
-            qwen_image_edit.rendering_references_at(QwenImageEditPlusPipeline,
-                                                    {"reference_area": QWEN_REFERENCE_AREA}))
+            qwen_image_edit.references_at_area(QwenImageEditPlusPipeline, QWEN_REFERENCE_AREA))
 
 
 EDIT_SCRIPTS = [

@@ -105,6 +105,7 @@ def main(args):
                          processor=qwen_image_edit.load_processor(args.pretrained_model_name_or_path, args.revision,
                                                                   args.cache_dir))
     transformer, text_encoders = pipe.transformer, [pipe.text_encoder]
+    qwen_image_edit.use_reference_area(pipe, args.reference_area)  # in training and validation alike
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
     settings = qwen_image_edit.prompt_settings(pipe, args)
     call_kwargs = qwen_image_edit.call_kwargs(pipe, settings)
@@ -135,7 +136,8 @@ def main(args):
 
     embeddings = embeddings_with_references(frozen, rows, args.caption_dropout, encode_prompts,
                                             qwen_image_edit.prompt_dependencies(pipe, settings), args.random_flip)
-    references = References(qwen_image_edit.ReferenceLayout(pipe, settings), frozen)
+    lay_out, layout_dependencies = qwen_image_edit.reference_layout(pipe)
+    references = References(lay_out, frozen, layout_dependencies)
     dataset = edit_dataset(rows, frozen, references, args.seed, args.repeats, args.caption_dropout)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      edit_collate, args.seed))
@@ -147,8 +149,7 @@ def main(args):
     prompt_rows = cached_rows(embeddings, accelerator.device)  # each sample's by its (row, instruction, flip)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype,
-                               encoders_on_device=qwen_image_edit.rendering(pipe, settings, frozen.on_device),
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, dataset.target_shapes), **call_kwargs},
                                **validation)
     loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
@@ -159,18 +160,16 @@ def main(args):
     # latents move on a straight line to noise and the transformer predicts the velocity, noise - latents, reading
     # the clean references' tokens after the target's, and each sample's instruction embedded with its references.
     # After each optimizer step the loop updates the EMA, checkpoints and validates when due (the final step
-    # included, once), rendering the references at the area trained on.
+    # included, once).
     for model in models.values():
         model.train()
     for batch in loop:
         with accelerator.accumulate(*models.values()):
             latents = qwen_image_edit.normalized_latents(pipe, frozen.latents(batch["images"]))
-            reference_latents = [qwen_image_edit.reference_latents(pipe, parameters).to(latents)
-                                 for parameters in references.parameters(batch["references"])]
+            reference_latents = qwen_image_edit.reference_latents(pipe, references.parameters(batch["references"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
-            inputs = qwen_image_edit.with_references(pipe, inputs, reference_latents)
+            inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, reference_latents)
             text = qwen_image_edit.text_inputs(prompt_rows(zip(batch["rows"], batch["prompts"], batch["flips"])))
             output = models["transformer"](**inputs, **text, return_dict=False)[0]
             loss = flow_matching_loss(qwen_image_edit.prediction(pipe, output, latents), latents, noise, sigmas, args)

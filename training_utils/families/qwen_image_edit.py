@@ -12,19 +12,20 @@ images twice, each as the pipeline does it:
   target's, with its own (frames, rows, columns) in ``img_shapes`` (`with_references`). The transformer's output
   is cut back to the target's tokens (`prediction`), as the sampling loop cuts it.
 
-``--reference_area`` trains on references of another area (memory, speed); validation then renders at that area
-(`rendering_references_at`, `rendering`), since the pipelines fix theirs in code. The pipeline's
+``--reference_area`` trains on references of another area (memory, speed), and validation renders at that area
+(`use_reference_area`), since the pipelines fix theirs in code. The pipeline's
 ``Qwen2VLProcessor`` needs torchvision in transformers 5 only for its video processor, which editing never uses:
 `load_processor` loads it without (`QwenVLImageProcessor`).
 """
 
 import contextlib
-import json
+import functools
 import sys
 
 import diffusers
 import torch
 from diffusers import DiffusionPipeline
+from PIL import Image
 from transformers import Qwen2VLProcessor
 
 from ..cache_keys import describe
@@ -90,13 +91,13 @@ def pipeline_class(args):
 
 
 def prompt_settings(pipe, args):
-    """The references' area for the VAE (``None``: the pipeline's), on which the first Edit's prompt depends too."""
-    return {"reference_area": args.reference_area}
+    """None: the references' area, on which the first Edit's prompt depends too, is the pipeline's rule in force
+    (`use_reference_area`)."""
+    return {}
 
 
 def call_kwargs(pipe, settings):
-    """What every render passes to the pipeline: no true classifier-free guidance, as Qwen-Image (the area is not an
-    argument of the pipeline's: `rendering_references_at`)."""
+    """What every render passes to the pipeline: no true classifier-free guidance, as Qwen-Image."""
     return {"true_cfg_scale": 1.0}
 
 
@@ -110,65 +111,102 @@ def _edit_plus(pipe):
     return hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE")
 
 
-def reference_sizes(pipe, reference, settings):
+def _set_reference_area(pipe, area):
+    """Make the pipeline's module resize references for the VAE to ``area`` pixels; returns how to undo it."""
+    module = _pipeline_module(pipe)
+    name, original = (("VAE_IMAGE_SIZE", module.VAE_IMAGE_SIZE) if _edit_plus(pipe)
+                      else ("calculate_dimensions", module.calculate_dimensions))
+    setattr(module, name, area if _edit_plus(pipe) else lambda target_area, ratio: original(area, ratio))
+    return lambda: setattr(module, name, original)
+
+
+def use_reference_area(pipe, area):
+    """``--reference_area``: from now on in this process the pipeline (``pipe``, or its class) resizes references
+    for the VAE to ``area`` pixels (the first Edit: for the text encoder too), in training as in validation, where
+    it is the pipeline itself that resizes them; ``None`` keeps the pipeline's own. The pipelines fix their areas in
+    code: a module constant (Edit Plus), a literal given to the module's ``calculate_dimensions`` (the first Edit)."""
+    if area is not None:
+        _set_reference_area(pipe, area)
+
+
+@contextlib.contextmanager
+def references_at_area(pipe, area):
+    """`use_reference_area` while inside only."""
+    undo = _set_reference_area(pipe, area) if area is not None else (lambda: None)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def reference_sizes(pipe, reference):
     """``((width, height) for the text encoder, (width, height) for the VAE)`` of a PIL reference, by the
-    pipeline's rules: its aspect ratio at each area, sides rounded to multiples of 32."""
+    pipeline's rules in force: its aspect ratio at each area, sides rounded to multiples of 32."""
     module = _pipeline_module(pipe)
     ratio = reference.width / reference.height
     if _edit_plus(pipe):
-        vae_area = settings["reference_area"] or module.VAE_IMAGE_SIZE
         return module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, ratio)[:2], \
-            module.calculate_dimensions(vae_area, ratio)[:2]
-    size = module.calculate_dimensions(settings["reference_area"] or EDIT_IMAGE_AREA, ratio)[:2]
+            module.calculate_dimensions(module.VAE_IMAGE_SIZE, ratio)[:2]
+    size = module.calculate_dimensions(EDIT_IMAGE_AREA, ratio)[:2]
     return size, size
 
 
-def condition_images(pipe, references, settings):
+def _rules(pipe):
+    """What describes the rules in force: the pipeline class, and the sizes they give a square."""
+    return [type(pipe).__name__, reference_sizes(pipe, Image.new("RGB", (1, 1)))]
+
+
+def condition_images(pipe, references):
     """What the pipeline's ``encode_prompt`` gets as ``image`` for these PIL references: each resized to the text
     encoder's size, a list for Edit Plus, the image itself for the first Edit; None without references."""
     if not references:
         return None
     resized = []
     for reference in references:
-        (width, height), _ = reference_sizes(pipe, reference, settings)
+        (width, height), _ = reference_sizes(pipe, reference)
         resized.append(pipe.image_processor.resize(reference, height, width))
     return resized if _edit_plus(pipe) else resized[0]
 
 
-class ReferenceLayout:
-    """``lay_out(image)`` for `edit_samples.References`: a PIL reference as the pipeline gives it to the VAE, at the
-    VAE's size (`reference_sizes`), CHW in [-1, 1]. What it depends on (the pipeline class, the area, the code)
-    describes it for the disk cache's key."""
-
-    def __init__(self, pipe, settings):
-        self.pipe, self.settings = pipe, settings
-
-    def __call__(self, reference):
-        _, (width, height) = reference_sizes(self.pipe, reference, self.settings)
-        return self.pipe.image_processor.preprocess(reference, height, width)[0]
-
-    def __str__(self):
-        return json.dumps([type(self.pipe).__name__, self.settings, describe(reference_sizes),
-                           describe(ReferenceLayout.__call__)])
+def check_reference_size(width, height):
+    """Nothing to refuse: the pipelines resize a reference of any size to their areas."""
 
 
-def reference_latents(pipe, vae_latent_parameters):
-    """The latents of references from the VAE's ``latent_dist.parameters`` ``(B, 2C, 1, h, w)``: the mode (the
-    pipeline encodes references with ``sample_mode="argmax"``), standardised exactly as the pipeline standardises
-    them (dividing by the standard deviation, where `normalized_latents` multiplies by its inverse)."""
-    mode = vae_latent_parameters.chunk(2, dim=1)[0]
+def reference_pixels(pipe, reference):
+    """A PIL reference as the pipeline gives it to the VAE: at the VAE's size (`reference_sizes`), CHW in
+    [-1, 1]."""
+    _, (width, height) = reference_sizes(pipe, reference)
+    return pipe.image_processor.preprocess(reference, height, width)[0]
+
+
+def reference_layout(pipe):
+    """``(lay_out, depends_on)`` for `edit_samples.References`: `reference_pixels` with ``pipe``, and what it depends
+    on besides its code (the rules in force, the image processor's settings, the sizing code)."""
+    return (functools.partial(reference_pixels, pipe),
+            [*_rules(pipe), dict(pipe.image_processor.config), describe(reference_sizes)])
+
+
+def reference_latents(pipe, parameters):
+    """The references of a batch as the pipeline encodes them, from their VAE latent distributions' ``parameters``
+    (a list, one ``(B, 2C, 1, h, w)`` tensor per reference): the mode (``sample_mode="argmax"``), standardised
+    exactly as the pipeline standardises them (dividing by the standard deviation, where `normalized_latents`
+    multiplies by its inverse)."""
     shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
-    mean, std = (torch.tensor(values).view(shape).to(mode.device, mode.dtype)
-                 for values in (pipe.vae.config.latents_mean, pipe.vae.config.latents_std))
-    return (mode - mean) / std
+    latents = []
+    for batch in parameters:
+        mode = batch.chunk(2, dim=1)[0]
+        mean, std = (torch.tensor(values).view(shape).to(mode.device, mode.dtype)
+                     for values in (pipe.vae.config.latents_mean, pipe.vae.config.latents_std))
+        latents.append((mode - mean) / std)
+    return latents
 
 
 def prompt_dependencies(pipe, settings):
     """What the embeddings depend on besides the text encoder's weights and the prompts with their references: the
-    encoding code, the tokenizer, the image processor's configuration, the template and its dropped prefix, the
-    pipeline class (its rules) and the settings."""
+    encoding code, the tokenizer, the image processor's configuration, the template and its dropped prefix, and the
+    rules in force."""
     return [encode_prompts, condition_images, reference_sizes, pipe.tokenizer, pipe.processor.image_processor.to_dict(),
-            pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, type(pipe).__name__, settings]
+            pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, *_rules(pipe), settings]
 
 
 def encode_prompts(pipe, prompts, device, settings):
@@ -179,8 +217,7 @@ def encode_prompts(pipe, prompts, device, settings):
     rows = []
     for prompt in prompts:
         instruction, references = (prompt, ()) if isinstance(prompt, str) else prompt
-        prompt_embeds, _ = pipe.encode_prompt(instruction, image=condition_images(pipe, references, settings),
-                                              device=device)
+        prompt_embeds, _ = pipe.encode_prompt(instruction, image=condition_images(pipe, references), device=device)
         rows.append(prompt_embeds[0])
     length = max(len(row) for row in rows)
     prompt_embeds = torch.stack([torch.cat([row, row.new_zeros(length - len(row), row.shape[1])]) for row in rows])
@@ -188,19 +225,16 @@ def encode_prompts(pipe, prompts, device, settings):
     return prompt_embeds, mask
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """Qwen-Image's inputs for the target alone (`with_references` adds the references)."""
-    return qwen_image.model_inputs(pipe, noisy_latents, timesteps)
-
-
-def with_references(pipe, inputs, references):
-    """``inputs`` (`model_inputs`) with the references' tokens after the target's, as the sampling loop concatenates
-    them: ``references`` holds a batch ``(B, C, 1, h, w)`` of `reference_latents` per reference, in order (the
-    batch's samples share their references' count and sizes); each adds its (frames, rows, columns) of patches to
-    every sample's ``img_shapes``."""
+def model_inputs(pipe, noisy_latents, timesteps, references=()):
+    """Qwen-Image's inputs for the target, with the references' tokens after the target's, as the sampling loop
+    concatenates them: ``references`` holds a batch ``(B, C, 1, h, w)`` of `reference_latents` per reference, in
+    order (the batch's samples share their references' count and sizes); each adds its (frames, rows, columns) of
+    patches to every sample's ``img_shapes``."""
+    inputs = qwen_image.model_inputs(pipe, noisy_latents, timesteps)
     if not references:
         return inputs
-    tokens = [pipe._pack_latents(latents, *latents.shape[:2], *latents.shape[-2:]) for latents in references]
+    tokens = [pipe._pack_latents(latents.to(noisy_latents), *latents.shape[:2], *latents.shape[-2:])
+              for latents in references]
     shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2) for latents in references]
     return {**inputs, "hidden_states": torch.cat([inputs["hidden_states"], *tokens], dim=1),
             "img_shapes": [[*sample, *shapes] for sample in inputs["img_shapes"]]}
@@ -211,35 +245,3 @@ def prediction(pipe, output, latents):
     the `normalized_latents` ``latents``: the velocity it predicts."""
     height, width = latents.shape[-2:]
     return qwen_image.prediction(pipe, output[:, : (height // 2) * (width // 2)], latents)
-
-
-@contextlib.contextmanager
-def rendering_references_at(pipe, settings):
-    """While inside, the pipeline (``pipe``, or its class) resizes references for the VAE to the settings'
-    ``reference_area`` (the first Edit: for the text encoder too, as it trained): the pipelines fix their areas in
-    code, a module constant (Edit Plus) or a literal given to the module's ``calculate_dimensions`` (the first
-    Edit). Nothing changes when the area is the pipeline's."""
-    module, area = _pipeline_module(pipe), settings["reference_area"]
-    if area is None:
-        yield
-        return
-    name, original = (("VAE_IMAGE_SIZE", module.VAE_IMAGE_SIZE) if _edit_plus(pipe)
-                      else ("calculate_dimensions", module.calculate_dimensions))
-    replacement = area if name == "VAE_IMAGE_SIZE" else (lambda target_area, ratio: original(area, ratio))
-    setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
-def rendering(pipe, settings, encoders_on_device):
-    """The validator's ``encoders_on_device`` (entered around each validation's rendering) that also renders the
-    references at the trained area (`rendering_references_at`)."""
-    @contextlib.contextmanager
-    def around_rendering():
-        with encoders_on_device(), rendering_references_at(pipe, settings):
-            yield
-
-    return around_rendering
-
