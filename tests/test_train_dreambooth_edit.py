@@ -189,8 +189,9 @@ def test_trains_rows_with_and_without_a_reference_and_validates_with_the_referen
     assert Image.open(output_dir / "validation" / "step-000004" / "raw-p00-00.png").size == (32, 32)
     assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
     card = (output_dir / "README.md").read_text()  # its loading code renders the first prompt from its reference
-    assert edit.pipeline.__name__ in card and f'"{PROMPT}", image=load_image("{data / "references" / "0000-0.png"}")' \
-        in card
+    reference = f'load_image("{data / "references" / "0000-0.png"}")'
+    image = reference if edit.max_references == 1 else f"[{reference}]"  # a pipeline taking several takes a list
+    assert edit.pipeline.__name__ in card and f'"{PROMPT}", image={image})' in card
 
 
 def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(runs, edit):
@@ -252,7 +253,7 @@ def test_a_row_with_more_references_than_the_model_takes_fails_in_one_line(tiny,
 
 
 def test_the_first_qwen_image_edit_takes_its_one_reference_in_every_row(tiny, tmp_path):
-    edit = EDIT_SCRIPTS[SCRIPT_IDS.index("qwen_image_edit_plus")]
+    edit = next(edit for edit in EDIT_SCRIPTS if edit.name == "qwen_image_edit_plus")
     data, _ = edit_rows(tiny, tmp_path / "data", 1)
     argv = common(tiny, edit, data, tmp_path / "out")
     argv[argv.index(tiny[edit.name])] = tiny["qwen_image_edit"]
