@@ -17,7 +17,8 @@ from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, f
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
-# ``text_encoders=None`` to ``encode_prompts``.
+# ``text_encoders=None`` to ``encode_prompts``; one whose pipeline takes reference images, ``references=()`` to
+# ``model_inputs``.
 PROTOCOL = {
     "prompt_settings": ["pipe", "args"],
     "call_kwargs": ["pipe", "settings"],
@@ -48,7 +49,8 @@ def test_every_family_offers_the_protocol_with_its_signatures(module):
         parameters = inspect.signature(getattr(module, name)).parameters
         assert list(parameters)[:len(leading)] == leading, (module.__name__, name)
         extra = {key: parameter.default for key, parameter in parameters.items() if key not in leading}
-        assert extra in ({}, {"text_encoders": None}) and (not extra or name == "encode_prompts"), (name, extra)
+        allowed = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"references": ()}}.get(name, {})
+        assert extra in ({}, allowed), (name, extra)
     assert isinstance(module.FAMILY, Family) and module.FAMILY.pipelines
     assert hasattr(module, "add_args") == hasattr(module, "check_args")
 

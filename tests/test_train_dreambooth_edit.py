@@ -175,7 +175,7 @@ def test_the_lora_loads_in_the_pipeline_and_changes_an_edit(tiny, runs, edit):
     full_dir, processes_dir = runs[edit.name, "full"][0], runs[edit.name, "two_processes"][0]
     pipe = edit.pipeline.from_pretrained(tiny[edit.name])
     reference = Image.open(full_dir.parent / "data" / "references" / "0000-0.png").convert("RGB")
-    reference = edit.module.reference_layout(pipe, 32 * 32).resized(reference)
+    reference = edit.module.reference_layout(pipe, 32 * 32)[0].resized(reference)
     render = {**edit.module.render_kwargs({"height": 32, "width": 32}), "image": reference}
     length = dict(zip(edit.flags[::2], edit.flags[1::2])).get("--max_sequence_length")
     assert_lora_changes_pipeline_output(tiny[edit.name], full_dir, full_dir / "ema", processes_dir, prompt=PROMPT,
