@@ -17,8 +17,8 @@ from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, f
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
-# ``text_encoders=None`` to ``encode_prompts``; one whose pipeline takes reference images, ``references=()`` to
-# ``model_inputs``.
+# ``text_encoders=None`` to ``encode_prompts``; one whose pipeline takes reference images (an edit model) adds
+# ``references=()`` to ``model_inputs`` and offers `EDIT_PROTOCOL`.
 PROTOCOL = {
     "prompt_settings": ["pipe", "args"],
     "call_kwargs": ["pipe", "settings"],
@@ -30,6 +30,13 @@ PROTOCOL = {
     "model_inputs": ["pipe", "noisy_latents", "timesteps"],
     "prediction": ["pipe", "output", "latents"],
 }
+EDIT_PROTOCOL = {
+    "reference_layout": ["pipe"],
+    "check_reference_size": ["width", "height"],
+    "reference_latents": ["pipe", "parameters"],
+}
+# What a function of the protocol may take besides its leading parameters, and their defaults.
+OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"references": ()}}
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
@@ -49,8 +56,15 @@ def test_every_family_offers_the_protocol_with_its_signatures(module):
         parameters = inspect.signature(getattr(module, name)).parameters
         assert list(parameters)[:len(leading)] == leading, (module.__name__, name)
         extra = {key: parameter.default for key, parameter in parameters.items() if key not in leading}
-        allowed = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"references": ()}}.get(name, {})
-        assert extra in ({}, allowed), (name, extra)
+        assert extra in ({}, OPTIONAL.get(name)), (name, extra)
+    edit = [name for name in EDIT_PROTOCOL if hasattr(module, name)]
+    assert edit in ([], list(EDIT_PROTOCOL)), (module.__name__, edit)
+    for name in edit:  # the leading parameters; any others have defaults (Kontext's layout: the targets' area)
+        parameters = inspect.signature(getattr(module, name)).parameters
+        assert list(parameters)[:len(EDIT_PROTOCOL[name])] == EDIT_PROTOCOL[name], (module.__name__, name)
+        assert all(parameter.default is not parameter.empty for parameter in
+                   list(parameters.values())[len(EDIT_PROTOCOL[name]):]), (module.__name__, name)
+    assert bool(edit) == ("references" in inspect.signature(module.model_inputs).parameters), module.__name__
     assert isinstance(module.FAMILY, Family) and module.FAMILY.pipelines
     assert hasattr(module, "add_args") == hasattr(module, "check_args")
 

@@ -24,7 +24,7 @@ from .layout import Family
 
 __all__ = ["add_args", "call_kwargs", "check_args", "encode_prompts", "image_vae", "model_inputs",
            "normalized_latents", "prompt_dependencies", "prompt_settings", "text_inputs", "prediction",
-           "reference_latents", "reference_layout", "reference_size", "render_kwargs"]
+           "check_reference_size", "reference_latents", "reference_layout", "reference_size", "render_kwargs"]
 FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer", TEXT_ENCODER_PREFIXES,
                 COMFYUI_LAYOUT)
 # The area of the pipeline's preferred resolutions (each about one megapixel).
@@ -74,6 +74,11 @@ def reference_layout(pipe, area=PREFERRED_AREA):
     the code it runs (its fields describe it, not its code)."""
     return ReferenceLayout(pipe.vae_scale_factor * 2, area), [_reference_size, ReferenceLayout.resized,
                                                              ReferenceLayout.__call__]
+
+
+def check_reference_size(width, height):
+    """Nothing to refuse: FluxKontextPipeline resizes a reference of any size to a preferred resolution (the edit
+    protocol's check; FLUX.2's pipelines refuse small ones)."""
 
 
 def reference_latents(pipe, parameters):
