@@ -59,8 +59,11 @@ def test_every_family_offers_the_protocol_with_its_signatures(module):
         assert extra in ({}, OPTIONAL.get(name)), (name, extra)
     edit = [name for name in EDIT_PROTOCOL if hasattr(module, name)]
     assert edit in ([], list(EDIT_PROTOCOL)), (module.__name__, edit)
-    for name in edit:
-        assert list(inspect.signature(getattr(module, name)).parameters) == EDIT_PROTOCOL[name], (module.__name__, name)
+    for name in edit:  # the leading parameters; any others have defaults (Kontext's layout: the targets' area)
+        parameters = inspect.signature(getattr(module, name)).parameters
+        assert list(parameters)[:len(EDIT_PROTOCOL[name])] == EDIT_PROTOCOL[name], (module.__name__, name)
+        assert all(parameter.default is not parameter.empty for parameter in
+                   list(parameters.values())[len(EDIT_PROTOCOL[name]):]), (module.__name__, name)
     assert bool(edit) == ("references" in inspect.signature(module.model_inputs).parameters), module.__name__
     assert isinstance(module.FAMILY, Family) and module.FAMILY.pipelines
     assert hasattr(module, "add_args") == hasattr(module, "check_args")

@@ -12,7 +12,7 @@ from diffusers import FluxKontextPipeline
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.families import flux_kontext
+from training_utils.families import flux, flux_kontext
 from training_utils.flow_matching import add_noise, velocity
 
 PROMPTS = ["make the triangle purple", "turn the square into a circle"]
@@ -61,9 +61,10 @@ def test_a_reference_takes_the_size_the_pipeline_gives_it(pipe, monkeypatch, wid
     assert (small_width > small_height) == (chosen.value.args[0] > chosen.value.args[1])
 
 
-def test_a_batch_without_references_keeps_flux_inputs(pipe):
-    inputs = flux_kontext.model_inputs(pipe, torch.randn(2, 4, 8, 8), torch.tensor([500.0, 250.0]))
-    assert flux_kontext.with_reference(pipe, inputs, None) is inputs
+def test_a_batch_without_references_takes_flux_inputs(pipe):
+    noisy, timesteps = torch.randn(2, 4, 8, 8), torch.tensor([500.0, 250.0])
+    inputs, expected = flux_kontext.model_inputs(pipe, noisy, timesteps), flux.model_inputs(pipe, noisy, timesteps)
+    assert inputs.keys() == expected.keys() and all(torch.equal(inputs[name], expected[name]) for name in inputs)
 
 
 # A square target with a wider reference, and a non-square bucket (24 pixels high, 40 wide) with a tall one: the
@@ -81,10 +82,10 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     target_tokens = pipe._pack_latents(target, 1, 4, *target.shape[-2:])
     reference = Image.fromarray(np.random.default_rng(0).integers(0, 256, (*reference_size[::-1], 3), np.uint8))
     # The reference as training lays it out and encodes it, at the target's area; validation passes it resized.
-    layout = flux_kontext.reference_layout(pipe, area=height * width)
+    layout, _ = flux_kontext.reference_layout(pipe, area=height * width)
     with torch.no_grad():
         parameters = pipe.vae.encode(layout(reference)[None]).latent_dist.parameters
-    reference_latents = flux_kontext.reference_latents(pipe, parameters)
+    reference_latents = flux_kontext.reference_latents(pipe, [parameters])
     calls = []
 
     def transformer_predicting_the_target(**inputs):
@@ -104,8 +105,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux_kontext.with_reference(
-            pipe, flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigma), timestep), reference_latents)
+        expected = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, reference_latents)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         for name, value in text.items():

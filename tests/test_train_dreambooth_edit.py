@@ -63,7 +63,7 @@ def kontext_edit_render(tiny, reference):
     pipe = FluxKontextPipeline.from_pretrained(tiny["flux_kontext"])
     render = flux_kontext.render_kwargs({"height": 32, "width": 32})
     return {}, {**{key: value for key, value in render.items() if key not in ("height", "width")},
-                "image": flux_kontext.reference_layout(pipe, 32 * 32).resized(reference),
+                "image": flux_kontext.reference_layout(pipe, 32 * 32)[0].resized(reference),
                 "max_sequence_length": 32}, contextlib.nullcontext()
 
 

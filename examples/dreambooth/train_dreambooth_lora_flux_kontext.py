@@ -107,7 +107,7 @@ def main(args):
     noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
     settings = flux_kontext.prompt_settings(pipe, args)
     call_kwargs = flux_kontext.call_kwargs(pipe, settings)
-    reference_layout = flux_kontext.reference_layout(pipe, args.resolution ** 2)
+    reference_layout, layout_dependencies = flux_kontext.reference_layout(pipe, args.resolution ** 2)
 
     # 3. Adapters (--adapter) on the transformer (and maybe the CLIP encoder, never T5); the EMA tracks them all.
     add_adapter(transformer, adapter_config(args, linear_layers_named(transformer, comma_separated(args.lora_layers))))
@@ -140,7 +140,7 @@ def main(args):
     if not args.train_text_encoder:
         embeddings = frozen.text_embeddings(edit_prompts(rows, args.caption_dropout), encode_prompts,
                                             flux_kontext.prompt_dependencies(pipe, settings))
-    references = References(reference_layout, frozen)
+    references = References(reference_layout, frozen, layout_dependencies)
     dataset = edit_dataset(rows, frozen, references, args.seed, args.repeats, args.caption_dropout)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
                                                      edit_collate, args.seed))
@@ -177,10 +177,8 @@ def main(args):
             latents = flux_kontext.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            inputs = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
-            reference = [flux_kontext.reference_latents(pipe, parameters)
-                         for parameters in references.parameters(batch["references"])]
-            inputs = flux_kontext.with_reference(pipe, inputs, reference[0] if reference else None)
+            reference_latents = flux_kontext.reference_latents(pipe, references.parameters(batch["references"]))
+            inputs = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, reference_latents)
             text = flux_kontext.text_inputs(prompt_rows(batch["prompts"]))
             output = models["transformer"](**inputs, **text, return_dict=False)[0]
             loss = flow_matching_loss(flux_kontext.prediction(pipe, output, latents), latents, noise, sigmas, args)

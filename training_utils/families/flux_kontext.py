@@ -4,7 +4,7 @@ reference image's tokens after the target's, as `FluxKontextPipeline` places the
 The reference is resized to the Kontext resolution nearest its aspect ratio (`reference_size`), VAE-encoded, shifted
 and scaled as the target is (`normalized_latents`), packed into 2×2 patches and given the position ids of a latent
 image of its size whose first channel is 1 (the target's is 0), which tells the transformer the two apart
-(`with_reference`). The transformer reads the target's and the reference's tokens as one sequence, and the
+(`model_inputs`, given the reference). The transformer reads the target's and the reference's tokens as one sequence, and the
 prediction is its first tokens, the target's (`prediction` cuts the rest off). A row without a reference trains as
 FLUX.1 does, text to image. Every piece is the pipeline's own (its static helpers, its preferred resolutions).
 """
@@ -17,14 +17,14 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
+from . import flux
 from .flux import (COMFYUI_LAYOUT, TEXT_ENCODER_PREFIXES, add_args, call_kwargs, check_args, encode_prompts, image_vae,
-                   model_inputs, normalized_latents, prompt_dependencies, prompt_settings, text_inputs)
-from .flux import prediction as flux_prediction
+                   normalized_latents, prompt_dependencies, prompt_settings, text_inputs)
 from .layout import Family
 
 __all__ = ["add_args", "call_kwargs", "check_args", "encode_prompts", "image_vae", "model_inputs",
            "normalized_latents", "prompt_dependencies", "prompt_settings", "text_inputs", "prediction",
-           "reference_latents", "reference_layout", "reference_size", "render_kwargs", "with_reference"]
+           "check_reference_size", "reference_latents", "reference_layout", "reference_size", "render_kwargs"]
 FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer", TEXT_ENCODER_PREFIXES,
                 COMFYUI_LAYOUT)
 # The area of the pipeline's preferred resolutions (each about one megapixel).
@@ -68,33 +68,44 @@ class ReferenceLayout:
         return self.processor().preprocess(image, image.height, image.width)[0]
 
 
-def reference_layout(pipe, area):
-    """The `ReferenceLayout` of ``pipe``'s references at ``area`` (the target's, ``--resolution`` squared: at
-    1024 the pipeline's own preferred resolutions)."""
-    return ReferenceLayout(pipe.vae_scale_factor * 2, area)
+def reference_layout(pipe, area=PREFERRED_AREA):
+    """``(lay_out, depends_on)`` for `edit_samples.References`: the `ReferenceLayout` of ``pipe``'s references at
+    ``area`` (a script's targets', ``--resolution`` squared: at 1024 the pipeline's own preferred resolutions), and
+    the code it runs (its fields describe it, not its code)."""
+    return ReferenceLayout(pipe.vae_scale_factor * 2, area), [_reference_size, ReferenceLayout.resized,
+                                                             ReferenceLayout.__call__]
+
+
+def check_reference_size(width, height):
+    """Nothing to refuse: FluxKontextPipeline resizes a reference of any size to a preferred resolution (the edit
+    protocol's check; FLUX.2's pipelines refuse small ones)."""
 
 
 def reference_latents(pipe, parameters):
-    """The `normalized_latents` of references from their VAE latent distribution's ``parameters``: the mode, as the
-    pipeline encodes a reference (``sample_mode="argmax"``)."""
-    return normalized_latents(pipe, DiagonalGaussianDistribution(parameters).mode())
+    """The `normalized_latents` of a batch's references from their VAE latent distributions' ``parameters`` (a list,
+    one tensor per reference; Kontext takes at most one): the mode, as the pipeline encodes a reference
+    (``sample_mode="argmax"``)."""
+    return [normalized_latents(pipe, DiagonalGaussianDistribution(batch).mode()) for batch in parameters]
 
 
 def render_kwargs(size):
     """What a render of ``size`` (``{"height", "width"}``) passes to the pipeline so that it renders that size: the
     pipeline rescales the requested size to ``max_area`` (a megapixel by default), so the area is the size's own; the
-    reference is passed already resized (`reference_size`), so the pipeline keeps it as it is (``_auto_resize``)."""
+    reference is passed already resized (`ReferenceLayout.resized`), so the pipeline keeps it as it is
+    (``_auto_resize``)."""
     return {**size, "max_area": size["height"] * size["width"], "_auto_resize": False}
 
 
-def with_reference(pipe, inputs, reference):
-    """The transformer's inputs ``inputs`` (`model_inputs`'s) with the reference's tokens after the target's, as the
-    pipeline's sampling loop passes them: ``reference`` is the batch's `normalized_latents` of its references (one
-    size for the batch), or None for a batch without references, whose inputs stay FLUX.1's."""
-    if reference is None:
+def model_inputs(pipe, noisy_latents, timesteps, references=()):
+    """FLUX.1's transformer inputs (`flux.model_inputs`) with the reference's tokens after the target's, as the
+    pipeline's sampling loop passes them: ``references`` are the batch's `reference_latents` (none, or one: a batch's
+    samples all have a reference or none)."""
+    inputs = flux.model_inputs(pipe, noisy_latents, timesteps)
+    if not references:
         return inputs
+    (reference,) = references
     batch, channels, height, width = reference.shape
-    tokens = pipe._pack_latents(reference.to(inputs["hidden_states"].dtype), batch, channels, height, width)
+    tokens = pipe._pack_latents(reference.to(noisy_latents.dtype), batch, channels, height, width)
     ids = pipe._prepare_latent_image_ids(batch, height // 2, width // 2, reference.device, inputs["img_ids"].dtype)
     ids[..., 0] = 1
     return {**inputs, "hidden_states": torch.cat([inputs["hidden_states"], tokens], dim=1),
@@ -105,4 +116,4 @@ def prediction(pipe, output, latents):
     """The transformer's output tokens for the target (the first ones; the reference's follow) in the layout of the
     `normalized_latents` ``latents``: the velocity."""
     height, width = latents.shape[-2:]
-    return flux_prediction(pipe, output[:, :height // 2 * (width // 2)], latents)
+    return flux.prediction(pipe, output[:, :height // 2 * (width // 2)], latents)
