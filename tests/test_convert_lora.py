@@ -416,10 +416,10 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
     with pytest.raises(UsageError, match=r"--to='kohya': expected comfyui for a FLUX.2 LoRA \(kohya applies to the "
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
-    # Attention projections alone fit SD3, FLUX.1, FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and Krea 2, whose
-    # layouts differ.
+    # Attention projections alone fit SD3, FLUX.1 (and Kontext), FLUX.2 ([klein] and [dev]), Qwen-Image (and
+    # Qwen-Image-Edit), Chroma and Krea 2, whose layouts differ.
     with pytest.raises(UsageError, match="fit the families sd3, flux, flux2, qwen_image, chroma, flux2_dev, krea2, "
-                                         "which convert them differently"):
+                                         "flux_kontext, qwen_image_edit, which convert them differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
@@ -433,16 +433,17 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
-                 "QwenImagePipeline", "ChromaPipeline", "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline"):
+                 "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "ChromaPipeline",
+                 "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("CogVideoXPipeline") == ()
 
 
-@pytest.mark.parametrize("name", ["FluxKontextPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
-                                  "Flux2KleinPipelineX"])
+@pytest.mark.parametrize("name", ["FluxKontextInpaintPipeline", "QwenImageEditInpaintPipeline",
+                                  "StableDiffusionXLPipelineForMyTask", "Flux2KleinPipelineX"])
 def test_a_family_is_matched_by_its_pipeline_class_exactly(name):
-    # FLUX.1 Kontext's pipeline is not FLUX.1's, an edit pipeline is not its base's: a look-alike name matches no
-    # family until a family module names it.
+    # An inpainting pipeline is not its edit pipeline's, a pipeline is not its look-alikes: a look-alike name matches
+    # no family until a family module names it.
     assert family_of(name) is None and formats_for(name) == ()
     assert family_of("Flux2KleinPipeline").name == "flux2" and family_of("flux2").name == "flux2"
     assert family_of("FluxPipeline").name == "flux" and family_of("flux").name == "flux"

@@ -12,8 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, hidream, krea2, lumina2, qwen_image,
-                                     sana, sd, sd3, sdxl, wan, z_image)
+from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, flux_kontext, hidream, krea2, lumina2,
+                                     qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -40,7 +40,7 @@ OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"referen
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
-           lumina2: "lumina2", hidream: "hidream", wan: "wan21"}
+           lumina2: "lumina2", hidream: "hidream", wan: "wan21", flux_kontext: "flux_kontext", qwen_image_edit: "qwen_image_edit_plus"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 
@@ -59,8 +59,11 @@ def test_every_family_offers_the_protocol_with_its_signatures(module):
         assert extra in ({}, OPTIONAL.get(name)), (name, extra)
     edit = [name for name in EDIT_PROTOCOL if hasattr(module, name)]
     assert edit in ([], list(EDIT_PROTOCOL)), (module.__name__, edit)
-    for name in edit:
-        assert list(inspect.signature(getattr(module, name)).parameters) == EDIT_PROTOCOL[name], (module.__name__, name)
+    for name in edit:  # the leading parameters; any others have defaults (Kontext's layout: the targets' area)
+        parameters = inspect.signature(getattr(module, name)).parameters
+        assert list(parameters)[:len(EDIT_PROTOCOL[name])] == EDIT_PROTOCOL[name], (module.__name__, name)
+        assert all(parameter.default is not parameter.empty for parameter in
+                   list(parameters.values())[len(EDIT_PROTOCOL[name]):]), (module.__name__, name)
     assert bool(edit) == ("references" in inspect.signature(module.model_inputs).parameters), module.__name__
     assert isinstance(module.FAMILY, Family) and module.FAMILY.pipelines
     assert hasattr(module, "add_args") == hasattr(module, "check_args")
@@ -68,7 +71,10 @@ def test_every_family_offers_the_protocol_with_its_signatures(module):
 
 @pytest.fixture(scope="module", params=MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[1])
 def family(request, tiny):
-    pipe = DiffusionPipeline.from_pretrained(tiny[MODULES[request.param]])
+    path = tiny[MODULES[request.param]]
+    # Qwen-Image-Edit's processor loads without torchvision only as the family loads it.
+    components = {"processor": qwen_image_edit.load_processor(path)} if request.param is qwen_image_edit else {}
+    pipe = DiffusionPipeline.from_pretrained(path, **components)
     assert type(pipe).__name__ in request.param.FAMILY.pipelines
     return request.param, pipe
 

@@ -5,6 +5,7 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path step by step and ends on the clean latents, so the training inputs, target, timestep and guidance are what the
 pipeline's sampling loop gives the transformer at each noise level."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -41,16 +42,30 @@ def test_prompts_encode_as_the_pipeline_does_with_the_guidance_beside_them(pipe)
     with torch.no_grad():
         embeds, pooled, text_ids, guidance = flux.encode_prompts(pipe, PROMPTS, "cpu", settings)
         expected = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=16)
-    assert [torch.equal(part, other) for part, other in zip((embeds, pooled, text_ids), expected)] == [True] * 3
-    assert embeds.shape == (2, 16, 64) and pooled.shape == (2, 32) and text_ids.shape == (16, 3)
+    # The text ids, one set for all prompts there, are each prompt's here: every part has a row per prompt.
+    assert [torch.equal(part, other) for part, other in zip((embeds, pooled, text_ids[0]), expected)] == [True] * 3
+    assert embeds.shape == (2, 16, 64) and pooled.shape == (2, 32) and text_ids.shape == (2, 16, 3)
     assert not torch.allclose(embeds[0], embeds[1]) and not torch.allclose(pooled[0], pooled[1])
     assert guidance.tolist() == [2.0, 2.0] and guidance.dtype == torch.float32
-    inputs = flux.text_inputs(list(zip(embeds, pooled, text_ids.expand(2, 16, 3), guidance)))
-    assert torch.equal(inputs["txt_ids"], text_ids) and inputs["guidance"].tolist() == [2.0, 2.0]
+    inputs = flux.text_inputs(list(zip(embeds, pooled, text_ids, guidance)))
+    assert torch.equal(inputs["txt_ids"], expected[2]) and inputs["guidance"].tolist() == [2.0, 2.0]
+
+
+def test_a_clip_encoder_given_encodes_the_pooled_prompt(pipe):
+    """A CLIP encoder that trains is given (the wrapped module): its pooled output is the prompt's, T5's stays."""
+    settings = flux.prompt_settings(pipe, parse("--max_sequence_length", 16))
+    other_clip = copy.deepcopy(pipe.text_encoder)
+    torch.nn.init.normal_(other_clip.get_input_embeddings().weight)
+    with torch.no_grad():
+        embeds, pooled, *_ = flux.encode_prompts(pipe, PROMPTS, "cpu", settings)
+        other_embeds, other_pooled, *_ = flux.encode_prompts(pipe, PROMPTS, "cpu", settings,
+                                                             text_encoders={"text_encoder": other_clip})
+    assert torch.equal(other_embeds, embeds) and not torch.allclose(other_pooled, pooled)
 
 
 def test_schnell_embeds_no_guidance(pipe):
-    pipe = SimpleNamespace(encode_prompt=pipe.encode_prompt,  # a [schnell]: its transformer embeds no guidance
+    pipe = SimpleNamespace(encode_prompt=pipe.encode_prompt, _get_t5_prompt_embeds=pipe._get_t5_prompt_embeds,
+                           text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,  # a [schnell]: no guidance
                            transformer=SimpleNamespace(config=SimpleNamespace(guidance_embeds=False)))
     settings = flux.prompt_settings(pipe, parse("--max_sequence_length", 16))
     with torch.no_grad():
@@ -96,7 +111,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
 
     with torch.no_grad():
         embeds, pooled, text_ids, guidance = flux.encode_prompts(pipe, PROMPTS[:1], "cpu", settings)
-    text = flux.text_inputs([(embeds[0], pooled[0], text_ids, guidance[0])])  # the row the cache holds
+    text = flux.text_inputs([(embeds[0], pooled[0], text_ids[0], guidance[0])])  # the row the cache holds
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]

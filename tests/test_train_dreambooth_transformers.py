@@ -121,16 +121,18 @@ FAMILIES = [
            | {f"transformer_blocks.0.{layer}" for layer in ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                                            "ff_context.net.2")}
            | attention([0, 1], ["to_q", "to_k", "to_v"], "single_transformer_blocks"),
-           # The single-stream blocks' MLP input (fused with q, k and v in the original's linear1), another guidance.
-           (*INT8, "--lora_layers", "proj_mlp", "--guidance_scale", 2.0, "--gradient_checkpointing"),
-           {f"single_transformer_blocks.{block}.proj_mlp" for block in (0, 1)}, ("--max_sequence_length", 32),
+           # The single-stream blocks' MLP input (fused with q, k and v in the original's linear1), another guidance,
+           # and the CLIP encoder's adapter (it embeds the batch's prompts in every step, T5 beside it, frozen), also
+           # in ComfyUI's layout.
+           (*INT8, "--lora_layers", "proj_mlp", "--guidance_scale", 2.0, "--gradient_checkpointing",
+            "--train_text_encoder", "--text_encoder_lr", 1e-3, "--export_formats", "comfyui"),
+           {f"single_transformer_blocks.{block}.proj_mlp" for block in (0, 1)} | {"text_encoder"},
+           ("--max_sequence_length", 32),
            refused=[
-               (["--train_text_encoder"], "--train_text_encoder is not supported here: the CLIP text encoder's LoRA "
-                                          "is not carried yet: both text encoders stay frozen and embed the prompts "
-                                          "once, before training"),
                (["--max_sequence_length", 513], "--max_sequence_length=513: expected a positive integer of at most 512 "
                                                 "(FluxPipeline's limit)"),
-               *NO_TEXT_ENCODER_TRAINING]),
+               (["--text_encoder_lr", 0], "--text_encoder_lr=0.0: expected a positive number"),
+               NO_TEXT_ENCODER_TRAINING[1]]),
     Family("z_image", "dreambooth/train_dreambooth_lora_z_image.py", ZImagePipeline, z_image,
            {f"{block}.attention.{layer}" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")
             for layer in ("to_q", "to_k", "to_v", "to_out.0")},
@@ -459,6 +461,29 @@ def test_sd3s_text_encoders_train_beside_block_0_and_change_the_prompts_embeddin
     pipe.unload_lora_weights()
     pipe.load_lora_weights(output_dir)
     assert not torch.allclose(embedding(), base, atol=1e-4)
+
+
+def test_flux_clip_encoder_trains_beside_the_transformer_and_changes_the_pooled_embedding(tiny, runs):
+    output_dir, _ = runs["flux", "prior"]
+    raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
+    assert {key.split(".")[0] for key in raw} == {"transformer", "text_encoder"} and raw.keys() == ema.keys()
+    assert any(not torch.equal(raw[key], ema[key]) for key in raw if key.startswith("text_encoder."))
+    pipe = FluxPipeline.from_pretrained(tiny["flux"])
+
+    def embeddings():
+        with torch.no_grad():
+            return pipe.encode_prompt(INSTANCE_PROMPT, None, device="cpu", max_sequence_length=32)[:2]
+
+    embeds, pooled = embeddings()
+    pipe.load_lora_weights(output_dir)
+    trained_embeds, trained_pooled = embeddings()
+    assert torch.equal(trained_embeds, embeds) and not torch.allclose(trained_pooled, pooled, atol=1e-4)  # T5, CLIP
+    # ComfyUI reads FLUX.1's CLIP-L adapter under kohya's lora_te1 names, beside the transformer's original ones.
+    comfyui = load_file(output_dir / converted_name("comfyui"))
+    assert {key.split("_")[0] if key.startswith("lora_te1_") else key.split(".")[0] for key in comfyui} == {
+        "lora", "diffusion_model"}
+    assert len([key for key in comfyui if key.startswith("lora_te1_text_model_encoder_layers_")]) == \
+        3 * len([key for key in raw if key.startswith("text_encoder.") and "lora_A" in key])  # down, up, alpha
 
 
 @pytest.mark.slow

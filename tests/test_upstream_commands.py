@@ -35,6 +35,7 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
     "hf-internal-testing/tiny-sd3-pipe": "sd3",
     "hf-internal-testing/tiny-flux-pipe": "flux",
+    "hf-internal-testing/tiny-flux-kontext-pipe": "flux_kontext",
     # Upstream's tiny FLUX.2 [klein] and [dev] read one text-encoder layer (their tests pass
     # --text_encoder_out_layers 1); ours read three, as the real ones: `flux2_reading_one_layer` makes the ones
     # upstream has.
@@ -189,9 +190,10 @@ def unprompted_family(test_file, family_name, script, model, layer, extra="", fi
 
 def dreambooth_family(test_file, family_name, script, model, prompt, extra="", layer=None, block=None,
                       text_encoder=False, metadata=False):
-    """The tests upstream's DreamBooth LoRA files for SD3, FLUX.1, FLUX.2 [klein] and Qwen-Image share: a smoke run,
-    latent caching, one layer (``layer``) or one block (``block``), the text encoder (``text_encoder``), the total
-    limit, the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with ``--rank`` 4 (``metadata``).
+    """The tests upstream's DreamBooth LoRA files for SD3, FLUX.1, FLUX.1 Kontext, FLUX.2 [klein] and Qwen-Image
+    share: a smoke run, latent caching, one layer (``layer``) or one block (``block``), the text encoder
+    (``text_encoder``), the total limit, the limit removing two checkpoints on resume, and ``--lora_alpha`` 8 with
+    ``--rank`` 4 (``metadata``).
     ``family_name`` is the one in its tests' names; ``extra``, the flags each of its runs adds (FLUX.2's prompt
     settings)."""
     def test(name):
@@ -205,15 +207,15 @@ def dreambooth_family(test_file, family_name, script, model, prompt, extra="", l
                  (smoke(f"--cache_latents {extra}", files=(LORA,)),)),
     ]
     if text_encoder:
-        family.append(Upstream(test("test_dreambooth_lora_text_encoder_sd3"), script,
+        family.append(Upstream(test(f"test_dreambooth_lora_text_encoder_{family_name}"), script,
                                (smoke(f"--train_text_encoder {extra}", files=(LORA,)),)))
     if block is not None:
         family.append(Upstream(test("test_dreambooth_lora_block"), script,
                                (smoke(f"--lora_blocks {block} {extra}", files=(LORA,)),)))
     if layer is not None:
         # Upstream's SD3 file names it test_dreambooth_lora_layer, without --cache_latents; the others, _layers, with.
-        name, cache = ("test_dreambooth_lora_layer", "") if text_encoder else ("test_dreambooth_lora_layers",
-                                                                               "--cache_latents ")
+        name, cache = ("test_dreambooth_lora_layer", "") if family_name == "sd3" else (
+            "test_dreambooth_lora_layers", "--cache_latents ")
         family.append(Upstream(test(name), script, (smoke(f"{cache}--lora_layers {layer} {extra}", files=(LORA,)),)))
     family += [
         Upstream(test(f"test_dreambooth_lora_{family_name}_checkpointing_checkpoints_total_limit"), script, (
@@ -350,18 +352,16 @@ UPSTREAM = [
                  DOCS_IMAGES, "--max_train_steps 7 --checkpointing_steps=2 --checkpoints_total_limit=2 "
                  "--train_text_encoder", checkpoints=checkpoints(4, 6), files=(LORA,)),)),
 
-    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux.py, _flux2_klein.py, _flux2.py, _qwenimage.py, _sana.py,
-    # _lumina2.py and _hidream.py.
+    # examples/dreambooth/test_dreambooth_lora_sd3.py, _flux.py, _flux_kontext.py, _flux2_klein.py, _flux2.py,
+    # _qwenimage.py, _sana.py, _lumina2.py and _hidream.py.
     *dreambooth_family("test_dreambooth_lora_sd3.py", "sd3", "dreambooth/train_dreambooth_lora_sd3.py",
                        "hf-internal-testing/tiny-sd3-pipe", "photo", layer="attn.to_k", block=0, text_encoder=True),
     *dreambooth_family("test_dreambooth_lora_flux.py", "flux", "dreambooth/train_dreambooth_lora_flux.py",
                        "hf-internal-testing/tiny-flux-pipe", "photo", layer="single_transformer_blocks.0.attn.to_k",
-                       metadata=True),
-    Upstream("dreambooth/test_dreambooth_lora_flux.py::test_dreambooth_lora_text_encoder_flux",
-             "dreambooth/train_dreambooth_lora_flux.py",
-             (dreambooth("hf-internal-testing/tiny-flux-pipe", "photo", "--train_text_encoder", files=(LORA,)),),
-             refused="--train_text_encoder is not supported here: the CLIP text encoder's LoRA is not carried yet: "
-                     "both text encoders stay frozen and embed the prompts once, before training"),
+                       text_encoder=True, metadata=True),
+    *dreambooth_family("test_dreambooth_lora_flux_kontext.py", "flux_kontext",
+                       "dreambooth/train_dreambooth_lora_flux_kontext.py", "hf-internal-testing/tiny-flux-kontext-pipe",
+                       "photo", layer="single_transformer_blocks.0.attn.to_k", text_encoder=True, metadata=True),
     *dreambooth_family("test_dreambooth_lora_flux2_klein.py", "flux2",
                        "dreambooth/train_dreambooth_lora_flux2_klein.py", "hf-internal-testing/tiny-flux2-klein", "dog",
                        extra="--max_sequence_length 8 --text_encoder_out_layers 1",
@@ -462,7 +462,9 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                           "dreambooth/train_dreambooth_lora_flux2_img2img.py":
                               "upstream has no test for its FLUX.2 image-to-image script",
                           "video/train_text_to_video_lora_wan.py": "upstream has no Wan training script",
-                          "video/train_image_to_video_lora_wan.py": "upstream has no Wan training script"}
+                          "video/train_image_to_video_lora_wan.py": "upstream has no Wan training script",
+                          "dreambooth/train_dreambooth_lora_qwen_image_edit.py":
+                              "upstream has no Qwen-Image-Edit script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/train_*.py"))
@@ -506,7 +508,7 @@ def test_every_flag_of_the_upstream_counterpart_is_carried_or_refused_in_one_lin
 
 # What each shared refusal reason claims of the script that states it, as a check on its parser.
 CLAIMS = {
-    # --train_text_encoder absent, or itself refused (FLUX.1's)
+    # --train_text_encoder absent, or itself refused
     "the text encoder does not train in this script": lambda parser: not isinstance(
         parser._option_string_actions.get("--train_text_encoder"), argparse._StoreTrueAction),
 }

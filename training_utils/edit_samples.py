@@ -13,14 +13,15 @@ prompt embedding depends on the references (Qwen-Image-Edit's) looks it up by ro
 import contextlib
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .cache import UnreadableImage, image_source, many
 from .cache_keys import describe
 from .captions import distinct_captions
 from .data import TrainDataset, drop_caption, pick_caption, stack_collate
-from .feature_store import Block, encode_once, encoders_on
+from .feature_store import Block, block_bytes, encode_once, encoders_on
 from .images import READING, image_sizes, read_image
+from .prompts import embeddings_by_caption, text_chunk_encoder
 
 
 class SampleShape(tuple):
@@ -158,3 +159,33 @@ def edit_collate(examples):
     batch = stack_collate([{key: example[key] for key in ("image", "prompt", "row", "flip")} for example in examples])
     return {"images": batch["image"], "prompts": batch["prompt"], "rows": batch["row"], "flips": batch["flip"],
             "references": [torch.stack(place) for place in zip(*(example["references"] for example in examples))]}
+
+
+def embeddings_with_references(encoders, rows, caption_dropout, encode, depends_on=(), mirrored=False):
+    """``{(row, instruction, flip): embedding row}`` for a family whose prompt embedding depends on the references
+    (Qwen-Image-Edit's text encoder sees them): each row's instructions (and with ``caption_dropout`` the empty
+    one), each encoded once with the row's references (and with ``mirrored``, random flips, once more with them
+    mirrored, as its samples' are) by ``encode(list of (instruction, PIL references))`` before training, held in
+    memory, or on disk under ``encoders.cache_dir`` keyed by the instructions, the references' sources, the text
+    encoders, ``encode``'s code and ``depends_on``. A batch's samples look theirs up by their ``"rows"``,
+    ``"prompts"`` and ``"flips"``."""
+    keys = list(dict.fromkeys(
+        (row, instruction, flip) for row, caption in enumerate(rows.captions)
+        for instruction in [*distinct_captions([caption]), *([""] if caption_dropout else [])]
+        for flip in ((False, True) if mirrored else (False,))))
+    store = encoders.store("text_embeddings_with_references", {
+        "encoders": [describe(encoder) for encoder in encoders.text_encoders],
+        "depends_on": [describe(thing) for thing in depends_on], "encode": describe(encode),
+        "samples": many([[instruction, flip, *map(image_source, rows.references[row])]
+                         for row, instruction, flip in keys], "samples")})
+
+    def encode_keys(chosen):
+        return encode([(instruction, [ImageOps.mirror(image) if flip else image
+                                      for image in map(read_image, rows.references[row])])
+                       for row, instruction, flip in chosen])
+
+    encode_chunk = text_chunk_encoder(keys, encode_keys)
+    blocks = encode_once("text embeddings with references", len(keys), encode_chunk,
+                         lambda: block_bytes(encode_chunk([0])),  # one item's
+                         lambda: encoders_on(encoders.device, encoders.text_encoders), encoders.batch_size, store)
+    return embeddings_by_caption(keys, blocks)

@@ -8,10 +8,11 @@
       --rank=16 --use_ema --mixed_precision=bf16 --resolution=1024 --cache_latents --center_crop \\
       --validation_prompt "a photo of sks dog in a bucket"
 
-Writes ``pytorch_lora_weights.safetensors`` (with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``),
-which ``FluxPipeline.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
+Writes ``pytorch_lora_weights.safetensors`` (transformer and, with ``--train_text_encoder``, the CLIP encoder's
+adapter; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
+``FluxPipeline.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl``,
 checkpoints to resume from, and a model card. With ``--with_prior_preservation``, missing class images are
-generated into ``--class_data_dir`` by the pipeline that trains, before training starts. The text encoders (CLIP
+generated into ``--class_data_dir`` by the pipeline that trains, before training starts. Frozen text encoders (CLIP
 and T5) embed the prompts once, before training, exactly as the pipeline's ``encode_prompt`` does; [dev]'s
 transformer embeds ``--guidance_scale`` beside them. ``--cache_latents`` encodes each image once (both flips); what
 is cached stays off the accelerator except while validating. Flags of the upstream script that this one does not
@@ -41,13 +42,13 @@ from training_utils.flow_matching import (add_flow_matching_args, add_noise, che
 from training_utils.hub import finish_run, how_to_load
 from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import add_adapter, linear_layers_named
+from training_utils.lora import CLIP_ATTENTION_PROJECTIONS, add_adapter, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
-from training_utils.prompts import cached_rows
+from training_utils.prompts import cached_rows, encoded_rows
 from training_utils.quantization import quantization_config
 from training_utils.run_status import run_script
 from training_utils.validation import make_validator
@@ -57,16 +58,13 @@ from training_utils.validation import make_validator
 LORA_LAYERS = ("attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,"
                "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2")
 # The flags of upstream's script that this one does not carry, besides those no script here carries.
-REFUSED = {
-    "--train_text_encoder": "the CLIP text encoder's LoRA is not carried yet: both text encoders stay frozen and "
-                            "embed the prompts once, before training",
-    **transformer_dreambooth_refusals(text_encoder_trains=False),
-}
+REFUSED = transformer_dreambooth_refusals(text_encoder_trains=True)
 
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50)
-    add_lora_args(parser, FluxPipeline)
+    add_lora_args(parser, FluxPipeline, train_text_encoder=True)
+    parser.set_defaults(text_encoder_lr=5e-6, adam_weight_decay_text_encoder=1e-3)  # upstream's
     add_dreambooth_args(parser)
     flux.add_args(parser)
     add_flow_matching_args(parser, weighting_scheme="none")
@@ -96,12 +94,17 @@ def main(args):
     settings = flux.prompt_settings(pipe, args)
     call_kwargs = flux.call_kwargs(pipe, settings)
 
-    # 3. An adapter (--adapter) on the transformer; the EMA tracks it. The text encoders and the VAE stay frozen.
+    # 3. Adapters (--adapter) on the transformer (and maybe the CLIP encoder, never T5); the EMA tracks them all.
     add_adapter(transformer, adapter_config(args, linear_layers_named(transformer, comma_separated(args.lora_layers))))
     trained = {"transformer": transformer}
+    if args.train_text_encoder:  # then both text encoders run in every step, on the accelerator
+        trained["text_encoder"], text_encoders = pipe.text_encoder, []
+        add_adapter(pipe.text_encoder, adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+        if args.train_text_encoder:
+            pipe.text_encoder.gradient_checkpointing_enable()
     compile_repeated_blocks(transformer, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = adapter_export(type(pipe), trained, export_formats(args))
@@ -122,8 +125,9 @@ def main(args):
     def encode_prompts(prompts):
         return flux.encode_prompts(pipe, prompts, accelerator.device, settings)
 
-    embeddings = frozen.text_embeddings(dreambooth_prompts(args, instance_images), encode_prompts,
-                                        flux.prompt_dependencies(pipe, settings))
+    if not args.train_text_encoder:
+        embeddings = frozen.text_embeddings(dreambooth_prompts(args, instance_images), encode_prompts,
+                                            flux.prompt_dependencies(pipe, settings))
     dataset = dreambooth_dataset(instance_images, class_images, frozen, args.seed, args.repeats, args.caption_dropout,
                                  args.class_prompt)
     dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
@@ -133,7 +137,11 @@ def main(args):
     optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
-    prompt_rows = cached_rows(embeddings, accelerator.device)
+    if args.train_text_encoder:  # the step encodes its prompts through the wrapped encoder, so gradients sync
+        prompt_rows = encoded_rows(lambda prompts: flux.encode_prompts(pipe, prompts, accelerator.device, settings,
+                                                                       text_encoders=models))
+    else:
+        prompt_rows = cached_rows(embeddings, accelerator.device)
 
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,

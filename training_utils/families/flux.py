@@ -5,7 +5,8 @@ The FLUX.1 transformer reads:
 
 - ``encoder_hidden_states``, ``pooled_projections`` and ``txt_ids``: what ``pipe.encode_prompt`` returns
   (`encode_prompts`): T5's hidden states, CLIP's pooled output, and the text tokens' position ids, one set for every
-  prompt (unbatched); the prompt length is the pipeline's default unless ``--max_sequence_length`` says otherwise;
+  prompt (unbatched); the prompt length is the pipeline's default unless ``--max_sequence_length`` says otherwise.
+  The CLIP encoder may train (a LoRA, ``--train_text_encoder``): its wrapped module is given to `encode_prompts`;
 - ``hidden_states`` and ``img_ids``: the VAE latents shifted and scaled by the VAE's configuration
   (`normalized_latents`), packed into a sequence of 2×2 patches, and their position ids (`model_inputs`);
 - ``timestep``: the scheduler's timestep over 1000;
@@ -22,6 +23,7 @@ import inspect
 
 import torch
 
+from ..data import tokenize
 from ..errors import require
 from ..prompts import stacked
 from .layout import BLOCK, Family, Rename, always, fused
@@ -55,7 +57,9 @@ COMFYUI_LAYOUT = (
     Rename(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=always),
     Rename(r"proj_out", "final_layer.linear"),
 )
-FAMILY = Family("flux", "FLUX.1", ("FluxPipeline",), "transformer", {}, COMFYUI_LAYOUT)
+# The CLIP encoder's LoRA (--train_text_encoder) in kohya's names, which ComfyUI reads for FLUX.1's clip_l.
+TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1"}
+FAMILY = Family("flux", "FLUX.1", ("FluxPipeline",), "transformer", TEXT_ENCODER_PREFIXES, COMFYUI_LAYOUT)
 
 
 def add_args(parser):
@@ -92,12 +96,16 @@ def prompt_dependencies(pipe, settings):
     return [encode_prompts, pipe.tokenizer, pipe.tokenizer_2, settings]
 
 
-def encode_prompts(pipe, prompts, device, settings):
-    """``(prompt_embeds, pooled_prompt_embeds, text_ids)`` of ``pipe.encode_prompt`` (a row per prompt, and the text
-    ids, one for all: `prompts.text_chunk_encoder` gives each row the whole of it), and where the transformer embeds
-    the guidance, each prompt's: the guidance scale, fp32, as the pipeline passes it."""
-    embeds, pooled, text_ids = pipe.encode_prompt(prompts, device=device,
-                                                  max_sequence_length=settings["max_sequence_length"])
+def encode_prompts(pipe, prompts, device, settings, text_encoders=None):
+    """``(prompt_embeds, pooled_prompt_embeds, text_ids)`` as ``pipe.encode_prompt`` computes them, with the text
+    ids (one set for all prompts there) given to each prompt, so that every part has a row per prompt; and where the
+    transformer embeds the guidance, each prompt's: the guidance scale, fp32, as the pipeline passes it. A CLIP
+    encoder given (``text_encoders["text_encoder"]``: the wrapped module, when it trains) replaces the pipeline's."""
+    clip_encoder = (text_encoders or {}).get("text_encoder", pipe.text_encoder)
+    clip_ids = tokenize(pipe.tokenizer, prompts).to(device)
+    pooled = clip_encoder(clip_ids, output_hidden_states=False).pooler_output.to(pipe.text_encoder.dtype)
+    embeds = pipe._get_t5_prompt_embeds(prompts, max_sequence_length=settings["max_sequence_length"], device=device)
+    text_ids = torch.zeros(len(prompts), embeds.shape[1], 3, device=device, dtype=pipe.text_encoder.dtype)
     if not pipe.transformer.config.guidance_embeds:
         return embeds, pooled, text_ids
     return embeds, pooled, text_ids, torch.full((len(prompts),), settings["guidance_scale"], device=embeds.device)

@@ -60,6 +60,11 @@ def check_args(args):
     require(args.max_sequence_length is None or 0 < args.max_sequence_length <= MAX_SEQUENCE_LENGTH_LIMIT,
             "--max_sequence_length", args.max_sequence_length,
             f"a positive integer of at most {MAX_SEQUENCE_LENGTH_LIMIT} (QwenImagePipeline's limit)")
+    check_resolution(args)
+
+
+def check_resolution(args):
+    """Fail in one line on an image size that the latents cannot pack, checked against the VAE's configuration."""
     scale = vae_scale_factor(args)
     require(args.resolution % (2 * scale) == 0, "--resolution", args.resolution,
             f"a multiple of {2 * scale}: the VAE divides the size by {scale}, and the latents are packed in 2×2 "

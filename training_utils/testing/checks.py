@@ -69,10 +69,11 @@ def rendered_images(output_dir):
 
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
-                                        num_inference_steps=2, atol=1e-4, load_kwargs=None, prepare=None,
-                                        **call_kwargs):
-    """Render ``prompt`` with the pipeline saved in ``base_model``, then with the adapter of each of ``lora_dirs``
-    loaded in turn as a user loads it, all with one seed: each adapter must load and change the images (a video
+                                        num_inference_steps=2, atol=1e-4, load_kwargs=None, components=None,
+                                        prepare=None, **call_kwargs):
+    """Render ``prompt`` with the pipeline saved in ``base_model`` (``components`` replacing loaded ones, e.g. a
+    processor that loads without torchvision), then with the adapter of each of ``lora_dirs`` loaded in turn as a
+    user loads it, all with one seed: each adapter must load and change the images (a video
     pipeline's frames; ``call_kwargs`` go to every call, e.g. ``num_frames``) by more than ``atol``. A LoRA or DoRA
     loads with ``pipe.load_lora_weights(lora_dir, **load_kwargs)``; a LoKr, LoHa or OFT (a folder per component in
     peft's format) with ``PeftModel.from_pretrained(getattr(pipe, component), lora_dir/component)``, into a freshly
@@ -83,7 +84,7 @@ def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo"
     from peft import PeftModel
 
     def load():
-        pipe = DiffusionPipeline.from_pretrained(base_model)
+        pipe = DiffusionPipeline.from_pretrained(base_model, **(components or {}))
         pipe.set_progress_bar_config(disable=True)
         if prepare is not None:
             prepare(pipe)

@@ -1,15 +1,17 @@
-"""Tiny FLUX.1 [dev]: a FLUX.1 transformer with a guidance embedding, CLIP and T5."""
+"""Tiny FLUX.1 [dev] and FLUX.1 Kontext: a FLUX.1 transformer with a guidance embedding, CLIP and T5 (Kontext is
+FLUX.1's transformer and encoders, conditioned on a reference image's tokens)."""
 
 import torch
 
 from .parts import SEED, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer, tiny_vae
 
 
-def build_flux(path):
-    """A FLUX.1 [dev] pipeline: a FLUX.1 transformer (one double-stream and two single-stream blocks, embedding the
-    guidance as [dev] does), a VAE with FLUX.1's shift and scale, a CLIP encoder (the pooled prompt), a T5 encoder
-    with a real T5 tokenizer (the prompt's tokens), and FLUX.1's resolution-shifted flow-matching scheduler."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def flux_components():
+    """A FLUX.1 [dev] pipeline's components: a FLUX.1 transformer (one double-stream and two single-stream blocks,
+    embedding the guidance as [dev] does), a VAE with FLUX.1's shift and scale, a CLIP encoder (the pooled prompt), a
+    T5 encoder with a real T5 tokenizer (the prompt's tokens), and FLUX.1's resolution-shifted flow-matching
+    scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     clip, t5 = tiny_clip_text_encoder(len(clip_tokenizer)), tiny_t5_encoder(len(t5_tokenizer))
@@ -22,8 +24,23 @@ def build_flux(path):
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)
-    FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer, text_encoder_2=t5,
-                 tokenizer_2=t5_tokenizer, transformer=transformer).save_pretrained(path)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer, text_encoder_2=t5,
+                tokenizer_2=t5_tokenizer, transformer=transformer)
 
 
-FIXTURES = {"flux": build_flux}
+def build_flux(path):
+    """A FLUX.1 [dev] pipeline of `flux_components`."""
+    from diffusers import FluxPipeline
+
+    FluxPipeline(**flux_components()).save_pretrained(path)
+
+
+def build_flux_kontext(path):
+    """A FLUX.1 Kontext [dev] pipeline of the same components (Kontext adds no module: its transformer reads the
+    reference's tokens after the target's), without the optional IP-Adapter image encoder."""
+    from diffusers import FluxKontextPipeline
+
+    FluxKontextPipeline(**flux_components()).save_pretrained(path)
+
+
+FIXTURES = {"flux": build_flux, "flux_kontext": build_flux_kontext}

@@ -11,10 +11,11 @@ QWEN_IMAGE_TEMPLATE_WORDS = ("system", "Describe", "image", "by", "detailing", "
                              "quantity", "text", "spatial", "relationships", "objects", "and", "user", "assistant")
 
 
-def tiny_qwen2_5_vl_text_encoder(tokenizer, hidden_size=32, seed=SEED):
+def tiny_qwen2_5_vl_text_encoder(tokenizer, hidden_size=32, seed=SEED, **config_kwargs):
     """A Qwen2.5-VL model, Qwen-Image's text encoder class, with a two-layer language model and a one-block vision
-    tower (which text prompts never run). Its multimodal rotary sections (time, height, width) share the 8
-    frequencies of its 16-wide attention heads."""
+    tower (which text prompts never run; Qwen-Image-Edit's reference images do, in patches of 2×2 pixels, each its
+    own token). Its multimodal rotary sections (time, height, width) share the 8 frequencies of its 16-wide
+    attention heads. ``config_kwargs`` go to its configuration (the vision tokens' ids)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -26,7 +27,7 @@ def tiny_qwen2_5_vl_text_encoder(tokenizer, hidden_size=32, seed=SEED):
     vision_config = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
                          patch_size=2, spatial_merge_size=1, temporal_patch_size=1, window_size=4,
                          fullatt_block_indexes=[0])
-    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
+    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **config_kwargs)
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 

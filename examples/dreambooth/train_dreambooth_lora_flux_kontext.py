@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+# Copied from examples/dreambooth/train_dreambooth_lora_flux.py; tests/test_drift.py keeps what they share alike.
+"""Teach FLUX.1 Kontext an edit from pairs of a reference image and its edited target (or a subject from images
+without references) with a LoRA on its transformer.
+
+    accelerate launch train_dreambooth_lora_flux_kontext.py \\
+      --pretrained_model_name_or_path=black-forest-labs/FLUX.1-Kontext-dev \\
+      --dataset_name=edits --image_column=output --cond_image_column=input --caption_column=instruction \\
+      --output_dir=out --rank=16 --use_ema --mixed_precision=bf16 --resolution=1024 --cache_latents \\
+      --validation_prompt "make it a watercolor" --validation_image photo.png
+
+Writes ``pytorch_lora_weights.safetensors`` (transformer and, with ``--train_text_encoder``, the CLIP encoder's
+adapter; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), which
+``FluxKontextPipeline.load_lora_weights(output_dir)`` loads, validation images with ``validation/log.jsonl`` (each
+grid shows the prompt's reference, then the raw and the EMA weights' renders), checkpoints to resume from, and a
+model card. A row's reference (``--cond_image_column``; at most one, as Kontext takes one) is resized to Kontext's
+preferred resolution nearest its aspect ratio at the target's area (at ``--resolution`` 1024, the pipeline's own),
+encoded to the VAE's mode and placed after the target's tokens, as ``FluxKontextPipeline`` does; a row without one
+trains as text-to-image. Frozen text encoders (CLIP and T5) embed the prompts once, before training, exactly as the
+pipeline's ``encode_prompt`` does; [dev]'s transformer embeds ``--guidance_scale`` beside them.
+``--cache_latents`` encodes each target and reference once (both flips); what is cached stays off the accelerator
+except while validating. Flags of the upstream script that this one does not carry stop the run with one line
+saying why.
+"""
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.adapter_export import adapter_export
+from training_utils.adapters import adapter_config
+from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
+                                 export_formats, training_parser)
+from training_utils.buckets import validation_size
+from training_utils.cache import FrozenEncoders
+from training_utils.compile import compile_repeated_blocks
+from training_utils.data import make_dataloader
+from training_utils.dreambooth import training_captions, transformer_dreambooth_refusals
+from training_utils.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
+from training_utils.edit_samples import References, edit_collate, edit_dataset, edit_prompts
+from training_utils.ema import make_ema
+from training_utils.export import save_with_ema
+from training_utils.families import flux_kontext
+from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
+                                          flow_matching_loss, sample_flow_matching_timesteps)
+from training_utils.hub import finish_run, how_to_load
+from training_utils.images import ImageTransform
+from training_utils.loop import TrainingLoop
+from training_utils.lora import CLIP_ATTENTION_PROJECTIONS, add_adapter, linear_layers_named
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.parser import add_refused_args
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.posthoc_ema import make_posthoc_ema
+from training_utils.prompts import cached_rows, encoded_rows
+from training_utils.quantization import quantization_config
+from training_utils.run_status import run_script
+from training_utils.validation import make_validator
+
+# Upstream's default targets: every block's attention projections (the single-stream blocks' q, k and v among
+# them), and the double-stream blocks' feed-forward layers, of the image and the text stream.
+LORA_LAYERS = ("attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,"
+               "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2")
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = {
+    "--vae_encode_mode": "the targets' latents are drawn from the VAE's distribution, as every script here draws "
+                         "them, and a reference's are its mode, as FluxKontextPipeline encodes references",
+    **dict.fromkeys(["--with_prior_preservation", "--class_data_dir", "--class_prompt", "--num_class_images",
+                     "--prior_loss_weight", "--sample_batch_size"],
+                    "prior preservation is not carried for edits: an edit's class images would need references "
+                    "and edited targets, which text-to-image generation does not make"),
+    **transformer_dreambooth_refusals(text_encoder_trains=True),
+}
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=28)
+    add_lora_args(parser, FluxKontextPipeline, train_text_encoder=True)
+    parser.set_defaults(text_encoder_lr=5e-6, adam_weight_decay_text_encoder=1e-3)  # upstream's
+    add_edit_args(parser)
+    flux_kontext.add_args(parser)
+    add_flow_matching_args(parser, weighting_scheme="none")
+    add_lora_layers_arg(parser, LORA_LAYERS, "single_transformer_blocks.0.proj_mlp")
+    add_cache_args(parser)
+    add_refused_args(parser, REFUSED)
+    args = parser.parse_args(argv)
+    check_args(args)
+    check_flow_matching_args(args)
+    flux_kontext.check_args(args)
+    return args
+
+
+def main(args):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    rows = check_edit_args(args, max_references=1)
+    validation = validation_inputs(args, single_reference=True)
+    accelerator = make_accelerator(args)
+
+    # 2. The pipeline, once. Its modules train and render validation images. Prompts are encoded as its own
+    #    encode_prompt does, with the same settings in training and validation; references are laid out as it lays
+    #    them out, at the targets' area.
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    quantization = quantization_config(args, weight_dtype, base=["transformer"],
+                                       text_encoders=["text_encoder", "text_encoder_2"])
+    pipe = load_pipeline(FluxKontextPipeline, args, weight_dtype, quantization=quantization)
+    transformer, text_encoders = pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2]
+    noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+    settings = flux_kontext.prompt_settings(pipe, args)
+    call_kwargs = flux_kontext.call_kwargs(pipe, settings)
+    reference_layout, layout_dependencies = flux_kontext.reference_layout(pipe, args.resolution ** 2)
+
+    # 3. Adapters (--adapter) on the transformer (and maybe the CLIP encoder, never T5); the EMA tracks them all.
+    add_adapter(transformer, adapter_config(args, linear_layers_named(transformer, comma_separated(args.lora_layers))))
+    trained = {"transformer": transformer}
+    if args.train_text_encoder:  # then both text encoders run in every step, on the accelerator
+        trained["text_encoder"], text_encoders = pipe.text_encoder, []
+        add_adapter(pipe.text_encoder, adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+        if args.train_text_encoder:
+            pipe.text_encoder.gradient_checkpointing_enable()
+    compile_repeated_blocks(transformer, args.torch_compile)
+    parameters = trainable_parameters(trained)
+    export = adapter_export(type(pipe), trained, export_formats(args))
+    ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
+
+    # 4. Data: the frozen encoders run once, here, not in every step (the text encoders on the instructions; with
+    #    --cache_latents, the VAE on each target and reference), then leave the accelerator until validation.
+    #    Optimizer, schedule, accelerate; the loop resumes if asked.
+    transform = ImageTransform.from_args(args, pipe)
+    frozen = FrozenEncoders(flux_kontext.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
+
+    def encode_prompts(prompts):
+        return flux_kontext.encode_prompts(pipe, prompts, accelerator.device, settings)
+
+    if not args.train_text_encoder:
+        embeddings = frozen.text_embeddings(edit_prompts(rows, args.caption_dropout), encode_prompts,
+                                            flux_kontext.prompt_dependencies(pipe, settings))
+    references = References(reference_layout, frozen, layout_dependencies)
+    dataset = edit_dataset(rows, frozen, references, args.seed, args.repeats, args.caption_dropout)
+    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                     edit_collate, args.seed))
+
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    if args.train_text_encoder:  # the step encodes its prompts through the wrapped encoder, so gradients sync
+        prompt_rows = encoded_rows(lambda prompts: flux_kontext.encode_prompts(pipe, prompts, accelerator.device,
+                                                                               settings, text_encoders=models))
+    else:
+        prompt_rows = cached_rows(embeddings, accelerator.device)
+
+    # Each prompt renders from its reference, resized as training lays it out (the pipeline keeps it so).
+    validation["prompt_kwargs"] = [{"image": reference_layout.resized(kwargs["image"])} if kwargs else {}
+                                   for kwargs in validation["prompt_kwargs"]]
+    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device, **validation,
+                               call_kwargs={**flux_kontext.render_kwargs(validation_size(args, dataset.target_shapes)),
+                                            **call_kwargs})
+    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
+
+    # 5. The loop: flow matching in the transformer's own layout and conventions (the family module's): the target's
+    # latents move on a straight line to noise and the transformer predicts the velocity, noise - latents, reading
+    # the reference's clean tokens after the target's noisy ones (a batch's samples all have a reference or none).
+    # After each optimizer step the loop updates the EMA, checkpoints and validates when due (the final step too).
+    for model in models.values():
+        model.train()
+    for batch in loop:
+        with accelerator.accumulate(*models.values()):
+            latents = flux_kontext.normalized_latents(pipe, frozen.latents(batch["images"]))
+            noise = torch.randn_like(latents)
+            timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
+            reference_latents = flux_kontext.reference_latents(pipe, references.parameters(batch["references"]))
+            inputs = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, reference_latents)
+            text = flux_kontext.text_inputs(prompt_rows(batch["prompts"]))
+            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            loss = flow_matching_loss(flux_kontext.prediction(pipe, output, latents), latents, noise, sigmas, args)
+            loop.backward_and_step(loss)
+
+    # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        saved = save_with_ema(export, args.output_dir, ema)
+        captions = training_captions(rows)
+        template, fields = how_to_edit(export.loading_code, args, single_reference=True)
+        how_to_load_text = how_to_load(template, args, pipe, prompt=(args.validation_prompt or captions)[0], **fields)
+        finish_run(args, f"Edit {export.title} (FLUX.1 Kontext)", how_to_load_text, loop.records, saved,
+                   export.title, captions=captions)
+    end_training(accelerator)
+
+
+if __name__ == "__main__":
+    run_script(main, parse_args)
