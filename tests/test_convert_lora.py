@@ -417,9 +417,9 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
     # Attention projections alone fit SD3, FLUX.1 (and Kontext), FLUX.2 ([klein] and [dev]), Qwen-Image (and
-    # Qwen-Image-Edit), Chroma and Krea 2, whose layouts differ.
+    # Qwen-Image-Edit), Chroma, Krea 2 and HiDream, whose layouts differ.
     with pytest.raises(UsageError, match="fit the families sd3, flux, flux2, qwen_image, chroma, flux2_dev, krea2, "
-                                         "flux_kontext, qwen_image_edit, which convert them differently"):
+                                         "hidream, flux_kontext, qwen_image_edit, which convert them differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
