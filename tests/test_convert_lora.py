@@ -413,10 +413,10 @@ def test_formats_that_do_not_apply_and_keys_that_cannot_be_placed_are_refused():
     with pytest.raises(UsageError, match=r"--to='kohya': expected comfyui for a FLUX.2 LoRA \(kohya applies to the "
                                          r"SD 1.x, SDXL families\)"):
         convert(tensors, metadata, "kohya", family="flux2")
-    # Attention projections alone fit SD3, FLUX.1, FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and Krea 2, whose
-    # layouts differ.
+    # Attention projections alone fit SD3, FLUX.1 (and Kontext), FLUX.2 ([klein] and [dev]), Qwen-Image, Chroma and
+    # Krea 2, whose layouts differ.
     with pytest.raises(UsageError, match="fit the families sd3, flux, flux2, qwen_image, chroma, flux2_dev, krea2, "
-                                         "which convert them differently"):
+                                         "flux_kontext, which convert them differently"):
         convert(tensors, metadata, "comfyui")
     with pytest.raises(UsageError, match="--family='sd': expected a family whose models have transformer."):
         convert(tensors, metadata, "comfyui", family="sd")
@@ -430,19 +430,21 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionPipeline") == formats_for("StableDiffusionXLPipeline") == ("kohya", "comfyui")
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
-                 "QwenImagePipeline", "ChromaPipeline", "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline"):
+                 "QwenImagePipeline", "ChromaPipeline", "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline",
+                 "FluxKontextPipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("CogVideoXPipeline") == ()
 
 
-@pytest.mark.parametrize("name", ["FluxKontextPipeline", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
+@pytest.mark.parametrize("name", ["FluxKontextPipelineX", "QwenImageEditPipeline", "StableDiffusionXLPipelineForMyTask",
                                   "Flux2KleinPipelineX"])
 def test_a_family_is_matched_by_its_pipeline_class_exactly(name):
-    # FLUX.1 Kontext's pipeline is not FLUX.1's, an edit pipeline is not its base's: a look-alike name matches no
-    # family until a family module names it.
+    # An edit pipeline is not its base's, nor a look-alike name its namesake's: it matches no family until a family
+    # module names it (FLUX.1 Kontext's does: flux_kontext).
     assert family_of(name) is None and formats_for(name) == ()
     assert family_of("Flux2KleinPipeline").name == "flux2" and family_of("flux2").name == "flux2"
     assert family_of("FluxPipeline").name == "flux" and family_of("flux").name == "flux"
+    assert family_of("FluxKontextPipeline").name == "flux_kontext"
 
 
 def test_the_command_converts_a_file(unet_lora, tmp_path, capsys):
