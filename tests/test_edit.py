@@ -176,6 +176,7 @@ def test_samples_batch_by_their_target_and_reference_shapes(edit_rows, vae):
         assert all(dataset.shapes[row] == shape for row in batch["rows"])
         assert batch["images"].shape == (2, 3, *shape.target)
         assert [tuple(place.shape) for place in batch["references"]] == [(2, 3, *size) for size in shape[1:]]
+        assert len(batch["flips"]) == 2 and all(isinstance(flip, bool) for flip in batch["flips"])
     assert set(edit_prompts(edit_rows, 0.5)) == {*edit_rows.captions, ""}
 
 
@@ -189,6 +190,7 @@ def test_references_are_mirrored_with_their_target(edit_rows, vae):
         unflipped = ImageTransform(32, center_crop=True)(target, None).pixels
         flip = not torch.equal(sample["image"], unflipped)
         flips.add(flip)
+        assert sample["flip"] == flip
         assert torch.equal(sample["image"], unflipped.flip(-1) if flip else unflipped)
         for reference, pixels in zip(edit_rows.references[1], sample["references"]):
             assert torch.equal(pixels, references.pixels(reference).flip(-1) if flip else references.pixels(reference))

@@ -128,8 +128,9 @@ def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.
     """A `data.TrainDataset` of the `EditRows` ``rows``, each ``repeats`` times. A sample is ``{"image"``: the
     target as ``encoders.image_file`` gives it (pixels or cached latent parameters), ``"references"``: a list of
     what `References.sample` gives for each, mirrored with the target, ``"prompt"``: its instruction (one drawn
-    from a list; the empty one with probability ``caption_dropout``), ``"row"``: its row's position}. Samples are
-    batched by `SampleShape`; the dataset's ``target_shapes`` are the targets' (for the validation size)."""
+    from a list; the empty one with probability ``caption_dropout``), ``"row"``: its row's position, ``"flip"``:
+    whether it is mirrored (for a family whose prompt embedding sees the references)}. Samples are batched by
+    `SampleShape`; the dataset's ``target_shapes`` are the targets' (for the validation size)."""
     transform = encoders.transform
     target_shapes = transform.shapes(image_sizes(rows.targets))
     shapes = [SampleShape([target, *references.shapes(refs)]) for target, refs in zip(target_shapes, rows.references)]
@@ -144,7 +145,7 @@ def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.
         return {"image": laid_out.pixels,
                 "references": [references.sample(reference, flip) for reference in example["references"]],
                 "prompt": drop_caption(pick_caption(example["caption"], generator), caption_dropout, generator),
-                "row": example["row"]}
+                "row": example["row"], "flip": flip}
 
     dataset = TrainDataset(examples, preprocess, seed, repeats, shapes)
     dataset.target_shapes = target_shapes
@@ -152,8 +153,8 @@ def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.
 
 
 def edit_collate(examples):
-    """``{"images", "references": a list with one stacked tensor per reference place, "prompts", "rows"}``."""
-    batch = stack_collate([{"image": example["image"], "prompt": example["prompt"], "row": example["row"]}
-                           for example in examples])
-    return {"images": batch["image"], "prompts": batch["prompt"], "rows": batch["row"],
+    """``{"images", "references": a list with one stacked tensor per reference place, "prompts", "rows",
+    "flips"}``."""
+    batch = stack_collate([{key: example[key] for key in ("image", "prompt", "row", "flip")} for example in examples])
+    return {"images": batch["image"], "prompts": batch["prompt"], "rows": batch["row"], "flips": batch["flip"],
             "references": [torch.stack(place) for place in zip(*(example["references"] for example in examples))]}
