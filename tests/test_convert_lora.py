@@ -434,7 +434,7 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
                  "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "ChromaPipeline",
-                 "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline"):
+                 "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline", "FluxKontextPipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("CogVideoXPipeline") == ()
 
@@ -447,6 +447,7 @@ def test_a_family_is_matched_by_its_pipeline_class_exactly(name):
     assert family_of(name) is None and formats_for(name) == ()
     assert family_of("Flux2KleinPipeline").name == "flux2" and family_of("flux2").name == "flux2"
     assert family_of("FluxPipeline").name == "flux" and family_of("flux").name == "flux"
+    assert family_of("FluxKontextPipeline").name == "flux_kontext"
 
 
 def test_the_command_converts_a_file(unet_lora, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Smoke tests of the edit scripts (a target rendered from reference images and an instruction), one row of
 `EDIT_FAMILIES` each: every script end to end on its tiny fixture and the tiny edit dataset (`shapes_edit`: rows with
-0, 1 and 2 references of several sizes), with the same runs and the same checks.
+0, 1 and 2 references of several sizes; for a model that takes one reference, each row's first), with the same runs
+and the same checks.
 
 That each family's training step, references included, feeds its transformer what the pipeline's sampling loop
 feeds it is the family's own unit test (``test_<family>.py``); the data machinery's is ``test_edit.py``. Here each
@@ -8,8 +9,9 @@ script runs:
 
 - full: 4 steps in sample shapes (a target's bucket and its references' sizes), each row twice an epoch, random
   flips (the references mirrored with their target), 30% of the samples on the empty instruction, an EMA and a
-  post-hoc EMA, validating with two references at step 2 and at the end (there the post-hoc EMA's lengths too),
-  checkpointing at step 2, writing ComfyUI's layout too (as every run does), its LoRA's alpha twice its rank;
+  post-hoc EMA, validating with two references (one, for a model that takes one) at step 2 and at the end (there the
+  post-hoc EMA's lengths too), checkpointing at step 2, writing ComfyUI's layout too (as every run does), its LoRA's
+  alpha twice its rank;
 - cached: the same steps with --cache_latents (targets and references), on disk, neither validating nor
   checkpointing;
 - resumed: the full run resumed from its checkpoint-2, checkpointing at every step.
@@ -18,6 +20,7 @@ The template (FLUX.2 [klein]) also trains on two processes on an int8 base. A ne
 """
 
 import functools
+import json
 import shutil
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,14 +28,14 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, FluxKontextPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
 from comfyui import comfyui_weight, delta_shape, module_weights
 from helpers import launch, launch_processes, launching, together, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import flux2, flux2_dev
+from training_utils.families import flux2, flux2_dev, flux_kontext
 from training_utils.grids import step_grid
 from training_utils.images import read_image
 from training_utils.validation import read_log
@@ -42,6 +45,12 @@ LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "make the square blue"
 # The validation references: a shape and a background (two sizes, neither the target's).
 REFERENCES = ("references/0000-0.png", "references/0001-1.png")
+# Each row's sample shape (twice an epoch): its target's bucket and its references' sizes as FLUX.2 lays them out.
+FLUX2_SAMPLE_SHAPES = ("target 24x40, references none", "target 32x32, references 64x64",
+                       "target 32x32, references 64x96, 80x64")
+CLASS_DATA_DIR_REFUSED = (["--class_data_dir", "class"],
+                          "--class_data_dir is not supported here: an edit trains on its rows alone, without prior "
+                          "preservation (upstream's image-to-image scripts take the flag and never read it)")
 INT8 = ("--quantize_base", "int8", "--mixed_precision", "bf16")
 
 
@@ -59,6 +68,10 @@ class EditFamily:
     comfyui_module: tuple = ("single_transformer_blocks.0.attn.to_out", "diffusion_model.single_blocks.0.linear2")
     two_processes: bool = False  # also trained on two processes, on an int8 base
     refused: tuple = ()  # (flags, message) of the family's own refusals and checks
+    data: str = "shapes_edit"  # its edit dataset's fixture
+    references: tuple = REFERENCES  # the validation references, in the dataset's folder
+    sample_shapes: tuple = FLUX2_SAMPLE_SHAPES  # each row's sample shape, as the run reports its buckets
+    single_reference: bool = False  # the pipeline's image= is one image (the card's loading code passes one)
 
 
 EDIT_FAMILIES = [
@@ -66,15 +79,32 @@ EDIT_FAMILIES = [
                Flux2KleinPipeline, flux2, ("--max_sequence_length", 32), two_processes=True,
                refused=((["--guidance_scale", 1], "--guidance_scale is not supported here: FLUX.2 [klein]'s "
                                                   "transformer takes no guidance embedding (Flux2KleinPipeline passes "
-                                                  "none, and upstream's script ignores the flag for it)"),)),
+                                                  "none, and upstream's script ignores the flag for it)"),
+                        CLASS_DATA_DIR_REFUSED)),
     EditFamily("flux2_img2img", "flux2_dev", "dreambooth/train_dreambooth_lora_flux2_img2img.py", Flux2Pipeline,
-               flux2_dev, ("--max_sequence_length", 48, "--guidance_scale", 2.5)),
+               flux2_dev, ("--max_sequence_length", 48, "--guidance_scale", 2.5), refused=(CLASS_DATA_DIR_REFUSED,)),
+    # One reference a row (Kontext takes one), laid out at the targets' area: Kontext's preferred resolution nearest
+    # its aspect ratio (64x64: 32x32; 96x64, a 3:2 one: 24x36).
+    EditFamily("flux_kontext", "flux_kontext", "dreambooth/train_dreambooth_lora_flux_kontext.py", FluxKontextPipeline,
+               flux_kontext, ("--max_sequence_length", 32),
+               comfyui_module=("transformer_blocks.0.attn.to_out.0", "diffusion_model.double_blocks.0.img_attn.proj"),
+               data="shapes_edit_one_reference", references=REFERENCES[:1], single_reference=True,
+               sample_shapes=("target 24x40, references none", "target 32x32, references 32x32",
+                              "target 32x32, references 24x36"),
+               refused=((["--vae_encode_mode", "sample"],
+                         "--vae_encode_mode is not supported here: the targets' latents are drawn from the VAE's "
+                         "distribution, as every script here draws them, and a reference's are its mode, as "
+                         "FluxKontextPipeline encodes references"),
+                        (["--with_prior_preservation"],
+                         "--with_prior_preservation is not supported here: prior preservation is not carried for "
+                         "edits: an edit's class images would need references and edited targets, which "
+                         "text-to-image generation does not make"))),
 ]
 FAMILY_IDS = [family.name for family in EDIT_FAMILIES]
 
 
 def common(tiny, family, output_dir, *extra):
-    return ["--pretrained_model_name_or_path", tiny[family.fixture], "--dataset_name", tiny["shapes_edit"],
+    return ["--pretrained_model_name_or_path", tiny[family.fixture], "--dataset_name", tiny[family.data],
             "--cond_image_column", "reference", "--caption_column", "text", "--output_dir", output_dir,
             "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3, "--center_crop", "--random_flip",
             "--use_ema", "--ema_decay", 0.9, "--ema_posthoc_sigma_rels", 0.05, 0.1, "--rank", 4, "--lora_alpha", 8,
@@ -84,7 +114,7 @@ def common(tiny, family, output_dir, *extra):
 
 def full_flags(tiny, family, output_dir):
     return common(tiny, family, output_dir, "--validation_prompt", PROMPT, "--validation_image",
-                  *(tiny["shapes_edit"] / path for path in REFERENCES), "--num_validation_images", 1,
+                  *(tiny[family.data] / path for path in family.references), "--num_validation_images", 1,
                   "--validation_inference_steps", 2, "--validation_steps", 2, "--checkpointing_steps", 2)
 
 
@@ -128,16 +158,27 @@ def family(request):
     return request.param
 
 
-def validation_references(tiny):
-    return [read_image(tiny["shapes_edit"] / path) for path in REFERENCES]
+def validation_references(tiny, family):
+    return [read_image(tiny[family.data] / path) for path in family.references]
+
+
+def edit_kwargs(pipe, family, tiny):
+    """What an edit at 32x32 passes to the pipeline besides the prompt: the validation references, or for a
+    pipeline that takes one (Kontext), it resized as training lays it out and the size's area (`render_kwargs`)."""
+    images = validation_references(tiny, family)
+    if not family.single_reference:
+        return {"image": images}
+    layout, _ = family.module.reference_layout(pipe, 32 * 32)
+    size = {"height": 32, "width": 32}
+    return {"image": layout.resized(images[0]),
+            **{key: value for key, value in family.module.render_kwargs(size).items() if key not in size}}
 
 
 def test_trains_on_rows_with_0_1_and_2_references_and_validates_showing_the_references(tiny, runs, family):
     output_dir, result = runs[family.name, "full"]
     assert "2 of 6 rows have no reference image: they train as text-to-image" in result.stderr
     # Each row's sample shape, twice an epoch: its target's bucket and its references' sizes as the pipeline's.
-    for shape in ("target 24x40, references none", "target 32x32, references 64x64",
-                  "target 32x32, references 64x96, 80x64"):
+    for shape in family.sample_shapes:
         assert f"bucket {shape}: 4 images, 2 batches an epoch" in result.stderr, result.stderr[-3000:]
     # Raw and EMA at step 2 and at the end; there also the post-hoc EMAs of the two lengths, from the snapshots.
     log = read_log(output_dir)
@@ -147,11 +188,13 @@ def test_trains_on_rows_with_0_1_and_2_references_and_validates_showing_the_refe
     # Each step's grid: the references, then raw, then EMA (then the post-hoc EMAs).
     final = [record for record in log if record["step"] == 4]
     rendered = [(record["variant"], [Image.open(output_dir / record["images"][0])]) for record in final]
-    expected = step_grid(4, PROMPT, rendered, ("references", validation_references(tiny)))[0]
+    expected = step_grid(4, PROMPT, rendered, ("references", validation_references(tiny, family)))[0]
     assert np.array_equal(np.asarray(Image.open(output_dir / final[0]["grid"])), np.asarray(expected))
     assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
     card = (output_dir / "README.md").read_text()
-    assert f'pipe("{PROMPT}", image=[load_image(' in card and "validation/conditioning-p00-01.png" in card
+    image = "image=load_image(" if family.single_reference else "image=[load_image("
+    last = f"validation/conditioning-p00-{len(family.references) - 1:02d}.png"
+    assert f'pipe("{PROMPT}", {image}' in card and last in card
 
 
 def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(runs, family):
@@ -161,9 +204,11 @@ def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(
         assert_same_files(output_dir / name, straight_dir / name)
 
 
-def test_cached_targets_and_references_train_like_encoding_every_step(runs, family):
+def test_cached_targets_and_references_train_like_encoding_every_step(tiny, runs, family):
     (cached_dir, result), (encoded_dir, _) = runs[family.name, "cached"], runs[family.name, "full"]
-    assert "reference latents: 6 items encoded" in result.stderr
+    rows = [json.loads(line) for line in (tiny[family.data] / "metadata.jsonl").read_text().splitlines()]
+    references = {name for row in rows for name in row["reference_file_names"]}
+    assert f"reference latents: {len(references)} items encoded" in result.stderr
     assert len(list((cached_dir.parent / "features").glob("reference_latents-*/shard-*"))) == 1
     for name in (LORA, f"ema/{LORA}"):
         cached, encoded = load_file(cached_dir / name), load_file(encoded_dir / name)
@@ -175,12 +220,12 @@ def test_cached_targets_and_references_train_like_encoding_every_step(runs, fami
 def test_the_lora_changes_an_edit_and_comfyui_applies_it_at_the_trained_strength(tiny, runs, family):
     output_dir, _ = runs[family.name, "full"]
     length = dict(zip(family.flags[::2], family.flags[1::2]))["--max_sequence_length"]
+    pipe = family.pipeline.from_pretrained(tiny[family.fixture])
     assert_lora_changes_pipeline_output(tiny[family.fixture], output_dir, output_dir / "ema", prompt=PROMPT,
-                                        image=validation_references(tiny), max_sequence_length=length)
+                                        max_sequence_length=length, **edit_kwargs(pipe, family, tiny))
     # ComfyUI adds to the original model's layer what diffusers adds to the transformer's, at strength 1.
     layer, comfyui_module = family.comfyui_module
     module = module_weights(load_file(output_dir / converted_name("comfyui")))[0][comfyui_module]
-    pipe = family.pipeline.from_pretrained(tiny[family.fixture])
     base = pipe.transformer.get_submodule(layer).weight.detach().clone()
     pipe.load_lora_weights(output_dir)
     pipe.fuse_lora()
@@ -200,9 +245,6 @@ def test_two_processes_train_on_an_int8_base(runs):
                                                     for family in EDIT_FAMILIES for flags, message in [
     (["--cond_image_column", "references"], "--cond_image_column='references': expected a column of the dataset: "
                                             "image, reference, text"),
-    (["--class_data_dir", "class"], "--class_data_dir is not supported here: an edit trains on its rows alone, "
-                                    "without prior preservation (upstream's image-to-image scripts take the flag and "
-                                    "never read it)"),
     *family.refused]])
 def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, family, flags, message):
     assert usage_error(family.script, *common(tiny, family, tmp_path / "out", *flags)) == f"error: {message}"
@@ -217,3 +259,11 @@ def test_a_reference_the_pipeline_refuses_fails_in_one_line_before_anything_load
                                                "--validation_image", small))
     assert error.startswith(f"error: --validation_image='{small}': expected reference images the pipeline takes: "
                             f"{small} is not (Image too small: 48×64.")
+
+
+def test_a_row_with_more_references_than_kontext_takes_fails_in_one_line(tiny, tmp_path):
+    family = next(family for family in EDIT_FAMILIES if family.name == "flux_kontext")
+    flags = common(tiny, family, tmp_path / "out")
+    flags[flags.index(tiny[family.data])] = tiny["shapes_edit"]  # rows with two references
+    assert usage_error(family.script, *flags) == ("error: --cond_image_column='reference': expected at most 1 "
+                                                  "reference images a row for this model (a row has 2)")

@@ -1,8 +1,13 @@
 """Tiny FLUX.1 [dev] and FLUX.1 Kontext: a FLUX.1 transformer with a guidance embedding, CLIP and T5 (Kontext is
-FLUX.1's transformer and encoders, conditioned on a reference image's tokens)."""
+FLUX.1's transformer and encoders, conditioned on a reference image's tokens); and Kontext's edit dataset, one
+reference a row at most."""
+
+import json
+from pathlib import Path
 
 import torch
 
+from .data import build_shapes_edit
 from .parts import SEED, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer, tiny_vae
 
 
@@ -43,4 +48,15 @@ def build_flux_kontext(path):
     FluxKontextPipeline(**flux_components()).save_pretrained(path)
 
 
-FIXTURES = {"flux": build_flux, "flux_kontext": build_flux_kontext}
+def build_shapes_edit_one_reference(path):
+    """The edit dataset (`data.build_shapes_edit`) with at most one reference a row, each row's first: Kontext takes
+    one. Rows with none stay so (text-to-image rows)."""
+    build_shapes_edit(path)
+    metadata = Path(path) / "metadata.jsonl"
+    rows = [json.loads(line) for line in metadata.read_text().splitlines()]
+    metadata.write_text("".join(json.dumps({**row, "reference_file_names": row["reference_file_names"][:1]}) + "\n"
+                                for row in rows))
+
+
+FIXTURES = {"flux": build_flux, "flux_kontext": build_flux_kontext,
+            "shapes_edit_one_reference": build_shapes_edit_one_reference}
