@@ -13,13 +13,17 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from .output_folder import prepare_output_dir
+from .sharding import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin
 
 
 def make_accelerator(args):
     """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
     so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG, and makes the output
-    folder ready (`output_folder.prepare_output_dir`) before any process goes on."""
+    folder ready (`output_folder.prepare_output_dir`) before any process goes on. A launch asking for FSDP2 shards
+    (`sharding`), on CPU processes too; DeepSpeed and FSDP1 are refused in one line."""
+    check_launch()
     output_dir = Path(args.output_dir)
+    plugin = fsdp2_plugin()
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
@@ -27,7 +31,9 @@ def make_accelerator(args):
         project_config=ProjectConfiguration(project_dir=str(output_dir),
                                             logging_dir=str(output_dir / args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        fsdp_plugin=plugin,
     )
+    enable_fsdp2_on_cpu(accelerator, plugin)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     set_seed(args.seed)
