@@ -158,14 +158,14 @@ def only_in_slow_tests():
         raise AssertionError(f"{os.environ.get('PYTEST_CURRENT_TEST')} launches a run but is not marked slow")
 
 
-def launch(script, *args, processes=1, quiet=False, **options):
+def launch(script, *args, processes=1, quiet=False, env=None, **options):
     """`training_utils.testing.launch_script` on ``examples/<script>`` (or an absolute path) with this checkout's
-    training_utils, a hang reported in full. A single-process run's script runs in the warm server (`run_warm`)
-    unless ``TESTS_COLD_LAUNCH=1``; a multi-process run, and a ``quiet`` one (what users see of the launcher),
-    through ``accelerate launch`` itself (`run_bounded`)."""
+    training_utils, a hang reported in full; ``env`` adds variables (e.g. those ``--use_fsdp`` sets). A
+    single-process run's script runs in the warm server (`run_warm`) unless ``TESTS_COLD_LAUNCH=1``; a multi-process
+    run, and a ``quiet`` one (what users see of the launcher), through ``accelerate launch`` itself (`run_bounded`)."""
     only_in_slow_tests()
-    warm = processes == 1 and not quiet and os.environ.get("TESTS_COLD_LAUNCH") != "1"
-    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet, env=REPO_ON_PATH,
+    warm = processes == 1 and not quiet and env is None and os.environ.get("TESTS_COLD_LAUNCH") != "1"
+    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet, env={**REPO_ON_PATH, **(env or {})},
                          run=run_warm if warm else run_bounded, **options)
 
 

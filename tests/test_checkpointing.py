@@ -497,14 +497,19 @@ def test_resuming_restores_the_checkpoints_own_random_state(tmp_path, acc):
     assert torch.equal(torch.rand(8), expected)
 
 
-def test_a_checkpoint_of_another_number_of_processes_is_refused(tmp_path, acc):
+def test_a_checkpoint_of_another_number_of_processes_is_refused_unless_asked_and_then_loads_not_exact(
+        tmp_path, acc, caplog):
     run, _ = two_checkpoints(acc, tmp_path)
     path = tmp_path / "checkpoint-2"
     state = json.loads((path / STATE_FILE).read_text())
     (path / STATE_FILE).write_text(json.dumps({**state, "processes": 2}))
     write_manifest(path)
-    with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2 \\(this one has 1\\)"):
+    with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2 \\(this one has 1\\): "
+                                         ".*or --resume_with_changed_args to load it resharded, no longer exact$"):
         run.checkpointer.load(path)
+    run.checkpointer.allow_changed_trajectory = True
+    assert run.checkpointer.load(path) == 2
+    assert "resuming a checkpoint of 2 processes on 1, resharded: the run is no longer exact" in caplog.text
 
 
 def test_a_failed_write_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, acc, monkeypatch):

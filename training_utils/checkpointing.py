@@ -162,7 +162,7 @@ class Checkpointer:
     def _check_processes(self, path):
         """Whether the checkpoint was written by as many processes as this run has. If not, it is refused unless
         --resume_with_changed_args is given: then it loads resharded (sharded state through
-        ``torch.distributed.checkpoint``) with fresh random states, and the run is no longer exact."""
+        ``torch.distributed.checkpoint``), each process's random state not its own, and the run is no longer exact."""
         saved_by = self.loaded_state.get("processes", self.accelerator.num_processes)
         if saved_by == self.accelerator.num_processes:
             return True
@@ -172,7 +172,7 @@ class Checkpointer:
                              f"{self.accelerator.num_processes}): each process resumes its own shard and random "
                              f"state; or --resume_with_changed_args to load it resharded, no longer exact")
         logger.warning(f"resuming a checkpoint of {saved_by} processes on {self.accelerator.num_processes}, "
-                       f"resharded and with fresh random states: the run is no longer exact")
+                       f"resharded: the run is no longer exact")
         return False
 
     def _check_trajectory(self, path, saved):

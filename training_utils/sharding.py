@@ -107,3 +107,36 @@ def unshard_trained(trained):
                 owner = module.get_submodule(owner_name)
                 whole = parameter.detach().full_tensor()
                 owner.register_parameter(attribute, torch.nn.Parameter(whole, requires_grad=True))
+
+
+def held_bytes(trained, averages=()):
+    """``{"frozen": bytes, "trained": bytes, "ema": bytes}`` that this process holds of the modules of ``trained``
+    (``{component: module}``; a sharded parameter counts its local part) and of the ``averages`` (`ema.EMA` and
+    `posthoc_ema.PostHocEMA`, None skipped)."""
+    held = {"frozen": 0, "trained": 0, "ema": 0}
+    for module in trained.values():
+        for parameter in module.parameters():
+            part = local_tensor(parameter)
+            held["trained" if parameter.requires_grad else "frozen"] += part.numel() * part.element_size()
+    held["ema"] = sum(average.num_bytes for average in averages if average is not None)
+    return held
+
+
+def whole_bytes(trained, averages=()):
+    """`held_bytes` as one unsharded process would hold them: whole parameters, and fp32 averages of them."""
+    held = {"frozen": 0, "trained": 0, "ema": 0}
+    for module in trained.values():
+        for parameter in module.parameters():
+            held["trained" if parameter.requires_grad else "frozen"] += parameter.numel() * parameter.element_size()
+            if parameter.requires_grad:
+                held["ema"] += sum(4 * parameter.numel() * len(getattr(average, "profiles", [average]))
+                                   for average in averages if average is not None)
+    return held
+
+
+def describe_held_bytes(per_process, whole):
+    """One line: what each process holds (`held_bytes`, in process order) beside the whole (`whole_bytes`)."""
+    processes = "; ".join(f"process {index}: " + ", ".join(f"{kind} {count} B" for kind, count in held.items())
+                          for index, held in enumerate(per_process))
+    return (f"sharded over {len(per_process)} processes with FSDP2: {processes} (whole: "
+            + ", ".join(f"{kind} {count} B" for kind, count in whole.items()) + ")")
