@@ -647,7 +647,9 @@ KLEIN_4B = {"patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_la
             "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256,
             "mlp_ratio": 3.0, "axes_dims_rope": (32, 32, 32, 32), "rope_theta": 2000, "eps": 1e-6,
             "guidance_embeds": False}
-SHARDED_MODELS = {"flux2_klein_4b": ("Flux2Transformer2DModel", KLEIN_4B, "to_k,to_q,to_v,to_out.0"),
+# Each with its DreamBooth script's default --lora_layers.
+SHARDED_MODELS = {"flux2_klein_4b": ("Flux2Transformer2DModel", KLEIN_4B,
+                                     "to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj,attn.to_out"),
                   "z_image_6b": ("ZImageTransformer2DModel", {}, "to_k,to_q,to_v,to_out.0")}
 
 
