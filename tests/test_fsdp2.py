@@ -123,6 +123,19 @@ def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs,
             assert 0 < process[kind] <= 0.55 * whole[kind], (name, kind, process, whole)
 
 
+@pytest.mark.parametrize("name, blocks", [
+    # The tiny klein's 1 double-stream and 2 single-stream blocks (its _no_split_modules), and accelerate's own unit
+    # for the final norm; Z-Image's 2 layers and its noise and context refiners' 1 each, all ZImageTransformerBlock.
+    ("klein", {"Flux2Transformer2DModel": 1, "Flux2TransformerBlock": 1, "Flux2SingleTransformerBlock": 2,
+               "AdaLayerNormContinuous": 1}),
+    ("z_image", {"ZImageTransformer2DModel": 1, "ZImageTransformerBlock": 4})])
+def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, blocks):
+    line = re.search(r"FSDP2 units: (.*)", runs[name][1].stderr)
+    assert line, runs[name][1].stderr[-3000:]
+    units = {unit: int(count) for count, unit in re.findall(r"(\d+) (\w+)", line.group(1))}
+    assert {unit: count for unit, count in units.items() if unit in blocks} == blocks, units
+
+
 def test_no_collective_runs_in_an_ema_update(runs):
     updates, _ = runs["ema_updates"]
     # The run's EMA and its post-hoc EMA's two profiles, updated at each of the 4 steps, on both processes.

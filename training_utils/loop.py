@@ -44,7 +44,8 @@ from .data import BatchWithUnreadable, epoch_batches
 from .errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, UNREADABLE_EXIT_CODE, RunStopped, UsageError
 from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
-from .sharding import FSDP2_LAUNCH, any_sharded, describe_held_bytes, held_bytes, unshard_trained, whole_bytes
+from .sharding import (FSDP2_LAUNCH, any_sharded, describe_held_bytes, held_bytes, sharded_units, unshard_trained,
+                       whole_bytes)
 from .run_status import RUN
 from .stop_signals import SIGNALS
 from .validation import VALIDATION_DIR, validation_due
@@ -88,6 +89,8 @@ class TrainingLoop:
         if self.sharded:
             held = gather_object([held_bytes(export.trained, (ema, posthoc))])
             logger.info(describe_held_bytes(held, whole_bytes(export.trained, (ema, posthoc))))
+            logger.info("FSDP2 units: " + ", ".join(f"{count} {name}" for name, count in
+                                                    sharded_units(export.trained).items()))
         self.max_train_steps = max_train_steps
         self.steps_per_epoch = steps_per_epoch
         self.ema = ema

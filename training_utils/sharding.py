@@ -134,6 +134,20 @@ def whole_bytes(trained, averages=()):
     return held
 
 
+def sharded_units(trained):
+    """``{class name: count}`` of the modules of ``trained`` that FSDP2 gathers as one unit (those ``fully_shard``
+    was applied to: the repeated blocks, and each trained module itself)."""
+    from torch.distributed.fsdp import FSDPModule
+    units = {}
+    for module in trained.values():
+        for submodule in module.modules():
+            if isinstance(submodule, FSDPModule):
+                # fully_shard gives the module a class of its own, FSDP<class>, made from FSDPModule and its class
+                name = next(base for base in type(submodule).__mro__[1:] if base is not FSDPModule).__name__
+                units[name] = units.get(name, 0) + 1
+    return units
+
+
 def describe_held_bytes(per_process, whole):
     """One line: what each process holds (`held_bytes`, in process order) beside the whole (`whole_bytes`)."""
     processes = "; ".join(f"process {index}: " + ", ".join(f"{kind} {count} B" for kind, count in held.items())
