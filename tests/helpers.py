@@ -165,8 +165,8 @@ def launch(script, *args, processes=1, quiet=False, env=None, **options):
     run, and a ``quiet`` one (what users see of the launcher), through ``accelerate launch`` itself (`run_bounded`)."""
     only_in_slow_tests()
     warm = processes == 1 and not quiet and env is None and os.environ.get("TESTS_COLD_LAUNCH") != "1"
-    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet, env={**REPO_ON_PATH, **(env or {})},
-                         run=run_warm if warm else run_bounded, **options)
+    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet,
+                         env={**REPO_ON_PATH, **(env or {})}, run=run_warm if warm else run_bounded, **options)
 
 
 # A run keeps one core busy (its imports, then its single-threaded steps) and holds under 1 GB: so many at once, on

@@ -13,7 +13,8 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from .output_folder import prepare_output_dir
-from .sharding import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin
+from .errors import UsageError
+from .sharding import FSDP2_LAUNCH, check_launch, enable_fsdp2_on_cpu, fsdp2_plugin
 
 
 def make_accelerator(args):
@@ -49,7 +50,11 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     """accelerate's ``prepare`` of what trains: the modules of ``trained`` (``{component: module}``, wrapped where
     several processes train), the optimizer and its schedule. Returns the prepared modules by component name, which
     the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
-    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports."""
+    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports. Sharded
+    (FSDP2), accelerate prepares one module: a run training several stops in one line."""
+    if accelerator.is_fsdp2 and len(trained) > 1:
+        raise UsageError(None, None, f"{FSDP2_LAUNCH} shards one trained module here (accelerate's FSDP2 prepares "
+                                     f"one model); this run trains {', '.join(trained)}: launch it unsharded")
     prepared = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
     return dict(zip(trained, prepared)), *prepared[len(trained):]
 
