@@ -131,3 +131,12 @@ def test_held_bytes_count_what_trains_what_is_frozen_and_the_averages():
     assert whole_bytes({"linear": module}, [ema]) == {"frozen": 48, "trained": 12, "ema": 12}
     assert describe_held_bytes([{"frozen": 24}, {"frozen": 24}], {"frozen": 48}) == (
         "sharded over 2 processes with FSDP2: process 0: frozen 24 B; process 1: frozen 24 B (whole: frozen 48 B)")
+
+
+def test_a_sharded_run_training_several_modules_stops_in_one_line():
+    from training_utils.accelerator import prepare_trained
+    accelerator = type("Accelerator", (), {"is_fsdp2": True})()
+    trained = {"transformer": torch.nn.Linear(2, 2), "text_encoder": torch.nn.Linear(2, 2)}
+    with pytest.raises(UsageError, match=r"^accelerate launch --use_fsdp --fsdp_version 2 shards one trained module "
+                                         r"here .*; this run trains transformer, text_encoder: launch it unsharded$"):
+        prepare_trained(accelerator, trained, None, None)
