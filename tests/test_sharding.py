@@ -140,3 +140,23 @@ def test_a_sharded_run_training_several_modules_stops_in_one_line():
     with pytest.raises(UsageError, match=r"^accelerate launch --use_fsdp --fsdp_version 2 shards one trained module "
                                          r"here .*; this run trains transformer, text_encoder: launch it unsharded$"):
         prepare_trained(accelerator, trained, None, None)
+
+
+def test_units_and_unsharding_of_a_fully_sharded_module(second_of_two):
+    from torch.distributed.fsdp import fully_shard
+
+    from training_utils.sharding import sharded_units, unshard_trained
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    model[1].weight.requires_grad_(False)
+    for block in model:
+        fully_shard(block, mesh=second_of_two)
+    fully_shard(model, mesh=second_of_two)
+    assert sharded_units({"model": model}) == {"Sequential": 1, "Linear": 2}
+    # Process 1's rows: 3 of the first layer's 6, 1 of the second's 3.
+    assert held_bytes({"model": model}) == {"frozen": 4 * 6, "trained": 4 * (12 + 3 + 1), "ema": 0}
+    unshard_trained({"model": model})  # gathered (here: a fake group's values), whole and plain
+    trained = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
+    assert {name: (type(parameter), parameter.shape) for name, parameter in trained.items()} == {
+        "0.weight": (torch.nn.Parameter, (6, 4)), "0.bias": (torch.nn.Parameter, (6,)),
+        "1.bias": (torch.nn.Parameter, (3,))}
+    assert isinstance(model[1].weight, DTensor)  # the frozen weight stays sharded
