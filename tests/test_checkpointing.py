@@ -512,6 +512,18 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused_unless_asked_and
     assert "resuming a checkpoint of 2 processes on 1, resharded: the run is no longer exact" in caplog.text
 
 
+def test_a_sharded_checkpoint_resumes_only_sharded(tmp_path, acc):
+    run, _ = two_checkpoints(acc, tmp_path)
+    path = tmp_path / "checkpoint-2"
+    state = json.loads((path / STATE_FILE).read_text())
+    assert "sharded" not in state
+    (path / STATE_FILE).write_text(json.dumps({**state, "sharded": True}))
+    write_manifest(path)
+    with pytest.raises(UsageError, match="a run launched as the checkpoint's was, sharded \\(accelerate launch "
+                                         "--use_fsdp --fsdp_version 2\\): accelerate's state in it is sharded$"):
+        run.checkpointer.load(path)
+
+
 def test_a_failed_write_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, acc, monkeypatch):
     run = Run(acc, tmp_path)
     run.train(1)

@@ -149,6 +149,7 @@ def test_a_checkpoint_holds_each_processs_shard_and_its_manifest_every_file(runs
     files = {str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*") if path.is_file()}
     listed = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
     assert set(listed) == files - {MANIFEST_FILE}
+    assert json.loads((checkpoint / "training_state.json").read_text())["sharded"] is True
     # Whole, loadable as the final output is.
     assert load_file(checkpoint / LORA).keys() == load_file(runs["klein"][0] / LORA).keys()
 

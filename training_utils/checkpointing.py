@@ -93,7 +93,8 @@ class Checkpointer:
             failure = attempt(lambda: shutil.rmtree(staging) if staging.exists() else None, self.output_dir)
         self.accelerator.wait_for_everyone()
         self._saving_state = {"format": CHECKPOINT_FORMAT, "global_step": step,
-                              "processes": self.accelerator.num_processes, **(state or {}),
+                              "processes": self.accelerator.num_processes,
+                              **({"sharded": True} if self.accelerator.is_fsdp2 else {}), **(state or {}),
                               **({"trajectory": self.trajectory} if self.trajectory else {})}
         failure = self._first_failure(failure or attempt(lambda: self.accelerator.save_state(str(staging)), staging))
         if failure is None and self.accelerator.is_main_process:
@@ -163,6 +164,12 @@ class Checkpointer:
         """Whether the checkpoint was written by as many processes as this run has. If not, it is refused unless
         --resume_with_changed_args is given: then it loads resharded (sharded state through
         ``torch.distributed.checkpoint``), each process's random state not its own, and the run is no longer exact."""
+        sharded = self.loaded_state.get("sharded", False)
+        if sharded != self.accelerator.is_fsdp2:
+            raise UsageError("--resume_from_checkpoint", str(path),
+                             f"a run launched as the checkpoint's was, {'sharded' if sharded else 'unsharded'} "
+                             f"(accelerate launch {'--use_fsdp --fsdp_version 2' if sharded else 'without --use_fsdp'}"
+                             f"): accelerate's state in it is {'sharded' if sharded else 'whole'}")
         saved_by = self.loaded_state.get("processes", self.accelerator.num_processes)
         if saved_by == self.accelerator.num_processes:
             return True
