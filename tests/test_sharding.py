@@ -35,6 +35,11 @@ def test_deepspeed_and_fsdp1_are_refused_in_one_line_naming_fsdp2(clean_launch):
         check_launch()
     clean_launch.setenv("FSDP_VERSION", "2")
     check_launch()
+    quantized = type("Args", (), {"quantize_base": "int8", "bnb_quantization_config_path": None})()
+    with pytest.raises(UsageError, match=r"^--quantize_base='int8': expected no quantised base under FSDP2 "):
+        check_launch(quantized)
+    clean_launch.delenv("ACCELERATE_USE_FSDP")
+    check_launch(quantized)
 
 
 def test_the_plugin_wraps_per_repeated_block_unless_the_launch_says_otherwise(clean_launch):

@@ -21,8 +21,8 @@ def make_accelerator(args):
     """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
     so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG, and makes the output
     folder ready (`output_folder.prepare_output_dir`) before any process goes on. A launch asking for FSDP2 shards
-    (`sharding`), on CPU processes too; DeepSpeed and FSDP1 are refused in one line."""
-    check_launch()
+    (`sharding`), on CPU processes too; DeepSpeed, FSDP1 and a quantised base under FSDP2 are refused in one line."""
+    check_launch(args)
     output_dir = Path(args.output_dir)
     plugin = fsdp2_plugin()
     accelerator = Accelerator(

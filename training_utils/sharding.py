@@ -26,8 +26,15 @@ def fsdp_requested():
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def check_launch():
-    """Refuse, in one line before anything loads, what this code does not shard with: DeepSpeed and FSDP1."""
+def check_launch(args=None):
+    """Refuse, in one line before anything loads, what this code does not shard with: DeepSpeed, FSDP1, and under
+    FSDP2 a quantised base (``args``' --quantize_base or --bnb_quantization_config_path; torchao's int8 tensors do
+    not shard)."""
+    quantized = getattr(args, "quantize_base", None) or getattr(args, "bnb_quantization_config_path", None)
+    if fsdp_requested() and quantized:
+        flag = "--quantize_base" if getattr(args, "quantize_base", None) else "--bnb_quantization_config_path"
+        raise UsageError(flag, quantized, f"no quantised base under FSDP2 ({FSDP2_LAUNCH}): a quantised base is not "
+                                          f"sharded here yet; shard it in bf16, or train it quantised unsharded")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise UsageError(None, None, f"DeepSpeed is not supported here: shard with FSDP2 ({FSDP2_LAUNCH})")
     if fsdp_requested() and os.environ.get("FSDP_VERSION", "1") != "2":
