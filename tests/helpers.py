@@ -158,15 +158,15 @@ def only_in_slow_tests():
         raise AssertionError(f"{os.environ.get('PYTEST_CURRENT_TEST')} launches a run but is not marked slow")
 
 
-def launch(script, *args, processes=1, quiet=False, **options):
+def launch(script, *args, processes=1, quiet=False, env=None, **options):
     """`training_utils.testing.launch_script` on ``examples/<script>`` (or an absolute path) with this checkout's
-    training_utils, a hang reported in full. The script runs in the warm server (`run_warm`) unless
-    ``TESTS_COLD_LAUNCH=1``; a ``quiet`` run (what users see of the launcher) through ``accelerate launch`` itself
-    (`run_bounded`)."""
+    training_utils, a hang reported in full; ``env`` adds variables (e.g. those ``--use_fsdp`` sets). The script runs
+    in the warm server (`run_warm`) unless ``TESTS_COLD_LAUNCH=1``; a ``quiet`` run (what users see of the launcher)
+    through ``accelerate launch`` itself (`run_bounded`)."""
     only_in_slow_tests()
     warm = not quiet and os.environ.get("TESTS_COLD_LAUNCH") != "1"
-    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet, env=REPO_ON_PATH,
-                         run=run_warm if warm else run_bounded, **options)
+    return launch_script(EXAMPLES / script, *args, processes=processes, quiet=quiet,
+                         env={**REPO_ON_PATH, **(env or {})}, run=run_warm if warm else run_bounded, **options)
 
 
 # A run keeps one core busy (its imports, then its single-threaded steps) and holds under 1 GB: so many at once, on

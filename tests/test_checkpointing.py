@@ -497,13 +497,30 @@ def test_resuming_restores_the_checkpoints_own_random_state(tmp_path, acc):
     assert torch.equal(torch.rand(8), expected)
 
 
-def test_a_checkpoint_of_another_number_of_processes_is_refused(tmp_path, acc):
+def test_a_checkpoint_of_another_number_of_processes_is_refused_unless_asked_and_then_loads_not_exact(
+        tmp_path, acc, caplog):
     run, _ = two_checkpoints(acc, tmp_path)
     path = tmp_path / "checkpoint-2"
     state = json.loads((path / STATE_FILE).read_text())
     (path / STATE_FILE).write_text(json.dumps({**state, "processes": 2}))
     write_manifest(path)
-    with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2 \\(this one has 1\\)"):
+    with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2 \\(this one has 1\\): "
+                                         ".*or --resume_with_changed_args to load it resharded, no longer exact$"):
+        run.checkpointer.load(path)
+    run.checkpointer.allow_changed_trajectory = True
+    assert run.checkpointer.load(path) == 2
+    assert "resuming a checkpoint of 2 processes on 1, resharded: the run is no longer exact" in caplog.text
+
+
+def test_a_sharded_checkpoint_resumes_only_sharded(tmp_path, acc):
+    run, _ = two_checkpoints(acc, tmp_path)
+    path = tmp_path / "checkpoint-2"
+    state = json.loads((path / STATE_FILE).read_text())
+    assert "sharded" not in state
+    (path / STATE_FILE).write_text(json.dumps({**state, "sharded": True}))
+    write_manifest(path)
+    with pytest.raises(UsageError, match="a run launched as the checkpoint's was, sharded \\(accelerate launch "
+                                         "--use_fsdp --fsdp_version 2\\): accelerate's state in it is sharded$"):
         run.checkpointer.load(path)
 
 

@@ -13,13 +13,18 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from .output_folder import prepare_output_dir
+from .errors import UsageError
+from .sharding import FSDP2_LAUNCH, check_launch, enable_fsdp2_on_cpu, fsdp2_plugin
 
 
 def make_accelerator(args):
     """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
     so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG, and makes the output
-    folder ready (`output_folder.prepare_output_dir`) before any process goes on."""
+    folder ready (`output_folder.prepare_output_dir`) before any process goes on. A launch asking for FSDP2 shards
+    (`sharding`), on CPU processes too; DeepSpeed, FSDP1 and a quantised base under FSDP2 are refused in one line."""
+    check_launch(args)
     output_dir = Path(args.output_dir)
+    plugin = fsdp2_plugin()
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
@@ -27,7 +32,9 @@ def make_accelerator(args):
         project_config=ProjectConfiguration(project_dir=str(output_dir),
                                             logging_dir=str(output_dir / args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        fsdp_plugin=plugin,
     )
+    enable_fsdp2_on_cpu(accelerator, plugin)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     set_seed(args.seed)
@@ -43,10 +50,14 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     """accelerate's ``prepare`` of what trains: the modules of ``trained`` (``{component: module}``, wrapped where
     several processes train), the optimizer and its schedule. Returns the prepared modules by component name, which
     the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
-    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports.
+    ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports. Sharded
+    (FSDP2), accelerate prepares one module: a run training several stops in one line.
 
     DDP leaves the frozen weights alone: every process loaded the same ones, and broadcasting them when it wraps a
     module would fail on a quantised base (torchao's int8 tensors cannot be viewed as a flat buffer)."""
+    if accelerator.is_fsdp2 and len(trained) > 1:
+        raise UsageError(None, None, f"{FSDP2_LAUNCH} shards one trained module here (accelerate's FSDP2 prepares "
+                                     f"one model); this run trains {', '.join(trained)}: launch it unsharded")
     for module in trained.values():
         module._ddp_params_and_buffers_to_ignore = [name for name, parameter in module.named_parameters()
                                                     if not parameter.requires_grad]

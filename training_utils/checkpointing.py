@@ -11,6 +11,13 @@ A checkpoint is written under a temporary name and renamed when complete, so a f
 ``checkpoint-<step>`` is always whole, and a write that fails stops the run with the previous checkpoint
 intact. Resuming checks the manifest before loading anything: ``latest`` skips a damaged checkpoint for
 the newest whole one, and a named one that is damaged is an error.
+
+Sharded (FSDP2), accelerate writes the model and the optimizer with ``torch.distributed.checkpoint``, each process
+its own shard (``pytorch_model_fsdp_0/``, ``optimizer_0/``); the trained weights, the EMA and the post-hoc EMA are
+gathered whole, every process taking part, and written once by the main process in the final output's layout, so
+a checkpoint still loads as a model. The manifest covers every process's files. A sharded checkpoint resumes
+bitwise on as many processes as wrote it; on another number it loads resharded, which is no longer exact, and only
+with --resume_with_changed_args.
 """
 
 import json
@@ -30,6 +37,7 @@ from .checkpoint_folders import (CHECKPOINT_FORMAT, STATE_FILE, choose_checkpoin
 from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, WriteFailed, few
 from .manifest import write_manifest
 from .pipeline import trainable_parameters
+from .sharding import any_sharded, local_part, local_tensor, whole_tensors
 from .stop_signals import SIGNALS
 from .writing import STAGING_PREFIX, failure_cause, give_normal_permissions
 
@@ -85,7 +93,8 @@ class Checkpointer:
             failure = attempt(lambda: shutil.rmtree(staging) if staging.exists() else None, self.output_dir)
         self.accelerator.wait_for_everyone()
         self._saving_state = {"format": CHECKPOINT_FORMAT, "global_step": step,
-                              "processes": self.accelerator.num_processes, **(state or {}),
+                              "processes": self.accelerator.num_processes,
+                              **({"sharded": True} if self.accelerator.is_fsdp2 else {}), **(state or {}),
                               **({"trajectory": self.trajectory} if self.trajectory else {})}
         failure = self._first_failure(failure or attempt(lambda: self.accelerator.save_state(str(staging)), staging))
         if failure is None and self.accelerator.is_main_process:
@@ -139,21 +148,39 @@ class Checkpointer:
         A checkpoint of a run with other trajectory flags is refused before anything loads from it."""
         self.loaded_state = json.loads((Path(path) / STATE_FILE).read_text())
         self._check_trajectory(path, self.loaded_state.get("trajectory", {}))
+        same_processes = self._check_processes(path)
         self.accelerator.load_state(str(path))
         process = self.accelerator.process_index
         if self.loaded_state.get("format", 1) >= CHECKPOINT_FORMAT:
-            saved_by = self.loaded_state["processes"]
-            if saved_by != self.accelerator.num_processes:
-                raise UsageError("--resume_from_checkpoint", str(path),
-                                 f"a run on as many processes as the checkpoint's {saved_by} "
-                                 f"(this one has {self.accelerator.num_processes}): each process resumes its own "
-                                 f"random state")
-            random_state.restore(random_state.load(Path(path) / RANDOM_STATE_FILE.format(process)))
+            if same_processes:
+                random_state.restore(random_state.load(Path(path) / RANDOM_STATE_FILE.format(process)))
         elif not (Path(path) / f"random_states_{process}.pkl").is_file():
             raise UsageError("--resume_from_checkpoint", str(path),
                              f"a checkpoint holding random_states_{process}.pkl (without it the run would go on with "
                              f"other random numbers)")
         return self.loaded_state["global_step"]
+
+    def _check_processes(self, path):
+        """Whether the checkpoint was written by as many processes as this run has. If not, it is refused unless
+        --resume_with_changed_args is given: then it loads resharded (sharded state through
+        ``torch.distributed.checkpoint``), each process's random state not its own, and the run is no longer exact."""
+        sharded = self.loaded_state.get("sharded", False)
+        if sharded != self.accelerator.is_fsdp2:
+            raise UsageError("--resume_from_checkpoint", str(path),
+                             f"a run launched as the checkpoint's was, {'sharded' if sharded else 'unsharded'} "
+                             f"(accelerate launch {'--use_fsdp --fsdp_version 2' if sharded else 'without --use_fsdp'}"
+                             f"): accelerate's state in it is {'sharded' if sharded else 'whole'}")
+        saved_by = self.loaded_state.get("processes", self.accelerator.num_processes)
+        if saved_by == self.accelerator.num_processes:
+            return True
+        if not self.allow_changed_trajectory:
+            raise UsageError("--resume_from_checkpoint", str(path),
+                             f"a run on as many processes as the checkpoint's {saved_by} (this one has "
+                             f"{self.accelerator.num_processes}): each process resumes its own shard and random "
+                             f"state; or --resume_with_changed_args to load it resharded, no longer exact")
+        logger.warning(f"resuming a checkpoint of {saved_by} processes on {self.accelerator.num_processes}, "
+                       f"resharded: the run is no longer exact")
+        return False
 
     def _check_trajectory(self, path, saved):
         """Refuse a checkpoint whose run had other trajectory flags (``saved``), unless told to go on (then say so),
@@ -203,6 +230,9 @@ class Checkpointer:
         weights.clear()
         output_dir = Path(output_dir)
         random_state.save(random_state.capture(), output_dir / RANDOM_STATE_FILE.format(self.accelerator.process_index))
+        if any_sharded(self.parameters):
+            self._save_sharded(output_dir)
+            return
         if not self.accelerator.is_main_process:
             return
         self.export.save_checkpoint(output_dir)
@@ -213,6 +243,23 @@ class Checkpointer:
             state["ema_step"] = self.ema.step
         if self.posthoc is not None:
             self.posthoc.save(output_dir / POSTHOC_FILE)
+        (output_dir / STATE_FILE).write_text(json.dumps(state))
+
+    def _save_sharded(self, output_dir):
+        """The trained weights and the averages gathered whole on every process, written by the main process."""
+        trained = whole_tensors({name: local_tensor(parameter.detach()) for name, parameter in self.parameters.items()},
+                                self.parameters)
+        ema = self.ema.whole_shadows() if self.ema is not None else None
+        posthoc = self.posthoc.whole_shadows() if self.posthoc is not None else None
+        if not self.accelerator.is_main_process:
+            return
+        self.export.write(trained, output_dir)
+        state = dict(self._saving_state)
+        if ema is not None:
+            self.export.write(ema, output_dir / EMA_FOLDER)
+            state["ema_step"] = self.ema.step
+        if posthoc is not None:
+            self.posthoc.save(output_dir / POSTHOC_FILE, posthoc)
         (output_dir / STATE_FILE).write_text(json.dumps(state))
 
     def _load_hook(self, models, input_dir):
@@ -234,7 +281,8 @@ class Checkpointer:
             saved = self.export.read_checkpoint(input_dir)
         with torch.no_grad():
             for name, tensor in self._checked(saved, input_dir).items():
-                self.parameters[name].copy_(tensor)
+                parameter = self.parameters[name]
+                local_tensor(parameter).copy_(local_part(tensor, parameter))
         if self.ema is not None:
             if earlier_layout:
                 self.ema.load(input_dir / EARLIER_EMA_FILE)

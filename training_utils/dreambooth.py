@@ -48,8 +48,9 @@ def transformer_dreambooth_refusals(text_encoder_trains):
     refused = {
         "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen "
                              "transformer in float8 instead",
-        "--fsdp_text_encoder": "FSDP is not supported; the text encoder runs once, before training, and then leaves "
-                               "the accelerator",
+        "--fsdp_text_encoder": "the text encoder is not sharded yet (FSDP2, accelerate launch --use_fsdp "
+                               "--fsdp_version 2, shards what trains); it runs once, before training, and then "
+                               "leaves the accelerator",
     }
     if not text_encoder_trains:
         refused.update(dict.fromkeys(["--text_encoder_lr", "--adam_weight_decay_text_encoder"],

@@ -8,6 +8,9 @@ parameter of a module). Each update blends the live weights into fp32 shadow cop
 When the EMA is updated only every K optimizer steps, ``beta`` is the product of the K
 single-step decays ("interval correction"). A fixed per-update decay combined with an update
 interval would make the EMA K times slower than intended, leaving it close to the initial weights.
+
+Sharded (FSDP2), each process keeps the shadows of its own part of each parameter only (a DTensor's local tensor),
+and an update blends those parts without any communication; whole shadows are gathered only to be written.
 """
 
 import contextlib
@@ -20,31 +23,34 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import few
+from .sharding import any_sharded, local_part, local_tensor, whole_tensors
 
 EMA_FORMAT = "training_utils.ema"
 
 
 @contextlib.contextmanager
-def tensors_swapped_in(parameters: Mapping[str, torch.nn.Parameter], tensors: Mapping[str, torch.Tensor]):
+def tensors_swapped_in(parameters: Mapping[str, torch.nn.Parameter], tensors: Mapping[str, torch.Tensor],
+                       local: bool = False):
     """Copy ``tensors`` into the live ``parameters`` of the same names; restore them bitwise on exit,
-    also when the body raises. The backup of each parameter is kept on its tensor's device."""
+    also when the body raises. The backup of each parameter is kept on its tensor's device. A sharded parameter
+    takes this process's part of its whole tensor, or with ``local`` the tensor as it is (already that part)."""
     if parameters.keys() != tensors.keys():
         raise ValueError(f"tensors do not match the parameters: "
                          f"missing {few(sorted(parameters.keys() - tensors.keys()))}, "
                          f"unexpected {few(sorted(tensors.keys() - parameters.keys()))}")
     # no_grad only around the copies: the body keeps the caller's grad mode
     with torch.no_grad():
-        backups = {name: param.detach().to(device=tensors[name].device, copy=True)
+        backups = {name: local_tensor(param.detach()).to(device=tensors[name].device, copy=True)
                    for name, param in parameters.items()}
     try:
         with torch.no_grad():
             for name, param in parameters.items():
-                param.copy_(tensors[name])
+                local_tensor(param).copy_(tensors[name] if local else local_part(tensors[name], param))
         yield
     finally:
         with torch.no_grad():
             for name, param in parameters.items():
-                param.copy_(backups[name])
+                local_tensor(param).copy_(backups[name])
 
 
 class EMA:
@@ -92,18 +98,33 @@ class EMA:
         self.power = power
 
         shadow_device = torch.device(device) if device is not None else None
-        # contiguous so the shadows can be written to safetensors as they are
-        self.shadows: Dict[str, torch.Tensor] = {
-            name: param.detach().to(
-                device=shadow_device or param.device,
-                dtype=torch.float32,
-                memory_format=torch.contiguous_format,
-                copy=True,
-            )
-            for name, param in self.parameters.items()
-        }
+        self.shadows: Dict[str, torch.Tensor] = {name: shadow_of(local_tensor(param.detach()), shadow_device)
+                                                 for name, param in self.parameters.items()}
         self.step = 0
         self._swapped = False
+
+    def rebind(self, parameters: Mapping[str, torch.nn.Parameter]):
+        """Track ``parameters`` (the same names and shapes) in place of the live parameters given so far: those
+        accelerate's ``prepare`` put in their place (sharded by FSDP2: each shadow is cut to this process's part),
+        or whole ones put back after sharded training (`sharding.unshard_trained`: the shadows are gathered whole,
+        and every process must call this then). Nothing changes for the same unsharded parameters."""
+        parameters = dict(parameters)
+        if parameters.keys() != self.parameters.keys():
+            raise ValueError("rebind needs the parameters of the same names")
+        if not any_sharded(self.parameters) and not any_sharded(parameters):
+            self.parameters = parameters
+            return
+        wholes = self.whole_shadows()
+        self.parameters = parameters
+        self.shadows = {name: shadow_of(local_part(wholes[name], parameters[name]), self.shadows[name].device)
+                        for name in parameters}
+
+    def whole_shadows(self) -> Dict[str, torch.Tensor]:
+        """The shadows as whole tensors, on their device: gathered from every process when the parameters are
+        sharded (then every process must call this), else the shadows themselves."""
+        if not any_sharded(self.parameters):
+            return dict(self.shadows)
+        return whole_tensors(self.shadows, self.parameters)
 
     @property
     def num_bytes(self) -> int:
@@ -142,7 +163,7 @@ class EMA:
         # foreach ops need lists that share device and dtype: (shadow device, weight dtype) -> (shadows, weights)
         groups = defaultdict(lambda: ([], []))
         for name, shadow in self.shadows.items():
-            weight = self.parameters[name].detach()
+            weight = local_tensor(self.parameters[name].detach())  # this process's part: no communication
             shadows, weights = groups[(shadow.device, weight.dtype)]
             shadows.append(shadow)
             weights.append(weight)
@@ -170,7 +191,7 @@ class EMA:
             raise RuntimeError("EMA weights are already swapped in; swapped_in cannot be nested")
         self._swapped = True
         try:
-            with tensors_swapped_in(self.parameters, self.shadows):
+            with tensors_swapped_in(self.parameters, self.shadows, local=True):
                 yield
         finally:
             self._swapped = False
@@ -180,7 +201,8 @@ class EMA:
         return {"shadows": dict(self.shadows), "step": self.step}
 
     def load_state_dict(self, state: Mapping):
-        """Copies a `state_dict` into the existing shadows (keeping their device) and restores the step.
+        """Copies a `state_dict` (whole shadows) into the existing shadows (keeping their device; sharded, this
+        process's part) and restores the step.
 
         Strict: missing names, unexpected names and shape mismatches raise ValueError.
         """
@@ -190,9 +212,9 @@ class EMA:
         missing = sorted(self.shadows.keys() - shadows.keys())
         unexpected = sorted(shadows.keys() - self.shadows.keys())
         mismatched = sorted(
-            f"{name} (got {tuple(shadows[name].shape)}, expected {tuple(shadow.shape)})"
-            for name, shadow in self.shadows.items()
-            if name in shadows and shadows[name].shape != shadow.shape
+            f"{name} (got {tuple(shadows[name].shape)}, expected {tuple(param.shape)})"
+            for name, param in self.parameters.items()
+            if name in shadows and shadows[name].shape != param.shape
         )
         problems = []
         if missing:
@@ -208,7 +230,7 @@ class EMA:
 
         with torch.no_grad():
             for name, shadow in self.shadows.items():
-                shadow.copy_(shadows[name])
+                shadow.copy_(local_part(shadows[name], self.parameters[name]))
         self.step = step
 
     def save(self, path: Union[str, os.PathLike]):
@@ -231,6 +253,13 @@ class EMA:
                 raise ValueError(f"{path} is not an EMA file written by {EMA_FORMAT}")
             shadows = {name: file.get_tensor(name) for name in file.keys()}
         self.load_state_dict({"shadows": shadows, "step": int(metadata["step"])})
+
+
+def shadow_of(tensor, device=None):
+    """A fp32 copy of ``tensor`` on ``device`` (by default its own), contiguous so that it can be written to
+    safetensors as it is."""
+    return tensor.to(device=device or tensor.device, dtype=torch.float32, memory_format=torch.contiguous_format,
+                     copy=True)
 
 
 class PowerEMA(EMA):

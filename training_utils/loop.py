@@ -17,6 +17,10 @@ that ``run_status.json`` reports (`run_status.RUN`). A batch holding an image th
 cannot be read stops the run with `UNREADABLE_EXIT_CODE` after checkpointing the last completed
 step (as it was when that step ended, also mid-accumulation), or with ``--skip_corrupt_images``
 trains on the readable sample put in its place and counts it (``skipped_images`` in the logs).
+
+Sharded (FSDP2: `sharding`), the EMA and post-hoc EMA made before ``accelerator.prepare`` follow the parameters
+that prepare put in place, each process keeping its own part; when the last batch is done, the trained parameters
+are gathered whole on every process, so that what the script writes after the loop is whole.
 """
 
 import contextlib
@@ -31,6 +35,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from . import random_state
+from .adapter_export import AdapterExport
 from .accelerator import end_training
 from .checkpoint_folders import complete_checkpoints, trajectory_flags
 from .checkpointing import Checkpointer, resume_position
@@ -39,6 +44,8 @@ from .data import BatchWithUnreadable, epoch_batches
 from .errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, UNREADABLE_EXIT_CODE, RunStopped, UsageError
 from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
+from .sharding import (FSDP2_LAUNCH, any_sharded, describe_held_bytes, held_bytes, sharded_units, unshard_trained,
+                       whole_bytes)
 from .run_status import RUN
 from .stop_signals import SIGNALS
 from .validation import VALIDATION_DIR, validation_due
@@ -69,7 +76,21 @@ class TrainingLoop:
         self.dataloader = dataloader
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.parameters = list(trainable_parameters(export.trained).values())
+        self.export = export
+        trained = trainable_parameters(export.trained)
+        self.parameters = list(trained.values())
+        self.sharded = any_sharded(trained)
+        if self.sharded and not isinstance(export, AdapterExport):
+            raise UsageError(None, None, f"{FSDP2_LAUNCH} trains adapters here (LoRA and peft's); a full fine-tune's "
+                                         f"whole-model outputs are not gathered from shards yet: launch it unsharded")
+        for average in (ema, posthoc):
+            if average is not None:
+                average.rebind(trained)
+        if self.sharded:
+            held = gather_object([held_bytes(export.trained, (ema, posthoc))])
+            logger.info(describe_held_bytes(held, whole_bytes(export.trained, (ema, posthoc))))
+            logger.info("FSDP2 units: " + ", ".join(f"{count} {name}" for name, count in
+                                                    sharded_units(export.trained).items()))
         self.max_train_steps = max_train_steps
         self.steps_per_epoch = steps_per_epoch
         self.ema = ema
@@ -131,6 +152,16 @@ class TrainingLoop:
                     self._at_step_start = False
                     yield batch
         self._progress.close()
+        if self.sharded:
+            self._unshard()
+
+    def _unshard(self):
+        """Whole trained parameters and averages on every process, for the outputs written after the loop."""
+        unshard_trained(self.export.trained)
+        trained = trainable_parameters(self.export.trained)
+        for average in (self.ema, self.posthoc):
+            if average is not None:
+                average.rebind(trained)
 
     @contextlib.contextmanager
     def _progress_closed_on_stop(self):

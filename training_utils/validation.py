@@ -182,12 +182,16 @@ class Validator:
 
         Under several processes the pipeline calls (one per prompt and variant) are shared out
         round-robin and the images gathered on the main process, which alone writes files and logs:
-        each call is the one a single process would make, so images and log are the same.
+        each call is the one a single process would make, so images and log are the same. Sharded (FSDP2), every
+        process makes every call instead, since a sharded module's forward needs all of them; each renders the
+        same images, and the main process writes its own.
         """
         sweep = final and self.posthoc is not None
         variants = self._variants(step, sweep)
         work = [(variant, index) for variant in range(len(variants)) for index in range(len(self.prompts))]
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        if self.accelerator.is_fsdp2:
+            rank, world = 0, 1
         is_main = self.accelerator.is_main_process
         if is_main:
             (self.output_dir / VALIDATION_DIR / f"step-{step:06d}").mkdir(parents=True, exist_ok=True)

@@ -640,8 +640,96 @@ def markdown(results):
     return "\n".join(lines)
 
 
+# --- FSDP2: what each process holds of a sharded transformer ---------------------------------------------------
+
+# The FLUX.2 [klein] 4B transformer's config (diffusers' conversion script); Z-Image's defaults are the 6B model's.
+KLEIN_4B = {"patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
+            "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256,
+            "mlp_ratio": 3.0, "axes_dims_rope": (32, 32, 32, 32), "rope_theta": 2000, "eps": 1e-6,
+            "guidance_embeds": False}
+# Each with its DreamBooth script's default --lora_layers.
+SHARDED_MODELS = {"flux2_klein_4b": ("Flux2Transformer2DModel", KLEIN_4B,
+                                     "to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj,attn.to_out"),
+                  "z_image_6b": ("ZImageTransformer2DModel", {}, "to_k,to_q,to_v,to_out.0")}
+
+
+def sharded_worker(rank, processes, model_name, lora_rank, port, results):
+    """One process of an FSDP2 run: the transformer built on the meta device in bf16 (its real config, no weights:
+    the sizes are what matter, and the 4B and 6B models would not fit this machine twice), a LoRA of ``lora_rank``,
+    AdamW, accelerate's prepare through `make_accelerator`'s path, and the EMA; puts what it holds in ``results``."""
+    import diffusers
+
+    from training_utils.adapters import adapter_config
+    from training_utils.ema import EMA
+    from training_utils.lora import add_adapter, linear_layers_named
+    from training_utils.pipeline import trainable_parameters
+    from training_utils.sharding import enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes
+
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    if processes > 1:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
+                           "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                           "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    from accelerate import Accelerator
+    plugin = fsdp2_plugin()
+    accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=plugin, device_placement=False)  # meta stays
+    enable_fsdp2_on_cpu(accelerator, plugin)
+    class_name, config, layers = SHARDED_MODELS[model_name]
+    with torch.device("meta"):
+        transformer = getattr(diffusers, class_name)(**config).to(torch.bfloat16)
+    transformer.requires_grad_(False)
+    lora = types.SimpleNamespace(adapter="lora", rank=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0,
+                                 use_dora=False, init_lora_weights=True)
+    add_adapter(transformer, adapter_config(lora, linear_layers_named(transformer, layers.split(","))))
+    trained = {"transformer": transformer}
+    for parameter in trainable_parameters(trained).values():  # fp32, as `prepare_components` makes them
+        parameter.data = parameter.data.float()
+    optimizer = torch.optim.AdamW(trainable_parameters(trained).values())
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    ema = EMA(trainable_parameters(trained), decay=0.999)
+    results[rank] = held_bytes(trained, [ema])
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def sharded_held_bytes(model_name, processes, lora_rank):
+    """``[held_bytes per process]`` of the transformer sharded over ``processes`` CPU processes (gloo)."""
+    from training_utils.testing.launch import free_port
+    with multiprocessing.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        context = multiprocessing.get_context("spawn")
+        workers = [context.Process(target=sharded_worker, args=(rank, processes, model_name, lora_rank, port, results))
+                   for rank in range(processes)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if any(worker.exitcode for worker in workers):
+            raise RuntimeError(f"an FSDP2 process of {model_name} failed")
+        return [dict(results[rank]) for rank in range(processes)]
+
+
+def sharded_table(model_names, process_counts, lora_rank):
+    """The markdown table of what each process holds, GB, and the figures by model and process count."""
+    figures = {name: {count: sharded_held_bytes(name, count, lora_rank) for count in process_counts}
+               for name in model_names}
+    lines = ["| model (meta device, bf16, LoRA r16 fp32) | processes | per process: frozen GB | trained MB | EMA MB "
+             "| share of one process's (frozen / trained / EMA) |", "|---|---|---|---|---|---|"]
+    for name, by_count in figures.items():
+        alone = by_count.get(1, [None])[0]
+        for count, held in by_count.items():
+            most = {kind: max(process[kind] for process in held) for kind in ("frozen", "trained", "ema")}
+            share = (" / ".join(f"{most[kind] / alone[kind]:.2f}" for kind in most) if alone else "–")
+            lines.append(f"| {name} | {count} | {gb(most['frozen'])} | {most['trained'] / 1e6:.1f} | "
+                         f"{most['ema'] / 1e6:.1f} | {share} |")
+    return "\n".join(lines), figures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fsdp2", nargs="+", choices=sorted(SHARDED_MODELS), default=None,
+                        help="instead: what each process holds of these transformers with 1 and 2 FSDP2 processes")
     parser.add_argument("--model", choices=sorted(MODELS), default="sdxl")
     parser.add_argument("--with_t5", action="store_true", help="sd35m: also build and load T5-XXL (4.7B, 9.5 GB)")
     parser.add_argument("--quantize_base", nargs="+", choices=SCHEMES, default=["none", "int8"])
@@ -649,6 +737,14 @@ def main(argv=None):
     parser.add_argument("--fixtures_dir", default="build/bench/memory-models")
     parser.add_argument("--json", default=None, help="also write the figures here (and the table beside it, .md)")
     options = parser.parse_args(argv)
+    if options.fsdp2:
+        table, figures = sharded_table(options.fsdp2, (1, 2), options.rank)
+        print(table)
+        if options.json:
+            Path(options.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(options.json).write_text(json.dumps(figures, indent=2))
+            Path(options.json).with_suffix(".md").write_text(table + "\n")
+        return figures
 
     model = MODELS[options.model]
     pipeline_path = Path(options.fixtures_dir) / options.model

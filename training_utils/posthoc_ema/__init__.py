@@ -15,6 +15,9 @@ deviation is ``sigma_rel = sqrt((gamma + 1) / ((gamma + 2)**2 (gamma + 3)))``: E
 fraction of training time (0.05 -> gamma ~ 16.97, 0.10 -> gamma ~ 6.94). Snapshots of profiles
 combine linearly into another profile by least squares over tau (`solve_posthoc_coefficients`).
 
+Sharded (FSDP2), each process updates the shadows of its own part of each parameter, without communication (as
+`ema.EMA` does); snapshots and checkpoints gather them whole, every process taking part, and the main process writes.
+
 Files under ``<output_dir>/posthoc_ema/``:
     format.json
         how to write synthesized tensors, written once per run (`start`, or the first snapshot):
@@ -185,6 +188,16 @@ class PostHocEMA:
         """Snapshot every ``every`` optimizer steps (None or 0: never) and at the run's ``last_step``."""
         return bool(every) and step % every == 0 or step == last_step
 
+    def rebind(self, parameters: Mapping[str, torch.nn.Parameter]):
+        """Track ``parameters`` in place of the live parameters given so far (`ema.EMA.rebind`)."""
+        for profile in self.profiles:
+            profile.rebind(parameters)
+        self.parameters = self.profiles[0].parameters
+
+    def whole_shadows(self) -> List[dict]:
+        """Each profile's whole shadows (`ema.EMA.whole_shadows`: sharded, every process must call this)."""
+        return [profile.whole_shadows() for profile in self.profiles]
+
     def update(self, step: int):
         """Update every profile as of optimizer step ``step`` (the first update copies)."""
         for profile in self.profiles:
@@ -206,7 +219,7 @@ class PostHocEMA:
             else:
                 with safe_open(snapshot.path, framework="pt") as file:
                     shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
-                expected = {name: tuple(shadow.shape) for name, shadow in self.profiles[0].shadows.items()}
+                expected = {name: tuple(parameter.shape) for name, parameter in self.parameters.items()}
                 if shapes != expected:
                     raise ValueError(f"{snapshot.path} holds other tensors than this run trains; "
                                      f"remove {directory} or use another output_dir")
@@ -219,9 +232,10 @@ class PostHocEMA:
             return
         write_atomically(directory, lambda staging: Path(staging, FORMAT_FILE).write_text(text))
 
-    def snapshot(self, step: int, output_dir) -> List[Path]:
-        """Write each profile's shadows to ``<output_dir>/posthoc_ema/snapshot-<step>-gamma-<g>.safetensors``
-        atomically (and format.json, if missing). The profiles must have been updated at ``step``."""
+    def snapshot(self, step: int, output_dir, shadows: Optional[List[dict]] = None) -> List[Path]:
+        """Write each profile's shadows (or ``shadows``, as `whole_shadows` gives them) to
+        ``<output_dir>/posthoc_ema/snapshot-<step>-gamma-<g>.safetensors`` atomically (and format.json, if
+        missing). The profiles must have been updated at ``step``."""
         if step != self.step or step < 1:
             raise ValueError(f"snapshot at step {step} needs the profiles updated at that step "
                              f"(they are at {self.step})")
@@ -229,8 +243,8 @@ class PostHocEMA:
         if not (directory / FORMAT_FILE).is_file():
             self._write_format(directory)
         paths = []
-        for sigma_rel, profile in zip(self.sigma_rels, self.profiles):
-            tensors = {name: shadow.detach().to("cpu").contiguous() for name, shadow in profile.shadows.items()}
+        for sigma_rel, profile, wholes in zip(self.sigma_rels, self.profiles, shadows or self.whole_shadows()):
+            tensors = {name: shadow.detach().to("cpu").contiguous() for name, shadow in wholes.items()}
             metadata = {"format": POSTHOC_FORMAT, "step": str(step), "gamma": repr(profile.gamma),
                         "sigma_rel": repr(sigma_rel), "update_every": str(self.update_every)}
             name = snapshot_name(step, profile.gamma)
@@ -241,12 +255,15 @@ class PostHocEMA:
     def on_step(self, step: int, last_step: Optional[int], output_dir, snapshot_every: Optional[int],
                 write: bool = True) -> List[Path]:
         """The loop's one call per optimizer step: update when due (every K steps, at snapshot steps and
-        at ``last_step``), then snapshot when due (``write=False`` updates but writes nothing). Returns
-        the snapshot paths written."""
+        at ``last_step``), then snapshot when due (``write=False`` updates but writes nothing; every process calls
+        this, since sharded shadows are gathered for a snapshot). Returns the snapshot paths written."""
         snapshot_due = self.is_snapshot_due(step, snapshot_every, last_step)
         if snapshot_due or self.is_due(step, last_step):
             self.update(step)
-        return self.snapshot(step, output_dir) if snapshot_due and write else []
+        if not snapshot_due:
+            return []
+        shadows = self.whole_shadows()
+        return self.snapshot(step, output_dir, shadows) if write else []
 
     def state_dict(self) -> dict:
         """``{"sigma_rels": [...], "profiles": [EMA.state_dict() ...]}`` (shadows by reference)."""
@@ -263,11 +280,12 @@ class PostHocEMA:
         for profile, profile_state in zip(self.profiles, state["profiles"]):
             profile.load_state_dict(profile_state)
 
-    def save(self, path: Union[str, os.PathLike]):
-        """All profiles' shadows and the step in one safetensors file (keys ``<profile index>/<name>``), atomically."""
+    def save(self, path: Union[str, os.PathLike], shadows: Optional[List[dict]] = None):
+        """All profiles' shadows (or ``shadows``, as `whole_shadows` gives them) and the step in one safetensors
+        file (keys ``<profile index>/<name>``), atomically."""
         path = Path(path)
         tensors = {f"{index}/{name}": shadow.detach().to("cpu").contiguous()
-                   for index, profile in enumerate(self.profiles) for name, shadow in profile.shadows.items()}
+                   for index, wholes in enumerate(shadows or self.whole_shadows()) for name, shadow in wholes.items()}
         metadata = {"format": POSTHOC_STATE_FORMAT, "step": str(self.step), "sigma_rels": json.dumps(self.sigma_rels)}
         write_atomically(path.parent, lambda staging: save_file(tensors, Path(staging, path.name), metadata=metadata))
 

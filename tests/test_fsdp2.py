@@ -1,0 +1,188 @@
+"""FSDP2 through accelerate on two CPU processes (gloo): sharded training, shard-local EMA, sharded checkpoints that
+resume exactly, whole outputs equal to a DDP run's, validation while sharded.
+
+The launches, in one module-scoped set (two at a time on CI's two cores):
+
+- klein (the thorough family): 4 steps sharded, with an EMA and a post-hoc EMA, checkpointing every 2 steps and
+  validating at the end (the post-hoc sweep too); each EMA update runs with every collective made to raise;
+- klein DDP: the same job unsharded, for the outputs to match;
+- klein resumed: the sharded run resumed from its checkpoint-2 (as after a kill), to end bitwise equal;
+- z_image: a minimal sharded run (2 steps, EMA, validation at the end) of another family's script.
+
+Turning FSDP on is what ``accelerate launch --use_fsdp --fsdp_version 2`` does: the variables it sets.
+"""
+
+import json
+import re
+import shutil
+import time
+
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline, ZImagePipeline
+from safetensors.torch import load_file
+
+from helpers import launch, launching, together
+from training_utils.manifest import MANIFEST_FILE
+from training_utils.testing import assert_validated_at
+
+FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+LORA = "pytorch_lora_weights.safetensors"
+PROMPT = "a photo of sks triangle"
+STEPS = 4
+# Raises inside every EMA update that makes a collective call (c10d's ops, DTensor's functional collectives), and
+# counts the updates made so, one file per process.
+NO_COLLECTIVES_WRAPPER = """\
+import os, runpy, sys
+from pathlib import Path
+from torch.utils._python_dispatch import TorchDispatchMode
+from training_utils import ema
+
+class NoCollectives(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+            raise AssertionError(f"collective {func} in an EMA update")
+        return func(*args, **(kwargs or {}))
+
+update = ema.EMA.update
+def update_without_collectives(self, step):
+    with NoCollectives():
+        update(self, step)
+    counts = Path(os.environ["EMA_UPDATES_DIR"]) / f"process-{os.environ['RANK']}"
+    counts.write_text(str(int(counts.read_text()) + 1 if counts.exists() else 1))
+ema.EMA.update = update_without_collectives
+sys.argv[0] = SCRIPT
+runpy.run_path(SCRIPT, run_name="__main__")
+"""
+
+
+def klein_flags(tiny, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", tiny["flux2_klein"], "--instance_data_dir", tiny["instance"],
+            "--instance_prompt", PROMPT, "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 1,
+            "--learning_rate", 1e-3, "--rank", 4, "--seed", 3, "--max_train_steps", STEPS, "--checkpointing_steps", 2,
+            "--use_ema", "--ema_decay", 0.9, "--ema_posthoc_sigma_rels", 0.05, 0.1, "--report_to", "none",
+            "--validation_prompt", "a sks triangle", "--num_validation_images", 1, "--validation_inference_steps", 2,
+            "--validation_steps", STEPS, "--max_sequence_length", 32, *extra]
+
+
+def without_collectives_in_ema(script, directory):
+    wrapper = directory / "train_without_collectives_in_ema.py"
+    wrapper.write_text(f"SCRIPT = {str(script)!r}\n" + NO_COLLECTIVES_WRAPPER)
+    return wrapper
+
+
+@pytest.fixture(scope="module")
+@launching
+def runs(tiny, tmp_path_factory):
+    """``{name: (output_dir, CompletedProcess)}`` of the launches the module docstring lists."""
+    from helpers import EXAMPLES
+    klein = EXAMPLES / "dreambooth/train_dreambooth_lora_flux2_klein.py"
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("klein", "klein_ddp", "z_image", "resumed")}
+    wrapper = without_collectives_in_ema(klein, tmp_path_factory.mktemp("wrapper"))
+    updates = tmp_path_factory.mktemp("ema_updates")
+    z_image = ["--pretrained_model_name_or_path", tiny["z_image"], "--instance_data_dir", tiny["instance"],
+               "--instance_prompt", PROMPT, "--output_dir", folders["z_image"], "--resolution", 32,
+               "--train_batch_size", 1, "--learning_rate", 1e-3, "--rank", 4, "--seed", 3, "--max_train_steps", 2,
+               "--use_ema", "--ema_decay", 0.9, "--report_to", "none", "--validation_prompt", "a sks triangle",
+               "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2,
+               "--max_sequence_length", 32]
+
+    def two(script, args, env):
+        return lambda: launch(script, *args, processes=2, env=env)
+
+    started = time.monotonic()
+    first = together({
+        "klein": two(wrapper, klein_flags(tiny, folders["klein"]), {**FSDP2, "EMA_UPDATES_DIR": str(updates)}),
+        "klein_ddp": two(klein, klein_flags(tiny, folders["klein_ddp"]), {}),
+        "z_image": two("dreambooth/train_dreambooth_lora_z_image.py", z_image, FSDP2)})
+    shutil.copytree(folders["klein"] / "checkpoint-2", folders["resumed"] / "checkpoint-2")
+    resumed = launch(klein, *klein_flags(tiny, folders["resumed"], "--resume_from_checkpoint", "latest"),
+                     processes=2, env=FSDP2)
+    print(f"FSDP2 launches: {time.monotonic() - started:.1f} s")
+    return {**{name: (folders[name], result) for name, result in first.items()},
+            "resumed": (folders["resumed"], resumed), "ema_updates": (updates, None)}
+
+
+def held(result):
+    """``([{kind: bytes} per process], {kind: bytes} whole)`` from the run's line on what each process holds."""
+    line = re.search(r"sharded over 2 processes with FSDP2: (.*) \(whole: (.*)\)", result.stderr)
+    assert line, result.stderr[-3000:]
+
+    def counts(text):
+        return {kind: int(count) for kind, count in re.findall(r"(\w+) (\d+) B", text)}
+
+    return [counts(part) for part in line.group(1).split("; ")], counts(line.group(2))
+
+
+@pytest.mark.parametrize("name", ["klein", "z_image"])
+def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs, name):
+    per_process, whole = held(runs[name][1])
+    assert len(per_process) == 2 and whole["frozen"] > 0 and whole["trained"] > 0 and whole["ema"] > 0
+    for process in per_process:
+        for kind in ("frozen", "trained", "ema"):
+            assert 0 < process[kind] <= 0.55 * whole[kind], (name, kind, process, whole)
+
+
+@pytest.mark.parametrize("name, blocks", [
+    # The tiny klein's 1 double-stream and 2 single-stream blocks (its _no_split_modules), and accelerate's own unit
+    # for the final norm; Z-Image's 2 layers and its noise and context refiners' 1 each, all ZImageTransformerBlock.
+    ("klein", {"Flux2Transformer2DModel": 1, "Flux2TransformerBlock": 1, "Flux2SingleTransformerBlock": 2,
+               "AdaLayerNormContinuous": 1}),
+    ("z_image", {"ZImageTransformer2DModel": 1, "ZImageTransformerBlock": 4})])
+def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, blocks):
+    line = re.search(r"FSDP2 units: (.*)", runs[name][1].stderr)
+    assert line, runs[name][1].stderr[-3000:]
+    units = {unit: int(count) for count, unit in re.findall(r"(\d+) (\w+)", line.group(1))}
+    assert {unit: count for unit, count in units.items() if unit in blocks} == blocks, units
+
+
+def test_no_collective_runs_in_an_ema_update(runs):
+    updates, _ = runs["ema_updates"]
+    # The run's EMA and its post-hoc EMA's two profiles, updated at each of the 4 steps, on both processes.
+    assert sorted(path.read_text() for path in updates.iterdir()) == [str(3 * STEPS)] * 2
+
+
+def test_a_checkpoint_holds_each_processs_shard_and_its_manifest_every_file(runs):
+    checkpoint = runs["klein"][0] / "checkpoint-2"
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {path.name for path in (checkpoint / folder).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    files = {str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*") if path.is_file()}
+    listed = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
+    assert set(listed) == files - {MANIFEST_FILE}
+    assert json.loads((checkpoint / "training_state.json").read_text())["sharded"] is True
+    # Whole, loadable as the final output is.
+    assert load_file(checkpoint / LORA).keys() == load_file(runs["klein"][0] / LORA).keys()
+
+
+def test_resuming_the_latest_checkpoint_ends_bitwise_equal_to_the_uninterrupted_run(runs):
+    uninterrupted, resumed = runs["klein"][0], runs["resumed"][0]
+    assert "resumed from" in runs["resumed"][1].stdout + runs["resumed"][1].stderr
+    snapshots = sorted(path.relative_to(resumed) for path in (resumed / "posthoc_ema").glob("snapshot-00000004-*"))
+    assert len(snapshots) == 2
+    names = [LORA, f"ema/{LORA}", *snapshots]
+    for name in names:
+        expected, got = load_file(uninterrupted / name), load_file(resumed / name)
+        assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected), name
+
+
+def test_the_outputs_match_a_ddp_run_and_load_in_the_stock_pipeline(tiny, runs):
+    sharded, ddp = runs["klein"][0], runs["klein_ddp"][0]
+    assert "sharded over" not in runs["klein_ddp"][1].stderr
+    for name in (LORA, f"ema/{LORA}"):
+        expected, got = load_file(ddp / name), load_file(sharded / name)
+        assert expected.keys() == got.keys()
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
+    # What renders these files is the same writer every unsharded run's tests render with; here, that they load.
+    for pipeline, fixture, output_dir in ((Flux2KleinPipeline, "flux2_klein", sharded),
+                                          (ZImagePipeline, "z_image", runs["z_image"][0])):
+        pipe = pipeline.from_pretrained(tiny[fixture])
+        for folder in (output_dir, output_dir / "ema"):
+            pipe.load_lora_weights(folder, adapter_name=folder.name)
+        assert set(pipe.get_list_adapters()["transformer"]) == {output_dir.name, "ema"}
+
+
+def test_validation_renders_while_sharded_the_post_hoc_sweep_too(runs):
+    assert_validated_at(runs["klein"][0], [STEPS], ("raw", "ema", "ema_sigma_rel-0.05", "ema_sigma_rel-0.1"),
+                        ["a sks triangle"], num_images=1)
+    assert_validated_at(runs["z_image"][0], [2], ("raw", "ema"), ["a sks triangle"], num_images=1)
