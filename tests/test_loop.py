@@ -58,7 +58,7 @@ class RecordingValidator:
 
 
 def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3,
-            posthoc_sigma_rels=None, shapes=None):
+            posthoc_sigma_rels=None, shapes=None, resume_with_changed_args=False):
     """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal; ``shapes`` puts
     the samples in aspect-ratio buckets."""
     torch.manual_seed(0)
@@ -78,7 +78,8 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
     args = SimpleNamespace(gradient_accumulation_steps=1, checkpointing_steps=4, validation_steps=validation_steps,
                            validation_epochs=None, output_dir=str(output_dir), max_train_steps=max_train_steps,
                            num_train_epochs=1, ema_posthoc_snapshot_steps=3, resume_from_checkpoint=resume,
-                           checkpoints_total_limit=None, max_grad_norm=1.0, resume_with_changed_args=False)
+                           checkpoints_total_limit=None, max_grad_norm=1.0,
+                           resume_with_changed_args=resume_with_changed_args)
     max_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer, lr_scheduler = accelerator.prepare(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
@@ -229,3 +230,22 @@ def test_end_training_waits_for_every_process_before_the_teardown():
                                   end_training=lambda: calls.append("teardown"))
     end_training(accelerator)
     assert calls == ["barrier", "teardown"]
+
+
+def test_a_checkpoint_of_another_number_of_processes_goes_on_in_this_runs_epochs_only_when_asked(accelerator, tmp_path):
+    import json
+
+    from training_utils.checkpoint_folders import STATE_FILE
+    from training_utils.manifest import write_manifest
+    toy_run(accelerator, tmp_path, max_train_steps=4)
+    checkpoint = tmp_path / "checkpoint-4"
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    # As if written by 2 processes, each with 3 batches an epoch (this run has 5).
+    (checkpoint / STATE_FILE).write_text(json.dumps({**state, "processes": 2, "steps_per_epoch": 3}))
+    write_manifest(checkpoint)
+    reset(accelerator)
+    with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2"):
+        toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest")
+    reset(accelerator)
+    loop, _, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest", resume_with_changed_args=True)
+    assert loop.global_step == 7 and loop.checkpointer.resharded

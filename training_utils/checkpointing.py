@@ -78,6 +78,7 @@ class Checkpointer:
         self.total_limit = total_limit
         self._saving_state = None
         self.loaded_state = None
+        self.resharded = False  # loaded from a checkpoint of another number of processes
         accelerator.register_save_state_pre_hook(self._save_hook)
         accelerator.register_load_state_pre_hook(self._load_hook)
 
@@ -149,6 +150,7 @@ class Checkpointer:
         self.loaded_state = json.loads((Path(path) / STATE_FILE).read_text())
         self._check_trajectory(path, self.loaded_state.get("trajectory", {}))
         same_processes = self._check_processes(path)
+        self.resharded = not same_processes
         self.accelerator.load_state(str(path))
         process = self.accelerator.process_index
         if self.loaded_state.get("format", 1) >= CHECKPOINT_FORMAT:

@@ -120,8 +120,8 @@ class EMA:
                         for name in parameters}
 
     def whole_shadows(self) -> Dict[str, torch.Tensor]:
-        """The shadows as whole tensors, on their device: gathered from every process when the parameters are
-        sharded (then every process must call this), else the shadows themselves."""
+        """The shadows as whole tensors: gathered from every process onto the CPU when the parameters are sharded
+        (then every process must call this), else the shadows themselves."""
         if not any_sharded(self.parameters):
             return dict(self.shadows)
         return whole_tensors(self.shadows, self.parameters)

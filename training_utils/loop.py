@@ -116,7 +116,9 @@ class TrainingLoop:
             self._skipped_images = self._skipped_total
         self._bucket_layout = bucket_layout(dataloader)
         saved = self.checkpointer.loaded_state if self.global_step else {}
-        if saved.get("steps_per_epoch") not in (None, steps_per_epoch):
+        # On another number of processes (--resume_with_changed_args) the epoch length changes with it: the run goes on
+        # from the step it resumed at, in the new epochs.
+        if saved.get("steps_per_epoch") not in (None, steps_per_epoch) and not self.checkpointer.resharded:
             raise UsageError("--resume_from_checkpoint", args.resume_from_checkpoint,
                              f"the data the checkpoint was trained on: it had {saved['steps_per_epoch']} steps per "
                              f"epoch, this run's data has {steps_per_epoch}, so the data position cannot be resumed")

@@ -66,10 +66,6 @@ def enable_fsdp2_on_cpu(accelerator, plugin):
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def is_sharded(tensor):
-    return isinstance(tensor, DTensor)
-
-
 def local_tensor(tensor):
     """This process's part of ``tensor``: a DTensor's local tensor (a view, so writes reach the parameter), or the
     tensor itself."""
@@ -100,6 +96,7 @@ def whole_tensors(tensors, like):
 
 
 def any_sharded(parameters):
+    """Whether any of ``parameters`` (``{name: parameter}``) is sharded (a DTensor)."""
     return any(isinstance(parameter, DTensor) for parameter in parameters.values())
 
 
