@@ -20,7 +20,8 @@ What is particular to a family is its row's: its prompt settings (Qwen-Image-Edi
 the tiny VAE, where the others cut prompts), the shapes its pipeline lays references out in, the components and
 context an edit renders with outside the script (Qwen-Image-Edit's processor loaded without torchvision, its
 references at the runs' area), the module its ComfyUI file adapts, the most references a row may have and its own
-refusals. The template (FLUX.2 [klein]) also trains on two processes on an int8 base. A new edit family is one row.
+refusals. The template (FLUX.2 [klein]) and Qwen-Image-Edit (its own training step) also train on two processes
+on an int8 base. A new edit family is one row.
 """
 
 import contextlib
@@ -123,7 +124,7 @@ EDIT_FAMILIES = [
                                "diffusion_model.transformer_blocks.0.attn.to_out.0"),
                sample_shapes=("target 24x40, references none", "target 32x32, references 32x32",
                               "target 32x32, references 32x32, 32x32"),
-               max_references=3, components=qwen_image_edit_components,
+               max_references=3, components=qwen_image_edit_components, two_processes=True,
                render_context=functools.partial(qwen_image_edit.references_at_area, QwenImageEditPlusPipeline,
                                                 QWEN_REFERENCE_AREA),
                refused=((["--max_sequence_length", 32],
