@@ -16,26 +16,33 @@ script runs:
   checkpointing;
 - resumed: the full run resumed from its checkpoint-2, checkpointing at every step.
 
-The template (FLUX.2 [klein]) also trains on two processes on an int8 base. A new edit family is one row.
+What is particular to a family is its row's: its prompt settings (Qwen-Image-Edit's references at a small area, for
+the tiny VAE, where the others cut prompts), the shapes its pipeline lays references out in, the components and
+context an edit renders with outside the script (Qwen-Image-Edit's processor loaded without torchvision, its
+references at the runs' area), the module its ComfyUI file adapts, the most references a row may have and its own
+refusals. The template (FLUX.2 [klein]) and Qwen-Image-Edit (its own training step) also train on two processes
+on an int8 base. A new edit family is one row.
 """
 
+import contextlib
 import functools
 import json
 import shutil
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline, FluxKontextPipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, FluxKontextPipeline, QwenImageEditPlusPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
 from comfyui import comfyui_weight, delta_shape, module_weights
 from helpers import launch, launch_processes, launching, together, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import flux2, flux2_dev, flux_kontext
+from training_utils.families import flux2, flux2_dev, flux_kontext, qwen_image_edit
 from training_utils.grids import step_grid
 from training_utils.images import read_image
 from training_utils.validation import read_log
@@ -52,6 +59,13 @@ CLASS_DATA_DIR_REFUSED = (["--class_data_dir", "class"],
                           "--class_data_dir is not supported here: an edit trains on its rows alone, without prior "
                           "preservation (upstream's image-to-image scripts take the flag and never read it)")
 INT8 = ("--quantize_base", "int8", "--mixed_precision", "bf16")
+# The references' area of the Qwen-Image-Edit runs (the pipeline's 1024x1024 takes the tiny VAE seconds to encode).
+QWEN_REFERENCE_AREA = 32 * 32
+
+
+def qwen_image_edit_components(path):
+    """Qwen-Image-Edit's processor, loaded without torchvision."""
+    return {"processor": qwen_image_edit.load_processor(path)}
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,9 @@ class EditFamily:
     references: tuple = REFERENCES  # the validation references, in the dataset's folder
     sample_shapes: tuple = FLUX2_SAMPLE_SHAPES  # each row's sample shape, as the run reports its buckets
     single_reference: bool = False  # the pipeline's image= is one image (the card's loading code passes one)
+    max_references: Optional[int] = None  # the most references a row may have, where the script checks it
+    components: Optional[Callable] = None  # (path) -> the components an edit's pipeline loads with, beyond its own
+    render_context: Callable = contextlib.nullcontext  # () -> the context an edit renders in as the run validated
 
 
 EDIT_FAMILIES = [
@@ -88,7 +105,7 @@ EDIT_FAMILIES = [
     EditFamily("flux_kontext", "flux_kontext", "dreambooth/train_dreambooth_lora_flux_kontext.py", FluxKontextPipeline,
                flux_kontext, ("--max_sequence_length", 32),
                comfyui_module=("transformer_blocks.0.attn.to_out.0", "diffusion_model.double_blocks.0.img_attn.proj"),
-               data="shapes_edit_one_reference", references=REFERENCES[:1], single_reference=True,
+               data="shapes_edit_one_reference", references=REFERENCES[:1], single_reference=True, max_references=1,
                sample_shapes=("target 24x40, references none", "target 32x32, references 32x32",
                               "target 32x32, references 24x36"),
                refused=((["--vae_encode_mode", "sample"],
@@ -99,6 +116,26 @@ EDIT_FAMILIES = [
                          "--with_prior_preservation is not supported here: prior preservation is not carried for "
                          "edits: an edit's class images would need references and edited targets, which "
                          "text-to-image generation does not make"))),
+    # Edit Plus: one to three references, each laid out at --reference_area (every one 32x32 at 32*32); its prompts
+    # are never cut. Qwen-Image's module names are diffusers'.
+    EditFamily("qwen_image_edit_plus", "qwen_image_edit_plus", "dreambooth/train_dreambooth_lora_qwen_image_edit.py",
+               QwenImageEditPlusPipeline, qwen_image_edit, ("--reference_area", QWEN_REFERENCE_AREA),
+               comfyui_module=("transformer_blocks.0.attn.to_out.0",
+                               "diffusion_model.transformer_blocks.0.attn.to_out.0"),
+               sample_shapes=("target 24x40, references none", "target 32x32, references 32x32",
+                              "target 32x32, references 32x32, 32x32"),
+               max_references=3, components=qwen_image_edit_components, two_processes=True,
+               render_context=functools.partial(qwen_image_edit.references_at_area, QwenImageEditPlusPipeline,
+                                                QWEN_REFERENCE_AREA),
+               refused=((["--max_sequence_length", 32],
+                         "--max_sequence_length is not supported here: the Qwen-Image-Edit pipelines never cut a "
+                         "prompt"),
+                        (["--with_prior_preservation"],
+                         "--with_prior_preservation is not supported here: no prior preservation: an edit model "
+                         "learns an edit from its examples, not a subject"),
+                        (["--reference_area", 100],
+                         "--reference_area=100: expected a number of pixels of at least 32*32 (the pipeline rounds "
+                         "sides to multiples of 32)"))),
 ]
 FAMILY_IDS = [family.name for family in EDIT_FAMILIES]
 
@@ -219,10 +256,14 @@ def test_cached_targets_and_references_train_like_encoding_every_step(tiny, runs
 
 def test_the_lora_changes_an_edit_and_comfyui_applies_it_at_the_trained_strength(tiny, runs, family):
     output_dir, _ = runs[family.name, "full"]
-    length = dict(zip(family.flags[::2], family.flags[1::2]))["--max_sequence_length"]
-    pipe = family.pipeline.from_pretrained(tiny[family.fixture])
-    assert_lora_changes_pipeline_output(tiny[family.fixture], output_dir, output_dir / "ema", prompt=PROMPT,
-                                        max_sequence_length=length, **edit_kwargs(pipe, family, tiny))
+    prompt_settings = {key.removeprefix("--"): value for key, value in zip(family.flags[::2], family.flags[1::2])
+                       if key == "--max_sequence_length"}  # the runs' prompt length, where the pipeline cuts prompts
+    components = family.components(tiny[family.fixture]) if family.components else {}
+    pipe = family.pipeline.from_pretrained(tiny[family.fixture], **components)
+    with family.render_context():
+        assert_lora_changes_pipeline_output(tiny[family.fixture], output_dir, output_dir / "ema", prompt=PROMPT,
+                                            components=components, **prompt_settings,
+                                            **edit_kwargs(pipe, family, tiny))
     # ComfyUI adds to the original model's layer what diffusers adds to the transformer's, at strength 1.
     layer, comfyui_module = family.comfyui_module
     module = module_weights(load_file(output_dir / converted_name("comfyui")))[0][comfyui_module]
@@ -261,9 +302,25 @@ def test_a_reference_the_pipeline_refuses_fails_in_one_line_before_anything_load
                             f"{small} is not (Image too small: 48×64.")
 
 
-def test_a_row_with_more_references_than_kontext_takes_fails_in_one_line(tiny, tmp_path):
-    family = next(family for family in EDIT_FAMILIES if family.name == "flux_kontext")
+@pytest.mark.parametrize("family", [family for family in EDIT_FAMILIES if family.max_references],
+                         ids=lambda family: family.name)
+def test_a_row_with_more_references_than_the_model_takes_fails_in_one_line(tiny, tmp_path, family):
+    data = shutil.copytree(tiny["shapes_edit"], tmp_path / "data")
+    rows = [json.loads(line) for line in (data / "metadata.jsonl").read_text().splitlines()]
+    most = family.max_references + 1  # the first row's first reference, repeated
+    rows[0]["reference_file_names"] = rows[0]["reference_file_names"][:1] * most
+    (data / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     flags = common(tiny, family, tmp_path / "out")
-    flags[flags.index(tiny[family.data])] = tiny["shapes_edit"]  # rows with two references
-    assert usage_error(family.script, *flags) == ("error: --cond_image_column='reference': expected at most 1 "
-                                                  "reference images a row for this model (a row has 2)")
+    flags[flags.index(tiny[family.data])] = data
+    assert usage_error(family.script, *flags) == (
+        f"error: --cond_image_column='reference': expected at most {family.max_references} reference images a row "
+        f"for this model (a row has {most})")
+
+
+def test_the_first_qwen_image_edit_takes_its_one_reference_in_every_row(tiny, tmp_path):
+    family = next(family for family in EDIT_FAMILIES if family.name == "qwen_image_edit_plus")
+    flags = common(tiny, family, tmp_path / "out")
+    flags[flags.index(tiny[family.data])] = tiny["shapes_edit_one_reference"]
+    flags[flags.index(tiny[family.fixture])] = tiny["qwen_image_edit"]
+    assert usage_error(family.script, *flags) == ("error: --cond_image_column='reference': expected 1 reference image "
+                                                  "in every row for QwenImageEditPipeline")
