@@ -225,7 +225,7 @@ def test_validator_renders_each_prompt_with_its_conditioning_image(tiny, tmp_pat
     args = run_args(tiny, tmp_path, "--validation_prompt", "a", "b", "--validation_image", conditioning(tiny, 0),
                     conditioning(tiny, 1))
     accelerator = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1, device=torch.device("cpu"),
-                                  trackers=[], wait_for_everyone=lambda: None)
+                                  trackers=[], wait_for_everyone=lambda: None, is_fsdp2=False)
     assert make_controlnet_validator(run_args(tiny, tmp_path), pipe, accelerator, []) is None
     pairs = load_validation_pairs(args)
     # Trained mostly in a 16x32 bucket: the square conditioning images are rendered at that size.
