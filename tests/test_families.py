@@ -40,7 +40,8 @@ OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"referen
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
-           lumina2: "lumina2", hidream: "hidream", wan: "wan21", flux_kontext: "flux_kontext", qwen_image_edit: "qwen_image_edit_plus"}
+           lumina2: "lumina2", hidream: "hidream", wan: "wan21", flux_kontext: "flux_kontext",
+           qwen_image_edit: "qwen_image_edit_plus"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
 

@@ -90,7 +90,8 @@ def test_a_prompt_may_have_several_conditioning_images(tmp_path):
     validator = Validator(None, stub_accelerator(), tmp_path, PROMPTS, 1, 2, 0,
                           conditioning_images=[[first, second], [], shared])
     assert validator.conditioning_paths == [
-        ["validation/conditioning-p00-00.png", "validation/conditioning-p00-01.png"], [], "validation/conditioning-p02.png"]
+        ["validation/conditioning-p00-00.png", "validation/conditioning-p00-01.png"], [],
+        "validation/conditioning-p02.png"]
     assert sorted(path.name for path in (tmp_path / "validation").iterdir()) == [
         "conditioning-p00-00.png", "conditioning-p00-01.png", "conditioning-p02.png"]
     records = [{"step": 2, "variant": "raw", "prompt": prompt, "images": ["x.png"]} for prompt in PROMPTS]
