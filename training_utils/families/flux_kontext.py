@@ -6,7 +6,8 @@ and scaled as the target is (`normalized_latents`), packed into 2×2 patches and
 image of its size whose first channel is 1 (the target's is 0), which tells the transformer the two apart
 (`model_inputs`, given the reference). The transformer reads the target's and the reference's tokens as one
 sequence, and the prediction is its first tokens, the target's (`prediction` cuts the rest off). A row without a
-reference trains as FLUX.1 does, text to image. Every piece is the pipeline's own (its static helpers, its preferred resolutions).
+reference trains as FLUX.1 does, text to image. Every piece is the pipeline's own (its static helpers, its
+preferred resolutions).
 """
 
 import math
