@@ -34,6 +34,7 @@ from .captions import cut_captions_warning, distinct_captions
 from .feature_store import Block, FeatureStore, block_bytes, encode_once, encoders_on
 from .images import READING, UNREADABLE_IMAGE_ERRORS, ImageTransform, TrainingImage, read_image
 from .prompts import embeddings_by_caption, text_chunk_encoder
+from .text_encoder_sharding import is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,8 @@ class FrozenEncoders:
         # The encoders kept off the accelerator; validation brings them.
         self.off_device = [*([vae] if cache_latents or offload else []), *self.text_encoders]
         for module in self.off_device:
-            module.to("cpu")
+            if not is_sharded(module):  # a sharded text encoder stays where FSDP2 put it
+                module.to("cpu")
         if vae is not None and vae not in self.off_device:
             vae.to(device)
 
@@ -212,7 +214,8 @@ class FrozenEncoders:
         encode_chunk = text_chunk_encoder(captions, encode)
         blocks = encode_once("text embeddings", len(captions), encode_chunk,
                              lambda: _bytes_per_item(encode_chunk([0])),
-                             lambda: encoders_on(self.device, self.text_encoders), self.batch_size, store)
+                             lambda: encoders_on(self.device, self.text_encoders), self.batch_size, store,
+                             lockstep=any(map(is_sharded, self.text_encoders)))
         return embeddings_by_caption(captions, blocks)
 
     def cache_dataset_images(self, dataset, image_column, shapes=None):

@@ -5,12 +5,15 @@ settings), a function (its code) or a setting into one; `digest` shortens any te
 
 import hashlib
 import json
+import weakref
 
 import torch
 
 # How much of each weight tensor identifies a module: its first and last elements (a fine-tune changes them
 # all), read from a few pages rather than from the whole memory-mapped file.
 FINGERPRINT_ELEMENTS = 4096
+# Modules sharded with FSDP2 (`text_encoder_sharding`), described as they were whole: their parts differ by process.
+_described_whole = weakref.WeakKeyDictionary()
 
 
 def digest(text):
@@ -48,6 +51,8 @@ def describe(thing):
     configuration and weights; for a tokenizer its vocabulary and settings; for a function its code; for
     anything else its JSON."""
     name = type(thing).__name__
+    if isinstance(thing, torch.nn.Module) and thing in _described_whole:
+        return _described_whole[thing]
     if isinstance(thing, torch.nn.Module):
         hasher = hashlib.blake2b(digest_size=16)
         hasher.update(json.dumps(module_config(thing), sort_keys=True, default=str).encode())
@@ -68,3 +73,9 @@ def describe(thing):
     if callable(thing) and hasattr(thing, "__code__"):
         return f"code {digest(code_text(thing.__code__))}"
     return json.dumps(thing, sort_keys=True, default=str)
+
+
+def describe_before_sharding(module):
+    """Have `describe` give for ``module``, about to be sharded, what it gives now, whole: a sharded module keys the
+    same caches as the whole one (the same outputs), on every process."""
+    _described_whole[module] = describe(module)

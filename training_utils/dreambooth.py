@@ -27,6 +27,7 @@ from .errors import require
 from .images import IMAGE_EXTENSIONS, image_sizes
 from .parser import add_refused_args
 from .pipeline import modules_of
+from .text_encoder_sharding import is_sharded
 from .validation import preserved_state
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,6 @@ def transformer_dreambooth_refusals(text_encoder_trains):
     refused = {
         "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen "
                              "transformer in float8 instead",
-        "--fsdp_text_encoder": "the text encoder is not sharded yet (FSDP2, accelerate launch --use_fsdp "
-                               "--fsdp_version 2, shards what trains); it runs once, before training, and then "
-                               "leaves the accelerator",
     }
     if not text_encoder_trains:
         refused.update(dict.fromkeys(["--text_encoder_lr", "--adam_weight_decay_text_encoder"],
@@ -267,8 +265,10 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
                           encoders_on_device=contextlib.nullcontext):
     """Render ``pipe(prompt)`` into ``class_dir`` until it holds ``num_images`` images; returns how many it made.
 
-    Only the main process renders; the others wait. The image that becomes the folder's i-th is drawn
-    from a generator seeded ``seed + i``, so the same folder state gives the same images. Rendering has
+    Only the main process renders; the others wait. With a module of ``pipe`` sharded (``--fsdp_text_encoder``),
+    whose forward needs every process, every process renders every image and the main one writes them. The image
+    that becomes the folder's i-th is drawn from a generator seeded ``seed + i``, so the same folder state gives the
+    same images. Rendering has
     validation's protections: the global RNG is untouched, and ``pipe.scheduler``, ``schedulers`` (e.g.
     the training noise scheduler) and every module's train/eval mode are restored afterwards.
     ``encoders_on_device`` (e.g. `cache.FrozenEncoders.on_device`) holds the encoders kept off the
@@ -281,10 +281,11 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
     if missing == 0:
         accelerator.print(f"{class_dir} holds {existing} class images; none generated")
         return 0
-    if accelerator.is_main_process:
-        class_dir.mkdir(parents=True, exist_ok=True)
-        for partial in class_dir.glob(f".*{PARTIAL_SUFFIX}"):  # what a killed generation left half written
-            partial.unlink()
+    if accelerator.is_main_process or any(map(is_sharded, modules_of(pipe).values())):
+        if accelerator.is_main_process:
+            class_dir.mkdir(parents=True, exist_ok=True)
+            for partial in class_dir.glob(f".*{PARTIAL_SUFFIX}"):  # what a killed generation left half written
+                partial.unlink()
         device_type = accelerator.device.type
         autocast = (torch.autocast(device_type, dtype=weight_dtype) if weight_dtype != torch.float32
                     else contextlib.nullcontext())
@@ -303,7 +304,7 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
                 images = pipe(prompt=prompt, num_images_per_prompt=len(batch),
                               generator=[torch.Generator().manual_seed(seed + index) for index in batch],
                               **steps, **(call_kwargs or {})).images
-                for image in images:
+                for image in images if accelerator.is_main_process else ():
                     _save_atomically(image, class_dir / next(free_names))
         accelerator.print(f"generated {missing} class images into {class_dir} ({existing} were there)")
     accelerator.wait_for_everyone()

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from .cache_keys import digest
 from .errors import UsageError
 from .manifest import file_hash
+from .text_encoder_sharding import in_lockstep, is_sharded, most_calls
 from .writing import stopping_on_write_errors
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ def remove_abandoned_temporaries(folder):
             temporary.unlink(missing_ok=True)
 
 
-def encode_once(what, count, encode_chunk, bytes_per_item, on_device, batch_size, store=None):
+def encode_once(what, count, encode_chunk, bytes_per_item, on_device, batch_size, store=None, lockstep=False):
     """The blocks of all ``count`` items, each encoded once by one of the run's processes.
 
     ``encode_chunk(indices)`` encodes a list of item indices into a `Block`; ``bytes_per_item()`` estimates an
@@ -223,6 +224,10 @@ def encode_once(what, count, encode_chunk, bytes_per_item, on_device, batch_size
     blocks and each holds all of them in memory; if that would not fit in the host's memory the run stops and
     says to use ``--feature_cache_dir``. With one, the blocks are read back memory-mapped from its shards, and the
     chunks some shard already holds are not encoded again.
+
+    With ``lockstep`` (encoders sharded with FSDP2, whose forwards are collective) every process makes as many
+    encoder calls as the one with the most chunks to encode (`text_encoder_sharding.in_lockstep`), ``bytes_per_item``
+    included, even one with none left to encode.
     """
     state = PartialState()
     chunks = [list(range(start, min(start + batch_size, count))) for start in range(0, count, batch_size)]
@@ -234,15 +239,17 @@ def encode_once(what, count, encode_chunk, bytes_per_item, on_device, batch_size
         if not chunks:
             if state.is_main_process:
                 logger.info(f"{what}: reusing {store.path} ({count} items); no encoder runs")
+    mine = chunks[state.process_index::state.num_processes]
     blocks = []
     started = time.perf_counter()
-    if chunks:
+    if (most_calls(len(chunks)) > 0) if lockstep else chunks:  # in lockstep, whether any process encodes
         with on_device(), torch.no_grad():
             todo = sum(map(len, chunks))
             estimate = bytes_per_item() * todo
             check_room(what, estimate, count, todo, store, state)
-            for chunk in chunks[state.process_index::state.num_processes]:
-                block = encode_chunk(chunk)
+            encoded = (in_lockstep(mine, encode_chunk, lambda: encode_chunk([0])) if lockstep
+                       else map(encode_chunk, mine))
+            for block in encoded:
                 if store is None:
                     blocks.append(block)
                 else:
@@ -287,10 +294,11 @@ def check_room(what, estimate, count, todo, store, state):
 @contextlib.contextmanager
 def encoders_on(device, encoders):
     """``encoders`` on ``device`` while the block runs, on the CPU after."""
-    for module in encoders:
+    movable = [module for module in encoders if not is_sharded(module)]  # a sharded one stays where FSDP2 put it
+    for module in movable:
         module.to(device)
     try:
         yield
     finally:
-        for module in encoders:
+        for module in movable:
             module.to("cpu")
