@@ -4,9 +4,11 @@ resume exactly, whole outputs equal to a DDP run's, validation while sharded.
 The launches, in one module-scoped set (two at a time on CI's two cores):
 
 - klein (the thorough family): 4 steps sharded, with an EMA and a post-hoc EMA, checkpointing every 2 steps and
-  validating at the end (the post-hoc sweep too); each EMA update runs with every collective made to raise;
+  validating at the end (the post-hoc sweep too); each EMA update runs with every collective made to raise; its text
+  encoder sharded too (``--fsdp_text_encoder``), while it embeds the prompts and renders validation;
 - klein DDP: the same job unsharded, for the outputs to match;
-- klein resumed: the sharded run resumed from its checkpoint-2 (as after a kill), to end bitwise equal;
+- klein resumed: the sharded run resumed from its checkpoint-2 (as after a kill), to end bitwise equal (its text
+  encoder whole: the flag leaves the trajectory alone);
 - z_image: a minimal sharded run (2 steps, EMA, validation at the end) of another family's script.
 
 Turning FSDP on is what ``accelerate launch --use_fsdp --fsdp_version 2`` does: the variables it sets.
@@ -92,7 +94,8 @@ def runs(tiny, tmp_path_factory):
 
     started = time.monotonic()
     first = together({
-        "klein": two(wrapper, klein_flags(tiny, folders["klein"]), {**FSDP2, "EMA_UPDATES_DIR": str(updates)}),
+        "klein": two(wrapper, klein_flags(tiny, folders["klein"], "--fsdp_text_encoder"),
+                     {**FSDP2, "EMA_UPDATES_DIR": str(updates)}),
         "klein_ddp": two(klein, klein_flags(tiny, folders["klein_ddp"]), {}),
         "z_image": two("dreambooth/train_dreambooth_lora_z_image.py", z_image, FSDP2)})
     shutil.copytree(folders["klein"] / "checkpoint-2", folders["resumed"] / "checkpoint-2")
@@ -134,6 +137,15 @@ def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, block
     assert line, runs[name][1].stderr[-3000:]
     units = {unit: int(count) for count, unit in re.findall(r"(\d+) (\w+)", line.group(1))}
     assert {unit: count for unit, count in units.items() if unit in blocks} == blocks, units
+
+
+def test_the_text_encoder_is_sharded_per_layer_and_each_process_holds_about_half(runs):
+    line = re.search(r"Qwen3ForCausalLM sharded while it encodes \(--fsdp_text_encoder\), units: (.*); held per "
+                     r"process: process 0: (\d+) B; process 1: (\d+) B \(whole: (\d+) B\)", runs["klein"][1].stderr)
+    assert line, runs["klein"][1].stderr[-3000:]
+    assert line.group(1) == "1 Qwen3ForCausalLM, 28 Qwen3DecoderLayer"  # the tiny encoder's 28 layers
+    held, whole = [int(line.group(2)), int(line.group(3))], int(line.group(4))
+    assert sum(held) == whole and all(0 < part <= 0.55 * whole for part in held), line.group(0)
 
 
 def test_no_collective_runs_in_an_ema_update(runs):
