@@ -15,7 +15,8 @@ from helpers import REPO, launch, launching
 from training_utils.errors import UsageError
 from training_utils.feature_store import encoders_on
 from training_utils.parser import TrainingArgumentParser
-from training_utils.text_encoder_sharding import add_fsdp_text_encoder_arg, is_sharded, repeated_blocks
+from training_utils.text_encoder_sharding import (add_fsdp_text_encoder_arg, is_sharded, repeated_blocks,
+                                                  shard_text_encoders)
 
 FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 JOB = REPO / "tests" / "text_encoder_sharding_job.py"
@@ -41,6 +42,14 @@ def test_the_repeated_blocks_are_those_of_no_split_modules_the_encoder_holds():
     t5 = T5EncoderModel(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
     assert repeated_blocks(t5) == ["T5Block"]
     assert repeated_blocks(torch.nn.Linear(2, 2)) == []
+
+
+def test_an_unsharded_run_leaves_its_text_encoder_whole_and_says_so(caplog):
+    encoder = torch.nn.Linear(2, 2)
+    shard_text_encoders(type("Accelerator", (), {"is_fsdp2": True})(), [encoder], enabled=False)
+    shard_text_encoders(type("Accelerator", (), {"is_fsdp2": False})(), [encoder], enabled=True)
+    assert not is_sharded(encoder)
+    assert "this run is not sharded (one process), so neither is its text encoder" in caplog.text
 
 
 def test_a_sharded_encoder_stays_where_fsdp2_put_it():

@@ -67,6 +67,9 @@ def shard_text_encoders(accelerator, encoders, enabled):
     the bytes each process holds of it beside the whole."""
     if not enabled:
         return
+    if not accelerator.is_fsdp2:  # one process: accelerate shards nothing, and neither does this
+        logger.warning("--fsdp_text_encoder: this run is not sharded (one process), so neither is its text encoder")
+        return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
