@@ -15,6 +15,7 @@ from helpers import REPO, launch, launching
 from training_utils.errors import UsageError
 from training_utils.feature_store import encoders_on
 from training_utils.parser import TrainingArgumentParser
+from training_utils.sharding import sharded_units
 from training_utils.text_encoder_sharding import (add_fsdp_text_encoder_arg, is_sharded, repeated_blocks,
                                                   shard_text_encoders)
 
@@ -52,21 +53,46 @@ def test_an_unsharded_run_leaves_its_text_encoder_whole_and_says_so(caplog):
     assert "this run is not sharded (one process), so neither is its text encoder" in caplog.text
 
 
-def test_a_sharded_encoder_stays_where_fsdp2_put_it():
-    from torch.distributed.fsdp import fully_shard
+@pytest.fixture
+def first_of_two():
+    """This process as process 0 of 2 (a fake group: no other process, collectives do nothing)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        sharded, whole = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-        fully_shard(sharded, mesh=init_device_mesh("cpu", (2,)))
-        assert is_sharded(sharded) and not is_sharded(whole)
-        moves = []
-        for name, module in (("sharded", sharded), ("whole", whole)):
-            module.to = lambda device, name=name: moves.append((name, device))
-        with encoders_on("cuda", [sharded, whole]):
-            assert moves == [("whole", "cuda")]
-        assert moves == [("whole", "cuda"), ("whole", "cpu")]
+        yield init_device_mesh("cpu", (2,))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_encoder_still_gives_the_hidden_states_it_is_asked_for(first_of_two, monkeypatch):
+    # transformers looks up what a model records by its class's name, which fully_shard changes (Z-Image's and
+    # Lumina 2's pipelines read a hidden state of their encoder, a Qwen3Model and a Gemma2Model).
+    from transformers import Qwen3Config, Qwen3Model
+
+    from training_utils.sharding import fsdp2_plugin
+    for name, value in FSDP2.items():
+        monkeypatch.setenv(name, value)
+    encoder = Qwen3Model(Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=4)).eval()
+    accelerator = type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,
+                                           "state": type("State", (), {"fsdp_plugin": fsdp2_plugin()})()})()
+    shard_text_encoders(accelerator, [encoder], enabled=True)
+    assert sharded_units({"text_encoder": encoder}) == {"Qwen3Model": 1, "Qwen3DecoderLayer": 2}
+    with torch.no_grad():
+        output = encoder(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert output.hidden_states is not None and len(output.hidden_states) == 3
+
+
+def test_a_sharded_encoder_stays_where_fsdp2_put_it(first_of_two):
+    from torch.distributed.fsdp import fully_shard
+    sharded, whole = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    fully_shard(sharded, mesh=first_of_two)
+    assert is_sharded(sharded) and not is_sharded(whole)
+    moves = []
+    for name, module in (("sharded", sharded), ("whole", whole)):
+        module.to = lambda device, name=name: moves.append((name, device))
+    with encoders_on("cuda", [sharded, whole]):
+        assert moves == [("whole", "cuda")]
+    assert moves == [("whole", "cuda"), ("whole", "cpu")]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ and resumes exactly:
 * text embeddings are cached per distinct caption, so a caption drawn at random (`pick_caption`)
   still finds its embedding.
 
-Each process encodes its share and then holds all of it (`feature_store.encode_once`); with ``cache_dir``
+Each process encodes its share and then holds all of it (`feature_store.encode_once`; with text encoders sharded,
+``--fsdp_text_encoder``, every process makes as many calls as the busiest: `text_encoder_sharding`); with ``cache_dir``
 (``--feature_cache_dir``) the outputs live on disk, memory-mapped, and a later run with the same encoders,
 data and settings reuses them without running, or moving to the accelerator, any encoder.
 """
