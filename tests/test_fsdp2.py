@@ -9,7 +9,8 @@ The launches, in one module-scoped set (two at a time on CI's two cores):
 - klein DDP: the same job unsharded, for the outputs to match;
 - klein resumed: the sharded run resumed from its checkpoint-2 (as after a kill), to end bitwise equal (its text
   encoder whole: the flag leaves the trajectory alone);
-- z_image: a minimal sharded run (2 steps, EMA, validation at the end) of another family's script.
+- z_image: a minimal sharded run (2 steps, EMA, validation at the end) of another family's script, its text
+  encoder sharded too (a Qwen3Model: the pipeline reads one of its hidden states).
 
 Turning FSDP on is what ``accelerate launch --use_fsdp --fsdp_version 2`` does: the variables it sets.
 """
@@ -87,7 +88,7 @@ def runs(tiny, tmp_path_factory):
                "--train_batch_size", 1, "--learning_rate", 1e-3, "--rank", 4, "--seed", 3, "--max_train_steps", 2,
                "--use_ema", "--ema_decay", 0.9, "--report_to", "none", "--validation_prompt", "a sks triangle",
                "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2,
-               "--max_sequence_length", 32]
+               "--max_sequence_length", 32, "--fsdp_text_encoder"]
 
     def two(script, args, env):
         return lambda: launch(script, *args, processes=2, env=env)
@@ -139,11 +140,14 @@ def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, block
     assert {unit: count for unit, count in units.items() if unit in blocks} == blocks, units
 
 
-def test_the_text_encoder_is_sharded_per_layer_and_each_process_holds_about_half(runs):
-    line = re.search(r"Qwen3ForCausalLM sharded while it encodes \(--fsdp_text_encoder\), units: (.*); held per "
-                     r"process: process 0: (\d+) B; process 1: (\d+) B \(whole: (\d+) B\)", runs["klein"][1].stderr)
-    assert line, runs["klein"][1].stderr[-3000:]
-    assert line.group(1) == "1 Qwen3ForCausalLM, 28 Qwen3DecoderLayer"  # the tiny encoder's 28 layers
+@pytest.mark.parametrize("name, encoder, units", [
+    ("klein", "Qwen3ForCausalLM", "1 Qwen3ForCausalLM, 28 Qwen3DecoderLayer"),  # the tiny encoders' layers
+    ("z_image", "Qwen3Model", "1 Qwen3Model, 2 Qwen3DecoderLayer")])
+def test_the_text_encoder_is_sharded_per_layer_and_each_process_holds_about_half(runs, name, encoder, units):
+    line = re.search(rf"{encoder} sharded while it encodes \(--fsdp_text_encoder\), units: (.*); held per process: "
+                     r"process 0: (\d+) B; process 1: (\d+) B \(whole: (\d+) B\)", runs[name][1].stderr)
+    assert line, runs[name][1].stderr[-3000:]
+    assert line.group(1) == units
     held, whole = [int(line.group(2)), int(line.group(3))], int(line.group(4))
     assert sum(held) == whole and all(0 < part <= 0.55 * whole for part in held), line.group(0)
 
