@@ -72,6 +72,7 @@ def shard_text_encoders(accelerator, encoders, enabled):
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from accelerate.utils import get_module_children_bottom_up
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from .cache_keys import describe_before_sharding
@@ -90,8 +91,8 @@ def shard_text_encoders(accelerator, encoders, enabled):
         plugin.auto_wrap_policy = transformer_auto_wrap_policy
         plugin.transformer_cls_names_to_wrap = repeated_blocks(encoder)
         is_block = fsdp2_prepare_auto_wrap_policy(plugin, encoder)
-        for module in list(encoder.modules())[::-1]:  # the innermost first, as accelerate applies it
-            if module is not encoder and is_block(module) and not is_sharded(module):
+        for module in get_module_children_bottom_up(encoder)[:-1]:  # as accelerate applies it: inner blocks first
+            if is_block(module) and not is_sharded(module):
                 fully_shard(module, **options)
         fully_shard(encoder, **options)
         keep_recording_outputs(encoder)
