@@ -268,11 +268,10 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
     Only the main process renders; the others wait. With a module of ``pipe`` sharded (``--fsdp_text_encoder``),
     whose forward needs every process, every process renders every image and the main one writes them. The image
     that becomes the folder's i-th is drawn from a generator seeded ``seed + i``, so the same folder state gives the
-    same images. Rendering has
-    validation's protections: the global RNG is untouched, and ``pipe.scheduler``, ``schedulers`` (e.g.
-    the training noise scheduler) and every module's train/eval mode are restored afterwards.
-    ``encoders_on_device`` (e.g. `cache.FrozenEncoders.on_device`) holds the encoders kept off the
-    accelerator on it while rendering.
+    same images. Rendering has validation's protections: the global RNG is untouched, and ``pipe.scheduler``,
+    ``schedulers`` (e.g. the training noise scheduler) and every module's train/eval mode are restored afterwards.
+    ``encoders_on_device`` (e.g. `cache.FrozenEncoders.on_device`) holds the encoders kept off the accelerator on it
+    while rendering.
     """
     class_dir = Path(class_dir)
     accelerator.wait_for_everyone()  # every process counts before the main one starts writing
