@@ -97,11 +97,17 @@ def test_a_sharded_encoder_stays_where_fsdp2_put_it(first_of_two):
 
 @pytest.fixture(scope="module")
 @launching
-def processes(tiny, tmp_path_factory):
-    """What each of the job's two processes reported, in process order."""
+def job(tiny, tmp_path_factory):
+    """The job's output folder."""
     output_dir = tmp_path_factory.mktemp("text_encoder_sharding")
     launch(JOB, tiny["flux2_klein"], output_dir, processes=2, env=FSDP2)
-    return [json.loads((output_dir / f"process-{rank}.json").read_text()) for rank in range(2)]
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def processes(job):
+    """What each of the job's two processes reported, in process order."""
+    return [json.loads((job / f"process-{rank}.json").read_text()) for rank in range(2)]
 
 
 def test_each_process_holds_about_half_of_the_encoder_in_units_of_its_layers(processes):
@@ -128,7 +134,11 @@ def test_every_process_makes_as_many_encoder_calls_as_the_busiest(processes):
     assert all(report["lockstep_equal"] for report in processes)
 
 
-def test_class_images_are_rendered_by_every_process_with_the_sharded_encoder(processes):
+def test_class_images_are_rendered_by_every_process_with_the_sharded_encoder(processes, job):
     assert [report["class_images"] for report in processes] == [2, 2]
+    # The main process wrote them, the same images as the whole encoder's.
+    whole = sorted((job / "class_whole").iterdir())
+    assert [path.name for path in whole] == ["class-00000.png", "class-00001.png"]
+    assert [path.read_bytes() for path in whole] == [path.read_bytes() for path in sorted((job / "class").iterdir())]
     # Each image: the prompt and the negative prompt (classifier-free guidance).
     assert [report["class_calls"] for report in processes] == [4, 4]

@@ -8,7 +8,7 @@ for `test_text_encoder_sharding` to check.
 Before sharding, the prompts are embedded whole; then sharded, three times: one caption a chunk (three chunks: one
 process encodes two, the other one and a call to keep in step), into a feature cache, and from that cache (no
 encoder runs). Every forward of the encoder is counted. Then uneven plans straight through `in_lockstep` (process 0
-none, the others two calls), and class images generated with the sharded encoder.
+none, the others two calls), and class images generated with the sharded encoder (and, before, whole).
 """
 
 import json
@@ -26,6 +26,12 @@ from training_utils.sharding import enable_fsdp2_on_cpu, fsdp2_plugin, held_byte
 from training_utils.text_encoder_sharding import in_lockstep, shard_text_encoders
 
 CAPTIONS = ["a photo of sks triangle", "a red square", "a green circle on a blue sky"]
+
+
+def render_class_images(pipe, accelerator, class_dir):
+    return generate_class_images(pipe, "a triangle", class_dir, 2, accelerator, seed=0, batch_size=1,
+                                 num_inference_steps=2, call_kwargs={"height": 32, "width": 32,
+                                                                     "max_sequence_length": 32})
 
 
 def main(model, output_dir):
@@ -51,6 +57,7 @@ def main(model, output_dir):
                    for part, expected_part in zip(found[caption], whole[caption], strict=True))
 
     whole = embeddings()
+    render_class_images(pipe, accelerator, Path(output_dir) / "class_whole")
     described = describe(encoder)
     unsharded_bytes = whole_bytes({"text_encoder": encoder})["frozen"]
     shard_text_encoders(accelerator, [encoder], True)
@@ -76,9 +83,7 @@ def main(model, output_dir):
     report["lockstep_equal"] = all(torch.equal(row[0], whole[caption][0]) for row, caption in zip(rows, plan))
 
     calls.clear()
-    report["class_images"] = generate_class_images(
-        pipe, "a triangle", Path(output_dir) / "class", 2, accelerator, seed=0, batch_size=1, num_inference_steps=2,
-        call_kwargs={"height": 32, "width": 32, "max_sequence_length": 32})
+    report["class_images"] = render_class_images(pipe, accelerator, Path(output_dir) / "class")
     report["class_calls"] = len(calls)
     Path(output_dir, f"process-{accelerator.process_index}.json").write_text(json.dumps(report))
     accelerator.wait_for_everyone()
