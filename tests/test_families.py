@@ -27,7 +27,7 @@ PROTOCOL = {
     "text_inputs": ["rows"],
     "image_vae": ["pipe"],
     "normalized_latents": ["pipe", "latents"],
-    "model_inputs": ["pipe", "noisy_latents", "timesteps"],
+    "model_inputs": ["pipe", "noisy_latents", "timesteps", "text"],
     "prediction": ["pipe", "output", "latents"],
 }
 EDIT_PROTOCOL = {
@@ -96,15 +96,20 @@ def test_rows_encoded_apart_batch_as_rows_encoded_together(family):
 
 def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(family):
     """`prediction` reads an output in the model's layout (here: the model's inputs, which it returns in the same
-    layout) back into the latents', whatever the latents' size."""
+    layout) back into the latents', whatever the latents' size. `model_inputs` returns the model's keyword
+    arguments, the text's among them."""
     module, pipe = family
     images = torch.zeros(2, 3, 64, 96)  # two non-square images (sides SANA takes: multiples of 32)
     if hasattr(pipe, "vae_scale_factor_temporal"):  # a video model's VAE takes clips: a frame axis after the channels
         images = images[:, :, None]
+    settings = module.prompt_settings(pipe, default_args(module))
     with torch.no_grad():
         vae_latents = module.image_vae(pipe).encode(images).latent_dist.mode()
+        text = module.text_inputs(list(zip(*module.encode_prompts(pipe, PROMPTS[:2], "cpu", settings))))
     latents = module.normalized_latents(pipe, vae_latents)
-    inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]))
+    inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]), text)
+    forward = inspect.signature((getattr(pipe, "transformer", None) or pipe.unet).forward).parameters
+    assert inputs.keys() <= forward.keys() and {name for name in text if name in forward} <= inputs.keys()
     model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))
     if module is z_image:  # its output is the negated velocity, one tensor per image
         model_input = [-tensor for tensor in model_input]

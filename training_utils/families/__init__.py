@@ -10,9 +10,12 @@ the transformer scripts' loops differ only in that name)::
     dependencies = flux2.prompt_dependencies(pipe, settings)      # what the rows depend on, for the disk cache
     vae = flux2.image_vae(pipe)                       # the VAE as `cache.FrozenEncoders` drives it (images in)
     latents = flux2.normalized_latents(pipe, vae_latents)          # the latents as the model reads them
-    output = transformer(**flux2.model_inputs(pipe, noisy_latents, timesteps),  # the model's other inputs
-                         **flux2.text_inputs(rows_of_the_batch))  # a batch's text inputs, from its samples' rows
+    text = flux2.text_inputs(rows_of_the_batch)      # a batch's text inputs, from its samples' rows
+    output = transformer(**flux2.model_inputs(pipe, noisy_latents, timesteps, text))  # all the model's inputs
     velocity = flux2.prediction(pipe, output, latents)  # the output mapped onto the loss target's layout and sign
+
+``model_inputs`` takes the batch's text inputs and returns the model's whole keyword set, because some inputs
+depend on both the text and the latents (Ideogram 4's positions and segments).
 
 Families with flags of their own add and check them (``add_args(parser)``, ``check_args(args)``, before any weights
 load); those whose text encoders can train take the wrapped encoders in ``encode_prompts(...,
