@@ -12,8 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, flux_kontext, hidream, krea2, lumina2,
-                                     qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
+from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4, krea2,
+                                     lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -40,7 +40,7 @@ OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"referen
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
-           lumina2: "lumina2", hidream: "hidream", wan: "wan21", flux_kontext: "flux_kontext",
+           lumina2: "lumina2", hidream: "hidream", ideogram4: "ideogram4", wan: "wan21", flux_kontext: "flux_kontext",
            qwen_image_edit: "qwen_image_edit_plus"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 
@@ -113,7 +113,7 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
     model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))
     if module is z_image:  # its output is the negated velocity, one tensor per image
         model_input = [-tensor for tensor in model_input]
-    if module is lumina2:  # its output is the negated velocity
+    if module in (lumina2, ideogram4):  # its output is the negated velocity (Ideogram 4's after the text's positions)
         model_input = -model_input
     if module is hidream:  # its training-mode output is the negated velocity's patches, unfolded
         batch, channels, height, width = model_input.shape

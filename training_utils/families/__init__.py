@@ -25,12 +25,12 @@ LoRAs it lays out, exactly, and its ComfyUI layout (``COMFYUI_LAYOUT``, the orig
 A new family adds its module here (`FAMILIES`).
 """
 
-from . import (chroma, flux, flux2, flux2_dev, flux_kontext, hidream, krea2, lumina2, qwen_image, qwen_image_edit,
-               sana, sd, sd3, sdxl, wan, z_image)
+from . import (chroma, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4, krea2, lumina2, qwen_image,
+               qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 
 FAMILIES = {module.FAMILY.name: module.FAMILY for module in (sd, sdxl, sd3, flux, flux2, z_image, qwen_image, chroma,
-                                                             flux2_dev, krea2, sana, lumina2, hidream, wan,
-                                                             flux_kontext, qwen_image_edit)}
+                                                             flux2_dev, krea2, sana, lumina2, hidream, ideogram4,
+                                                             wan, flux_kontext, qwen_image_edit)}
 
 
 def family_of(name):
