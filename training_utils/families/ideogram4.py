@@ -27,7 +27,7 @@ the pipeline's asymmetric guidance on no text, stays frozen (upstream's choice).
 import inspect
 
 import torch
-from diffusers import AutoencoderKLFlux2
+from diffusers import AutoencoderKLFlux2, Ideogram4Pipeline
 from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR
 from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS, _resolution_aware_mu
 from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -44,6 +44,8 @@ COMFYUI_LAYOUT = (
     Rename(r"layers\.(\d+)\.(feed_forward\.w[123]|adaln_modulation)", r"layers.\1.\2"),
 )
 FAMILY = Family("ideogram4", "Ideogram 4", ("Ideogram4Pipeline",), "transformer", {}, COMFYUI_LAYOUT)
+# The guidance of validation and class images: that of all but the last steps of the pipeline's default schedule (7).
+GUIDANCE_SCALE = inspect.signature(Ideogram4Pipeline.__call__).parameters["guidance_schedule"].default[0]
 
 
 def add_args(parser):
@@ -77,10 +79,9 @@ def prompt_settings(pipe, args):
 
 def call_kwargs(pipe, settings):
     """What every render (validation, class images) passes to the pipeline: the prompt settings, and the main scale
-    of the pipeline's default guidance schedule (7) as a constant guidance, since that schedule fits only the
-    pipeline's default number of steps."""
-    schedule = inspect.signature(type(pipe).__call__).parameters["guidance_schedule"].default
-    return {**settings, "guidance_scale": schedule[0], "guidance_schedule": None}
+    of the pipeline's default guidance schedule as a constant guidance (`GUIDANCE_SCALE`), since that schedule fits
+    only the pipeline's default number of steps."""
+    return {**settings, "guidance_scale": GUIDANCE_SCALE, "guidance_schedule": None}
 
 
 def prompt_dependencies(pipe, settings):
