@@ -73,7 +73,7 @@ REFUSED = {
 
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50)
+    parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=48)
     add_lora_args(parser, Ideogram4Pipeline)
     add_dreambooth_args(parser)
     ideogram4.add_args(parser)
