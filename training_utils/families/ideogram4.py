@@ -37,7 +37,8 @@ from ..prompts import check_max_sequence_length, max_sequence_length
 from .layout import Family, Rename, fused
 
 # The original release's module tree, as diffusers' Ideogram 4 LoRA conversion reads it backwards
-# (_convert_non_diffusers_ideogram4_lora_to_diffusers: fused q, k, v; the attention's output "o").
+# (_convert_non_diffusers_ideogram4_lora_to_diffusers: fused q, k, v; the attention's output "o"). It names the
+# blocks' layers alone: the layers outside them (input_proj, final_layer, ...) have no known original names.
 COMFYUI_LAYOUT = (
     *fused(r"layers\.(\d+)\.attention\.{}", r"layers.\1.attention.qkv", ("to_q", "to_k", "to_v")),
     Rename(r"layers\.(\d+)\.attention\.to_out\.0", r"layers.\1.attention.o"),
