@@ -254,6 +254,14 @@ FAMILIES = [
             for layer in ("attention.to_q", "attention.to_k", "attention.to_v", "feed_forward.w2")},
            ("--max_sequence_length", 40),  # the longest caption's 35 tokens, its chat template's included
            refused=[
+               (["--guidance_scale", 3.5], "--guidance_scale is not supported here: upstream's flag is a FLUX.1 "
+                                           "leftover that its script never reads: Ideogram 4's transformer takes no "
+                                           "guidance embedding; validation and class images use Ideogram4Pipeline's "
+                                           "own asymmetric guidance"),
+               (["--disable_training_autocast"], "--disable_training_autocast is not supported here: the autocast "
+                                                 "damage it avoids (the image's rotary positions rounded in bf16) is "
+                                                 "fixed in diffusers' Ideogram 4 transformer, which computes them "
+                                                 "outside autocast; training runs under the usual mixed precision"),
                (["--upsample_prompt"], "--upsample_prompt is not supported here: prompt upsampling (the "
                                        "prompt-enhancer head, sampling JSON captions) is not carried; write the "
                                        "captions in Ideogram 4's JSON schema (--caption_extension, --caption_column)"),
