@@ -86,7 +86,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
         training_call = len(calls)
         # What the training step passes, through the transformer's hook that extends the text's mask.
-        pipe.transformer(**chroma.model_inputs(pipe, add_noise(latents, noise, sigma), timestep), **text)
+        pipe.transformer(**chroma.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, text))
         trained = calls.pop()
         assert len(calls) == training_call
         torch.testing.assert_close(trained["hidden_states"], call["hidden_states"], rtol=0, atol=1e-5)

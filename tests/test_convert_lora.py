@@ -13,7 +13,8 @@ import stat
 
 import pytest
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (FluxPipeline, FluxTransformer2DModel, Ideogram4Pipeline, Ideogram4Transformer2DModel,
+                       StableDiffusionPipeline, StableDiffusionXLPipeline)
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
@@ -250,6 +251,39 @@ def test_known_modules_take_comfyuis_names(transformer_lora):
             assert f"diffusion_model.{comfyui_name}.lora_B.weight" in converted, comfyui_name
 
 
+def test_ideogram4s_comfyui_layout_is_what_diffusers_own_ideogram4_conversion_reads_back(tmp_path):
+    """No single-file converter knows Ideogram 4's original layout; diffusers' Ideogram 4 LoRA loader reads it (the
+    trainers' "diffusion_model." keys, q, k and v fused, the attention's output "o"). Every linear layer of its
+    blocks, at per-module ranks and alphas, comes back as the weight change peft applies; a layer outside the blocks
+    has no known original name and is refused."""
+    torch.manual_seed(0)
+    transformer = Ideogram4Transformer2DModel(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                                              intermediate_size=32, adaln_dim=16, llm_features_dim=32,
+                                              rope_theta=10_000, mrope_section=(2, 1, 1))
+    targets = [name for name, module in transformer.named_modules()
+               if name.startswith("layers.") and isinstance(module, torch.nn.Linear)]
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, rank_pattern=RANK_PATTERN,
+                                       alpha_pattern=ALPHA_PATTERN))
+    perturb([parameter for name, parameter in transformer.named_parameters() if "lora_" in name])
+    path = LoraExport.of(Ideogram4Pipeline, {"transformer": transformer}).save(tmp_path)
+    converted = convert(*lora_tensors(path), "comfyui", family="Ideogram4Pipeline")
+    assert {"diffusion_model.layers.1.attention.qkv.lora_A.weight", "diffusion_model.layers.0.attention.o.alpha",
+            "diffusion_model.layers.1.feed_forward.w3.lora_B.weight",
+            "diffusion_model.layers.0.adaln_modulation.lora_A.weight"} <= converted.keys()
+    back = Ideogram4Pipeline.lora_state_dict(dict(converted))  # alphas folded into the weights
+    deltas = {key.removeprefix("transformer.").removesuffix(".lora_A.weight"):
+              back[key.replace("lora_A", "lora_B")] @ back[key] for key in back if key.endswith("lora_A.weight")}
+    expected = peft_deltas(transformer)
+    assert deltas.keys() == expected.keys() == set(targets)
+    for name in expected:
+        torch.testing.assert_close(deltas[name], expected[name], msg=name)
+    outside = {"transformer.input_proj.lora_A.weight": torch.ones(2, 16), "transformer.input_proj.lora_B.weight":
+               torch.ones(32, 2)}
+    with pytest.raises(UsageError, match="--family='Ideogram4Pipeline': expected a family whose models have "
+                                         "transformer.input_proj"):
+        convert(outside, None, "comfyui", lora_alpha=2.0, family="Ideogram4Pipeline")
+
+
 # diffusers' convert_flux_transformer_checkpoint_to_diffusers (ComfyUI's flux_to_diffusers): diffusers -> ComfyUI.
 FLUX1_NAMES = {"transformer_blocks.0.attn.to_add_out": "double_blocks.0.txt_attn.proj",
                "transformer_blocks.0.ff.net.0.proj": "double_blocks.0.img_mlp.0",
@@ -434,7 +468,7 @@ def test_formats_for_pipeline_classes_and_families():
     assert formats_for("StableDiffusionXLImg2ImgPipeline") == formats_for("sd") == ("kohya", "comfyui")
     for name in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
                  "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "ChromaPipeline",
-                 "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline", "FluxKontextPipeline"):
+                 "Krea2Pipeline", "WanPipeline", "WanImageToVideoPipeline", "FluxKontextPipeline", "Ideogram4Pipeline"):
         assert formats_for(name) == ("comfyui",), name
     assert formats_for("CogVideoXPipeline") == ()
 

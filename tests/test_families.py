@@ -12,8 +12,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, flux_kontext, hidream, krea2, lumina2,
-                                     qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
+from training_utils.families import (FAMILIES, chroma, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4, krea2,
+                                     lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.layout import Family
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
@@ -27,7 +27,7 @@ PROTOCOL = {
     "text_inputs": ["rows"],
     "image_vae": ["pipe"],
     "normalized_latents": ["pipe", "latents"],
-    "model_inputs": ["pipe", "noisy_latents", "timesteps"],
+    "model_inputs": ["pipe", "noisy_latents", "timesteps", "text"],
     "prediction": ["pipe", "output", "latents"],
 }
 EDIT_PROTOCOL = {
@@ -40,9 +40,12 @@ OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"referen
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
-           lumina2: "lumina2", hidream: "hidream", wan: "wan21", flux_kontext: "flux_kontext",
+           lumina2: "lumina2", hidream: "hidream", ideogram4: "ideogram4", wan: "wan21", flux_kontext: "flux_kontext",
            qwen_image_edit: "qwen_image_edit_plus"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
+# Families whose rows are encoded at a shorter prompt length than their default in the test of rows: Ideogram 4's
+# default 2048 text positions through its encoder's 36 layers take most of a minute here.
+SHORTER = {ideogram4}
 
 
 def test_every_family_module_is_registered_and_tested_here():
@@ -84,7 +87,7 @@ def test_rows_encoded_apart_batch_as_rows_encoded_together(family):
     """A prompt's row does not depend on the prompts it was encoded with (the cache encodes in chunks; a batch
     gathers rows from any of them)."""
     module, pipe = family
-    settings = module.prompt_settings(pipe, default_args(module))
+    settings = module.prompt_settings(pipe, default_args(module, shorter=module in SHORTER))
     with torch.no_grad():
         together = list(zip(*module.encode_prompts(pipe, PROMPTS, "cpu", settings)))
         apart = [next(zip(*module.encode_prompts(pipe, [prompt], "cpu", settings))) for prompt in PROMPTS]
@@ -96,19 +99,24 @@ def test_rows_encoded_apart_batch_as_rows_encoded_together(family):
 
 def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(family):
     """`prediction` reads an output in the model's layout (here: the model's inputs, which it returns in the same
-    layout) back into the latents', whatever the latents' size."""
+    layout) back into the latents', whatever the latents' size. `model_inputs` returns the model's keyword
+    arguments, the text's among them."""
     module, pipe = family
     images = torch.zeros(2, 3, 64, 96)  # two non-square images (sides SANA takes: multiples of 32)
     if hasattr(pipe, "vae_scale_factor_temporal"):  # a video model's VAE takes clips: a frame axis after the channels
         images = images[:, :, None]
+    settings = module.prompt_settings(pipe, default_args(module, shorter=True))  # any text serves here
     with torch.no_grad():
         vae_latents = module.image_vae(pipe).encode(images).latent_dist.mode()
+        text = module.text_inputs(list(zip(*module.encode_prompts(pipe, PROMPTS[:2], "cpu", settings))))
     latents = module.normalized_latents(pipe, vae_latents)
-    inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]))
+    inputs = module.model_inputs(pipe, latents, torch.tensor([500.0, 500.0]), text)
+    forward = inspect.signature((getattr(pipe, "transformer", None) or pipe.unet).forward).parameters
+    assert inputs.keys() <= forward.keys() and {name for name in text if name in forward} <= inputs.keys()
     model_input = next(value for key, value in inputs.items() if key in ("sample", "hidden_states", "x"))
     if module is z_image:  # its output is the negated velocity, one tensor per image
         model_input = [-tensor for tensor in model_input]
-    if module is lumina2:  # its output is the negated velocity
+    if module in (lumina2, ideogram4):  # its output is the negated velocity (Ideogram 4's after the text's positions)
         model_input = -model_input
     if module is hidream:  # its training-mode output is the negated velocity's patches, unfolded
         batch, channels, height, width = model_input.shape
@@ -117,14 +125,16 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
     assert torch.equal(module.prediction(pipe, model_input, latents), latents)
 
 
-def default_args(module):
-    """The family's flags at their defaults."""
+def default_args(module, shorter=False):
+    """The family's flags at their defaults; ``shorter``, with a prompt length of 64 tokens where it has the flag."""
     from training_utils.args import training_parser
 
     parser = training_parser("test")
     if hasattr(module, "add_args"):
         module.add_args(parser)
-    return parser.parse_args(["--pretrained_model_name_or_path", "unused"])
+    length = ["--max_sequence_length", "64"] if shorter and "--max_sequence_length" in parser._option_string_actions \
+        else []
+    return parser.parse_args(["--pretrained_model_name_or_path", "unused", *length])
 
 
 def flattened(inputs):

@@ -115,7 +115,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = flux.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, text)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         for name, value in text.items():

@@ -112,7 +112,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = flux2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, {})
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         assert torch.equal(call["encoder_hidden_states"], prompt_embeds) and torch.equal(call["txt_ids"], text_ids)
@@ -189,7 +189,7 @@ def test_sampling_with_references_feeds_the_transformer_the_training_inputs(pipe
     assert len(calls) == 3
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, reference_latents)
+        expected = flux2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, {}, reference_latents)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
     # The target's tokens, then each reference's (a token a patch of 2x2 latent cells), at times 0, 10 and 20.

@@ -99,7 +99,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, text)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         for name, value in text.items():
@@ -139,7 +139,7 @@ def test_sampling_with_references_feeds_the_transformer_the_training_inputs(pipe
     assert len(calls) == 3
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, reference_latents)
+        expected = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, {}, reference_latents)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["img_ids"], expected["img_ids"]) and call["guidance"].tolist() == [2.5]
     assert sorted(set(calls[0]["img_ids"][0, :, 0].tolist())) == [0, 10, 20]

@@ -63,7 +63,8 @@ def test_a_reference_takes_the_size_the_pipeline_gives_it(pipe, monkeypatch, wid
 
 def test_a_batch_without_references_takes_flux_inputs(pipe):
     noisy, timesteps = torch.randn(2, 4, 8, 8), torch.tensor([500.0, 250.0])
-    inputs, expected = flux_kontext.model_inputs(pipe, noisy, timesteps), flux.model_inputs(pipe, noisy, timesteps)
+    inputs = flux_kontext.model_inputs(pipe, noisy, timesteps, {})
+    expected = flux.model_inputs(pipe, noisy, timesteps, {})
     assert inputs.keys() == expected.keys() and all(torch.equal(inputs[name], expected[name]) for name in inputs)
 
 
@@ -105,7 +106,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
-        expected = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, reference_latents)
+        expected = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, text, reference_latents)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"]) and torch.equal(call["img_ids"], expected["img_ids"])
         for name, value in text.items():

@@ -98,14 +98,14 @@ def test_the_training_mode_output_read_by_prediction_is_what_sampling_reads_in_e
     scale = pipe.vae_scale_factor
     latents = torch.randn(2, 4, height // scale, width // scale, generator=generator)
     text = encoded(pipe, PROMPTS, hidream.prompt_settings(pipe, parse("--max_sequence_length", 16)))
-    inputs = hidream.model_inputs(pipe, latents, torch.tensor([900.0, 250.0]))
+    inputs = hidream.model_inputs(pipe, latents, torch.tensor([900.0, 250.0]), text)
     transformer = pipe.transformer
     try:
         with torch.no_grad():
             transformer.train()
-            trained = transformer(**inputs, **text, return_dict=False)[0]
+            trained = transformer(**inputs, return_dict=False)[0]
             transformer.eval()
-            sampled = transformer(**inputs, **text, return_dict=False)[0]
+            sampled = transformer(**inputs, return_dict=False)[0]
     finally:
         transformer.eval()
     assert trained.shape != sampled.shape == latents.shape
@@ -155,7 +155,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma = pipe.scheduler.sigmas[step]
-        expected = hidream.model_inputs(pipe, add_noise(latents, noise, sigma), sigma.reshape(1) * 1000)
+        expected = hidream.model_inputs(pipe, add_noise(latents, noise, sigma), sigma.reshape(1) * 1000, text)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         rounding = 1.0 if scheduler == "unipc" else 1e-3
         torch.testing.assert_close(call["timesteps"].float(), expected["timesteps"], rtol=0, atol=rounding)

@@ -94,7 +94,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step : step + 1]
         # What the training step passes, through the transformer's hook that puts the text's coordinates first.
-        pipe.transformer(**krea2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep), **text)
+        pipe.transformer(**krea2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, text))
         trained = calls.pop()
         torch.testing.assert_close(trained["hidden_states"], call["hidden_states"], rtol=0, atol=1e-5)
         for name in ("timestep", "position_ids", "encoder_hidden_states", "encoder_attention_mask"):

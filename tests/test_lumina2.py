@@ -119,7 +119,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
         index = (noise_scheduler.sigmas - pipe.scheduler.sigmas[step]).abs().argmin()
         sigma, timestep = noise_scheduler.sigmas[index], noise_scheduler.timesteps[index : index + 1]
         torch.testing.assert_close(sigma, pipe.scheduler.sigmas[step], rtol=0, atol=1e-6)
-        expected = lumina2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = lumina2.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, text)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         torch.testing.assert_close(call["timestep"], expected["timestep"], rtol=0, atol=1e-6)
         assert torch.equal(call["encoder_hidden_states"], text["encoder_hidden_states"])

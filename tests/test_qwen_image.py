@@ -165,7 +165,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     assert mask is not None and len(calls) == 4
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step].expand(2)
-        expected = qwen_image.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = qwen_image.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, {})
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"])
         assert call["img_shapes"] == expected["img_shapes"] == [[(1, latent_height // 2, latent_width // 2)]] * 2

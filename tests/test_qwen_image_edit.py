@@ -182,9 +182,9 @@ def sampled_and_trained_inputs(pipe, settings, refs, monkeypatch, height=32, wid
         lay_out, vae = qwen_image_edit.reference_layout(pipe)[0], qwen_image_edit.image_vae(pipe)
         reference_latents = qwen_image_edit.reference_latents(
             pipe, [vae.encode(lay_out(ref)[None]).latent_dist.parameters for ref in refs])
-    trained = [{**qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, pipe.scheduler.sigmas[step]),
-                                               pipe.scheduler.timesteps[step].expand(1), reference_latents),
-                **qwen_image_edit.text_inputs(rows)} for step in range(len(calls))]
+    trained = [qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, pipe.scheduler.sigmas[step]),
+                                            pipe.scheduler.timesteps[step].expand(1), qwen_image_edit.text_inputs(rows),
+                                            reference_latents) for step in range(len(calls))]
     return calls, trained
 
 

@@ -139,7 +139,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     assert len(calls) == 4
     for step, call in enumerate(calls):
         sigma = pipe.scheduler.sigmas[step]
-        expected = sana.model_inputs(pipe, add_noise(latents, noise, sigma), (sigma * 1000).reshape(1))
+        expected = sana.model_inputs(pipe, add_noise(latents, noise, sigma), (sigma * 1000).reshape(1), text)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         # The DPM-Solver hands the transformer its timesteps as integers: sigma x 1000 rounded down, as training's
         # (which keeps the fraction) to within one of a thousand steps.

@@ -26,15 +26,15 @@ from types import ModuleType
 import pytest
 import torch
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, HiDreamImagePipeline,
-                       Krea2Pipeline, Lumina2Pipeline, QwenImagePipeline, SanaPipeline, StableDiffusion3Pipeline,
-                       ZImagePipeline)
+                       Ideogram4Pipeline, Krea2Pipeline, Lumina2Pipeline, QwenImagePipeline, SanaPipeline,
+                       StableDiffusion3Pipeline, ZImagePipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
 from training_utils.adapter_export import converted_name
-from training_utils.families import (chroma, flux, flux2, flux2_dev, hidream, krea2, lumina2, qwen_image, sana, sd3,
-                                     z_image)
+from training_utils.families import (chroma, flux, flux2, flux2_dev, hidream, ideogram4, krea2, lumina2, qwen_image,
+                                     sana, sd3, z_image)
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -72,6 +72,9 @@ ADAPTERS = {"dora": ["--rank", 4], "lokr": ["--rank", 4, "--lokr_decompose_both"
 # The adapters whose klein runs are compiled too: the two whose forward is least like LoRA's (a Kronecker product, a
 # rotation of the input). Each compiled run costs about 15 s of tracing, so DoRA and LoHa (LoKr's sibling) run eager.
 COMPILED_ADAPTERS = ("lokr", "oft")
+# Ideogram 4's blocks' layers that upstream's default --lora_layers adapt (the tiny transformer's two blocks).
+IDEOGRAM4_LAYERS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
+                    "feed_forward.w2", "feed_forward.w3")
 # Krea 2's image blocks and its text-fusion stages' blocks (the tiny one's).
 KREA2_BLOCKS = ("transformer_blocks.0", "transformer_blocks.1", "text_fusion.layerwise_blocks.0",
                 "text_fusion.refiner_blocks.0")
@@ -98,6 +101,7 @@ class Family:
     refused: list = field(default_factory=list)  # (flags, message) of the family's own refusals and checks
     fixture_flags: dict = field(default_factory=dict)  # {flag: folder of the fixture} that every run adds
     prepare_render: object = None  # what the script does to the pipeline it renders with, if anything
+    render_kwargs: dict = field(default_factory=dict)  # what the script's renders pass besides the prompt length
 
 
 FAMILIES = [
@@ -241,6 +245,29 @@ FAMILIES = [
            fixture_flags={"--pretrained_text_encoder_4_name_or_path": "text_encoder_4",
                           "--pretrained_tokenizer_4_name_or_path": "tokenizer_4"},
            prepare_render=lambda pipe: hidream.render_at_resolution(pipe, 32)),
+    # Ideogram 4 renders with a constant guidance (its default schedule fits 48 steps alone); the prior run also
+    # writes ComfyUI's layout, which diffusers' own Ideogram 4 conversion reads back.
+    Family("ideogram4", "dreambooth/train_dreambooth_lora_ideogram4.py", Ideogram4Pipeline, ideogram4,
+           {f"layers.{block}.{layer}" for block in (0, 1) for layer in IDEOGRAM4_LAYERS},
+           (*INT8, "--lora_layers", "to_q,to_k,to_v,w2", "--gradient_checkpointing", "--export_formats", "comfyui"),
+           {f"layers.{block}.{layer}" for block in (0, 1)
+            for layer in ("attention.to_q", "attention.to_k", "attention.to_v", "feed_forward.w2")},
+           ("--max_sequence_length", 40),  # the longest caption's 35 tokens, its chat template's included
+           refused=[
+               (["--guidance_scale", 3.5], "--guidance_scale is not supported here: upstream's flag is a FLUX.1 "
+                                           "leftover that its script never reads: Ideogram 4's transformer takes no "
+                                           "guidance embedding; validation and class images use Ideogram4Pipeline's "
+                                           "own asymmetric guidance"),
+               (["--disable_training_autocast"], "--disable_training_autocast is not supported here: the autocast "
+                                                 "damage it avoids (the image's rotary positions rounded in bf16) is "
+                                                 "fixed in diffusers' Ideogram 4 transformer, which computes them "
+                                                 "outside autocast; training runs under the usual mixed precision"),
+               (["--upsample_prompt"], "--upsample_prompt is not supported here: prompt upsampling (the "
+                                       "prompt-enhancer head, sampling JSON captions) is not carried; write the "
+                                       "captions in Ideogram 4's JSON schema (--caption_extension, --caption_column)"),
+               (["--max_sequence_length", 0], "--max_sequence_length=0: expected a positive integer"),
+               *NO_TEXT_ENCODER_TRAINING],
+           render_kwargs={"guidance_scale": ideogram4.GUIDANCE_SCALE, "guidance_schedule": None}),
     Family("sd3", "dreambooth/train_dreambooth_lora_sd3.py", StableDiffusion3Pipeline, sd3,
            attention([0, 1], ["to_q", "to_k", "to_v", "to_out.0"]),
            # Block 0 only, the CLIP encoders' adapters (they embed the batch's prompts in every step) at their own
@@ -426,7 +453,7 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs, fa
     length = dict(zip(family.flags[::2], family.flags[1::2])).get("--max_sequence_length")
     assert_lora_changes_pipeline_output(tiny[family.name], full_dir, full_dir / "ema", prior_dir,
                                         prompt=INSTANCE_PROMPT, prepare=family.prepare_render,
-                                        **({"max_sequence_length": length} if length else {}))
+                                        **({"max_sequence_length": length} if length else {}), **family.render_kwargs)
 
 
 @pytest.mark.parametrize("family, flags, message", [
@@ -484,6 +511,25 @@ def test_flux_clip_encoder_trains_beside_the_transformer_and_changes_the_pooled_
         "lora", "diffusion_model"}
     assert len([key for key in comfyui if key.startswith("lora_te1_text_model_encoder_layers_")]) == \
         3 * len([key for key in raw if key.startswith("text_encoder.") and "lora_A" in key])  # down, up, alpha
+
+
+def test_ideogram4s_comfyui_file_changes_the_transformer_exactly_as_its_diffusers_file(tiny, runs):
+    # No offline ComfyUI has Ideogram 4: diffusers' own loader reads the original layout (fused q, k and v, under
+    # "diffusion_model."), and both files must fuse into the same weights.
+    output_dir, _ = runs["ideogram4", "prior"]
+    comfyui = converted_name("comfyui")
+    assert load_file(output_dir / comfyui) and all(key.startswith("diffusion_model.")
+                                                  for key in load_file(output_dir / comfyui))
+
+    def fused_weights(name):
+        pipe = Ideogram4Pipeline.from_pretrained(tiny["ideogram4"])
+        pipe.load_lora_weights(output_dir / name)
+        pipe.fuse_lora(components=["transformer"])
+        return {key: tensor for key, tensor in pipe.transformer.state_dict().items() if "lora_" not in key}
+
+    expected, converted = fused_weights(LORA), fused_weights(comfyui)
+    assert converted.keys() == expected.keys()
+    assert all(torch.equal(converted[key], expected[key]) for key in expected)
 
 
 @pytest.mark.slow

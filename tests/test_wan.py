@@ -94,7 +94,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path_in_each_
     assert len(calls) == 6
     for step, (component, call) in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step:step + 1]
-        expected = wan.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = wan.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, {})
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"])
         assert torch.equal(call["encoder_hidden_states"], prompt_embeds)
@@ -155,7 +155,7 @@ def test_image_to_video_training_inputs_are_the_pipelines_conditioning_on_its_im
          latents=noise, output_type="latent", max_sequence_length=16)
     for step, call in enumerate(calls):
         sigma, timestep = pipe.scheduler.sigmas[step], pipe.scheduler.timesteps[step:step + 1]
-        expected = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigma), timestep, conditioning)
+        expected = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigma), timestep, {}, conditioning)
         torch.testing.assert_close(call["hidden_states"], expected["hidden_states"], rtol=0, atol=1e-5)
         assert torch.equal(call["timestep"], expected["timestep"])
         assert torch.equal(call["encoder_hidden_states_image"], expected["encoder_hidden_states_image"])

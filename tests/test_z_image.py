@@ -117,7 +117,7 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
         index = (noise_scheduler.sigmas - pipe.scheduler.sigmas[step]).abs().argmin()
         sigma, timestep = noise_scheduler.sigmas[index], noise_scheduler.timesteps[index : index + 1]
         torch.testing.assert_close(sigma, pipe.scheduler.sigmas[step], rtol=0, atol=1e-6)
-        expected = z_image.model_inputs(pipe, add_noise(latents, noise, sigma), timestep)
+        expected = z_image.model_inputs(pipe, add_noise(latents, noise, sigma), timestep, {})
         assert len(call["x"]) == 1 and call["x"][0].shape == (16, 1, height // scale, width // scale)
         torch.testing.assert_close(call["x"][0], expected["x"][0], rtol=0, atol=1e-5)
         torch.testing.assert_close(call["t"], expected["t"], rtol=0, atol=1e-6)

@@ -15,15 +15,16 @@ from .errors import require
 WEIGHTING_SCHEMES = ["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"]
 
 
-def add_flow_matching_args(parser, weighting_scheme="logit_normal", precondition_outputs=0):
+def add_flow_matching_args(parser, weighting_scheme="logit_normal", precondition_outputs=0, logit_std=1.0):
     """The timestep-density and loss flags of the diffusers flow-matching scripts, with their names and meanings;
-    ``weighting_scheme`` and ``precondition_outputs`` are the script's defaults (the upstream SD3 scripts use
-    logit_normal and 1, the FLUX.2 ones none and, having no such flag, 0)."""
+    ``weighting_scheme``, ``precondition_outputs`` and ``logit_std`` are the script's defaults (the upstream SD3
+    scripts use logit_normal and 1, the FLUX.2 ones none and, having no such flag, 0; Ideogram 4's spread is 1.5)."""
     group = parser.add_argument_group("flow matching")
     group.add_argument("--weighting_scheme", default=weighting_scheme, choices=WEIGHTING_SCHEMES,
                        help="density of the training timesteps and the matching loss weights (SD3 paper, section 3.1)")
     group.add_argument("--logit_mean", type=float, default=0.0, help="mean of the logit_normal scheme")
-    group.add_argument("--logit_std", type=float, default=1.0, help="standard deviation of the logit_normal scheme")
+    group.add_argument("--logit_std", type=float, default=logit_std,
+                       help="standard deviation of the logit_normal scheme")
     group.add_argument("--mode_scale", type=float, default=1.29, help="scale of the mode scheme")
     group.add_argument("--precondition_outputs", type=int, default=precondition_outputs, choices=[0, 1],
                        help="1: turn the predicted velocity into a clean-latent estimate and regress that (EDM-style); "

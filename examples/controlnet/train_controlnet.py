@@ -139,13 +139,13 @@ def main(args):
             latents = sd.normalized_latents(pipe, frozen.latents(batch["image"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
             text = sd.text_inputs(prompt_rows(batch["prompt"]))
+            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps, text)
             # The ControlNet turns the conditioning image into residuals for the frozen UNet's skip connections.
             down_residuals, mid_residual = models["controlnet"](
-                **inputs, **text, controlnet_cond=batch["conditioning_pixel_values"].to(weight_dtype),
+                **inputs, controlnet_cond=batch["conditioning_pixel_values"].to(weight_dtype),
                 return_dict=False)
-            output = unet(**inputs, **text, down_block_additional_residuals=down_residuals,
+            output = unet(**inputs, down_block_additional_residuals=down_residuals,
                           mid_block_additional_residual=mid_residual, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(sd.prediction(pipe, output, latents), target, noise_scheduler, timesteps,

@@ -158,9 +158,9 @@ def main(args):
             latents = sd.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
             text = sd.text_inputs(prompt_rows(batch["prompts"]))
-            output = models["unet"](**inputs, **text, return_dict=False)[0]
+            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps, text)
+            output = models["unet"](**inputs, return_dict=False)[0]
             prediction = sd.prediction(pipe, output, latents)
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             # The instance half's loss, plus the weighted class half's (prior preservation).

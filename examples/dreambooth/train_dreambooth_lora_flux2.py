@@ -155,9 +155,9 @@ def main(args):
             latents = flux2_dev.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            inputs = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
             text = flux2_dev.text_inputs(prompt_rows(batch["prompts"]))
-            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            inputs = flux2_dev.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
+            output = models["transformer"](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(flux2_dev.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

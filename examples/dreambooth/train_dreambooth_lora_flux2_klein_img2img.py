@@ -162,9 +162,9 @@ def main(args):
             reference_latents = flux2.reference_latents(pipe, references.parameters(batch["references"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            inputs = flux2.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, reference_latents)
             text = flux2.text_inputs(prompt_rows(batch["prompts"]))
-            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            inputs = flux2.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text, reference_latents)
+            output = models["transformer"](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(flux2.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

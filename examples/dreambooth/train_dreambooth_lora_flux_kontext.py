@@ -178,9 +178,10 @@ def main(args):
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
             reference_latents = flux_kontext.reference_latents(pipe, references.parameters(batch["references"]))
-            inputs = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, reference_latents)
             text = flux_kontext.text_inputs(prompt_rows(batch["prompts"]))
-            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            inputs = flux_kontext.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text,
+                                               reference_latents)
+            output = models["transformer"](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(flux_kontext.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

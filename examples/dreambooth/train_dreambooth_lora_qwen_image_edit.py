@@ -169,9 +169,10 @@ def main(args):
             reference_latents = qwen_image_edit.reference_latents(pipe, references.parameters(batch["references"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, reference_latents)
             text = qwen_image_edit.text_inputs(prompt_rows(zip(batch["rows"], batch["prompts"], batch["flips"])))
-            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text,
+                                                  reference_latents)
+            output = models["transformer"](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(qwen_image_edit.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

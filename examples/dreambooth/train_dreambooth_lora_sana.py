@@ -154,9 +154,9 @@ def main(args):
             latents = sana.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            inputs = sana.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
             text = sana.text_inputs(prompt_rows(batch["prompts"]))
-            output = models["transformer"](**inputs, **text, return_dict=False)[0]
+            inputs = sana.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
+            output = models["transformer"](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(sana.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

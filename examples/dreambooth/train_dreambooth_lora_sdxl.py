@@ -163,10 +163,10 @@ def main(args):
             latents = sdxl.normalized_latents(pipe, frozen.latents(batch["images"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
             text = sdxl.text_inputs(prompt_rows(batch["prompts"]))
             text["added_cond_kwargs"]["time_ids"] = sdxl.batch_time_ids(batch["layouts"])
-            output = models["unet"](**inputs, **text, return_dict=False)[0]
+            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps, text)
+            output = models["unet"](**inputs, return_dict=False)[0]
             prediction = sdxl.prediction(pipe, output, latents)
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             # The instance half's loss, plus the weighted class half's (prior preservation).

@@ -151,9 +151,9 @@ def main(args):
             # Input perturbation noises the input a little more than the target says it is.
             input_noise = perturbed_noise(noise, args.input_perturbation)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, input_noise, timesteps), timesteps)
             text = sd.text_inputs(prompt_rows(batch["prompt"]))
-            output = models["unet"](**inputs, **text, return_dict=False)[0]
+            inputs = sd.model_inputs(pipe, noise_scheduler.add_noise(latents, input_noise, timesteps), timesteps, text)
+            output = models["unet"](**inputs, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(sd.prediction(pipe, output, latents), target, noise_scheduler, timesteps,
                                   args.snr_gamma)

@@ -167,10 +167,10 @@ def main(args):
             latents = sdxl.normalized_latents(pipe, frozen.latents(batch["image"]))
             noise = sample_noise(latents, args.noise_offset)
             timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device)
-            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps)
             text = sdxl.text_inputs(prompt_rows(batch["prompt"]))
             text["added_cond_kwargs"]["time_ids"] = batch["time_ids"]
-            output = models["unet"](**inputs, **text, return_dict=False)[0]
+            inputs = sdxl.model_inputs(pipe, noise_scheduler.add_noise(latents, noise, timesteps), timesteps, text)
+            output = models["unet"](**inputs, return_dict=False)[0]
             target = prediction_target(noise_scheduler, latents, noise, timesteps)
             loss = diffusion_loss(sdxl.prediction(pipe, output, latents), target, noise_scheduler, timesteps,
                                   args.snr_gamma)

@@ -177,9 +177,9 @@ def main(args):
             timesteps, sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, expert)
             with encoders_on(accelerator.device, [pipe.vae]) if args.cache_latents or args.offload else nullcontext():
                 conditioning = wan.image_to_video_conditioning(pipe, batch["first_frame"], latents)
-            inputs = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, conditioning)
             text = wan.text_inputs(prompt_rows(batch["prompt"]))
-            output = models[expert](**inputs, **text, return_dict=False)[0]
+            inputs = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text, conditioning)
+            output = models[expert](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(wan.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

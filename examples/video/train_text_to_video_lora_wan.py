@@ -151,9 +151,9 @@ def main(args):
             latents = wan.normalized_latents(pipe, clip_latents(frozen, batch["video"]))
             noise = torch.randn_like(latents)
             timesteps, sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, expert)
-            inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps)
             text = wan.text_inputs(prompt_rows(batch["prompt"]))
-            output = models[expert](**inputs, **text, return_dict=False)[0]
+            inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
+            output = models[expert](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(wan.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

@@ -243,8 +243,8 @@ def wan_step_inputs(pipe, device, num_frames=81, height=480, width=832):
     transformer, spatial = pipe.transformer, pipe.vae_scale_factor_spatial
     latents = torch.randn(1, transformer.config.in_channels, (num_frames - 1) // pipe.vae_scale_factor_temporal + 1,
                           height // spatial, width // spatial, device=device)
-    return {**wan.model_inputs(pipe, latents, torch.tensor([500.0], device=device)),
-            "encoder_hidden_states": torch.randn(1, 512, transformer.config.text_dim, device=device)}
+    text = {"encoder_hidden_states": torch.randn(1, 512, transformer.config.text_dim, device=device)}
+    return wan.model_inputs(pipe, latents, torch.tensor([500.0], device=device), text)
 
 
 @dataclass(frozen=True)

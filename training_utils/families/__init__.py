@@ -10,9 +10,12 @@ the transformer scripts' loops differ only in that name)::
     dependencies = flux2.prompt_dependencies(pipe, settings)      # what the rows depend on, for the disk cache
     vae = flux2.image_vae(pipe)                       # the VAE as `cache.FrozenEncoders` drives it (images in)
     latents = flux2.normalized_latents(pipe, vae_latents)          # the latents as the model reads them
-    output = transformer(**flux2.model_inputs(pipe, noisy_latents, timesteps),  # the model's other inputs
-                         **flux2.text_inputs(rows_of_the_batch))  # a batch's text inputs, from its samples' rows
+    text = flux2.text_inputs(rows_of_the_batch)      # a batch's text inputs, from its samples' rows
+    output = transformer(**flux2.model_inputs(pipe, noisy_latents, timesteps, text))  # all the model's inputs
     velocity = flux2.prediction(pipe, output, latents)  # the output mapped onto the loss target's layout and sign
+
+``model_inputs`` takes the batch's text inputs and returns the model's whole keyword set, because some inputs
+depend on both the text and the latents (Ideogram 4's positions and segments).
 
 Families with flags of their own add and check them (``add_args(parser)``, ``check_args(args)``, before any weights
 load); those whose text encoders can train take the wrapped encoders in ``encode_prompts(...,
@@ -22,12 +25,12 @@ LoRAs it lays out, exactly, and its ComfyUI layout (``COMFYUI_LAYOUT``, the orig
 A new family adds its module here (`FAMILIES`).
 """
 
-from . import (chroma, flux, flux2, flux2_dev, flux_kontext, hidream, krea2, lumina2, qwen_image, qwen_image_edit,
-               sana, sd, sd3, sdxl, wan, z_image)
+from . import (chroma, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4, krea2, lumina2, qwen_image,
+               qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 
 FAMILIES = {module.FAMILY.name: module.FAMILY for module in (sd, sdxl, sd3, flux, flux2, z_image, qwen_image, chroma,
-                                                             flux2_dev, krea2, sana, lumina2, hidream, wan,
-                                                             flux_kontext, qwen_image_edit)}
+                                                             flux2_dev, krea2, sana, lumina2, hidream, ideogram4,
+                                                             wan, flux_kontext, qwen_image_edit)}
 
 
 def family_of(name):

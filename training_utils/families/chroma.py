@@ -109,8 +109,8 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens of 2×2 patches, their (0, row, column) ids, and the timesteps in the
     latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back). The transformer is fitted
     to take `text_inputs`' attention mask (`complete_attention_mask`)."""
@@ -119,7 +119,7 @@ def model_inputs(pipe, noisy_latents, timesteps):
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
             "img_ids": pipe._prepare_latent_image_ids(batch_size, height // 2, width // 2, noisy_latents.device,
                                                       noisy_latents.dtype),
-            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
 
 
 def complete_attention_mask(pipe):

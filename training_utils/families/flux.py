@@ -129,15 +129,15 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into 2×2 patches, their position ids, and the timesteps in the latents' dtype
     over 1000."""
     batch, channels, height, width = noisy_latents.shape
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch, channels, height, width),
             "img_ids": pipe._prepare_latent_image_ids(batch, height // 2, width // 2, noisy_latents.device,
                                                       noisy_latents.dtype),
-            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
 
 
 def prediction(pipe, output, latents):

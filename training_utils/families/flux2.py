@@ -153,8 +153,8 @@ def normalized_latents(pipe, latents):
     return (patches - mean) / std
 
 
-def model_inputs(pipe, noisy_latents, timesteps, references=()):
-    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+def model_inputs(pipe, noisy_latents, timesteps, text, references=()):
+    """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens, their position ids, and the timesteps in the latents' dtype over
     1000 (the pipeline's scale; the transformer multiplies it back). The `reference_latents` ``references`` (of each
     sample, one tensor per reference) follow in the sequence, with the ids the pipeline gives them."""
@@ -165,7 +165,8 @@ def model_inputs(pipe, noisy_latents, timesteps, references=()):
         tokens = torch.cat([pipe._pack_latents(latents) for latents in references], dim=1)
         hidden_states = torch.cat([hidden_states, tokens.to(hidden_states.dtype)], dim=1)
         img_ids = torch.cat([img_ids, reference_ids.expand(len(noisy_latents), -1, -1)], dim=1)
-    return {"hidden_states": hidden_states, "img_ids": img_ids, "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+    return {"hidden_states": hidden_states, "img_ids": img_ids, "timestep": timesteps.to(noisy_latents.dtype) / 1000,
+            **text}
 
 
 def prediction(pipe, output, latents):

@@ -97,11 +97,11 @@ def render_kwargs(size):
     return {**size, "max_area": size["height"] * size["width"], "_auto_resize": False}
 
 
-def model_inputs(pipe, noisy_latents, timesteps, references=()):
+def model_inputs(pipe, noisy_latents, timesteps, text, references=()):
     """FLUX.1's transformer inputs (`flux.model_inputs`) with the reference's tokens after the target's, as the
     pipeline's sampling loop passes them: ``references`` are the batch's `reference_latents` (none, or one: a batch's
     samples all have a reference or none)."""
-    inputs = flux.model_inputs(pipe, noisy_latents, timesteps)
+    inputs = flux.model_inputs(pipe, noisy_latents, timesteps, text)
     if not references:
         return inputs
     (reference,) = references

@@ -125,10 +125,10 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs at the scheduler's ``timesteps``, as the pipeline's denoising loop passes
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs at the scheduler's ``timesteps``, as the pipeline's denoising loop passes
     them: the latents, and the timesteps as they are."""
-    return {"hidden_states": noisy_latents, "timesteps": timesteps}
+    return {"hidden_states": noisy_latents, "timesteps": timesteps, **text}
 
 
 def prediction(pipe, output, latents):

@@ -112,8 +112,8 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0), "encoder_attention_mask": stacked(rows, 1)}
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs for `normalized_latents` ``(B, C, 1, h, w)`` at ``timesteps``, as the
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs for `normalized_latents` ``(B, C, 1, h, w)`` at ``timesteps``, as the
     pipeline's denoising loop passes them: the latents packed into tokens of ``patch_size`` square patches, their
     rotary coordinates (the text's are put before them by `complete_position_ids`), and the timesteps over the
     scheduler's ``num_train_timesteps``, then in the latents' dtype (the pipeline's order of the two)."""
@@ -122,7 +122,7 @@ def model_inputs(pipe, noisy_latents, timesteps):
     patch = pipe.patch_size
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
             "position_ids": pipe.prepare_position_ids(0, height // patch, width // patch, noisy_latents.device),
-            "timestep": (timesteps / pipe.scheduler.config.num_train_timesteps).to(noisy_latents.dtype)}
+            "timestep": (timesteps / pipe.scheduler.config.num_train_timesteps).to(noisy_latents.dtype), **text}
 
 
 def complete_position_ids(pipe):

@@ -108,11 +108,11 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs at the scheduler's ``timesteps``, as the sampling loop passes them: the
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs at the scheduler's ``timesteps``, as the sampling loop passes them: the
     latents, and ``1 - timesteps / 1000`` (Lumina 2's time runs from the noise to the image)."""
     return {"hidden_states": noisy_latents,
-            "timestep": 1 - timesteps.to(noisy_latents.dtype) / pipe.scheduler.config.num_train_timesteps}
+            "timestep": 1 - timesteps.to(noisy_latents.dtype) / pipe.scheduler.config.num_train_timesteps, **text}
 
 
 def prediction(pipe, output, latents):

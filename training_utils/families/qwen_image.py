@@ -156,14 +156,14 @@ def normalized_latents(pipe, latents):
     return (latents - mean) * inverse_std
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens of 2×2 patches, each image's (frames, rows, columns) of patches, and
     the timesteps in the latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back)."""
     batch_size, channels, frames, height, width = noisy_latents.shape
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
             "img_shapes": [[(frames, height // 2, width // 2)]] * batch_size,
-            "timestep": timesteps.to(noisy_latents.dtype) / 1000}
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
 
 
 def prediction(pipe, output, latents):

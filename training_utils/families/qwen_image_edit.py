@@ -225,12 +225,12 @@ def encode_prompts(pipe, prompts, device, settings):
     return prompt_embeds, mask
 
 
-def model_inputs(pipe, noisy_latents, timesteps, references=()):
+def model_inputs(pipe, noisy_latents, timesteps, text, references=()):
     """Qwen-Image's inputs for the target, with the references' tokens after the target's, as the sampling loop
     concatenates them: ``references`` holds a batch ``(B, C, 1, h, w)`` of `reference_latents` per reference, in
     order (the batch's samples share their references' count and sizes); each adds its (frames, rows, columns) of
     patches to every sample's ``img_shapes``."""
-    inputs = qwen_image.model_inputs(pipe, noisy_latents, timesteps)
+    inputs = qwen_image.model_inputs(pipe, noisy_latents, timesteps, text)
     if not references:
         return inputs
     tokens = [pipe._pack_latents(latents.to(noisy_latents), *latents.shape[:2], *latents.shape[-2:])

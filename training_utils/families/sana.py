@@ -127,10 +127,10 @@ def normalized_latents(pipe, latents):
     return latents * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs at the scheduler's ``timesteps``, as the sampling loop passes them: the
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs at the scheduler's ``timesteps``, as the sampling loop passes them: the
     latents, and the timesteps times the transformer's ``timestep_scale``."""
-    return {"hidden_states": noisy_latents, "timestep": timesteps * pipe.transformer.config.timestep_scale}
+    return {"hidden_states": noisy_latents, "timestep": timesteps * pipe.transformer.config.timestep_scale, **text}
 
 
 def prediction(pipe, output, latents):

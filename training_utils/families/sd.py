@@ -54,9 +54,9 @@ def normalized_latents(pipe, latents):
     return latents * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The UNet's inputs besides the text: the noisy latents and the timesteps."""
-    return {"sample": noisy_latents, "timestep": timesteps}
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """The UNet's inputs: the noisy latents, the timesteps and the `text_inputs` ``text``."""
+    return {"sample": noisy_latents, "timestep": timesteps, **text}
 
 
 def prediction(pipe, output, latents):

@@ -113,9 +113,9 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs: the noisy latents as they are, and the scheduler's timesteps."""
-    return {"hidden_states": noisy_latents, "timestep": timesteps}
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs: the noisy latents as they are, the scheduler's timesteps and ``text``."""
+    return {"hidden_states": noisy_latents, "timestep": timesteps, **text}
 
 
 def prediction(pipe, output, latents):

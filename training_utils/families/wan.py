@@ -113,15 +113,15 @@ def normalized_latents(pipe, latents):
     return (latents - mean) / std
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's video inputs at ``timesteps`` as the sampling loop passes them: the latents, and the
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs at ``timesteps`` as the sampling loop passes them: the latents, and the
     timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents."""
     if not pipe.config.expand_timesteps:
-        return {"hidden_states": noisy_latents, "timestep": timesteps}
+        return {"hidden_states": noisy_latents, "timestep": timesteps, **text}
     frames, height, width = noisy_latents.shape[2:]
     tokens = torch.ones(frames, height, width, device=noisy_latents.device)[:, ::2, ::2].flatten()
     per_token = tokens[None] * timesteps.to(tokens.dtype)[:, None]
-    return {"hidden_states": noisy_latents, "timestep": per_token}
+    return {"hidden_states": noisy_latents, "timestep": per_token, **text}
 
 
 def prediction(pipe, output, latents):
@@ -230,10 +230,10 @@ def image_to_video_conditioning(pipe, first_frames, latents):
     return {"condition": condition, "encoder_hidden_states_image": image_embeds}
 
 
-def image_to_video_inputs(pipe, noisy_latents, timesteps, conditioning):
+def image_to_video_inputs(pipe, noisy_latents, timesteps, text, conditioning):
     """The transformer's inputs for image-to-video: the noisy latents with the conditioning beside them on the
     channels, the timesteps, and the image embedding, as the pipeline's loop passes them."""
     hidden_states = torch.cat([noisy_latents, conditioning["condition"].to(noisy_latents.dtype)], dim=1)
-    return {**model_inputs(pipe, hidden_states, timesteps),
+    return {**model_inputs(pipe, hidden_states, timesteps, text),
             "encoder_hidden_states_image": conditioning["encoder_hidden_states_image"]}
 

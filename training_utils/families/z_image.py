@@ -96,11 +96,11 @@ def normalized_latents(pipe, latents):
     return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
-def model_inputs(pipe, noisy_latents, timesteps):
-    """The transformer's image inputs for `normalized_latents` at the scheduler's ``timesteps``, as the pipeline's
+def model_inputs(pipe, noisy_latents, timesteps, text):
+    """All the transformer's inputs for `normalized_latents` at the scheduler's ``timesteps``, as the pipeline's
     denoising loop passes them: one ``(C, 1, H, W)`` tensor per image, and ``(1000 - timesteps) / 1000`` (the
     pipeline's convention; the transformer multiplies it by its ``t_scale``, 1000)."""
-    return {"x": list(noisy_latents.unsqueeze(2).unbind(0)), "t": (1000 - timesteps) / 1000}
+    return {"x": list(noisy_latents.unsqueeze(2).unbind(0)), "t": (1000 - timesteps) / 1000, **text}
 
 
 def prediction(pipe, output, latents):
