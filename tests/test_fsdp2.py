@@ -141,8 +141,8 @@ def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, block
 
 
 @pytest.mark.parametrize("name, encoder, units", [
-    ("klein", "Qwen3ForCausalLM", "1 Qwen3ForCausalLM, 28 Qwen3DecoderLayer"),  # the tiny encoders' layers
-    ("z_image", "Qwen3Model", "1 Qwen3Model, 2 Qwen3DecoderLayer")])
+    ("klein", "Qwen3ForCausalLM", "1 Qwen3ForCausalLM, 1 Embedding, 28 Qwen3DecoderLayer"),  # the tiny encoders' layers
+    ("z_image", "Qwen3Model", "1 Qwen3Model, 1 Embedding, 2 Qwen3DecoderLayer")])
 def test_the_text_encoder_is_sharded_per_layer_and_each_process_holds_about_half(runs, name, encoder, units):
     line = re.search(rf"{encoder} sharded while it encodes \(--fsdp_text_encoder\), units: (.*); held per process: "
                      r"process 0: (\d+) B; process 1: (\d+) B \(whole: (\d+) B\)", runs[name][1].stderr)

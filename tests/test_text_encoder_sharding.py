@@ -76,10 +76,34 @@ def test_a_sharded_encoder_still_gives_the_hidden_states_it_is_asked_for(first_o
     accelerator = type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,
                                            "state": type("State", (), {"fsdp_plugin": fsdp2_plugin()})()})()
     shard_text_encoders(accelerator, [encoder], enabled=True)
-    assert sharded_units({"text_encoder": encoder}) == {"Qwen3Model": 1, "Qwen3DecoderLayer": 2}
+    assert sharded_units({"text_encoder": encoder}) == {"Qwen3Model": 1, "Embedding": 1, "Qwen3DecoderLayer": 2}
     with torch.no_grad():
         output = encoder(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
     assert output.hidden_states is not None and len(output.hidden_states) == 3
+
+
+def test_token_embeddings_shard_as_a_unit_of_their_own_also_tied_to_the_output_layer(first_of_two, monkeypatch):
+    # Ideogram 4's pipeline calls its encoder's token embeddings directly, outside the encoder's forward (its encoder
+    # has no output layer), so they are a unit of their own; with the output layer where that shares their weight
+    # (Qwen3-4B, FLUX.2 [klein]'s encoder).
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    from training_utils.sharding import fsdp2_plugin
+    for name, value in FSDP2.items():
+        monkeypatch.setenv(name, value)
+    accelerator = type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,
+                                           "state": type("State", (), {"fsdp_plugin": fsdp2_plugin()})()})()
+    config = Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=True)
+    called_whole, called_directly = Qwen3ForCausalLM(config).eval(), Qwen3Model(config).eval()
+    assert called_whole.lm_head.weight is called_whole.get_input_embeddings().weight
+    shard_text_encoders(accelerator, [called_whole, called_directly], enabled=True)
+    # One unit, the embeddings and the output layer: both are FSDP modules.
+    assert sharded_units({"text_encoder": called_whole}) == {"Qwen3ForCausalLM": 1, "Embedding": 1, "Linear": 1,
+                                                             "Qwen3DecoderLayer": 2}
+    with torch.no_grad():
+        assert len(called_whole(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True).hidden_states) == 3
+        assert called_directly.get_input_embeddings()(torch.tensor([[1, 2, 3]])).shape == (1, 3, 8)
 
 
 def test_a_sharded_encoder_stays_where_fsdp2_put_it(first_of_two):
@@ -113,7 +137,7 @@ def processes(job):
 def test_each_process_holds_about_half_of_the_encoder_in_units_of_its_layers(processes):
     for report in processes:
         assert 0 < report["held"] <= 0.55 * report["whole"], report
-        assert report["units"] == {"Qwen3ForCausalLM": 1, "Qwen3DecoderLayer": report["layers"]}
+        assert report["units"] == {"Qwen3ForCausalLM": 1, "Embedding": 1, "Qwen3DecoderLayer": report["layers"]}
     assert sum(report["held"] for report in processes) == processes[0]["whole"]
 
 

@@ -94,6 +94,13 @@ def shard_text_encoders(accelerator, encoders, enabled):
         for module in get_module_children_bottom_up(encoder)[:-1]:  # as accelerate applies it: inner blocks first
             if is_block(module) and not is_sharded(module):
                 fully_shard(module, **options)
+        # The token embeddings are a unit of their own too (with the output layer where it shares their weight):
+        # gathered only while they embed, and called directly by pipelines that run the encoder's layers one by one
+        # (Ideogram 4's), outside the whole encoder's forward.
+        embeddings, output_layer = encoder.get_input_embeddings(), encoder.get_output_embeddings()
+        tied = [output_layer] if output_layer is not None and output_layer.weight is embeddings.weight else []
+        if not is_sharded(embeddings):
+            fully_shard([embeddings, *tied], **options)
         fully_shard(encoder, **options)
         keep_recording_outputs(encoder)
         held = gather_object([held_bytes({name: encoder})])

@@ -51,6 +51,7 @@ from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
 from training_utils.run_status import run_script
+from training_utils.text_encoder_sharding import add_fsdp_text_encoder_arg, shard_text_encoders
 from training_utils.validation import make_validator
 
 # Upstream's default targets: each block's attention projections and its feed-forward's three layers.
@@ -80,6 +81,7 @@ def parse_args(argv=None):
     add_flow_matching_args(parser, weighting_scheme="logit_normal", logit_std=LOGIT_STD)
     add_lora_layers_arg(parser, LORA_LAYERS, "layers.0.adaln_modulation")
     add_cache_args(parser)
+    add_fsdp_text_encoder_arg(parser)
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
@@ -108,6 +110,7 @@ def main(args):
     add_adapter(transformer, adapter_config(args, linear_layers_named(transformer, comma_separated(args.lora_layers))))
     trained = {"transformer": transformer}
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
+    shard_text_encoders(accelerator, text_encoders, args.fsdp_text_encoder)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     compile_repeated_blocks(transformer, args.torch_compile)
