@@ -6,6 +6,7 @@ draws each epoch's data order from (seed, epoch) alone, and seeds every RNG.
 """
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ def make_accelerator(args):
         fsdp_plugin=plugin,
     )
     enable_fsdp2_on_cpu(accelerator, plugin)
+    check_connected(accelerator)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     set_seed(args.seed)
@@ -44,6 +46,17 @@ def make_accelerator(args):
         prepare_output_dir(args)
     accelerator.wait_for_everyone()
     return accelerator
+
+
+def check_connected(accelerator):
+    """Refuse processes that the launcher started together but accelerate left apart: without a GPU, accelerate
+    connects several processes only when told they are CPU processes, and otherwise each would train alone, over
+    the others' files."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise UsageError(None, None, f"accelerate launch started {launched} processes, but accelerate left them "
+                                     f"unconnected (each would train alone): on CPU processes, launch with --cpu, or "
+                                     f"with ACCELERATE_USE_CPU=1 set beside --use_fsdp (which refuses --cpu)")
 
 
 def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
