@@ -41,16 +41,18 @@ def break_training(variant):
     elif variant == "unscaled_latents":
         sd.normalized_latents = lambda pipe, latents: latents
     elif variant == "lora_on_no_layer":
-        add_lora = lora.add_lora
+        add_adapter = lora.add_adapter
 
-        def add_lora_scaled_to_nothing(model, *args, **kwargs):
-            config = add_lora(model, *args, **kwargs)
-            for module in model.modules():
-                if isinstance(getattr(module, "scaling", None), dict):
-                    module.scaling = dict.fromkeys(module.scaling, 0.0)
+        def add_adapter_scaled_to_nothing(model, *args, **kwargs):
+            config = add_adapter(model, *args, **kwargs)
+            scaled = [module for module in model.modules() if isinstance(getattr(module, "scaling", None), dict)]
+            if not scaled:
+                raise RuntimeError("lora_on_no_layer: no adapter layer found to scale to nothing")
+            for module in scaled:
+                module.scaling = dict.fromkeys(module.scaling, 0.0)
             return config
 
-        lora.add_lora = add_lora_scaled_to_nothing
+        lora.add_adapter = add_adapter_scaled_to_nothing
     elif variant != "correct":
         raise ValueError(f"unknown variant {variant!r}")
 
