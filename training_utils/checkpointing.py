@@ -255,10 +255,10 @@ class Checkpointer:
         posthoc = self.posthoc.whole_shadows() if self.posthoc is not None else None
         if not self.accelerator.is_main_process:
             return
-        self.export.write(trained, output_dir)
+        self.export.write_checkpoint(trained, output_dir)
         state = dict(self._saving_state)
         if ema is not None:
-            self.export.write(ema, output_dir / EMA_FOLDER)
+            self.export.write_checkpoint(ema, output_dir / EMA_FOLDER)
             state["ema_step"] = self.ema.step
         if posthoc is not None:
             self.posthoc.save(output_dir / POSTHOC_FILE, posthoc)

@@ -104,13 +104,36 @@ def unshard_trained(trained):
     """Replace every sharded trained parameter of the modules of ``trained`` (``{component: module}``) by a plain
     parameter holding its whole tensor, on every process (they all take part in gathering), so that the main process
     writes whole outputs from the live modules as an unsharded run does. The modules no longer run sharded after."""
+    from torch.distributed.fsdp import FSDPModule
     for module in trained.values():
+        for submodule in module.modules():
+            if isinstance(submodule, FSDPModule):
+                submodule.reshard()  # the root stays gathered after a forward (validation's): back to its shards
         for name, parameter in list(module.named_parameters()):
             if parameter.requires_grad and isinstance(parameter, DTensor):
                 owner_name, _, attribute = name.rpartition(".")
                 owner = module.get_submodule(owner_name)
                 whole = parameter.detach().full_tensor()
                 owner.register_parameter(attribute, torch.nn.Parameter(whole, requires_grad=True))
+
+
+def plain_modules(trained):
+    """Make the modules of ``trained`` (``{component: module}``), whose parameters `unshard_trained` made whole, plain
+    modules again: each unit ``fully_shard`` made gets its own class back (a saved config names the stock class,
+    not ``FSDP<class>``) and loses FSDP's forward hooks (which would put the stale shards back). For a full
+    fine-tune's outputs, written by ``save_pretrained`` from the live modules."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in trained.values():
+        for submodule in module.modules():
+            if not isinstance(submodule, FSDPModule):
+                continue
+            sharded = [name for name, parameter in submodule.named_parameters() if isinstance(parameter, DTensor)]
+            if sharded:
+                raise ValueError(f"{type(submodule).__name__} still holds sharded parameters ({sharded[0]}, ...)")
+            state = submodule._get_fsdp_state()
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+            submodule.__class__ = next(base for base in type(submodule).__mro__[1:] if base is not FSDPModule)
 
 
 def held_bytes(trained, averages=()):
