@@ -52,6 +52,52 @@ def fsdp2_plugin():
     return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy)
 
 
+class TrainedModules(torch.nn.ModuleDict):
+    """Several trained modules as one model (`one_model_of`); never called itself (``fully_shard`` takes no container
+    without a forward)."""
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("the trained modules are called one by one (each gathers its own parameters), not together")
+
+
+def one_model_of(trained):
+    """One module holding the several modules of ``trained`` (``{component: module}``), for accelerate's FSDP2
+    ``prepare``, which shards one model per call. Each trained module is a unit of its own, and so is each of its
+    repeated blocks (the container's ``_no_split_modules`` name their classes): FSDP2's hooks are on the trained
+    modules themselves, so the step calls them directly, each gathering its own parameters, as it calls them
+    unsharded; the container holds no parameter of its own."""
+    container = TrainedModules(trained)
+    present = {type(submodule).__name__ for submodule in container.modules()}
+    # A model's list may name classes of its relatives (transformers' CLIP text model names the vision embeddings).
+    blocks = {block for module in trained.values() for block in getattr(module, "_no_split_modules", None) or ()}
+    container._no_split_modules = sorted({type(module).__name__ for module in trained.values()} | blocks & present)
+    return container
+
+
+def unsharded_class(module):
+    """The class a module that ``fully_shard`` wrapped had before: it gave it a class of its own, FSDP<class>, made
+    from FSDPModule and that class."""
+    from torch.distributed.fsdp import FSDPModule
+    return next(base for base in type(module).__mro__[1:] if base is not FSDPModule)
+
+
+def keep_recorded_outputs(trained):
+    """transformers' models record their hidden states (``output_hidden_states``) through a registry keyed on the
+    model's class, which ``fully_shard`` replaces: register what each sharded module of ``trained`` records under
+    its new class too, or a sharded text encoder returns no hidden states (SDXL's prompts read the penultimate)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    from torch.distributed.fsdp import FSDPModule
+    for module in trained.values():
+        for submodule in module.modules():
+            recorded = dict.get(_CAN_RECORD_REGISTRY, str(unsharded_class(submodule))) \
+                if isinstance(submodule, FSDPModule) else None
+            if recorded is not None:
+                _CAN_RECORD_REGISTRY[submodule] = recorded
+
+
 def enable_fsdp2_on_cpu(accelerator, plugin):
     """Put an accelerator that accelerate left on DDP because its processes are CPU processes (gloo) on FSDP2 with
     ``plugin``, as accelerate's state does for GPU processes: the same ``prepare``, the same ``fully_shard``."""
@@ -133,7 +179,7 @@ def plain_modules(trained):
             state = submodule._get_fsdp_state()
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
-            submodule.__class__ = next(base for base in type(submodule).__mro__[1:] if base is not FSDPModule)
+            submodule.__class__ = unsharded_class(submodule)
 
 
 def held_bytes(trained, averages=()):
@@ -169,8 +215,7 @@ def sharded_units(trained):
     for module in trained.values():
         for submodule in module.modules():
             if isinstance(submodule, FSDPModule):
-                # fully_shard gives the module a class of its own, FSDP<class>, made from FSDPModule and its class
-                name = next(base for base in type(submodule).__mro__[1:] if base is not FSDPModule).__name__
+                name = unsharded_class(submodule).__name__
                 units[name] = units.get(name, 0) + 1
     return units
 
