@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from diffusers import Flux2KleinPipeline, ZImagePipeline
 from safetensors.torch import load_file
 
@@ -142,11 +143,16 @@ def test_no_collective_runs_in_an_ema_update(runs):
     assert sorted(path.read_text() for path in updates.iterdir()) == [str(3 * STEPS)] * 2
 
 
-def test_a_checkpoint_holds_each_processs_shard_and_its_manifest_every_file(runs):
+def test_a_checkpoint_holds_each_processs_optimizer_shard_what_trains_only_and_its_manifest_every_file(runs):
     checkpoint = runs["klein"][0] / "checkpoint-2"
-    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
-        assert {path.name for path in (checkpoint / folder).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert {path.name for path in (checkpoint / "optimizer_0").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     files = {str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*") if path.is_file()}
+    # No model state of accelerate's: the frozen base is not in it. The LoRA, its EMA and the post-hoc EMA are the
+    # weights; the optimizer's shards hold the state of the LoRA's parameters only.
+    assert not any(name.startswith("pytorch_model_fsdp") for name in files), files
+    optimizer_keys = torch.distributed.checkpoint.FileSystemReader(checkpoint / "optimizer_0").read_metadata()
+    states = {key.rpartition(".")[0] for key in optimizer_keys.state_dict_metadata if key.startswith("optimizer.state.")}
+    assert states and all(".lora_" in name for name in states), sorted(states)[:5]
     listed = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
     assert set(listed) == files - {MANIFEST_FILE}
     assert json.loads((checkpoint / "training_state.json").read_text())["sharded"] is True

@@ -9,6 +9,7 @@ accelerate's state treats several CPU processes as DDP whatever the launch asked
 such a run take accelerate's FSDP2 path instead (the one a GPU run takes), so that tests and CI can run it.
 """
 
+import contextlib
 import os
 
 import torch
@@ -110,6 +111,25 @@ def enable_fsdp2_on_cpu(accelerator, plugin):
     state.fsdp_plugin = plugin
     # Every later AcceleratorState() starts from the process state's type: accelerate records it there too.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+@contextlib.contextmanager
+def without_model_state(accelerator):
+    """accelerate's ``save_state`` and ``load_state``, sharded, write and read each prepared model's whole state (the
+    frozen base's shards too: GBs beside a LoRA of MBs) as well as the optimizer's. A checkpoint here holds what
+    trains only: the trained parameters are written by its own hook (gathered, in the output's layout) and read back
+    by it, and the frozen base is the pretrained one. So inside this block, accelerate's FSDP model writer and reader
+    do nothing under FSDP; the optimizer's (each process its shard, ``torch.distributed.checkpoint``) run as before."""
+    import accelerate.accelerator
+    if not accelerator.is_fsdp2:
+        yield
+        return
+    writer, reader = accelerate.accelerator.save_fsdp_model, accelerate.accelerator.load_fsdp_model
+    accelerate.accelerator.save_fsdp_model = accelerate.accelerator.load_fsdp_model = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        accelerate.accelerator.save_fsdp_model, accelerate.accelerator.load_fsdp_model = writer, reader
 
 
 def local_tensor(tensor):
