@@ -27,11 +27,10 @@ import torch.distributed.checkpoint
 from diffusers import Flux2KleinPipeline, StableDiffusionPipeline, UNet2DConditionModel, ZImagePipeline
 from safetensors.torch import load_file
 
-from helpers import launch, launching, together
+from helpers import FSDP2, launch, launching, together
 from training_utils.manifest import MANIFEST_FILE
 from training_utils.testing import assert_validated_at
 
-FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "a photo of sks triangle"
 STEPS = 4
