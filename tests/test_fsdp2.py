@@ -8,10 +8,11 @@ The launches, in one module-scoped set (two at a time on CI's two cores):
 - klein DDP: the same job unsharded, for the outputs to match;
 - klein resumed: the sharded run resumed from its checkpoint-2 (as after a kill), to end bitwise equal;
 - z_image: a minimal sharded run (2 steps, EMA, validation at the end) of another family's script;
-- full: a full fine-tune (text_to_image's whole UNet), 2 steps with an EMA, a checkpoint at each, validating at the
-  end; text_encoder: two trained modules (SD's UNet LoRA and text-encoder LoRA, dreambooth), the same;
-- full DDP and text_encoder DDP: the same jobs unsharded (without checkpoints or validation), for the outputs to
-  match.
+- text_encoder: two trained modules (SD's UNet LoRA and text-encoder LoRA, dreambooth), 2 steps with an EMA, a
+  checkpoint at each, validating at the end; text_encoder DDP: the same job unsharded (without checkpoints or
+  validation), for the outputs to match.
+
+A full fine-tune is launched sharded by the ControlNet's tests (beside a DDP run, and resumed) and text_to_image's.
 
 Turning FSDP on is what ``accelerate launch --use_fsdp --fsdp_version 2`` does: the variables it sets.
 """
@@ -24,7 +25,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint
-from diffusers import Flux2KleinPipeline, StableDiffusionPipeline, UNet2DConditionModel, ZImagePipeline
+from diffusers import Flux2KleinPipeline, StableDiffusionPipeline, ZImagePipeline
 from safetensors.torch import load_file
 
 from helpers import FSDP2, launch, launching, together
@@ -78,14 +79,6 @@ def checked_along(sharded, prompt):
             "--validation_inference_steps", 2, "--validation_steps", 2]
 
 
-def full_fine_tune_flags(tiny, output_dir, sharded):
-    """2 steps of the whole UNet with an EMA."""
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", tiny["shapes"], "--output_dir",
-            output_dir, "--resolution", 32, "--train_batch_size", 1, "--learning_rate", 1e-3, "--use_ema",
-            "--ema_decay", 0.9, "--seed", 3, "--max_train_steps", 2, "--report_to", "none",
-            *checked_along(sharded, "a red circle")]
-
-
 def text_encoder_flags(tiny, output_dir, sharded):
     """2 steps of a UNet LoRA and a text-encoder LoRA (two trained modules) with an EMA."""
     return ["--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
@@ -95,11 +88,8 @@ def text_encoder_flags(tiny, output_dir, sharded):
 
 
 # Runs made sharded and unsharded alike, for their outputs to match: ``{name: (script, flags, sharded)}``.
-PAIRED = {"full": ("text_to_image/train_text_to_image.py", full_fine_tune_flags, True),
-          "full_ddp": ("text_to_image/train_text_to_image.py", full_fine_tune_flags, False),
-          "text_encoder": ("dreambooth/train_dreambooth_lora.py", text_encoder_flags, True),
+PAIRED = {"text_encoder": ("dreambooth/train_dreambooth_lora.py", text_encoder_flags, True),
           "text_encoder_ddp": ("dreambooth/train_dreambooth_lora.py", text_encoder_flags, False)}
-UNET = "unet/diffusion_pytorch_model.safetensors"
 
 
 def without_collectives_in_ema(script, directory):
@@ -157,14 +147,12 @@ def held(result):
     return [counts(part) for part in line.group(1).split("; ")], counts(line.group(2))
 
 
-@pytest.mark.parametrize("name, kinds", [(name, ("frozen", "trained", "ema"))
-                                         for name in ("klein", "z_image", "text_encoder")]
-                         + [("full", ("trained", "ema"))])  # a full fine-tune's trained module has nothing frozen
-def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs, name, kinds):
+@pytest.mark.parametrize("name", ["klein", "z_image", "text_encoder"])
+def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs, name):
     per_process, whole = held(runs[name][1])
-    assert len(per_process) == 2 and all(whole[kind] > 0 for kind in kinds)
+    assert len(per_process) == 2 and whole["frozen"] > 0 and whole["trained"] > 0 and whole["ema"] > 0
     for process in per_process:
-        for kind in kinds:
+        for kind in ("frozen", "trained", "ema"):
             assert 0 < process[kind] <= 0.55 * whole[kind], (name, kind, process, whole)
 
 
@@ -175,7 +163,6 @@ def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs,
                "AdaLayerNormContinuous": 1}),
     ("z_image", {"ZImageTransformer2DModel": 1, "ZImageTransformerBlock": 4}),
     # The tiny SD UNet's blocks; with its text encoder's LoRA, that encoder is a unit too, and its 2 layers.
-    ("full", {"UNet2DConditionModel": 1, "BasicTransformerBlock": 4, "ResnetBlock2D": 8}),
     ("text_encoder", {"UNet2DConditionModel": 1, "BasicTransformerBlock": 4, "CLIPTextModel": 1,
                       "CLIPEncoderLayer": 2})])
 def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, blocks):
@@ -220,12 +207,11 @@ def test_resuming_the_latest_checkpoint_ends_bitwise_equal_to_the_uninterrupted_
         assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected), name
 
 
-@pytest.mark.parametrize("name, files", [("klein", (LORA, f"ema/{LORA}")), ("full", (UNET, f"ema/{UNET}")),
-                                         ("text_encoder", (LORA, f"ema/{LORA}"))])
-def test_the_outputs_match_a_ddp_run(runs, name, files):
+@pytest.mark.parametrize("name", ["klein", "text_encoder"])
+def test_the_outputs_match_a_ddp_run(runs, name):
     sharded, ddp = runs[name][0], runs[f"{name}_ddp"][0]
     assert "sharded over" not in runs[f"{name}_ddp"][1].stderr
-    for file in files:
+    for file in (LORA, f"ema/{LORA}"):
         expected, got = load_file(ddp / file), load_file(sharded / file)
         assert expected.keys() == got.keys()
         for key in expected:
@@ -246,16 +232,10 @@ def test_the_outputs_load_in_the_stock_pipeline(tiny, runs):
     output_dir = runs["text_encoder"][0]
     pipe.load_lora_weights(output_dir)
     assert set(pipe.get_list_adapters()) == {"unet", "text_encoder"}
-    # The full fine-tune's pipeline and EMA UNet, and a checkpoint's UNet, are the stock classes, not FSDP's.
-    full = runs["full"][0]
-    assert isinstance(StableDiffusionPipeline.from_pretrained(full).unet, UNet2DConditionModel)
-    for folder in (full / "ema/unet", full / "checkpoint-1/unet", full / "checkpoint-1/ema/unet"):
-        assert json.loads((folder / "config.json").read_text())["_class_name"] == "UNet2DConditionModel"
-        UNet2DConditionModel.from_pretrained(folder)
 
 
 def test_validation_renders_while_sharded_the_post_hoc_sweep_too(runs):
     assert_validated_at(runs["klein"][0], [STEPS], ("raw", "ema", "ema_sigma_rel-0.05", "ema_sigma_rel-0.1"),
                         ["a sks triangle"], num_images=1)
-    for name, prompt in (("z_image", "a sks triangle"), ("text_encoder", "a sks triangle"), ("full", "a red circle")):
-        assert_validated_at(runs[name][0], [2], ("raw", "ema"), [prompt], num_images=1)
+    for name in ("z_image", "text_encoder"):
+        assert_validated_at(runs[name][0], [2], ("raw", "ema"), ["a sks triangle"], num_images=1)

@@ -68,8 +68,8 @@ def runs(tiny, tmp_path_factory):
     - from_unet: no --controlnet_model_name_or_path (the ControlNet is made from the UNet), EMA decay 0, one image
       for both prompts, validating at 16x32; the base model's folder (``../model``) is deleted as soon as the
       pipeline has loaded;
-    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached), on two processes,
-      sharded (FSDP2): the ControlNet family's sharded launches (a full fine-tune's).
+    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached), on two processes:
+      uncached as DDP, cached sharded (FSDP2), the ControlNet family's sharded launch (a full fine-tune's).
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -84,7 +84,7 @@ def runs(tiny, tmp_path_factory):
             tiny, root / "full", "--max_train_steps", 8, *validation_flags(tiny, 3), "--checkpointing_steps", 3,
             "--checkpoints_total_limit", 1, mixed=True)),
         "from_unet": functools.partial(launch, wrapper, *from_unet_args),
-        "uncached": functools.partial(sharded_launch, SCRIPT, *cache_flags(tiny, root / "uncached")),
+        "uncached": functools.partial(launch, SCRIPT, *cache_flags(tiny, root / "uncached"), processes=2),
         "cached": functools.partial(sharded_launch, SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
     })
     return {name: (root / name, result) for name, result in results.items()}
@@ -255,11 +255,15 @@ def test_validation_pairs_follow_the_upstream_rules(tiny, tmp_path, script):
     assert pairs(["a"], [first, second]) == [("a", sums[0]), ("a", sums[1])]
 
 
-def test_cached_latents_train_as_the_uncached_run(tiny, runs):
-    (uncached, _), (cached, result) = runs["uncached"], runs["cached"]
+def test_cached_latents_train_sharded_as_the_uncached_run_as_ddp(tiny, runs):
+    """Sharded (FSDP2) and cached, as the DDP run uncached: to 1e-5, the outputs and a checkpoint of the stock
+    class."""
+    (uncached, ddp), (cached, result) = runs["uncached"], runs["cached"]
     assert len(reported_buckets(result.stderr)) >= 3, result.stderr[-3000:]
-    assert "FSDP2 units: 1 ControlNetModel" in result.stderr
+    assert "FSDP2 units: 1 ControlNetModel" in result.stderr and "FSDP2 units" not in ddp.stderr
     assert json.loads((cached / "checkpoint-2" / "training_state.json").read_text())["sharded"] is True
+    for folder in (cached, cached / "checkpoint-2" / "controlnet", cached / "checkpoint-2" / "ema" / "controlnet"):
+        assert json.loads((folder / "config.json").read_text())["_class_name"] == "ControlNetModel"
     initial = ControlNetModel.from_pretrained(tiny["controlnet"]).state_dict()
     for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
         cached_weights = assert_close_files(uncached / weights, cached / weights)
