@@ -47,15 +47,16 @@ def validation_flags(tiny, steps, images=(0, 1)):
 
 def cache_flags(tiny, output_dir, *extra):
     """4 steps from tiny/controlnet on the mixed shapes in buckets, with center crops, random flips, empty prompts
-    and repeats, a checkpoint every 2 steps, validating one prompt every 2 steps. Learning rate 1e-4: the VAE's
+    and repeats, a checkpoint every 2 steps, validating one prompt every 2 steps; a batch of 1 on each of the two
+    processes these runs have (as much work as a batch of 2 on one). Learning rate 1e-4: the VAE's
     float noise (its result depends on the batch it encodes) reaches the weights through Adam in proportion to
     the learning rate, while a wrong layout or caption would move them by about the learning rate itself, far
     beyond the tolerance."""
     return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
                       "--checkpointing_steps", 2,
                       "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
-                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra,
-                      mixed=True)
+                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2,
+                      "--train_batch_size", 1, *extra, mixed=True)
 
 
 @pytest.fixture(scope="module")

@@ -77,15 +77,17 @@ def cache_flags(tiny, output_dir, *extra):
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together: full
     (`full_flags`, in buckets), decay_zero (3 steps on the square pictures with ``--ema_decay 0``, on two processes,
-    sharded),
+    sharded, a batch of 1 on each),
     input_perturbation (the same with ``--input_perturbation 0.1``), and uncached and cached (`cache_flags`, in
     buckets, with the VAE in the step, and with its latents cached)."""
     root = tmp_path_factory.mktemp("runs")
     results = together({
         "full": functools.partial(launch, SCRIPT, *full_flags(tiny, root / "full")),
-        # This script's sharded launch (FSDP2, two processes): a full fine-tune written whole as the stock pipeline.
-        "decay_zero": functools.partial(launch, SCRIPT, *decay_zero_flags(tiny, root / "decay_zero"), processes=2,
-                                        env=FSDP2),
+        # This script's sharded launch (FSDP2, two processes, a batch of 1 on each): a full fine-tune written whole as
+        # the stock pipeline.
+        "decay_zero": functools.partial(launch, SCRIPT, *decay_zero_flags(tiny, root / "decay_zero",
+                                                                          "--train_batch_size", 1),
+                                        processes=2, env=FSDP2),
         "input_perturbation": functools.partial(launch, SCRIPT, *decay_zero_flags(
             tiny, root / "input_perturbation", "--input_perturbation", 0.1)),
         "uncached": functools.partial(launch, SCRIPT, *cache_flags(tiny, root / "uncached")),
