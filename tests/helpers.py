@@ -190,6 +190,8 @@ def launch_together(launches, **options):
     return together({name: functools.partial(launch, *arguments, **options) for name, arguments in launches.items()})
 
 
+# What ``accelerate launch --use_fsdp --fsdp_version 2`` sets: a run launched with these shards (FSDP2).
+FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 # A two-process tiny run takes about 10 s.
 MULTIPROCESS_TIMEOUT_S = 120
 
@@ -198,9 +200,9 @@ class RunHungWarning(UserWarning):
     """A run that hung and was made again: its report, in pytest's warnings summary (from every xdist worker)."""
 
 
-def launch_processes(script, prepare, args_for, processes=2):
+def launch_processes(script, prepare, args_for, processes=2, env=None):
     """``(output_dir, CompletedProcess)`` of ``script`` on several CPU processes (gloo), in the folder that
-    ``prepare()`` returns and on the arguments ``args_for(output_dir)``.
+    ``prepare()`` returns and on the arguments ``args_for(output_dir)``; ``env`` adds variables (`FSDP2`'s shard it).
 
     Should a run hang at exit (a race in torch's gloo teardown that `training_utils.accelerator.end_training`
     avoids), the hang is reported in full (the processes' states and stacks) in pytest's warnings summary
@@ -209,7 +211,7 @@ def launch_processes(script, prepare, args_for, processes=2):
     for attempt in (1, 2):
         output_dir = prepare()
         try:
-            return output_dir, launch(script, *args_for(output_dir), processes=processes,
+            return output_dir, launch(script, *args_for(output_dir), processes=processes, env=env,
                                       timeout=MULTIPROCESS_TIMEOUT_S)
         except RunHung as hang:
             if attempt == 2:

@@ -93,6 +93,19 @@ def test_a_model_checkpoint_is_a_folder_per_component_and_reads_back_only_what_t
     assert read.keys() == trainable_parameters(trained).keys() and "unet.conv_in.weight" not in read
 
 
+def test_a_model_checkpoint_from_tensors_is_the_same_folder_and_draws_no_random_numbers(tiny, tmp_path):
+    pipe = fresh_pipe(tiny)
+    trained = {"unet": pipe.unet.requires_grad_(True)}
+    export = PipelineExport(pipe, trained)
+    tensors = {name: tensor + 1 for name, tensor in trainable_parameters(trained).items()}
+    state = torch.get_rng_state()
+    export.write_checkpoint(tensors, tmp_path)  # as a sharded run writes it mid-run, from tensors gathered whole
+    assert torch.equal(torch.get_rng_state(), state)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["unet"]
+    read = export.read_checkpoint(tmp_path)
+    assert read.keys() == tensors.keys() and all(torch.equal(read[name], tensors[name]) for name in tensors)
+
+
 def test_tensors_export_writes_the_tensors_as_they_are(tmp_path):
     export = export_from_description(None)
     assert isinstance(export, TensorsExport) and export_from_description(export.description()).kind == "tensors"

@@ -10,7 +10,12 @@ The launches, in one module-scoped set (two at a time on CI's two cores):
 - klein resumed: the sharded run resumed from its checkpoint-2 (as after a kill), to end bitwise equal (its text
   encoder whole: the flag leaves the trajectory alone);
 - z_image: a minimal sharded run (2 steps, EMA, validation at the end) of another family's script, its text
-  encoder sharded too (a Qwen3Model: the pipeline reads one of its hidden states).
+  encoder sharded too (a Qwen3Model: the pipeline reads one of its hidden states);
+- text_encoder: two trained modules (SD's UNet LoRA and text-encoder LoRA, dreambooth), 2 steps with an EMA, a
+  checkpoint at each, validating at the end; text_encoder DDP: the same job unsharded (without checkpoints or
+  validation), for the outputs to match.
+
+A full fine-tune is launched sharded by the ControlNet's tests (beside a DDP run, and resumed) and text_to_image's.
 
 Turning FSDP on is what ``accelerate launch --use_fsdp --fsdp_version 2`` does: the variables it sets.
 """
@@ -22,14 +27,14 @@ import time
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, ZImagePipeline
+import torch.distributed.checkpoint
+from diffusers import Flux2KleinPipeline, StableDiffusionPipeline, ZImagePipeline
 from safetensors.torch import load_file
 
-from helpers import launch, launching, together
+from helpers import FSDP2, launch, launching, together
 from training_utils.manifest import MANIFEST_FILE
 from training_utils.testing import assert_validated_at
 
-FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "a photo of sks triangle"
 STEPS = 4
@@ -68,6 +73,28 @@ def klein_flags(tiny, output_dir, *extra):
             "--validation_steps", STEPS, "--max_sequence_length", 32, *extra]
 
 
+def checked_along(sharded, prompt):
+    """A sharded run checkpoints at each step and validates at the end (step 2); its unsharded partner, there for the
+    weights to match, does neither (neither changes the weights)."""
+    if not sharded:
+        return ["--checkpointing_steps", 1000]
+    return ["--checkpointing_steps", 1, "--validation_prompt", prompt, "--num_validation_images", 1,
+            "--validation_inference_steps", 2, "--validation_steps", 2]
+
+
+def text_encoder_flags(tiny, output_dir, sharded):
+    """2 steps of a UNet LoRA and a text-encoder LoRA (two trained modules) with an EMA."""
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
+            "--instance_prompt", PROMPT, "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 1,
+            "--learning_rate", 1e-3, "--rank", 4, "--seed", 3, "--max_train_steps", 2, "--train_text_encoder",
+            "--use_ema", "--ema_decay", 0.9, "--report_to", "none", *checked_along(sharded, "a sks triangle")]
+
+
+# Runs made sharded and unsharded alike, for their outputs to match: ``{name: (script, flags, sharded)}``.
+PAIRED = {"text_encoder": ("dreambooth/train_dreambooth_lora.py", text_encoder_flags, True),
+          "text_encoder_ddp": ("dreambooth/train_dreambooth_lora.py", text_encoder_flags, False)}
+
+
 def without_collectives_in_ema(script, directory):
     wrapper = directory / "train_without_collectives_in_ema.py"
     wrapper.write_text(f"SCRIPT = {str(script)!r}\n" + NO_COLLECTIVES_WRAPPER)
@@ -80,7 +107,7 @@ def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, CompletedProcess)}`` of the launches the module docstring lists."""
     from helpers import EXAMPLES
     klein = EXAMPLES / "dreambooth/train_dreambooth_lora_flux2_klein.py"
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("klein", "klein_ddp", "z_image", "resumed")}
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("klein", "klein_ddp", "z_image", "resumed", *PAIRED)}
     wrapper = without_collectives_in_ema(klein, tmp_path_factory.mktemp("wrapper"))
     updates = tmp_path_factory.mktemp("ema_updates")
     z_image = ["--pretrained_model_name_or_path", tiny["z_image"], "--instance_data_dir", tiny["instance"],
@@ -93,18 +120,23 @@ def runs(tiny, tmp_path_factory):
     def two(script, args, env):
         return lambda: launch(script, *args, processes=2, env=env)
 
+    def klein_then_resumed():
+        sharded = launch(wrapper, *klein_flags(tiny, folders["klein"], "--fsdp_text_encoder"), processes=2,
+                         env={**FSDP2, "EMA_UPDATES_DIR": str(updates)})
+        shutil.copytree(folders["klein"] / "checkpoint-2", folders["resumed"] / "checkpoint-2")
+        return sharded, launch(klein, *klein_flags(tiny, folders["resumed"], "--resume_from_checkpoint", "latest"),
+                               processes=2, env=FSDP2)
+
     started = time.monotonic()
-    first = together({
-        "klein": two(wrapper, klein_flags(tiny, folders["klein"], "--fsdp_text_encoder"),
-                     {**FSDP2, "EMA_UPDATES_DIR": str(updates)}),
+    results = together({
+        "klein": klein_then_resumed,
         "klein_ddp": two(klein, klein_flags(tiny, folders["klein_ddp"]), {}),
-        "z_image": two("dreambooth/train_dreambooth_lora_z_image.py", z_image, FSDP2)})
-    shutil.copytree(folders["klein"] / "checkpoint-2", folders["resumed"] / "checkpoint-2")
-    resumed = launch(klein, *klein_flags(tiny, folders["resumed"], "--resume_from_checkpoint", "latest"),
-                     processes=2, env=FSDP2)
+        "z_image": two("dreambooth/train_dreambooth_lora_z_image.py", z_image, FSDP2),
+        **{name: two(script, flags(tiny, folders[name], sharded), FSDP2 if sharded else {})
+           for name, (script, flags, sharded) in PAIRED.items()}})
     print(f"FSDP2 launches: {time.monotonic() - started:.1f} s")
-    return {**{name: (folders[name], result) for name, result in first.items()},
-            "resumed": (folders["resumed"], resumed), "ema_updates": (updates, None)}
+    results["klein"], results["resumed"] = results["klein"]
+    return {**{name: (folders[name], result) for name, result in results.items()}, "ema_updates": (updates, None)}
 
 
 def held(result):
@@ -118,7 +150,7 @@ def held(result):
     return [counts(part) for part in line.group(1).split("; ")], counts(line.group(2))
 
 
-@pytest.mark.parametrize("name", ["klein", "z_image"])
+@pytest.mark.parametrize("name", ["klein", "z_image", "text_encoder"])
 def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs, name):
     per_process, whole = held(runs[name][1])
     assert len(per_process) == 2 and whole["frozen"] > 0 and whole["trained"] > 0 and whole["ema"] > 0
@@ -132,7 +164,10 @@ def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs,
     # for the final norm; Z-Image's 2 layers and its noise and context refiners' 1 each, all ZImageTransformerBlock.
     ("klein", {"Flux2Transformer2DModel": 1, "Flux2TransformerBlock": 1, "Flux2SingleTransformerBlock": 2,
                "AdaLayerNormContinuous": 1}),
-    ("z_image", {"ZImageTransformer2DModel": 1, "ZImageTransformerBlock": 4})])
+    ("z_image", {"ZImageTransformer2DModel": 1, "ZImageTransformerBlock": 4}),
+    # The tiny SD UNet's blocks; with its text encoder's LoRA, that encoder is a unit too, and its 2 layers.
+    ("text_encoder", {"UNet2DConditionModel": 1, "BasicTransformerBlock": 4, "CLIPTextModel": 1,
+                      "CLIPEncoderLayer": 2})])
 def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, blocks):
     line = re.search(r"FSDP2 units: (.*)", runs[name][1].stderr)
     assert line, runs[name][1].stderr[-3000:]
@@ -158,11 +193,17 @@ def test_no_collective_runs_in_an_ema_update(runs):
     assert sorted(path.read_text() for path in updates.iterdir()) == [str(3 * STEPS)] * 2
 
 
-def test_a_checkpoint_holds_each_processs_shard_and_its_manifest_every_file(runs):
+def test_a_checkpoint_holds_each_processs_optimizer_shard_what_trains_only_and_its_manifest_every_file(runs):
     checkpoint = runs["klein"][0] / "checkpoint-2"
-    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
-        assert {path.name for path in (checkpoint / folder).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert {path.name for path in (checkpoint / "optimizer_0").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     files = {str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*") if path.is_file()}
+    # No model state of accelerate's: the frozen base is not in it. The LoRA, its EMA and the post-hoc EMA are the
+    # weights; the optimizer's shards hold the state of the LoRA's parameters only.
+    assert not any(name.startswith("pytorch_model_fsdp") for name in files), files
+    optimizer_keys = torch.distributed.checkpoint.FileSystemReader(checkpoint / "optimizer_0").read_metadata()
+    states = {key.rpartition(".")[0] for key in optimizer_keys.state_dict_metadata
+              if key.startswith("optimizer.state.")}
+    assert states and all(".lora_" in name for name in states), sorted(states)[:5]
     listed = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
     assert set(listed) == files - {MANIFEST_FILE}
     assert json.loads((checkpoint / "training_state.json").read_text())["sharded"] is True
@@ -181,24 +222,35 @@ def test_resuming_the_latest_checkpoint_ends_bitwise_equal_to_the_uninterrupted_
         assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected), name
 
 
-def test_the_outputs_match_a_ddp_run_and_load_in_the_stock_pipeline(tiny, runs):
-    sharded, ddp = runs["klein"][0], runs["klein_ddp"][0]
-    assert "sharded over" not in runs["klein_ddp"][1].stderr
-    for name in (LORA, f"ema/{LORA}"):
-        expected, got = load_file(ddp / name), load_file(sharded / name)
+@pytest.mark.parametrize("name", ["klein", "text_encoder"])
+def test_the_outputs_match_a_ddp_run(runs, name):
+    sharded, ddp = runs[name][0], runs[f"{name}_ddp"][0]
+    assert "sharded over" not in runs[f"{name}_ddp"][1].stderr
+    for file in (LORA, f"ema/{LORA}"):
+        expected, got = load_file(ddp / file), load_file(sharded / file)
         assert expected.keys() == got.keys()
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
+    if name == "text_encoder":
+        assert any(key.startswith("text_encoder.") for key in load_file(sharded / LORA))
+
+
+def test_the_outputs_load_in_the_stock_pipeline(tiny, runs):
     # What renders these files is the same writer every unsharded run's tests render with; here, that they load.
-    for pipeline, fixture, output_dir in ((Flux2KleinPipeline, "flux2_klein", sharded),
+    for pipeline, fixture, output_dir in ((Flux2KleinPipeline, "flux2_klein", runs["klein"][0]),
                                           (ZImagePipeline, "z_image", runs["z_image"][0])):
         pipe = pipeline.from_pretrained(tiny[fixture])
         for folder in (output_dir, output_dir / "ema"):
             pipe.load_lora_weights(folder, adapter_name=folder.name)
         assert set(pipe.get_list_adapters()["transformer"]) == {output_dir.name, "ema"}
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    output_dir = runs["text_encoder"][0]
+    pipe.load_lora_weights(output_dir)
+    assert set(pipe.get_list_adapters()) == {"unet", "text_encoder"}
 
 
 def test_validation_renders_while_sharded_the_post_hoc_sweep_too(runs):
     assert_validated_at(runs["klein"][0], [STEPS], ("raw", "ema", "ema_sigma_rel-0.05", "ema_sigma_rel-0.1"),
                         ["a sks triangle"], num_images=1)
-    assert_validated_at(runs["z_image"][0], [2], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    for name in ("z_image", "text_encoder"):
+        assert_validated_at(runs[name][0], [2], ("raw", "ema"), ["a sks triangle"], num_images=1)

@@ -1,6 +1,6 @@
 """The LoRA script on two CPU processes (gloo), on images of mixed shapes in aspect-ratio buckets: no hang, one
-writer, a consistent EMA, exact resume, the encoding shared; and an adapter in peft's own format (OFT), its EMA
-consistent."""
+writer, a consistent EMA, exact resume, the encoding shared; and an adapter in peft's own format (OFT), sharded with
+FSDP2, its EMA consistent."""
 
 import json
 import shutil
@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch_processes, launching, together
+from helpers import FSDP2, launch_processes, launching, together
 from training_utils.testing import rendered_images
 from training_utils.testing.tiny.data import MIXED_SIZES, build_shapes
 
@@ -68,29 +68,31 @@ def resumed_run(tiny, mixed_shapes, two_process_run, tmp_path_factory):
 
 # The adapter of the other export than LoRA's, and the file that holds its weights: OFT, in peft's format as LoKr and
 # LoHa are, whose tensors DDP treats as it does LoRA's. (DoRA, a LoRA file, was checked so when the adapters came;
-# its two-process run is left out of the suite for time.)
+# its two-process run is left out of the suite for time.) It trains sharded (FSDP2): this script family's sharded run.
 ADAPTER_FILES = {"oft": "unet/adapter_model.safetensors"}
 
 
 @pytest.fixture(scope="module")
 @launching
 def adapter_runs(tiny, mixed_shapes, tmp_path_factory):
-    """``{adapter: output_dir}``: 2 steps of each adapter of `ADAPTER_FILES` on two processes, checkpointing each,
-    never validating."""
+    """``{adapter: (output_dir, CompletedProcess)}``: 2 steps of each adapter of `ADAPTER_FILES` on two processes,
+    sharded, checkpointing each, never validating."""
     def run(adapter):
         extra = ["--adapter", adapter, *(["--oft_block_size", 8] if adapter == "oft" else ["--rank", 4])]
 
         def args_for(output_dir):
             return flags(tiny, mixed_shapes, output_dir, "--max_train_steps", 2, "--num_validation_images", 0, *extra)
 
-        return launch_processes(SCRIPT, lambda: tmp_path_factory.mktemp(adapter), args_for)[0]
+        return launch_processes(SCRIPT, lambda: tmp_path_factory.mktemp(adapter), args_for, env=FSDP2)
 
     return together({adapter: lambda adapter=adapter: run(adapter) for adapter in ADAPTER_FILES})
 
 
 @pytest.mark.parametrize("adapter", ADAPTER_FILES)
 def test_each_adapters_ema_is_the_single_process_average_of_its_synchronized_weights(adapter_runs, adapter):
-    output_dir = adapter_runs[adapter]
+    output_dir, result = adapter_runs[adapter]
+    assert "FSDP2 units: 1 UNet2DConditionModel" in result.stderr, result.stderr[-3000:]
+    assert json.loads((output_dir / "checkpoint-2" / "training_state.json").read_text())["sharded"] is True
     name = ADAPTER_FILES[adapter]
     first, second = (load_file(output_dir / f"checkpoint-{step}" / name) for step in (1, 2))
     assert any(not torch.equal(first[key], second[key]) for key in first), "the weights never changed"

@@ -12,8 +12,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from training_utils.ema import EMA, tensors_swapped_in
 from training_utils.errors import UsageError
-from training_utils.sharding import (any_sharded, check_launch, describe_held_bytes, enable_fsdp2_on_cpu,
-                                     fsdp2_plugin, held_bytes, local_part, local_tensor, whole_bytes)
+from training_utils.sharding import (TrainedModules, any_sharded, check_launch, describe_held_bytes,
+                                     enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes, local_part, local_tensor,
+                                     one_model_of, unsharded_class, whole_bytes, without_model_state)
 
 
 @pytest.fixture
@@ -138,13 +139,71 @@ def test_held_bytes_count_what_trains_what_is_frozen_and_the_averages():
         "sharded over 2 processes with FSDP2: process 0: frozen 24 B; process 1: frozen 24 B (whole: frozen 48 B)")
 
 
-def test_a_sharded_run_training_several_modules_stops_in_one_line():
-    from training_utils.accelerator import prepare_trained
-    accelerator = type("Accelerator", (), {"is_fsdp2": True})()
-    trained = {"transformer": torch.nn.Linear(2, 2), "text_encoder": torch.nn.Linear(2, 2)}
-    with pytest.raises(UsageError, match=r"^accelerate launch --use_fsdp --fsdp_version 2 shards one trained module "
-                                         r"here .*; this run trains transformer, text_encoder: launch it unsharded$"):
-        prepare_trained(accelerator, trained, None, None)
+def test_several_trained_modules_are_one_model_whose_units_are_each_module_and_its_blocks():
+    class Block(torch.nn.Linear):
+        pass
+
+    class Denoiser(torch.nn.Module):
+        _no_split_modules = ["Block", "RelativeNotInIt"]
+
+        def __init__(self):
+            super().__init__()
+            self.block = Block(2, 2)
+
+    trained = {"unet": Denoiser(), "text_encoder": torch.nn.Linear(2, 2)}
+    container = one_model_of(trained)
+    assert isinstance(container, TrainedModules) and container["unet"] is trained["unet"]
+    assert container._no_split_modules == ["Block", "Denoiser", "Linear"]
+    with pytest.raises(TypeError, match="called one by one"):
+        container()
+
+
+def test_accelerates_model_state_is_skipped_only_inside_and_only_sharded():
+    import accelerate.accelerator
+    writer, reader = accelerate.accelerator.save_fsdp_model, accelerate.accelerator.load_fsdp_model
+    optimizer_writer = accelerate.accelerator.save_fsdp_optimizer
+    with without_model_state(type("Accelerator", (), {"is_fsdp2": False})()):
+        assert accelerate.accelerator.save_fsdp_model is writer
+    with without_model_state(type("Accelerator", (), {"is_fsdp2": True})()):
+        assert accelerate.accelerator.save_fsdp_model("plugin", "accelerator", "model", "folder", 0) is None
+        assert accelerate.accelerator.load_fsdp_model("plugin", "accelerator", "model", "folder", 0) is None
+        assert accelerate.accelerator.save_fsdp_optimizer is optimizer_writer
+    assert (accelerate.accelerator.save_fsdp_model, accelerate.accelerator.load_fsdp_model) == (writer, reader)
+
+
+def test_a_fully_trained_module_made_plain_again(second_of_two):
+    from torch.distributed.fsdp import fully_shard
+
+    from training_utils.sharding import plain_modules, unshard_trained
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    for block in model:
+        fully_shard(block, mesh=second_of_two)
+    fully_shard(model, mesh=second_of_two)
+    assert unsharded_class(model) is torch.nn.Sequential
+    with pytest.raises(ValueError, match="still holds sharded parameters"):
+        plain_modules({"model": model})
+    unshard_trained({"model": model})
+    plain_modules({"model": model})
+    assert type(model) is torch.nn.Sequential and all(type(block) is torch.nn.Linear for block in model)
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in model.modules())
+    inputs = torch.ones(1, 4)
+    expected = torch.nn.functional.linear(torch.nn.functional.linear(inputs, model[0].weight, model[0].bias),
+                                          model[1].weight, model[1].bias)
+    assert torch.equal(model(inputs), expected)  # no FSDP hook puts shards back
+
+
+def test_a_sharded_text_encoder_still_records_its_hidden_states(second_of_two):
+    from torch.distributed.fsdp import fully_shard
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from training_utils.sharding import keep_recorded_outputs
+    torch.manual_seed(0)
+    encoder = CLIPTextModel(CLIPTextConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2, max_position_embeddings=8))
+    fully_shard(encoder, mesh=second_of_two)
+    keep_recorded_outputs({"text_encoder": encoder})
+    output = encoder(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert output.hidden_states is not None and len(output.hidden_states) == 3
 
 
 def test_units_and_unsharding_of_a_fully_sharded_module(second_of_two):

@@ -1,6 +1,8 @@
 """Smoke tests: the ControlNet script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import functools
 import importlib.util
+import json
 import shutil
 
 import numpy as np
@@ -9,7 +11,8 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from PIL import Image
 
-from helpers import EXAMPLES, controlnet_flags, deleting_after_load, launch, launch_together, launching, usage_error
+from helpers import (EXAMPLES, FSDP2, controlnet_flags, deleting_after_load, launch, launching, together,
+                     usage_error)
 from training_utils.errors import UsageError
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
@@ -19,6 +22,10 @@ from training_utils.testing import (assert_checkpoint_is_the_output, assert_clos
 SCRIPT = "controlnet/train_controlnet.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
+
+
+def sharded_launch(script, *args):
+    return launch(script, *args, processes=2, env=FSDP2)
 
 
 def conditioning(tiny, index):
@@ -40,15 +47,16 @@ def validation_flags(tiny, steps, images=(0, 1)):
 
 def cache_flags(tiny, output_dir, *extra):
     """4 steps from tiny/controlnet on the mixed shapes in buckets, with center crops, random flips, empty prompts
-    and repeats, a checkpoint every 2 steps, validating one prompt every 2 steps. Learning rate 1e-4: the VAE's
+    and repeats, a checkpoint every 2 steps, validating one prompt every 2 steps; a batch of 1 on each of the two
+    processes these runs have (as much work as a batch of 2 on one). Learning rate 1e-4: the VAE's
     float noise (its result depends on the batch it encodes) reaches the weights through Adam in proportion to
     the learning rate, while a wrong layout or caption would move them by about the learning rate itself, far
     beyond the tolerance."""
     return pretrained(tiny, output_dir, "--center_crop", "--learning_rate", 1e-4, "--max_train_steps", 4,
                       "--checkpointing_steps", 2,
                       "--validation_prompt", PROMPTS[0], "--validation_image", conditioning(tiny, 0),
-                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2, *extra,
-                      mixed=True)
+                      "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2,
+                      "--train_batch_size", 1, *extra, mixed=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +69,8 @@ def runs(tiny, tmp_path_factory):
     - from_unet: no --controlnet_model_name_or_path (the ControlNet is made from the UNet), EMA decay 0, one image
       for both prompts, validating at 16x32; the base model's folder (``../model``) is deleted as soon as the
       pipeline has loaded;
-    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached).
+    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached), on two processes:
+      uncached as DDP, cached sharded (FSDP2), the ControlNet family's sharded launch (a full fine-tune's).
     """
     root = tmp_path_factory.mktemp("runs")
     model = root / "model"
@@ -71,12 +80,13 @@ def runs(tiny, tmp_path_factory):
                             "--validation_height", 16, "--validation_width", 32, "--ema_decay", 0,
                             "--checkpointing_steps", 1000)
     from_unet_args[1] = model
-    results = launch_together({
-        "full": (SCRIPT, *pretrained(tiny, root / "full", "--max_train_steps", 8, *validation_flags(tiny, 3),
-                                     "--checkpointing_steps", 3, "--checkpoints_total_limit", 1, mixed=True)),
-        "from_unet": (wrapper, *from_unet_args),
-        "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
-        "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
+    results = together({
+        "full": functools.partial(launch, SCRIPT, *pretrained(
+            tiny, root / "full", "--max_train_steps", 8, *validation_flags(tiny, 3), "--checkpointing_steps", 3,
+            "--checkpoints_total_limit", 1, mixed=True)),
+        "from_unet": functools.partial(launch, wrapper, *from_unet_args),
+        "uncached": functools.partial(launch, SCRIPT, *cache_flags(tiny, root / "uncached"), processes=2),
+        "cached": functools.partial(sharded_launch, SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
     })
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -246,9 +256,15 @@ def test_validation_pairs_follow_the_upstream_rules(tiny, tmp_path, script):
     assert pairs(["a"], [first, second]) == [("a", sums[0]), ("a", sums[1])]
 
 
-def test_cached_latents_train_as_the_uncached_run(tiny, runs):
-    (uncached, _), (cached, result) = runs["uncached"], runs["cached"]
+def test_cached_latents_train_sharded_as_the_uncached_run_as_ddp(tiny, runs):
+    """Sharded (FSDP2) and cached, as the DDP run uncached: to 1e-5, the outputs and a checkpoint of the stock
+    class."""
+    (uncached, ddp), (cached, result) = runs["uncached"], runs["cached"]
     assert len(reported_buckets(result.stderr)) >= 3, result.stderr[-3000:]
+    assert "FSDP2 units: 1 ControlNetModel" in result.stderr and "FSDP2 units" not in ddp.stderr
+    assert json.loads((cached / "checkpoint-2" / "training_state.json").read_text())["sharded"] is True
+    for folder in (cached, cached / "checkpoint-2" / "controlnet", cached / "checkpoint-2" / "ema" / "controlnet"):
+        assert json.loads((folder / "config.json").read_text())["_class_name"] == "ControlNetModel"
     initial = ControlNetModel.from_pretrained(tiny["controlnet"]).state_dict()
     for weights in (WEIGHTS, f"ema/{WEIGHTS}"):
         cached_weights = assert_close_files(uncached / weights, cached / weights)
@@ -266,4 +282,4 @@ def test_cached_run_resumed_mid_epoch_is_the_uninterrupted_one(tiny, tmp_path, r
         return cache_flags(tiny, output_dir, "--cache_latents")
 
     assert_resumes_exactly(SCRIPT, resumed_flags, runs["cached"][0], tmp_path, 2, [WEIGHTS, f"ema/{WEIGHTS}"],
-                           launch=launch)
+                           launch=sharded_launch)

@@ -20,8 +20,9 @@ What is particular to a family is its row's: its prompt settings (Qwen-Image-Edi
 the tiny VAE, where the others cut prompts), the shapes its pipeline lays references out in, the components and
 context an edit renders with outside the script (Qwen-Image-Edit's processor loaded without torchvision, its
 references at the runs' area), the module its ComfyUI file adapts, the most references a row may have and its own
-refusals. The template (FLUX.2 [klein]) and Qwen-Image-Edit (its own training step) also train on two processes
-on an int8 base. A new edit family is one row.
+refusals. The template (FLUX.2 [klein]) and Qwen-Image-Edit (its own training step) also train on two processes:
+the template on an int8 base (DDP), Qwen-Image-Edit sharded (FSDP2, the edit family's sharded launch). A new edit
+family is one row.
 """
 
 import contextlib
@@ -40,7 +41,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from comfyui import comfyui_weight, delta_shape, module_weights
-from helpers import launch, launch_processes, launching, together, usage_error
+from helpers import FSDP2, launch, launch_processes, launching, together, usage_error
 from training_utils.adapter_export import converted_name
 from training_utils.families import flux2, flux2_dev, flux_kontext, qwen_image_edit
 from training_utils.grids import step_grid
@@ -80,7 +81,8 @@ class EditFamily:
     flags: tuple = ()  # what every run adds (the family's prompt settings)
     # A linear layer of the transformer and the module of the ComfyUI file that adapts it.
     comfyui_module: tuple = ("single_transformer_blocks.0.attn.to_out", "diffusion_model.single_blocks.0.linear2")
-    two_processes: bool = False  # also trained on two processes, on an int8 base
+    # Also trained on two processes: "int8" on an int8 base (DDP: FSDP2 refuses a quantised base), or "fsdp2" sharded.
+    two_processes: Optional[str] = None
     refused: tuple = ()  # (flags, message) of the family's own refusals and checks
     data: str = "shapes_edit"  # its edit dataset's fixture
     references: tuple = REFERENCES  # the validation references, in the dataset's folder
@@ -93,7 +95,7 @@ class EditFamily:
 
 EDIT_FAMILIES = [
     EditFamily("flux2_klein_img2img", "flux2_klein", "dreambooth/train_dreambooth_lora_flux2_klein_img2img.py",
-               Flux2KleinPipeline, flux2, ("--max_sequence_length", 32), two_processes=True,
+               Flux2KleinPipeline, flux2, ("--max_sequence_length", 32), two_processes="int8",
                refused=((["--guidance_scale", 1], "--guidance_scale is not supported here: FLUX.2 [klein]'s "
                                                   "transformer takes no guidance embedding (Flux2KleinPipeline passes "
                                                   "none, and upstream's script ignores the flag for it)"),
@@ -124,7 +126,7 @@ EDIT_FAMILIES = [
                                "diffusion_model.transformer_blocks.0.attn.to_out.0"),
                sample_shapes=("target 24x40, references none", "target 32x32, references 32x32",
                               "target 32x32, references 32x32, 32x32"),
-               max_references=3, components=qwen_image_edit_components, two_processes=True,
+               max_references=3, components=qwen_image_edit_components, two_processes="fsdp2",
                render_context=functools.partial(qwen_image_edit.references_at_area, QwenImageEditPlusPipeline,
                                                 QWEN_REFERENCE_AREA),
                refused=((["--max_sequence_length", 32],
@@ -173,9 +175,11 @@ def runs(tiny, tmp_path_factory):
                                                          "--resume_from_checkpoint", "latest"))
 
     def two_processes(family):
+        sharded = family.two_processes == "fsdp2"
         return launch_processes(family.script, lambda: tmp_path_factory.mktemp(f"{family.name}-two_processes"),
-                                lambda output_dir: common(tiny, family, output_dir, *INT8, "--checkpointing_steps",
-                                                          1000))
+                                lambda output_dir: common(tiny, family, output_dir, *(() if sharded else INT8),
+                                                          "--checkpointing_steps", 1000),
+                                env=FSDP2 if sharded else None)
 
     runs = together({
         **{(family.name, "full"): run(family, "full", functools.partial(full_flags, tiny, family))
@@ -274,12 +278,13 @@ def test_the_lora_changes_an_edit_and_comfyui_applies_it_at_the_trained_strength
     torch.testing.assert_close(comfyui_weight(module, torch.zeros(delta_shape(module))), fused - base)
 
 
-def test_two_processes_train_on_an_int8_base(runs):
+def test_two_processes_train_on_an_int8_base_or_sharded(runs):
     for family in (family for family in EDIT_FAMILIES if family.two_processes):
         output_dir, result = runs[family.name, "two_processes"]
         raw = load_file(output_dir / LORA)
         assert raw and all(tensor.dtype == torch.float32 for tensor in raw.values())
         assert (output_dir / "ema" / LORA).is_file() and f"raw LoRA: {output_dir / LORA}" in result.stdout
+        assert ("FSDP2 units:" in result.stderr) == (family.two_processes == "fsdp2"), family.name
 
 
 @pytest.mark.parametrize("family, flags, message", [pytest.param(family, flags, message, id=f"{family.name}-{flags[0]}")

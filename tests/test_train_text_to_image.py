@@ -1,5 +1,7 @@
 """Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,7 @@ from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, launching, usage_error
+from helpers import FSDP2, launch, launching, together, usage_error
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
                                     checkpoint_names, most_common_bucket, rendered_images, reported_buckets)
@@ -74,17 +76,22 @@ def cache_flags(tiny, output_dir, *extra):
 @launching
 def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, result)}`` of every run here that starts from scratch, launched together: full
-    (`full_flags`, in buckets), decay_zero (3 steps on the square pictures with ``--ema_decay 0``),
+    (`full_flags`, in buckets), decay_zero (3 steps on the square pictures with ``--ema_decay 0``, on two processes,
+    sharded, a batch of 1 on each),
     input_perturbation (the same with ``--input_perturbation 0.1``), and uncached and cached (`cache_flags`, in
     buckets, with the VAE in the step, and with its latents cached)."""
     root = tmp_path_factory.mktemp("runs")
-    results = launch_together({
-        "full": (SCRIPT, *full_flags(tiny, root / "full")),
-        "decay_zero": (SCRIPT, *decay_zero_flags(tiny, root / "decay_zero")),
-        "input_perturbation": (SCRIPT, *decay_zero_flags(tiny, root / "input_perturbation", "--input_perturbation",
-                                                         0.1)),
-        "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
-        "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
+    results = together({
+        "full": functools.partial(launch, SCRIPT, *full_flags(tiny, root / "full")),
+        # This script's sharded launch (FSDP2, two processes, a batch of 1 on each): a full fine-tune written whole as
+        # the stock pipeline.
+        "decay_zero": functools.partial(launch, SCRIPT, *decay_zero_flags(tiny, root / "decay_zero",
+                                                                          "--train_batch_size", 1),
+                                        processes=2, env=FSDP2),
+        "input_perturbation": functools.partial(launch, SCRIPT, *decay_zero_flags(
+            tiny, root / "input_perturbation", "--input_perturbation", 0.1)),
+        "uncached": functools.partial(launch, SCRIPT, *cache_flags(tiny, root / "uncached")),
+        "cached": functools.partial(launch, SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
     })
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -153,10 +160,14 @@ def test_resumed_run_that_never_validates_prunes_and_ends_with_the_uninterrupted
     assert not (tmp_path / "validation").exists()
 
 
-def test_ema_decay_zero_equals_the_raw_unet(runs):
-    output_dir, _ = runs["decay_zero"]
+def test_ema_decay_zero_equals_the_raw_unet_sharded_too(runs):
+    output_dir, result = runs["decay_zero"]
+    assert "FSDP2 units: 1 UNet2DConditionModel" in result.stderr, result.stderr[-3000:]
     assert_same(load_file(output_dir / EMA_UNET), load_file(output_dir / UNET))
     assert "ema/unet" in (output_dir / "README.md").read_text()
+    # Gathered whole and written as the stock classes, not FSDP's: the stock pipeline loads them.
+    assert isinstance(StableDiffusionPipeline.from_pretrained(output_dir).unet, UNet2DConditionModel)
+    assert json.loads((output_dir / "ema/unet/config.json").read_text())["_class_name"] == "UNet2DConditionModel"
 
 
 def test_input_perturbation_changes_the_result(runs):

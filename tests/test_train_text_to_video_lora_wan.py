@@ -8,9 +8,10 @@ together:
 - experts: Wan 2.2's two experts on an int8 base, with gradient checkpointing;
 - resumed: the full run resumed from its checkpoint-2;
 - i2v: the image-to-video script on Wan 2.1 I2V-style (a CLIP image encoder), with cached latents, validating from
-  the first clip's first frame at its last step.
+  the first clip's first frame at its last step; on two processes, sharded (FSDP2).
 """
 
+import functools
 import shutil
 
 import pytest
@@ -19,7 +20,7 @@ from diffusers import WanPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import launch_together, launching, usage_error
+from helpers import FSDP2, launch, launch_together, launching, together, usage_error
 from training_utils.testing import (assert_close_files, assert_lora_changes_pipeline_output, assert_same_files,
                                     assert_validated_at, checkpoint_names)
 from training_utils.video import probe
@@ -41,17 +42,22 @@ def common(tiny, output_dir, *extra, model="wan21"):
 @launching
 def runs(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("wan")
-    results = launch_together({
-        "full": (SCRIPT, *common(tiny, root / "full", "--validation_prompt", PROMPT, "--num_validation_images", 1,
-                                 "--validation_inference_steps", 2, "--validation_steps", 2,
-                                 "--validation_num_frames", 5, "--checkpointing_steps", 2, "--offload")),
-        "cached": (SCRIPT, *common(tiny, root / "cached", "--checkpointing_steps", 1000, "--cache_latents",
-                                   "--feature_cache_dir", root / "features")),
-        "experts": (SCRIPT, *common(tiny, root / "experts", "--checkpointing_steps", 1000, "--quantize_base", "int8",
-                                    "--mixed_precision", "bf16", "--gradient_checkpointing", model="wan22")),
-        "i2v": (I2V_SCRIPT, *common(tiny, root / "i2v", "--checkpointing_steps", 1000, "--cache_latents",
-                                    "--validation_prompt", PROMPT, "--num_validation_images", 1,
-                                    "--validation_inference_steps", 2, "--validation_num_frames", 5, model="wan_i2v")),
+    results = together({
+        "full": functools.partial(launch, SCRIPT, *common(
+            tiny, root / "full", "--validation_prompt", PROMPT, "--num_validation_images", 1,
+            "--validation_inference_steps", 2, "--validation_steps", 2, "--validation_num_frames", 5,
+            "--checkpointing_steps", 2, "--offload")),
+        "cached": functools.partial(launch, SCRIPT, *common(
+            tiny, root / "cached", "--checkpointing_steps", 1000, "--cache_latents", "--feature_cache_dir",
+            root / "features")),
+        "experts": functools.partial(launch, SCRIPT, *common(
+            tiny, root / "experts", "--checkpointing_steps", 1000, "--quantize_base", "int8", "--mixed_precision",
+            "bf16", "--gradient_checkpointing", model="wan22")),
+        # The video family's sharded launch: two processes, FSDP2.
+        "i2v": functools.partial(launch, I2V_SCRIPT, *common(
+            tiny, root / "i2v", "--checkpointing_steps", 1000, "--cache_latents", "--validation_prompt", PROMPT,
+            "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_num_frames", 5,
+            model="wan_i2v"), processes=2, env=FSDP2),
     })
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
     results.update(launch_together({"resumed": (SCRIPT, *common(tiny, root / "resumed", "--checkpointing_steps",
@@ -127,8 +133,9 @@ def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, flags,
     assert not (tmp_path / "out").exists()
 
 
-def test_image_to_video_trains_on_first_frames_and_validates_from_an_image(tiny, runs):
-    output_dir, _ = runs["i2v"]
+def test_image_to_video_trains_sharded_on_first_frames_and_validates_from_an_image(tiny, runs):
+    output_dir, result = runs["i2v"]
+    assert "FSDP2 units: 1 WanTransformer3DModel" in result.stderr, result.stderr[-3000:]
     log = assert_validated_at(output_dir, [4], ("raw", "ema"), [PROMPT], num_images=1)
     assert probe(output_dir / log[0]["videos"][0]) == (5, 16.0, (32, 32))
     first_frame = Image.open(output_dir / "validation" / "conditioning-p00.png")

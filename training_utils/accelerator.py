@@ -14,8 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from .output_folder import prepare_output_dir
-from .errors import UsageError
-from .sharding import FSDP2_LAUNCH, check_launch, enable_fsdp2_on_cpu, fsdp2_plugin
+from .sharding import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs, one_model_of
 
 
 def make_accelerator(args):
@@ -64,13 +63,16 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     several processes train), the optimizer and its schedule. Returns the prepared modules by component name, which
     the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
     ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports. Sharded
-    (FSDP2), accelerate prepares one module: a run training several stops in one line.
+    (FSDP2), accelerate prepares one model per call: several trained modules are prepared as one
+    (`sharding.one_model_of`), each sharded as a unit of its own, and called directly by the step.
 
     DDP leaves the frozen weights alone: every process loaded the same ones, and broadcasting them when it wraps a
     module would fail on a quantised base (torchao's int8 tensors cannot be viewed as a flat buffer)."""
-    if accelerator.is_fsdp2 and len(trained) > 1:
-        raise UsageError(None, None, f"{FSDP2_LAUNCH} shards one trained module here (accelerate's FSDP2 prepares "
-                                     f"one model); this run trains {', '.join(trained)}: launch it unsharded")
+    if accelerator.is_fsdp2:
+        model = one_model_of(trained) if len(trained) > 1 else next(iter(trained.values()))
+        _, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+        keep_recorded_outputs(trained)
+        return dict(trained), optimizer, lr_scheduler  # fully_shard works in place: the step calls these
     for module in trained.values():
         module._ddp_params_and_buffers_to_ignore = [name for name, parameter in module.named_parameters()
                                                     if not parameter.requires_grad]

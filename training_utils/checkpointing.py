@@ -12,10 +12,11 @@ A checkpoint is written under a temporary name and renamed when complete, so a f
 intact. Resuming checks the manifest before loading anything: ``latest`` skips a damaged checkpoint for
 the newest whole one, and a named one that is damaged is an error.
 
-Sharded (FSDP2), accelerate writes the model and the optimizer with ``torch.distributed.checkpoint``, each process
-its own shard (``pytorch_model_fsdp_0/``, ``optimizer_0/``); the trained weights, the EMA and the post-hoc EMA are
-gathered whole, every process taking part, and written once by the main process in the final output's layout, so
-a checkpoint still loads as a model. The manifest covers every process's files. A sharded checkpoint resumes
+Sharded (FSDP2), accelerate writes the optimizer with ``torch.distributed.checkpoint``, each process its own shard
+(``optimizer_0/``), but not the model (`sharding.without_model_state`): the frozen base is the pretrained one, and
+the trained weights, the EMA and the post-hoc EMA are gathered whole, every process taking part, and written once by
+the main process in the final output's layout, so a checkpoint holds what trains only (a LoRA's is MBs) and still
+loads as a model. The manifest covers every process's files. A sharded checkpoint resumes
 bitwise on as many processes as wrote it; on another number it loads resharded, which is no longer exact, and only
 with --resume_with_changed_args.
 """
@@ -37,7 +38,7 @@ from .checkpoint_folders import (CHECKPOINT_FORMAT, STATE_FILE, choose_checkpoin
 from .errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, WriteFailed, few
 from .manifest import write_manifest
 from .pipeline import trainable_parameters
-from .sharding import any_sharded, local_part, local_tensor, whole_tensors
+from .sharding import any_sharded, local_part, local_tensor, whole_tensors, without_model_state
 from .stop_signals import SIGNALS
 from .writing import STAGING_PREFIX, failure_cause, give_normal_permissions
 
@@ -97,7 +98,7 @@ class Checkpointer:
                               "processes": self.accelerator.num_processes,
                               **({"sharded": True} if self.accelerator.is_fsdp2 else {}), **(state or {}),
                               **({"trajectory": self.trajectory} if self.trajectory else {})}
-        failure = self._first_failure(failure or attempt(lambda: self.accelerator.save_state(str(staging)), staging))
+        failure = self._first_failure(failure or attempt(lambda: self._save_state(staging), staging))
         if failure is None and self.accelerator.is_main_process:
             failure = attempt(lambda: self._publish(staging, final), staging)
         failure = self._first_failure(failure)
@@ -113,6 +114,10 @@ class Checkpointer:
             logger.info(f"saved {final}")
         self.accelerator.wait_for_everyone()
         return final
+
+    def _save_state(self, staging):
+        with without_model_state(self.accelerator):
+            self.accelerator.save_state(str(staging))
 
     def _publish(self, staging, final):
         """The permissions the umask gives, the manifest, written last, then the rename that makes the checkpoint
@@ -151,7 +156,8 @@ class Checkpointer:
         self._check_trajectory(path, self.loaded_state.get("trajectory", {}))
         same_processes = self._check_processes(path)
         self.resharded = not same_processes
-        self.accelerator.load_state(str(path))
+        with without_model_state(self.accelerator):
+            self.accelerator.load_state(str(path))
         process = self.accelerator.process_index
         if self.loaded_state.get("format", 1) >= CHECKPOINT_FORMAT:
             if same_processes:
@@ -255,10 +261,10 @@ class Checkpointer:
         posthoc = self.posthoc.whole_shadows() if self.posthoc is not None else None
         if not self.accelerator.is_main_process:
             return
-        self.export.write(trained, output_dir)
+        self.export.write_checkpoint(trained, output_dir)
         state = dict(self._saving_state)
         if ema is not None:
-            self.export.write(ema, output_dir / EMA_FOLDER)
+            self.export.write_checkpoint(ema, output_dir / EMA_FOLDER)
             state["ema_step"] = self.ema.step
         if posthoc is not None:
             self.posthoc.save(output_dir / POSTHOC_FILE, posthoc)

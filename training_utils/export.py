@@ -18,6 +18,7 @@ import enum
 import importlib
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import few
@@ -75,6 +76,11 @@ class Export:
         are the checkpoint's only copy of the weights: resuming reads them back with `read_checkpoint`."""
         return self.save(directory)
 
+    def write_checkpoint(self, tensors, directory):
+        """What `save_checkpoint` writes, from ``tensors`` keyed like the trained parameters instead of the live
+        modules (a sharded run's, gathered whole)."""
+        return self.write(tensors, directory)
+
     def read_checkpoint(self, directory):
         """The trained tensors that `save_checkpoint` wrote into ``directory``, keyed like the trained parameters
         (``<component>.<parameter name>``)."""
@@ -131,16 +137,27 @@ class ModelExport(Export):
 
     def write(self, tensors, directory):
         """Rebuild each model with ``from_config`` around ``tensors``, which must cover its whole state dict."""
+        return self._write(tensors, lambda component: self.folder(directory, component), directory)
+
+    def write_checkpoint(self, tensors, directory):
+        """Each model in its component's folder, as `save_checkpoint` writes them."""
+        return self._write(tensors, lambda component: Path(directory) / component, directory)
+
+    def _write(self, tensors, folder_of, directory):
         for component, state in by_component(tensors, self.configs).items():
             spec = self.configs[component]
-            module = import_class(spec["class_module"], spec["class_name"]).from_config(spec["config"])
+            # Made on the meta device: no weights initialised only to be replaced, and no random numbers drawn (a
+            # sharded run's checkpoint is written so mid-run, and the run must go on with the RNG as it was).
+            with torch.device("meta"):
+                module = import_class(spec["class_module"], spec["class_name"]).from_config(spec["config"])
             expected = module.state_dict()
             missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
             if missing or unexpected:
                 raise ValueError(f"{component}: the tensors do not cover {spec['class_name']}'s state dict "
                                  f"(missing {few(sorted(missing))}; unexpected {few(sorted(unexpected))})")
-            module.load_state_dict({name: tensor.to(expected[name].dtype) for name, tensor in state.items()})
-            save_model(module, self.folder(directory, component))
+            module.load_state_dict({name: tensor.to(expected[name].dtype) for name, tensor in state.items()},
+                                   assign=True)
+            save_model(module, folder_of(component))
         return Path(directory)
 
     def save(self, directory):

@@ -20,7 +20,8 @@ trains on the readable sample put in its place and counts it (``skipped_images``
 
 Sharded (FSDP2: `sharding`), the EMA and post-hoc EMA made before ``accelerator.prepare`` follow the parameters
 that prepare put in place, each process keeping its own part; when the last batch is done, the trained parameters
-are gathered whole on every process, so that what the script writes after the loop is whole.
+are gathered whole on every process, so that what the script writes after the loop is whole (a full fine-tune's
+models become plain models again, which ``save_pretrained`` writes as the stock class).
 """
 
 import contextlib
@@ -44,7 +45,7 @@ from .data import BatchWithUnreadable, epoch_batches
 from .errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, UNREADABLE_EXIT_CODE, RunStopped, UsageError
 from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
-from .sharding import (FSDP2_LAUNCH, any_sharded, describe_held_bytes, held_bytes, sharded_units, unshard_trained,
+from .sharding import (any_sharded, describe_held_bytes, held_bytes, plain_modules, sharded_units, unshard_trained,
                        whole_bytes)
 from .run_status import RUN
 from .stop_signals import SIGNALS
@@ -80,9 +81,6 @@ class TrainingLoop:
         trained = trainable_parameters(export.trained)
         self.parameters = list(trained.values())
         self.sharded = any_sharded(trained)
-        if self.sharded and not isinstance(export, AdapterExport):
-            raise UsageError(None, None, f"{FSDP2_LAUNCH} trains adapters here (LoRA and peft's); a full fine-tune's "
-                                         f"whole-model outputs are not gathered from shards yet: launch it unsharded")
         for average in (ema, posthoc):
             if average is not None:
                 average.rebind(trained)
@@ -160,6 +158,8 @@ class TrainingLoop:
     def _unshard(self):
         """Whole trained parameters and averages on every process, for the outputs written after the loop."""
         unshard_trained(self.export.trained)
+        if not isinstance(self.export, AdapterExport):
+            plain_modules(self.export.trained)  # a full fine-tune's models are saved whole by save_pretrained
         trained = trainable_parameters(self.export.trained)
         for average in (self.ema, self.posthoc):
             if average is not None:

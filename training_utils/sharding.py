@@ -9,6 +9,7 @@ accelerate's state treats several CPU processes as DDP whatever the launch asked
 such a run take accelerate's FSDP2 path instead (the one a GPU run takes), so that tests and CI can run it.
 """
 
+import contextlib
 import os
 
 import torch
@@ -52,6 +53,52 @@ def fsdp2_plugin():
     return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy)
 
 
+class TrainedModules(torch.nn.ModuleDict):
+    """Several trained modules as one model (`one_model_of`); never called itself (``fully_shard`` takes no container
+    without a forward)."""
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("the trained modules are called one by one (each gathers its own parameters), not together")
+
+
+def one_model_of(trained):
+    """One module holding the several modules of ``trained`` (``{component: module}``), for accelerate's FSDP2
+    ``prepare``, which shards one model per call. Each trained module is a unit of its own, and so is each of its
+    repeated blocks (the container's ``_no_split_modules`` name their classes): FSDP2's hooks are on the trained
+    modules themselves, so the step calls them directly, each gathering its own parameters, as it calls them
+    unsharded; the container holds no parameter of its own."""
+    container = TrainedModules(trained)
+    present = {type(submodule).__name__ for submodule in container.modules()}
+    # A model's list may name classes of its relatives (transformers' CLIP text model names the vision embeddings).
+    blocks = {block for module in trained.values() for block in getattr(module, "_no_split_modules", None) or ()}
+    container._no_split_modules = sorted({type(module).__name__ for module in trained.values()} | blocks & present)
+    return container
+
+
+def unsharded_class(module):
+    """The class a module that ``fully_shard`` wrapped had before: it gave it a class of its own, FSDP<class>, made
+    from FSDPModule and that class."""
+    from torch.distributed.fsdp import FSDPModule
+    return next(base for base in type(module).__mro__[1:] if base is not FSDPModule)
+
+
+def keep_recorded_outputs(trained):
+    """transformers' models record their hidden states (``output_hidden_states``) through a registry keyed on the
+    model's class, which ``fully_shard`` replaces: register what each sharded module of ``trained`` records under
+    its new class too, or a sharded text encoder returns no hidden states (SDXL's prompts read the penultimate)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    from torch.distributed.fsdp import FSDPModule
+    for module in trained.values():
+        for submodule in module.modules():
+            recorded = dict.get(_CAN_RECORD_REGISTRY, str(unsharded_class(submodule))) \
+                if isinstance(submodule, FSDPModule) else None
+            if recorded is not None:
+                _CAN_RECORD_REGISTRY[submodule] = recorded
+
+
 def enable_fsdp2_on_cpu(accelerator, plugin):
     """Put an accelerator that accelerate left on DDP because its processes are CPU processes (gloo) on FSDP2 with
     ``plugin``, as accelerate's state does for GPU processes: the same ``prepare``, the same ``fully_shard``."""
@@ -64,6 +111,25 @@ def enable_fsdp2_on_cpu(accelerator, plugin):
     state.fsdp_plugin = plugin
     # Every later AcceleratorState() starts from the process state's type: accelerate records it there too.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+@contextlib.contextmanager
+def without_model_state(accelerator):
+    """accelerate's ``save_state`` and ``load_state``, sharded, write and read each prepared model's whole state (the
+    frozen base's shards too: GBs beside a LoRA of MBs) as well as the optimizer's. A checkpoint here holds what
+    trains only: the trained parameters are written by its own hook (gathered, in the output's layout) and read back
+    by it, and the frozen base is the pretrained one. So inside this block, accelerate's FSDP model writer and reader
+    do nothing under FSDP; the optimizer's (each process its shard, ``torch.distributed.checkpoint``) run as before."""
+    import accelerate.accelerator
+    if not accelerator.is_fsdp2:
+        yield
+        return
+    writer, reader = accelerate.accelerator.save_fsdp_model, accelerate.accelerator.load_fsdp_model
+    accelerate.accelerator.save_fsdp_model = accelerate.accelerator.load_fsdp_model = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        accelerate.accelerator.save_fsdp_model, accelerate.accelerator.load_fsdp_model = writer, reader
 
 
 def local_tensor(tensor):
@@ -104,13 +170,36 @@ def unshard_trained(trained):
     """Replace every sharded trained parameter of the modules of ``trained`` (``{component: module}``) by a plain
     parameter holding its whole tensor, on every process (they all take part in gathering), so that the main process
     writes whole outputs from the live modules as an unsharded run does. The modules no longer run sharded after."""
+    from torch.distributed.fsdp import FSDPModule
     for module in trained.values():
+        for submodule in module.modules():
+            if isinstance(submodule, FSDPModule):
+                submodule.reshard()  # the root stays gathered after a forward (validation's): back to its shards
         for name, parameter in list(module.named_parameters()):
             if parameter.requires_grad and isinstance(parameter, DTensor):
                 owner_name, _, attribute = name.rpartition(".")
                 owner = module.get_submodule(owner_name)
                 whole = parameter.detach().full_tensor()
                 owner.register_parameter(attribute, torch.nn.Parameter(whole, requires_grad=True))
+
+
+def plain_modules(trained):
+    """Make the modules of ``trained`` (``{component: module}``), whose parameters `unshard_trained` made whole, plain
+    modules again: each unit ``fully_shard`` made gets its own class back (a saved config names the stock class,
+    not ``FSDP<class>``) and loses FSDP's forward hooks (which would put the stale shards back). For a full
+    fine-tune's outputs, written by ``save_pretrained`` from the live modules."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in trained.values():
+        for submodule in module.modules():
+            if not isinstance(submodule, FSDPModule):
+                continue
+            sharded = [name for name, parameter in submodule.named_parameters() if isinstance(parameter, DTensor)]
+            if sharded:
+                raise ValueError(f"{type(submodule).__name__} still holds sharded parameters ({sharded[0]}, ...)")
+            state = submodule._get_fsdp_state()
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+            submodule.__class__ = unsharded_class(submodule)
 
 
 def held_bytes(trained, averages=()):
@@ -146,8 +235,7 @@ def sharded_units(trained):
     for module in trained.values():
         for submodule in module.modules():
             if isinstance(submodule, FSDPModule):
-                # fully_shard gives the module a class of its own, FSDP<class>, made from FSDPModule and its class
-                name = next(base for base in type(submodule).__mro__[1:] if base is not FSDPModule).__name__
+                name = unsharded_class(submodule).__name__
                 units[name] = units.get(name, 0) + 1
     return units
 
