@@ -23,7 +23,7 @@ import logging
 from accelerate.utils import gather_object
 
 from .errors import UsageError
-from .sharding import FSDP2_LAUNCH, fsdp_requested, held_bytes, sharded_units, whole_bytes
+from .sharding import FSDP2_LAUNCH, fsdp_requested, held_bytes, keep_recorded_outputs, sharded_units, whole_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -102,22 +102,12 @@ def shard_text_encoders(accelerator, encoders, enabled):
         if not is_sharded(embeddings):
             fully_shard([embeddings, *tied], **options)
         fully_shard(encoder, **options)
-        keep_recording_outputs(encoder)
+        keep_recorded_outputs({name: encoder})
         held = gather_object([held_bytes({name: encoder})])
         units = ", ".join(f"{count} {unit}" for unit, count in sharded_units({name: encoder}).items())
         logger.info(f"{name} sharded while it encodes (--fsdp_text_encoder), units: {units}; held per process: "
                     + "; ".join(f"process {index}: {part['frozen']} B" for index, part in enumerate(held))
                     + f" (whole: {whole['frozen']} B)")
-
-
-def keep_recording_outputs(encoder):
-    """Have transformers still record the outputs it records on request (``output_hidden_states``) in the sharded
-    modules of ``encoder``: it looks their recorders up by the name of their class, and ``fully_shard`` gives each
-    sharded module a class of its own (``FSDP<class>``)."""
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    for module in encoder.modules():
-        if is_sharded(module) and getattr(module, "_can_record_outputs", None):
-            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def most_calls(calls):
