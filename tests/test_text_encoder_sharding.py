@@ -63,41 +63,41 @@ def first_of_two():
         dist.destroy_process_group()
 
 
-def test_a_sharded_encoder_still_gives_the_hidden_states_it_is_asked_for(first_of_two, monkeypatch):
+@pytest.fixture
+def fsdp2_accelerator(first_of_two, monkeypatch):
+    """What `shard_text_encoders` reads of an accelerator on an FSDP2 launch, as process 0 of 2 (`first_of_two`)."""
+    from training_utils.sharding import fsdp2_plugin
+    for name, value in FSDP2.items():
+        monkeypatch.setenv(name, value)
+    return type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,
+                                    "state": type("State", (), {"fsdp_plugin": fsdp2_plugin()})()})()
+
+
+def test_a_sharded_encoder_still_gives_the_hidden_states_it_is_asked_for(fsdp2_accelerator):
     # transformers looks up what a model records by its class's name, which fully_shard changes (Z-Image's and
     # Lumina 2's pipelines read a hidden state of their encoder, a Qwen3Model and a Gemma2Model).
     from transformers import Qwen3Config, Qwen3Model
 
-    from training_utils.sharding import fsdp2_plugin
-    for name, value in FSDP2.items():
-        monkeypatch.setenv(name, value)
     encoder = Qwen3Model(Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=1, head_dim=4)).eval()
-    accelerator = type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,
-                                           "state": type("State", (), {"fsdp_plugin": fsdp2_plugin()})()})()
-    shard_text_encoders(accelerator, [encoder], enabled=True)
+    shard_text_encoders(fsdp2_accelerator, [encoder], enabled=True)
     assert sharded_units({"text_encoder": encoder}) == {"Qwen3Model": 1, "Embedding": 1, "Qwen3DecoderLayer": 2}
     with torch.no_grad():
         output = encoder(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
     assert output.hidden_states is not None and len(output.hidden_states) == 3
 
 
-def test_token_embeddings_shard_as_a_unit_of_their_own_also_tied_to_the_output_layer(first_of_two, monkeypatch):
+def test_token_embeddings_shard_as_a_unit_of_their_own_also_tied_to_the_output_layer(fsdp2_accelerator):
     # Ideogram 4's pipeline calls its encoder's token embeddings directly, outside the encoder's forward (its encoder
     # has no output layer), so they are a unit of their own; with the output layer where that shares their weight
     # (Qwen3-4B, FLUX.2 [klein]'s encoder).
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
-    from training_utils.sharding import fsdp2_plugin
-    for name, value in FSDP2.items():
-        monkeypatch.setenv(name, value)
-    accelerator = type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,
-                                           "state": type("State", (), {"fsdp_plugin": fsdp2_plugin()})()})()
     config = Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=True)
     called_whole, called_directly = Qwen3ForCausalLM(config).eval(), Qwen3Model(config).eval()
     assert called_whole.lm_head.weight is called_whole.get_input_embeddings().weight
-    shard_text_encoders(accelerator, [called_whole, called_directly], enabled=True)
+    shard_text_encoders(fsdp2_accelerator, [called_whole, called_directly], enabled=True)
     # One unit, the embeddings and the output layer: both are FSDP modules.
     assert sharded_units({"text_encoder": called_whole}) == {"Qwen3ForCausalLM": 1, "Embedding": 1, "Linear": 1,
                                                              "Qwen3DecoderLayer": 2}
