@@ -65,7 +65,7 @@ def test_a_hung_run_without_psutil_fails_with_its_stacks_and_leaves_none_running
 def test_a_hung_multiprocess_run_is_reported_and_made_again_in_a_fresh_folder(tmp_path, monkeypatch):
     attempts = []
 
-    def hanging_once(script, *args, processes, timeout):
+    def hanging_once(script, *args, processes, timeout, env=None):
         attempts.append(args)
         if len(attempts) == 1:
             raise RunHung("no result within 120 s")
@@ -81,7 +81,7 @@ def test_a_hung_multiprocess_run_is_reported_and_made_again_in_a_fresh_folder(tm
 
 
 def test_a_multiprocess_run_that_hangs_twice_fails(monkeypatch):
-    def hanging(script, *args, processes, timeout):
+    def hanging(script, *args, processes, timeout, env=None):
         raise RunHung("no result within 120 s")
 
     monkeypatch.setattr(helpers, "launch", hanging)
