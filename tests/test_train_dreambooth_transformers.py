@@ -69,9 +69,9 @@ NO_TEXT_ENCODER_TRAINING = [
 # The adapters beside LoRA, each with a setting of its own; OFT has no rank.
 ADAPTERS = {"dora": ["--rank", 4], "lokr": ["--rank", 4, "--lokr_decompose_both"], "loha": ["--rank", 4],
             "oft": ["--oft_block_size", 8]}
-# The adapters whose klein runs are compiled too: the two whose forward is least like LoRA's (a Kronecker product, a
-# rotation of the input). Each compiled run costs about 15 s of tracing, so DoRA and LoHa (LoKr's sibling) run eager.
-COMPILED_ADAPTERS = ("lokr", "oft")
+# The adapter whose klein run is compiled too: the one whose forward is least like LoRA's (a rotation of the input).
+# Each compiled run costs about 15 s of tracing, so the others run eager (the prior run compiles klein's LoRA).
+COMPILED_ADAPTERS = ("oft",)
 # Ideogram 4's blocks' layers that upstream's default --lora_layers adapt (the tiny transformer's two blocks).
 IDEOGRAM4_LAYERS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
                     "feed_forward.w2", "feed_forward.w3")
