@@ -12,7 +12,7 @@ install:
 	$(PYTHON) -m pip install -e ".[test]"
 
 # A real DreamBooth LoRA run, with EMA and validation: it teaches the pretrained tiny model (committed weights that
-# draw coloured circles, squares and triangles) an orange star it never saw, called "sks".
+# draw the colour and background a prompt names, as a blob) an orange star it never saw, called "sks".
 demo: install
 	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny sd_pretrained instance_star
 	rm -rf $(DEMO_DIR)
