@@ -5,8 +5,9 @@ pretrained one's VAE reconstructs the shapes, and its UNet, after 600 steps, dra
 prompt names, as a large, roughly round or square blob ("a red circle on a white background": a red blob on white;
 `training_utils.testing.learning.BASE_THRESHOLDS` measures it), so that a LoRA trained on it (`make demo`, the
 learning tests) starts from a model that follows its prompts' colour words. Its weights are committed
-(`sd.PRETRAINED`, safetensors, about 4 MB; the fixture ``sd_pretrained`` copies them), made deterministically on the CPU (single-threaded: 154 s of CPU time
-on a shared two-core machine, 186 s on a busier one; rerun, every weight reproduced bitwise) by::
+(`sd.PRETRAINED`, safetensors, about 4 MB; the fixture ``sd_pretrained`` copies them), made deterministically on the
+CPU (single-threaded: 154 s of CPU time on a shared two-core machine, 186 s on a busier one; rerun, every weight
+reproduced bitwise) by::
 
     python -m training_utils.testing.tiny.pretrain
 
