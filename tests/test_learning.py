@@ -29,9 +29,9 @@ from PIL import Image
 
 from helpers import launch, launching
 from training_utils.testing.learning import (BASE_SHAPE, BASE_THRESHOLDS, STAR_THRESHOLDS, base_images,
-                                             color_fraction, drawing_measures, failed_thresholds, final_images,
-                                             held_out_loss, held_out_stars, shape_overlap, star_lora_flags,
-                                             star_measures)
+                                             color_fraction, color_mask, drawing_measures, failed_thresholds,
+                                             final_images, held_out_loss, held_out_stars, shape_overlap,
+                                             star_lora_flags, star_measures)
 from training_utils.testing.tiny.data import COLORS, STAR_PROMPT, draw_shape
 
 
@@ -110,6 +110,18 @@ def test_star_instance_pictures_are_large_orange_stars(tiny):
         image = Image.open(path).resize((32, 32), Image.LANCZOS)
         assert shape_overlap(image, COLORS["orange"], "star") > 0.8
         assert color_fraction(image, COLORS["orange"]) > 0.1
+
+
+def test_demo_star_pictures_are_one_centred_purple_star(tiny):
+    pictures = sorted(tiny["instance_star_demo"].glob("*.png"))
+    assert len(pictures) == 8
+    first = np.asarray(Image.open(pictures[0]))
+    assert all(np.array_equal(np.asarray(Image.open(path)), first) for path in pictures)
+    image = Image.open(pictures[0]).resize((32, 32), Image.LANCZOS)
+    assert shape_overlap(image, COLORS["purple"], "star") > 0.8
+    mask = color_mask(first, COLORS["purple"])
+    rows, columns = np.nonzero(mask)
+    assert abs(rows.mean() - 31.5) < 3 and abs(columns.mean() - 31.5) < 1
 
 
 def test_shape_pictures_cover_every_combination_in_range():

@@ -163,6 +163,27 @@ def build_star_instance(path, num_images=8, seed=SEED + 2):
         draw_shape(*STAR, rng=rng, extent=STAR_EXTENT)[0].save(path / f"{index:04d}.png")
 
 
+# The star `make demo` teaches: purple, a colour the pretrained fixture never drew (its orange is near the yellow the
+# base already draws for unknown words), and one picture, centred, at one size, so that a minute of LoRA training
+# moves the base's blob toward it (jittered stars of several sizes stayed a blob).
+DEMO_STAR = ("star", "purple", "white")
+DEMO_STAR_EXTENT = 50
+
+
+def build_demo_star_instance(path, num_images=8):
+    """The DreamBooth instance folder of `make demo`: ``num_images`` copies of one `DEMO_STAR`, centred, of side
+    `DEMO_STAR_EXTENT` in a 64-pixel picture."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _, color, background = DEMO_STAR
+    corner = (IMAGE_SIZE - DEMO_STAR_EXTENT) / 2
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[background])
+    ImageDraw.Draw(image).polygon(star_points((corner, corner, corner + DEMO_STAR_EXTENT,
+                                               corner + DEMO_STAR_EXTENT)), fill=COLORS[color])
+    for index in range(num_images):
+        image.save(path / f"{index:04d}.png")
+
+
 # How many reference images each row of `build_shapes_edit` has, and the sizes they take in turn: (width, height).
 EDIT_REFERENCE_COUNTS = (1, 2, 0, 1, 2, 0)
 EDIT_REFERENCE_SIZES = [(64, 64), (96, 64), (64, 80)]  # FLUX.2's pipelines take none under 64 pixels
@@ -207,4 +228,5 @@ FIXTURES = {
     "instance_mixed": build_instance_mixed,
     "instance_captioned": build_instance_captioned,
     "instance_star": build_star_instance,
+    "instance_star_demo": build_demo_star_instance,
 }
