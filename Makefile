@@ -13,7 +13,7 @@ install:
 
 # A real DreamBooth LoRA run, with EMA and validation: it teaches the pretrained tiny model (committed weights that
 # draw the colour and background a prompt names, as a blob) a purple star it never saw, called "sks": one centred
-# star, the text encoder's LoRA too, learning rate 3e-3 (orange or jittered stars, or lr 1e-2, stayed blobs).
+# star, the text encoder's LoRA too, learning rate 3e-3 (orange stars, jittered or centred, stayed blobs).
 demo: install
 	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny sd_pretrained instance_star_demo
 	rm -rf $(DEMO_DIR)
