@@ -3,11 +3,11 @@
     python -m tests.benchmarks.learning [--seeds 0 1 2 3 4] [--variants correct wrong_sign ...] [--json out.json]
 
 Trains the learning run of ``tests/test_learning.py`` (a DreamBooth LoRA teaching the pretrained tiny SD the orange
-"sks" star; `training_utils.testing.learning.star_lora_flags`) once per seed and variant, and prints each run's
-measures (`star_measures`) and the thresholds it fails. The variants are the script with one deliberate bug,
-patched in before the script imports what it patches:
+"sks" star; `training_utils.testing.learning.star_lora_flags`) once per seed and variant, and prints the measures
+(`star_measures`) of each run's raw and EMA weights and the thresholds they fail. The variants are the script with
+one deliberate bug, patched in before the script imports what it patches:
 
-- ``wrong_sign``: the loss target negated (the model learns to predict minus the noise);
+- ``wrong_sign``: the loss target negated (the model learns to predict minus its target);
 - ``unscaled_latents``: the VAE's latents not multiplied by its ``scaling_factor`` before noising;
 - ``lora_on_no_layer``: the LoRA adapters added but scaled by 0, so they act on no layer (their gradients vanish).
 
@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "dreambooth" / "train_dreambooth_lora.py"
 VARIANTS = ("correct", "wrong_sign", "unscaled_latents", "lora_on_no_layer")
+MEASURES = ("color_fraction", "shape_overlap", "held_out_loss_ratio")
 
 
 def break_training(variant):
@@ -103,14 +104,16 @@ def main(argv=None):
                 options = {"learning_rate": args.learning_rate, "steps": args.steps}
                 train(variant, star_lora_flags(tiny["sd_pretrained"], tiny["instance_star"], output_dir, seed,
                                                **{name: value for name, value in options.items() if value}))
-                measures = star_measures(tiny["sd_pretrained"], output_dir, final_images(output_dir), held_out,
-                                         STAR_PROMPT)
-                rows.append({"variant": variant, "seed": seed, **measures, "fails": failed_thresholds(measures)})
-                print(json.dumps(rows[-1]), flush=True)
+                for weights, lora_dir in (("raw", output_dir), ("ema", output_dir / "ema")):
+                    measures = star_measures(tiny["sd_pretrained"], lora_dir, final_images(output_dir, weights),
+                                             held_out, STAR_PROMPT)
+                    rows.append({"variant": variant, "seed": seed, "weights": weights, **measures,
+                                 "fails": failed_thresholds(measures)})
+                    print(json.dumps(rows[-1]), flush=True)
     print(f"\nthresholds: {STAR_THRESHOLDS}")
     for variant in args.variants:
         runs = [row for row in rows if row["variant"] == variant]
-        summary = {name: (min(row[name] for row in runs), max(row[name] for row in runs)) for name in STAR_THRESHOLDS}
+        summary = {name: (min(row[name] for row in runs), max(row[name] for row in runs)) for name in MEASURES}
         failing = sum(bool(row["fails"]) for row in runs)
         print(f"{variant}: {failing} of {len(runs)} runs fail; " +
               ", ".join(f"{name} {low:.3f}-{high:.3f}" for name, (low, high) in summary.items()))

@@ -67,22 +67,25 @@ def star_points(box):
             for k, r in enumerate([radius, radius * 0.45] * 5)]
 
 
-def build_shapes(path, num_images=36, with_conditioning=False, sizes=(IMAGE_SIZE,)):
+def build_shapes(path, num_images=36, with_conditioning=False, sizes=(IMAGE_SIZE,), extent=None, colors=COLORS,
+                 backgrounds=BACKGROUNDS):
     """An imagefolder dataset: ``metadata.jsonl`` with ``file_name`` and ``text`` captions that describe the image.
 
     ``with_conditioning`` adds a ``conditioning_image`` column (ControlNet layout): the shape's mask. The images
-    take the ``sizes`` (see `draw_shape`) in turn.
+    take the ``sizes`` (see `draw_shape`) in turn; the shapes' sides are drawn from ``extent`` (see `draw_shape`).
+    Every shape comes in each of the ``colors`` on each of the ``backgrounds`` (names of `COLORS` and
+    `BACKGROUNDS`), in a shuffled order, repeated.
     """
     path = Path(path)
     (path / "conditioning").mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
-    combos = [(s, c, b) for s in SHAPES for c in COLORS for b in BACKGROUNDS]
+    combos = [(s, c, b) for s in SHAPES for c in colors for b in backgrounds]
     rng.shuffle(combos)
     with open(path / "metadata.jsonl", "w") as metadata:
         for index in range(num_images):
             shape, color, background = combos[index % len(combos)]
             row = {"file_name": f"{index:04d}.png"}
-            image, mask = draw_shape(shape, color, background, sizes[index % len(sizes)], rng=rng)
+            image, mask = draw_shape(shape, color, background, sizes[index % len(sizes)], rng=rng, extent=extent)
             image.save(path / row["file_name"])
             if with_conditioning:
                 row["conditioning_image_file_name"] = f"conditioning/{index:04d}.png"
@@ -141,9 +144,12 @@ def build_instance_captioned(path):
                 (path / f"{index:04d}.txt").write_text(caption + "\n")
 
 
+# The sides of large shapes, nearly centred (a 64-pixel picture leaves them 2 to 10 pixels of play): the pretrained
+# fixture learns these, and the star it is taught later is as large, so that its points survive 32 px.
+LARGE_EXTENT = (40, 52)
 STAR = ("star", "orange", "white")
 STAR_PROMPT = "a sks star on a white background"
-STAR_EXTENT = (40, 52)
+STAR_EXTENT = LARGE_EXTENT
 
 
 def build_star_instance(path, num_images=8, seed=SEED + 2):
@@ -155,6 +161,27 @@ def build_star_instance(path, num_images=8, seed=SEED + 2):
     rng = random.Random(seed)
     for index in range(num_images):
         draw_shape(*STAR, rng=rng, extent=STAR_EXTENT)[0].save(path / f"{index:04d}.png")
+
+
+# The star `make demo` teaches: purple, a colour the pretrained fixture never drew (its orange is near the yellow the
+# base already draws for unknown words), and one picture, centred, at one size, so that a minute of LoRA training
+# moves the base's blob toward it (jittered stars of several sizes stayed a blob).
+DEMO_STAR = ("star", "purple", "white")
+DEMO_STAR_EXTENT = 50
+
+
+def build_demo_star_instance(path, num_images=8):
+    """The DreamBooth instance folder of `make demo`: ``num_images`` copies of one `DEMO_STAR`, centred, of side
+    `DEMO_STAR_EXTENT` in a 64-pixel picture."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _, color, background = DEMO_STAR
+    corner = (IMAGE_SIZE - DEMO_STAR_EXTENT) / 2
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[background])
+    ImageDraw.Draw(image).polygon(star_points((corner, corner, corner + DEMO_STAR_EXTENT,
+                                               corner + DEMO_STAR_EXTENT)), fill=COLORS[color])
+    for index in range(num_images):
+        image.save(path / f"{index:04d}.png")
 
 
 # How many reference images each row of `build_shapes_edit` has, and the sizes they take in turn: (width, height).
@@ -201,4 +228,5 @@ FIXTURES = {
     "instance_mixed": build_instance_mixed,
     "instance_captioned": build_instance_captioned,
     "instance_star": build_star_instance,
+    "instance_star_demo": build_demo_star_instance,
 }
