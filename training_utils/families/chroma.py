@@ -9,9 +9,8 @@ is its only text encoder (no CLIP, no pooled embedding) and it takes no guidance
   `prompt_settings`), T5 run with the padding masked, and the mask of the prompt's tokens and its first padding
   token (Chroma's own convention), which the transformer's attention applies. ``txt_ids`` are zeros, one row for
   all prompts (`text_inputs`). The transformer takes the mask over the text and image tokens together, as the
-  pipeline extends it (``_prepare_attention_mask``); the image's length is the latents', so `model_inputs` fits
-  the transformer with a forward pre-hook that extends a mask of the text's length so (`complete_attention_mask`);
-  a mask of the whole length, the pipeline's, passes unchanged;
+  pipeline extends it (``_prepare_attention_mask``); `model_inputs`, which sees the text and the latents, extends
+  it so;
 - ``hidden_states`` and ``img_ids``: the VAE latents shifted and scaled by the VAE's ``shift_factor`` and
   ``scaling_factor`` (`normalized_latents`, as the pipeline undoes it before decoding), packed into tokens of 2×2
   patches, and their (0, row, column) ids (`model_inputs`);
@@ -93,7 +92,7 @@ def encode_prompts(pipe, prompts, device, settings):
 
 def text_inputs(rows):
     """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``: the
-    attention mask of the text's tokens, which `complete_attention_mask` extends over the image's."""
+    attention mask of the text's tokens, which `model_inputs` extends over the image's."""
     prompt_embeds = stacked(rows, 0)
     return {"encoder_hidden_states": prompt_embeds, "attention_mask": stacked(rows, 1),
             "txt_ids": prompt_embeds.new_zeros(prompt_embeds.shape[1], 3)}
@@ -111,32 +110,17 @@ def normalized_latents(pipe, latents):
 
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
-    passes them: the latents packed into tokens of 2×2 patches, their (0, row, column) ids, and the timesteps in the
-    latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back). The transformer is fitted
-    to take `text_inputs`' attention mask (`complete_attention_mask`)."""
-    complete_attention_mask(pipe)
+    passes them: the latents packed into tokens of 2×2 patches, their (0, row, column) ids, the timesteps in the
+    latents' dtype over 1000 (the pipeline's scale; the transformer multiplies it back), and `text_inputs`' attention
+    mask extended over the image's tokens as the pipeline extends it (``_prepare_attention_mask``)."""
     batch_size, channels, height, width = noisy_latents.shape
-    return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
+    hidden_states = pipe._pack_latents(noisy_latents, batch_size, channels, height, width)
+    attention_mask = pipe._prepare_attention_mask(batch_size, hidden_states.shape[1], hidden_states.dtype,
+                                                  text["attention_mask"])
+    return {"hidden_states": hidden_states,
             "img_ids": pipe._prepare_latent_image_ids(batch_size, height // 2, width // 2, noisy_latents.device,
                                                       noisy_latents.dtype),
-            "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
-
-
-def complete_attention_mask(pipe):
-    """Fit ``pipe.transformer`` (once) to take an attention mask of the text's tokens alone: a forward pre-hook
-    extends it over the image's tokens as the pipeline does (``_prepare_attention_mask``), when the image's length
-    is known. A mask over text and image, as the pipeline passes it, is left alone."""
-    transformer = pipe.transformer
-    if getattr(transformer, "_text_attention_mask_hook", None) is not None:
-        return
-
-    def extend(module, args, kwargs):
-        mask, image = kwargs.get("attention_mask"), kwargs.get("hidden_states")
-        if mask is not None and image is not None and mask.shape[1] == kwargs["encoder_hidden_states"].shape[1]:
-            kwargs["attention_mask"] = pipe._prepare_attention_mask(image.shape[0], image.shape[1], image.dtype, mask)
-        return args, kwargs
-
-    transformer._text_attention_mask_hook = transformer.register_forward_pre_hook(extend, with_kwargs=True)
+            "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text, "attention_mask": attention_mask}
 
 
 def prediction(pipe, output, latents):

@@ -13,10 +13,8 @@ The Krea 2 transformer reads:
   `qwen_image.image_vae`, `qwen_image.normalized_latents`), packed into tokens of the pipeline's ``patch_size``
   square patches (`model_inputs`);
 - ``position_ids``: the rotary coordinates of the text and image tokens together, the text's at the origin and each
-  image token at (0, row, column), as ``pipe.prepare_position_ids`` makes them. The text's length is its
-  embedding's, so `model_inputs` gives the image's and fits the transformer with a forward pre-hook that puts the
-  text's before them when it is called (`complete_position_ids`); the pipeline's own, of the whole length, pass
-  unchanged;
+  image token at (0, row, column), as ``pipe.prepare_position_ids`` makes them (`model_inputs`, from the text's
+  length and the latents' grid);
 - ``timestep``: the scheduler's timestep over its ``num_train_timesteps``, then in the latents' dtype. No guidance
   embedding: Krea 2 guides by classifier-free guidance at sampling only.
 
@@ -114,33 +112,16 @@ def text_inputs(rows):
 
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs for `normalized_latents` ``(B, C, 1, h, w)`` at ``timesteps``, as the
-    pipeline's denoising loop passes them: the latents packed into tokens of ``patch_size`` square patches, their
-    rotary coordinates (the text's are put before them by `complete_position_ids`), and the timesteps over the
-    scheduler's ``num_train_timesteps``, then in the latents' dtype (the pipeline's order of the two)."""
-    complete_position_ids(pipe)
+    pipeline's denoising loop passes them: the latents packed into tokens of ``patch_size`` square patches, the
+    rotary coordinates of the `text_inputs` ``text`` (at the origin) and then of the image's tokens, and the timesteps
+    over the scheduler's ``num_train_timesteps``, then in the latents' dtype (the pipeline's order of the two)."""
     batch_size, channels, _, height, width = noisy_latents.shape
-    patch = pipe.patch_size
+    patch, device = pipe.patch_size, noisy_latents.device
+    position_ids = torch.cat([pipe.prepare_position_ids(text["encoder_hidden_states"].shape[1], 0, 0, device),
+                              pipe.prepare_position_ids(0, height // patch, width // patch, device)])
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
-            "position_ids": pipe.prepare_position_ids(0, height // patch, width // patch, noisy_latents.device),
+            "position_ids": position_ids,
             "timestep": (timesteps / pipe.scheduler.config.num_train_timesteps).to(noisy_latents.dtype), **text}
-
-
-def complete_position_ids(pipe):
-    """Fit ``pipe.transformer`` (once) to take the rotary coordinates of the image's tokens alone: a forward pre-hook
-    puts the text's before them (``pipe.prepare_position_ids``'s, at the origin) when the text's length is known.
-    Coordinates of the text and the image together, as the pipeline passes them, are left alone."""
-    transformer = pipe.transformer
-    if getattr(transformer, "_image_position_ids_hook", None) is not None:
-        return
-
-    def complete(module, args, kwargs):
-        position_ids, image = kwargs.get("position_ids"), kwargs.get("hidden_states")
-        if position_ids is not None and image is not None and position_ids.shape[0] == image.shape[1]:
-            text = pipe.prepare_position_ids(kwargs["encoder_hidden_states"].shape[1], 0, 0, position_ids.device)
-            kwargs["position_ids"] = torch.cat([text, position_ids])
-        return args, kwargs
-
-    transformer._image_position_ids_hook = transformer.register_forward_pre_hook(complete, with_kwargs=True)
 
 
 def prediction(pipe, output, latents):
