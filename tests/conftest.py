@@ -4,8 +4,15 @@ share besides fixtures is in `training_utils.testing` (what any script's smoke t
 import os
 
 import pytest
+import torch
 
 import helpers
+
+# One thread per process, in this process as in the runs it launches (`training_utils.testing.launch`): the suite
+# runs two workers and their runs on two cores, and torch's thread pool, given cores that others use, spins (a
+# tiny UNet's render took 30 times the CPU with two threads on a busy machine).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(items):
     """Mark slow each test that launches training runs, itself (marked so) or through a fixture (`helpers.launching`):

@@ -254,6 +254,16 @@ def controlnet_flags(tiny, model, output_dir, *extra, mixed=False):
             "--seed", 3, *extra]
 
 
+def forget_prepared(accelerator):
+    """Forget ``accelerator``'s checkpoint hooks and prepared objects (one Accelerator serves a test module): what
+    `Accelerator.free_memory` forgets, without its garbage collection, which takes about a second in a process that
+    has imported diffusers."""
+    accelerator._save_model_state_pre_hook.clear()
+    accelerator._load_model_state_pre_hook.clear()
+    accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator._dataloaders = [], [], [], []
+    accelerator.step = 0
+
+
 @functools.cache
 def import_script(script):
     """The module of ``examples/<script>``, imported by path (its ``main`` does not run)."""

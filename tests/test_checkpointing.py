@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
+from helpers import forget_prepared
 from training_utils import checkpointing, export, writing
 from training_utils.checkpoint_folders import STATE_FILE, choose_checkpoint, complete_checkpoints, resolve_checkpoint
 from training_utils.checkpointing import (
@@ -36,18 +37,11 @@ def module_accelerator():
     return Accelerator(cpu=True)
 
 
-def reset(accelerator):
-    """Forget every Checkpointer's hooks and every prepared object."""
-    accelerator._save_model_state_pre_hook.clear()
-    accelerator._load_model_state_pre_hook.clear()
-    accelerator.free_memory()
-
-
 @pytest.fixture
 def acc(module_accelerator):
-    reset(module_accelerator)
+    forget_prepared(module_accelerator)
     yield module_accelerator
-    reset(module_accelerator)
+    forget_prepared(module_accelerator)
 
 
 def make_checkpoint(output_dir, step, complete=True):
@@ -348,7 +342,7 @@ def save_one(acc, output_dir, use_ema=True):
     run = Run(acc, output_dir, use_ema=use_ema)
     run.train(1)
     path = run.checkpointer.save(1)
-    reset(acc)
+    forget_prepared(acc)
     return path
 
 
@@ -609,7 +603,7 @@ def test_a_changed_rank_is_named_as_a_flag_before_any_shape_is_compared(tmp_path
     run.checkpointer.trajectory = {"rank": 4}
     run.train(1)
     path = run.checkpointer.save(1)
-    reset(acc)
+    forget_prepared(acc)
     wider = linear_export(out_features=5)
     checkpointer = Checkpointer(acc, tmp_path, wider, ema=ema_of(wider), trajectory={"rank": 8})
     with pytest.raises(UsageError, match="\\(--rank was 4, now 8\\), or --resume_with_changed_args"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from helpers import forget_prepared
 from training_utils.accelerator import end_training
 from training_utils.data import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
@@ -29,17 +30,10 @@ def module_accelerator():
     return Accelerator(cpu=True)
 
 
-def reset(accelerator):
-    """Forget the previous run's checkpoint hooks and prepared objects (one Accelerator per process)."""
-    accelerator._save_model_state_pre_hook.clear()
-    accelerator._load_model_state_pre_hook.clear()
-    accelerator.free_memory()
-
-
 @pytest.fixture
 def accelerator(module_accelerator):
     yield module_accelerator
-    reset(module_accelerator)
+    forget_prepared(module_accelerator)
 
 
 class RecordingValidator:
@@ -117,11 +111,11 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(accelerator, 
     assert signal.getsignal(signal.SIGTERM) is handler_before
     assert (tmp_path / "a" / "checkpoint-3").is_dir()
 
-    reset(accelerator)
+    forget_prepared(accelerator)
     resumed, validator, state, ema = toy_run(accelerator, tmp_path / "a", max_train_steps=7, resume="latest")
     assert resumed.global_step == 7 and validator.steps == [6, 7]
 
-    reset(accelerator)
+    forget_prepared(accelerator)
     _, _, expected_state, expected_ema = toy_run(accelerator, tmp_path / "b", max_train_steps=7)
     assert all(torch.equal(state[name], expected_state[name]) for name in state)
     assert all(torch.equal(ema[name], expected_ema[name]) for name in ema)
@@ -139,7 +133,7 @@ def test_a_signal_during_the_last_step_checkpoints_it_and_stops_so_that_a_rerun_
     assert (stopped.value.exit_code, stopped.value.reason) == (PREEMPTED_EXIT_CODE, "preempted")
     assert "SIGTERM after step 7; checkpoint saved" in str(stopped.value)
     assert (tmp_path / "checkpoint-7").is_dir() and RUN.last_step == 7
-    reset(accelerator)
+    forget_prepared(accelerator)
     resumed, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest")
     assert resumed.global_step == 7 and validator.steps == []
 
@@ -147,13 +141,13 @@ def test_a_signal_during_the_last_step_checkpoints_it_and_stops_so_that_a_rerun_
 def test_with_buckets_a_resumed_run_ends_as_the_straight_one_and_other_buckets_are_refused(accelerator, tmp_path):
     shapes = [(8, 16)] * 5 + [(16, 8)] * 5  # 3 + 3 batches an epoch, the last of each filled up
     toy_run(accelerator, tmp_path / "a", max_train_steps=9, shapes=shapes)
-    reset(accelerator)
+    forget_prepared(accelerator)
     _, _, straight, _ = toy_run(accelerator, tmp_path / "b", max_train_steps=9, shapes=shapes)
     shutil.rmtree(tmp_path / "b" / "checkpoint-8")
-    reset(accelerator)
+    forget_prepared(accelerator)
     _, _, resumed, _ = toy_run(accelerator, tmp_path / "b", max_train_steps=9, resume="latest", shapes=shapes)
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
-    reset(accelerator)
+    forget_prepared(accelerator)
     with pytest.raises(UsageError, match="other aspect-ratio buckets"):
         toy_run(accelerator, tmp_path / "a", max_train_steps=9, resume="latest", shapes=[(8, 16), (16, 8)] * 5)
 
@@ -207,7 +201,7 @@ def test_each_step_logs_its_own_loss_and_lr(accelerator, tmp_path, monkeypatch):
 
 def test_resuming_at_or_past_the_last_step_trains_nothing(accelerator, tmp_path):
     toy_run(accelerator, tmp_path, max_train_steps=4)
-    reset(accelerator)
+    forget_prepared(accelerator)
     trained_steps = []
     loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=3, resume="latest",
                                     on_step=lambda step, loss: trained_steps.append(step) or loss)
@@ -218,7 +212,7 @@ def test_posthoc_snapshots_every_n_steps_and_at_the_end_and_resume(accelerator, 
     toy_run(accelerator, tmp_path, max_train_steps=5, posthoc_sigma_rels=[0.05, 0.1])
     assert sorted({snapshot.step for snapshot in read_snapshots(tmp_path)}) == [3, 5]
     assert len(read_snapshots(tmp_path)) == 4
-    reset(accelerator)
+    forget_prepared(accelerator)
     # Resuming from checkpoint-4 replaces the snapshots after step 4, then continues every 3 steps.
     toy_run(accelerator, tmp_path, max_train_steps=7, resume="checkpoint-4", posthoc_sigma_rels=[0.05, 0.1])
     assert sorted({snapshot.step for snapshot in read_snapshots(tmp_path)}) == [3, 6, 7]
@@ -243,9 +237,9 @@ def test_a_checkpoint_of_another_number_of_processes_goes_on_in_this_runs_epochs
     # As if written by 2 processes, each with 3 batches an epoch (this run has 5).
     (checkpoint / STATE_FILE).write_text(json.dumps({**state, "processes": 2, "steps_per_epoch": 3}))
     write_manifest(checkpoint)
-    reset(accelerator)
+    forget_prepared(accelerator)
     with pytest.raises(UsageError, match="a run on as many processes as the checkpoint's 2"):
         toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest")
-    reset(accelerator)
+    forget_prepared(accelerator)
     loop, _, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest", resume_with_changed_args=True)
     assert loop.global_step == 7 and loop.checkpointer.resharded

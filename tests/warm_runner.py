@@ -52,6 +52,11 @@ def preload():
         imported = importlib.import_module(module)
         for name in names:
             getattr(imported, name)
+    # transformers builds its table of checkpoint key renamings (over a thousand regular expressions, about 1 s) at
+    # a process's first model load, and keeps it: built here, every child inherits it.
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("clip_text_model")
 
 
 def serve(path):
