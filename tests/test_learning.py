@@ -28,7 +28,7 @@ from diffusers import StableDiffusionPipeline
 from PIL import Image
 
 from helpers import launch, launching
-from training_utils.testing.learning import (BASE_SHAPE, BASE_THRESHOLDS, STAR_THRESHOLDS, base_images,
+from training_utils.testing.learning import (BASE_PROMPTS, BASE_THRESHOLDS, STAR_THRESHOLDS, base_images,
                                              color_fraction, color_mask, drawing_measures, failed_thresholds,
                                              final_images, held_out_loss, held_out_stars, shape_overlap,
                                              star_lora_flags, star_measures)
@@ -53,10 +53,14 @@ def test_lora_learns_the_star(tiny, star_run, tmp_path, variant):
 
 
 @pytest.mark.parametrize("fixture, draws", [("sd_pretrained", True), ("sd", False)])
-def test_pretrained_fixture_draws_a_red_circle_on_white(tiny, fixture, draws):
-    """The committed weights still load and draw `BASE_PROMPT`'s red circle; the random fixture's noise fails."""
-    measures = drawing_measures(base_images(tiny[fixture]), *BASE_SHAPE[:2])
-    assert (not failed_thresholds(measures, BASE_THRESHOLDS)) == draws, f"{measures} against {BASE_THRESHOLDS}"
+def test_pretrained_fixture_draws_a_red_circle_and_a_red_square_on_white(tiny, fixture, draws):
+    """The committed weights still load and draw each of `BASE_PROMPTS`: its colour, and its shape rather than the
+    other; the random fixture's noise fails."""
+    failed = {}
+    for prompt, images in zip(BASE_PROMPTS, base_images(tiny[fixture])):
+        measures = drawing_measures(images, *BASE_PROMPTS[prompt])
+        failed[prompt] = (measures, failed_thresholds(measures, BASE_THRESHOLDS))
+    assert all(not fails for _, fails in failed.values()) == draws, f"{failed} against {BASE_THRESHOLDS}"
 
 
 def drawn(shape, color="orange", background="white", seed=1):
@@ -71,6 +75,13 @@ def test_drawing_measures_average_the_colour_and_shape_of_the_images():
                         "shape_overlap": pytest.approx(np.mean([shape_overlap(drawn(shape), COLORS["orange"], "star")
                                                                 for shape in ("star", "circle")]))}
     assert drawing_measures([drawn("star")], "star", "blue") == {"color_fraction": 0, "shape_overlap": 0}
+
+
+@pytest.mark.parametrize("shape, other", [("circle", "square"), ("square", "circle")])
+def test_shape_contrast_is_positive_for_the_shape_drawn_and_negative_for_the_other(shape, other):
+    images = [drawn(shape, seed=seed) for seed in range(2)]
+    assert drawing_measures(images, shape, "orange", other)["shape_contrast"] > 0.05
+    assert drawing_measures(images, other, "orange", shape)["shape_contrast"] < -0.05
 
 
 def test_color_fraction_counts_the_pixels_near_the_color():
