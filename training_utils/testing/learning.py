@@ -101,16 +101,15 @@ def held_out_loss(pipe, images, prompt, seed=0, repeats=8):
     return float(np.mean(losses))
 
 
-# What the learning tests require of a DreamBooth LoRA that taught the pretrained fixture `tiny.data.STAR`, raw and
-# EMA alike: its validation images as orange and as star-shaped as these (`drawing_measures`), and its loss on
-# held-out pictures of the star below this fraction of the base model's. Over 5 seeds of `star_lora_flags`, raw and
-# EMA, the runs measured orange 0.027-0.240, star overlap 0.438-0.619 and loss ratio 0.748-0.810; the thresholds leave
-# 0.017, 0.058 and 0.090 of margin. The broken variants (python -m tests.benchmarks.learning) fail them: the target's
-# sign flipped on all three (orange 0.000, overlap 0.00-0.02, ratio 10.6-11.2), latents not scaled on the overlap
-# (0.29-0.35) and the ratio (3.95-4.00), the LoRA on no layer on the ratio (1.00). The base model's own pictures of
-# the prompt pass the two image thresholds (a large yellow blob: 0.247 within the tolerance of orange, overlap
-# 0.408): the image measures catch a LoRA that breaks the pictures, the loss ratio one that teaches nothing.
-STAR_THRESHOLDS = {"color_fraction": 0.01, "shape_overlap": 0.38, "held_out_loss_ratio": 0.9}
+# What the learning tests require of a DreamBooth LoRA that taught the pretrained fixture `tiny.data.DEMO_STAR` (the
+# purple star of ``make demo``), raw and EMA alike: its validation images as purple and as star-shaped as these
+# (`drawing_measures`), and its loss on held-out pictures of the star below this fraction of the base model's. Over 5
+# seeds of `star_lora_flags`, raw and EMA, the runs measured purple 0.113-0.303, star overlap 0.467-0.665 and loss
+# ratio 0.457-0.512; the thresholds leave 0.063, 0.067 and 0.138 of margin. The broken variants (python -m
+# tests.benchmarks.learning, 5 seeds each) fail all three: the target's sign flipped (purple 0.000-0.001, overlap
+# 0.00-0.02, ratio 5.6-6.2), latents not scaled (0.000, 0.00-0.04, 1.9-2.4), the LoRA on no layer (the base's own
+# pictures of the prompt, with no purple: 0.000, 0.00, 1.00).
+STAR_THRESHOLDS = {"color_fraction": 0.05, "shape_overlap": 0.4, "held_out_loss_ratio": 0.65}
 # What the pretrained fixture must draw for each of `BASE_PROMPTS` (`drawing_measures` of `base_images`, the mean of
 # 4 seeds): the prompted colour, the prompted shape, and that shape more than the other of the two (`shape_contrast`).
 # The fixture's means of seeds 0-3 (the circle's, the square's): red fraction 0.471 and 0.619, overlap 0.822 and
@@ -189,9 +188,10 @@ STAR_LORA_LEARNING_RATE = 2e-2
 
 def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LORA_STEPS,
                     learning_rate=STAR_LORA_LEARNING_RATE):
-    """The flags of the learning run of ``train_dreambooth_lora.py``: a rank-8 LoRA, with an EMA, that teaches
-    ``base_model`` (the pretrained fixture) the star pictures of ``instance_dir`` as `tiny.data.STAR_PROMPT`,
-    ``steps`` steps of 4 at 32 px, validated on that prompt once, at the end (4 images, raw and EMA)."""
+    """The flags of the learning run of ``train_dreambooth_lora.py``: a rank-8 LoRA of the UNet, with an EMA, that
+    teaches ``base_model`` (the pretrained fixture) the star pictures of ``instance_dir`` (those of ``make demo``,
+    `tiny.data.build_demo_star_instance`) as `tiny.data.STAR_PROMPT`, ``steps`` steps of 4 at 32 px, validated on
+    that prompt once, at the end (4 images, raw and EMA)."""
     from .tiny.data import STAR_PROMPT
 
     return ["--pretrained_model_name_or_path", base_model, "--instance_data_dir", instance_dir, "--instance_prompt",
