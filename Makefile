@@ -12,7 +12,7 @@ install:
 	$(PYTHON) -m pip install -e ".[test]"
 
 # A real DreamBooth LoRA run, with EMA and validation: it teaches the pretrained tiny model (committed weights that
-# draw the colour and background a prompt names, as a blob) a purple star it never saw, called "sks": one centred
+# draw the shape, colour and background a prompt names) a purple star it never saw, called "sks": one centred
 # star, the text encoder's LoRA too, learning rate 3e-3 (orange stars, jittered or centred, stayed blobs).
 demo: install
 	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny sd_pretrained instance_star_demo

@@ -33,6 +33,18 @@ def test_each_image_sits_in_its_cell_and_the_labels_take_their_own_space():
     assert (pixels[:layout.header_height] != background).any()
 
 
+def test_column_labels_wider_than_the_cells_space_the_columns_rather_than_overlap():
+    images = [solid(10, (8, 16)), solid(20, (8, 16))]
+    grid, layout = labelled_grid("a prompt", ["raw"], ["step 100", "step 200"], [images])
+    assert layout.cell_size == (8, 16) and layout.column_width > 8
+    assert grid.size[0] == layout.label_width + 2 * layout.column_width
+    assert all(np.array_equal(cell(grid, layout, 0, column), np.asarray(image)) for column, image in enumerate(images))
+    # The first label's ink ends before the second column starts: a band of background between them.
+    header = np.asarray(grid)[layout.header_height // 2:layout.header_height]
+    gap = header[:, layout.box(0, 1)[0] - 2:layout.box(0, 1)[0]]
+    assert (gap == np.array(BACKGROUND)).all() and (header[:, layout.label_width:layout.box(0, 1)[0]] != 255).any()
+
+
 def test_a_long_title_widens_the_grid_rather_than_being_cut():
     short, _ = labelled_grid("x", ["raw"], ["0"], [[solid(1)]])
     long, _ = labelled_grid("step 100000: " + "a very long prompt " * 6, ["raw"], ["0"], [[solid(1)]])

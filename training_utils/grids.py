@@ -20,16 +20,18 @@ PADDING = 4
 @dataclass(frozen=True)
 class GridLayout:
     """Where the cells of a grid are: a label column ``label_width`` wide, a title and column-label band
-    ``header_height`` high, then cells of ``cell_size`` (width, height)."""
+    ``header_height`` high, then cells of ``cell_size`` (width, height), one every ``column_width`` pixels across
+    (the cells' width, or a wider column label's)."""
 
     label_width: int
     header_height: int
     cell_size: tuple
+    column_width: int
 
     def box(self, row, column):
         """The ``(left, top, right, bottom)`` box of the cell at ``row``, ``column``."""
         width, height = self.cell_size
-        left, top = self.label_width + column * width, self.header_height + row * height
+        left, top = self.label_width + column * self.column_width, self.header_height + row * height
         return left, top, left + width, top + height
 
 
@@ -51,8 +53,9 @@ def labelled_grid(title, row_labels, column_labels, rows):
 
     label_width = max(text_width(label) for label in row_labels)
     header_height = line_height * (2 if any(column_labels) else 1) + PADDING
-    layout = GridLayout(label_width, header_height, (cell_width, cell_height))
-    width = max(label_width + cell_width * max(len(images) for images in rows), text_width(title))
+    column_width = max([cell_width, *(text_width(label) for label in column_labels)])
+    layout = GridLayout(label_width, header_height, (cell_width, cell_height), column_width)
+    width = max(label_width + column_width * max(len(images) for images in rows), text_width(title))
     grid = Image.new("RGB", (width, header_height + cell_height * len(rows)), BACKGROUND)
     draw = ImageDraw.Draw(grid)
     draw.text((PADDING, PADDING // 2), title, fill=INK, font=font)

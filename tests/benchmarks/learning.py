@@ -2,10 +2,10 @@
 
     python -m tests.benchmarks.learning [--seeds 0 1 2 3 4] [--variants correct wrong_sign ...] [--json out.json]
 
-Trains the learning run of ``tests/test_learning.py`` (a DreamBooth LoRA teaching the pretrained tiny SD the orange
-"sks" star; `training_utils.testing.learning.star_lora_flags`) once per seed and variant, and prints the measures
-(`star_measures`) of each run's raw and EMA weights and the thresholds they fail. The variants are the script with
-one deliberate bug, patched in before the script imports what it patches:
+Trains the learning run of ``tests/test_learning.py`` (a DreamBooth LoRA teaching the pretrained tiny SD the purple
+"sks" star of ``make demo``; `training_utils.testing.learning.star_lora_flags`) once per seed and variant, and prints
+the measures (`star_measures`) of each run's raw and EMA weights and the thresholds they fail. The variants are the
+script with one deliberate bug, patched in before the script imports what it patches:
 
 - ``wrong_sign``: the loss target negated (the model learns to predict minus its target);
 - ``unscaled_latents``: the VAE's latents not multiplied by its ``scaling_factor`` before noising;
@@ -96,13 +96,13 @@ def main(argv=None):
 
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        tiny = build(scratch, ["sd_pretrained", "instance_star"])
+        tiny = build(scratch, ["sd_pretrained", "instance_star_demo"])
         held_out = held_out_stars(Path(scratch) / "held_out")
         for variant in args.variants:
             for seed in args.seeds:
                 output_dir = Path(scratch) / f"{variant}-{seed}"
                 options = {"learning_rate": args.learning_rate, "steps": args.steps}
-                train(variant, star_lora_flags(tiny["sd_pretrained"], tiny["instance_star"], output_dir, seed,
+                train(variant, star_lora_flags(tiny["sd_pretrained"], tiny["instance_star_demo"], output_dir, seed,
                                                **{name: value for name, value in options.items() if value}))
                 for weights, lora_dir in (("raw", output_dir), ("ema", output_dir / "ema")):
                     measures = star_measures(tiny["sd_pretrained"], lora_dir, final_images(output_dir, weights),

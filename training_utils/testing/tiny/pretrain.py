@@ -1,13 +1,13 @@
 """How the pretrained tiny Stable Diffusion 1.x was made: a VAE that reconstructs the shapes, a UNet that draws them.
 
 The random fixtures of `sd` render coloured noise, so a run on them shows the machinery but not learning. The
-pretrained one's VAE reconstructs the shapes, and its UNet, after 600 steps, draws the colour and background a
-prompt names, as a large, roughly round or square blob ("a red circle on a white background": a red blob on white;
-`training_utils.testing.learning.BASE_THRESHOLDS` measures it), so that a LoRA trained on it (`make demo`, the
-learning tests) starts from a model that follows its prompts' colour words. Its weights are committed
+pretrained one's VAE reconstructs the shapes, and its UNet, after 600 steps, draws the shape, colour and background a
+prompt names, large and centred ("a red circle on a white background": a red disc on white; "a red square ...": a
+red square; `training_utils.testing.learning.BASE_THRESHOLDS` measures both), so that a LoRA trained on it (`make
+demo`, the learning tests) starts from a model that follows its prompts' words. Its weights are committed
 (`sd.PRETRAINED`, safetensors, about 4 MB; the fixture ``sd_pretrained`` copies them), made deterministically on the
-CPU (single-threaded: 154 s of CPU time on a shared two-core machine, 186 s on a busier one; rerun, every weight
-reproduced bitwise) by::
+CPU (the VAE in one thread, the UNet in two processes of one thread: 270-325 s of CPU time in all, 211-360 s of wall
+time, on a two-core machine shared with other jobs; rerun, every weight reproduced bitwise) by::
 
     python -m training_utils.testing.tiny.pretrain
 
@@ -15,8 +15,9 @@ which trains the tiny VAE on pictures of the shapes with `train_vae` (there is n
 is a few lines), then the whole UNet with our own full fine-tune script, ``examples/text_to_image/
 train_text_to_image.py``, on captioned pictures of every shape in `PRETRAINING_COLORS` on `PRETRAINING_BACKGROUNDS`,
 and keeps its EMA UNet. What made 600 steps enough (each measured against the fixture pretrained before, whose
-pictures had none of the prompted colour): large, nearly centred shapes in few colours; velocity prediction;
-empty captions for classifier-free guidance (`PREDICTION_TYPE`, `CAPTION_DROPOUT`); a learning rate of 3e-3.
+pictures had none of the prompted colour, or the same blob for a circle and a square): shapes that nearly fill the
+picture (`PRETRAINING_EXTENT`), in few colours; velocity prediction; empty captions for classifier-free guidance
+(`PREDICTION_TYPE`, `CAPTION_DROPOUT`); a learning rate of 3e-3.
 """
 
 import argparse
@@ -52,10 +53,17 @@ PREDICTION_TYPE = "v_prediction"
 CAPTION_DROPOUT = 0.1
 # The CPU threads of every step: one, as float reductions depend on their number (more gain little on tiny models).
 THREADS = 1
+# The UNet trains in two processes of one thread each (data parallel over gloo, 8 pictures each, the same batch of
+# 16): on two cores that halves the wall-clock time, and the run is as reproducible as on one.
+PROCESSES = 2
 # What the UNet learns to draw: few, distinct colours (orange, purple and the gray background are left for what a
-# LoRA teaches later), every shape, large and nearly centred (`LARGE_EXTENT`), so that 2 minutes of CPU suffice.
+# LoRA teaches later), every shape, so that 2 minutes suffice. The shapes nearly fill the picture (50 to 58 of 64
+# pixels, 2 to 6 of play): then a shape's corners, or their absence, are much of each picture, and the UNet learns
+# to draw the shape its caption names (with `LARGE_EXTENT`, 40 to 52 pixels at up to 22 pixels of play, circles
+# and squares came out as the same blob).
 PRETRAINING_COLORS = ("red", "green", "blue", "yellow")
 PRETRAINING_BACKGROUNDS = ("white", "black")
+PRETRAINING_EXTENT = (50, 58)
 PRETRAINING_IMAGES = 192  # every shape, colour and background combination, eight times at other places and sizes
 VAE_PICTURES = 216  # every shape, colour (all of them) and background combination, four times
 
@@ -131,16 +139,17 @@ def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_lea
         StableDiffusionPipeline(unet=tiny_unet(), scheduler=sd_inference_scheduler(), safety_checker=None,
                                 feature_extractor=None, requires_safety_checker=False,
                                 **components).save_pretrained(scratch / "base")
-        build_shapes(scratch / "shapes", num_images=PRETRAINING_IMAGES, extent=LARGE_EXTENT,
+        build_shapes(scratch / "shapes", num_images=PRETRAINING_IMAGES, extent=PRETRAINING_EXTENT,
                      colors=PRETRAINING_COLORS, backgrounds=PRETRAINING_BACKGROUNDS)
         launch_script(FULL_FINE_TUNE, "--pretrained_model_name_or_path", scratch / "base", "--train_data_dir",
                       scratch / "shapes", "--output_dir", scratch / "out", "--resolution", RESOLUTION,
-                      "--center_crop", "--random_flip", "--cache_latents", "--train_batch_size", 16,
+                      "--center_crop", "--random_flip", "--cache_latents", "--train_batch_size", 16 // PROCESSES,
                       "--prediction_type", PREDICTION_TYPE, "--caption_dropout", CAPTION_DROPOUT,
                       "--max_train_steps", unet_steps, "--learning_rate", unet_learning_rate, "--lr_warmup_steps", 50,
                       "--use_ema", "--ema_decay", 0.99, "--seed", SEED, "--checkpointing_steps", 10 * unet_steps,
                       "--validation_prompt", "a red circle on a white background", "--num_validation_images", 4,
-                      "--validation_inference_steps", 20, "--validation_steps", unet_steps, timeout=1800,
+                      "--validation_inference_steps", 20, "--validation_steps", unet_steps,
+                      processes=PROCESSES, timeout=1800,
                       env={"PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
                            "OMP_NUM_THREADS": str(THREADS)})
         log(f"UNet: {unet_steps} steps of train_text_to_image.py ({time.monotonic() - started:.0f} s)")
@@ -152,6 +161,7 @@ def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_lea
     log(f"CPU time: {cpu_seconds:.0f} s, this process and the script's")
     (Path(output_dir) / "pretraining.json").write_text(json.dumps(
         {"vae_steps": vae_steps, "unet_steps": unet_steps, "unet_learning_rate": unet_learning_rate,
+         "unet_shape_extent": PRETRAINING_EXTENT, "unet_processes": PROCESSES,
          "prediction_type": PREDICTION_TYPE, "caption_dropout": CAPTION_DROPOUT,
          "vae_reconstruction_error": round(error, 5), "cpu_seconds": round(cpu_seconds),
          "command": "python -m training_utils.testing.tiny.pretrain"}, indent=1))
