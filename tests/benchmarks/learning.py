@@ -34,21 +34,34 @@ VARIANTS = ("correct", "wrong_sign", "unscaled_latents", "lora_on_no_layer")
 MEASURES = ("color_fraction", "shape_overlap", "held_out_loss_ratio")
 
 
+# The names of the patched functions that the script called: a variant whose patch the script never calls trains
+# correctly (as the LoRA-on-no-layer variant once did, patching a function the script no longer called).
+patches_called = set()
+
+
 def break_training(variant):
     """Patch ``variant``'s bug into training_utils, before the script imports the patched names."""
     from training_utils import diffusion, flow_matching, lora
     from training_utils.families import sd, sd3
 
+    def called(name, function):
+        def patched(*args, **kwargs):
+            patches_called.add(name)
+            return function(*args, **kwargs)
+        return patched
+
     if variant == "wrong_sign":
         target, velocity = diffusion.prediction_target, flow_matching.velocity
-        diffusion.prediction_target = lambda *args, **kwargs: -target(*args, **kwargs)
-        flow_matching.velocity = lambda *args, **kwargs: -velocity(*args, **kwargs)
+        diffusion.prediction_target = called("prediction_target", lambda *args, **kwargs: -target(*args, **kwargs))
+        flow_matching.velocity = called("velocity", lambda *args, **kwargs: -velocity(*args, **kwargs))
     elif variant == "unscaled_latents":
-        sd.normalized_latents = sd3.normalized_latents = lambda pipe, latents: latents
+        sd.normalized_latents = called("sd.normalized_latents", lambda pipe, latents: latents)
+        sd3.normalized_latents = called("sd3.normalized_latents", lambda pipe, latents: latents)
     elif variant == "lora_on_no_layer":
         add_adapter = lora.add_adapter
 
         def add_adapter_scaled_to_nothing(model, *args, **kwargs):
+            patches_called.add("add_adapter")
             config = add_adapter(model, *args, **kwargs)
             scaled = [module for module in model.modules() if isinstance(getattr(module, "scaling", None), dict)]
             if not scaled:
@@ -67,6 +80,8 @@ def run_variant(variant, script, flags):
     break_training(variant)
     sys.argv = [script, *flags]
     runpy.run_path(script, run_name="__main__")
+    if variant != "correct" and not patches_called:
+        raise RuntimeError(f"{variant}: the script called none of the functions patched to break it")
 
 
 def train(variant, script, flags):
