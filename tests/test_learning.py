@@ -19,48 +19,70 @@ prints every measure, raw and EMA (two shared cores, measured 2026-12-02; `tests
 
 Each broken run fails all three thresholds. The base model draws no purple for the prompt, so the image thresholds,
 too, require that the LoRA taught something; the loss ratio requires it on pictures it did not train on.
+
+The same test runs for flow matching (`LEARNING_RUNS`' rows, one launch each): on the pretrained tiny SD3
+(`training_utils.testing.tiny.pretrain_sd3`), a DreamBooth LoRA of ``train_dreambooth_lora_sd3.py``, 100 steps,
+teaches the orange star (`tiny.data.STAR`; the purple one it did not learn in 100 steps, see
+`SD3_STAR_THRESHOLDS`); its loss on held-out stars is `flow_matching_held_out_loss` (the velocity, noise minus
+latents). ``python -m tests.benchmarks.learning --kind flow_matching`` (two shared cores, 2026-12-02;
+`tests/benchmarks/results/learning_sd3_cpu.json`):
+
+| run | orange fraction | star overlap | held-out loss / base's |
+|---|---|---|---|
+| threshold | above 0.04 | above 0.4 | below 0.8 |
+| correct, seeds 0-4 | 0.088-0.261 | 0.498-0.625 | 0.644-0.697 |
+| margin of the worst seed | 0.048 | 0.098 | 0.103 |
+| target's sign flipped (seed 0) | 0.10-0.13 | 0.14-0.18 | 8.1-8.4 |
+| latents not normalized (seed 0) | 0.10-0.13 | 0.50-0.60 | 3.33-3.35 |
+| LoRA on no layer (seed 0): the base's pictures | 0.001 | 0.070 | 1.00 |
+
+Here the base's own pictures (red on lavender) fail every threshold.
 """
 
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline
 from PIL import Image
 
 from helpers import launch, launching
-from training_utils.testing.learning import (BASE_PROMPTS, BASE_THRESHOLDS, STAR_THRESHOLDS, base_images,
-                                             color_fraction, color_mask, drawing_measures, failed_thresholds,
-                                             final_images, held_out_loss, held_out_stars, shape_overlap,
-                                             star_lora_flags, star_measures)
+from training_utils.testing.learning import (LEARNING_RUNS, base_images, color_fraction, color_mask, drawing_measures,
+                                             failed_thresholds, final_images, flow_matching_held_out_loss,
+                                             held_out_loss, held_out_stars, shape_overlap)
 from training_utils.testing.tiny.data import COLORS, STAR_PROMPT, draw_shape
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=list(LEARNING_RUNS))
 @launching
-def star_run(tiny, tmp_path_factory):
+def star_run(request, tiny, tmp_path_factory):
+    """The learning run of a family kind (`LEARNING_RUNS`): its `LearningRun` and output folder."""
+    run = LEARNING_RUNS[request.param]
     output_dir = tmp_path_factory.mktemp("learning") / "out"
-    launch("dreambooth/train_dreambooth_lora.py",
-           *star_lora_flags(tiny["sd_pretrained"], tiny["instance_star_demo"], output_dir))
-    return output_dir
+    launch(run.script, *run.flags(tiny[run.base], tiny[run.instance], output_dir))
+    return run, output_dir
 
 
 @pytest.mark.parametrize("variant", ["raw", "ema"])
 def test_lora_learns_the_star(tiny, star_run, tmp_path, variant):
-    lora_dir = star_run if variant == "raw" else star_run / "ema"
-    measures = star_measures(tiny["sd_pretrained"], lora_dir, final_images(star_run, variant),
-                             held_out_stars(tmp_path / "held_out"), STAR_PROMPT)
-    assert not failed_thresholds(measures), f"{measures} against {STAR_THRESHOLDS}"
+    run, output_dir = star_run
+    lora_dir = output_dir if variant == "raw" else output_dir / "ema"
+    measures = run.measures(tiny[run.base], lora_dir, final_images(output_dir, variant),
+                            run.held_out(tmp_path / "held_out"), STAR_PROMPT)
+    assert not failed_thresholds(measures, run.thresholds), f"{measures} against {run.thresholds}"
 
 
-@pytest.mark.parametrize("fixture, draws", [("sd_pretrained", True), ("sd", False)])
-def test_pretrained_fixture_draws_a_red_circle_and_a_red_square_on_white(tiny, fixture, draws):
-    """The committed weights still load and draw each of `BASE_PROMPTS`: its colour, and its shape rather than the
-    other; the random fixture's noise fails."""
+@pytest.mark.parametrize("kind", list(LEARNING_RUNS))
+@pytest.mark.parametrize("pretrained", [True, False], ids=["pretrained", "random"])
+def test_pretrained_fixture_draws_its_prompts_and_the_random_one_does_not(tiny, kind, pretrained):
+    """The committed weights still load and draw each of the family's base prompts (SD 1.x: a red circle and a red
+    square, each its own shape more than the other; SD3: a red circle); the random fixture's noise fails."""
+    run = LEARNING_RUNS[kind]
     failed = {}
-    for prompt, images in zip(BASE_PROMPTS, base_images(tiny[fixture])):
-        measures = drawing_measures(images, *BASE_PROMPTS[prompt])
-        failed[prompt] = (measures, failed_thresholds(measures, BASE_THRESHOLDS))
-    assert all(not fails for _, fails in failed.values()) == draws, f"{failed} against {BASE_THRESHOLDS}"
+    for prompt, images in zip(run.base_prompts, base_images(tiny[run.base if pretrained else run.random_base],
+                                                            tuple(run.base_prompts))):
+        measures = drawing_measures(images, *run.base_prompts[prompt])
+        failed[prompt] = (measures, failed_thresholds(measures, run.base_thresholds))
+    assert all(not fails for _, fails in failed.values()) == pretrained, f"{failed} against {run.base_thresholds}"
 
 
 def drawn(shape, color="orange", background="white", seed=1):
@@ -106,6 +128,14 @@ def test_held_out_loss_is_reproducible_and_depends_on_the_prompt(tiny, tmp_path)
     loss = held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
     assert loss == held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
     assert loss != held_out_loss(pipe, stars, "a blue square on a black background", repeats=2)
+
+
+def test_flow_matching_held_out_loss_is_reproducible_and_depends_on_the_prompt(tiny, tmp_path):
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny["sd3_pretrained"])
+    stars = held_out_stars(tmp_path / "stars", count=4)
+    loss = flow_matching_held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
+    assert loss == flow_matching_held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
+    assert loss != flow_matching_held_out_loss(pipe, stars, "a blue square on a black background", repeats=2)
 
 
 def test_failed_thresholds_names_the_measures_on_the_wrong_side():
@@ -174,3 +204,18 @@ def test_distinct_token_embeddings_set_unit_variance_and_separate_prompts():
     distinct_token_embeddings(encoder)
     assert encoder.get_input_embeddings().weight.std().item() == pytest.approx(1.0, abs=0.05)
     assert word_distance() > 3 * before
+
+
+def test_sd3_base_has_normalized_latents_and_a_full_rank_adapter_on_every_linear_layer():
+    from training_utils.testing.tiny.pretrain import shape_pictures
+    from training_utils.testing.tiny.pretrain_sd3 import RANK, adapted_layers, sd3_base
+
+    pipe = sd3_base()
+    with torch.no_grad():
+        latents = pipe.vae.encode(shape_pictures(count=54)).latent_dist.mean
+    normalized = (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    assert abs(normalized.mean().item()) < 0.1 and normalized.std().item() == pytest.approx(1.0, abs=0.1)
+    layers = dict(pipe.transformer.named_modules())
+    linear = [name for name, module in layers.items() if isinstance(module, torch.nn.Linear)]
+    assert set(linear) < set(adapted_layers(pipe.transformer))
+    assert all(min(layers[name].weight.shape[:2]) <= RANK for name in adapted_layers(pipe.transformer))

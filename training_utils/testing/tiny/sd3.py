@@ -1,13 +1,19 @@
-"""Tiny Stable Diffusion 3: an MMDiT transformer, two CLIP encoders and T5."""
+"""Tiny Stable Diffusion 3: an MMDiT transformer, two CLIP encoders and T5; and the pretrained pipeline."""
+
+import shutil
+from pathlib import Path
 
 import torch
 
 from .parts import SEED, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer, tiny_vae
 
+# The committed weights of a tiny SD3 that draws the shapes (made by `pretrain_sd3`).
+PRETRAINED = Path(__file__).with_name("pretrained") / "sd3"
 
-def build_sd3(path):
-    """A Stable Diffusion 3 pipeline: an MMDiT transformer, two CLIP encoders with projection,
-    a T5 encoder with a real T5 tokenizer, and the flow-matching Euler scheduler."""
+
+def sd3_pipeline(vae=None):
+    """A Stable Diffusion 3 pipeline: an MMDiT transformer, two CLIP encoders with projection, a T5 encoder with a
+    real T5 tokenizer, and the flow-matching Euler scheduler; a random VAE unless ``vae`` is given."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
@@ -16,9 +22,10 @@ def build_sd3(path):
         sample_size=16, patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
         num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
     )
-    pipe = StableDiffusion3Pipeline(
+    return StableDiffusion3Pipeline(
         transformer=transformer,
-        vae=tiny_vae(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
+        vae=vae or tiny_vae(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
+                            scaling_factor=1.5035),
         text_encoder=tiny_clip_text_encoder(len(clip_tokenizer), with_projection=True),
         text_encoder_2=tiny_clip_text_encoder(len(clip_tokenizer), with_projection=True, seed=SEED + 1),
         text_encoder_3=tiny_t5_encoder(len(t5_tokenizer)),
@@ -27,7 +34,17 @@ def build_sd3(path):
         tokenizer_3=t5_tokenizer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
-    pipe.save_pretrained(path)
 
 
-FIXTURES = {"sd3": build_sd3}
+def build_sd3(path):
+    """The random `sd3_pipeline`."""
+    sd3_pipeline().save_pretrained(path)
+
+
+def build_sd3_pretrained(path):
+    """The pretrained pipeline, whose VAE reconstructs the shapes and whose transformer draws them (`pretrain_sd3`):
+    its committed weights (`PRETRAINED`) copied to ``path``."""
+    shutil.copytree(PRETRAINED, path, dirs_exist_ok=True)
+
+
+FIXTURES = {"sd3": build_sd3, "sd3_pretrained": build_sd3_pretrained}
