@@ -5,8 +5,8 @@
 
 Trains a learning run of ``tests/test_learning.py`` (`training_utils.testing.learning.LEARNING_RUNS`: for ``unet``
 a DreamBooth LoRA teaching the pretrained tiny SD the purple "sks" star of ``make demo``, for ``flow_matching`` one
-teaching the pretrained tiny SD3 the orange one) once per seed and variant, and prints the measures of each run's raw and EMA
-weights and the thresholds they fail. The variants are the script with one deliberate bug, patched in before the
+teaching the pretrained tiny SD3 the orange one) once per seed and variant, and prints the measures of each run's raw
+and EMA weights and the thresholds they fail. The variants are the script with one deliberate bug, patched in before the
 script imports what it patches (each patch is of what both kinds' scripts call; each script calls its own):
 
 - ``wrong_sign``: the loss target negated (the model learns to predict minus its target: the UNet scripts' noise or
