@@ -2,7 +2,7 @@
 
 The flow-matching counterpart of `pretrain`: a tiny SD3 whose transformer draws the colour, background and rough shape
 that a prompt names ("a red circle on a white background": a red round blob on a light background;
-`training_utils.testing.learning.BASE_THRESHOLDS` measures it), so that a LoRA trained on it (the flow-matching
+`training_utils.testing.learning.SD3_BASE_THRESHOLDS` measures it), so that a LoRA trained on it (the flow-matching
 learning test) starts from a model that follows its prompts' colour words. Its weights are committed
 (`sd3.PRETRAINED`, safetensors, 2.6 MB, half of it the transformer's fixed positional embedding; the fixture
 ``sd3_pretrained`` copies them), made deterministically on the CPU (single-threaded: 115 s of CPU time on a shared
@@ -26,7 +26,7 @@ neither 300 steps at this width nor 800 at twice it drew any red).
 
 Its pictures of "a red circle on a white background", seeds 0-4 one by one (rendered as `learning.base_images`
 renders them), measured red fractions 0.375-0.426 and circle overlaps 0.76-0.88 (a red round blob on a light
-lavender background), against `learning.BASE_THRESHOLDS` of 0.25 and 0.6: 0.125 and 0.16 of margin (the random
+lavender background), against `learning.SD3_BASE_THRESHOLDS` of 0.25 and 0.6: 0.125 and 0.16 of margin (the random
 fixture ``sd3`` fails them). Blue squares on black came out as well (0.54, 0.81-0.83), green triangles less so
 (0.14-0.21, 0.46-0.68). It does not tell a circle from a square: "a red square on a white background" is the same
 round blob (its square overlap minus its circle overlap -0.06 to -0.10, seeds 0-4). Trained instead on shapes that
