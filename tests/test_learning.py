@@ -122,20 +122,15 @@ def test_shape_overlap_is_highest_for_the_shape_drawn(shape):
     assert shape_overlap(drawn(shape), COLORS["blue"], shape) == 0
 
 
-def test_held_out_loss_is_reproducible_and_depends_on_the_prompt(tiny, tmp_path):
-    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd_pretrained"])
+@pytest.mark.parametrize("pipeline, fixture, loss_of", [
+    (StableDiffusionPipeline, "sd_pretrained", held_out_loss),
+    (StableDiffusion3Pipeline, "sd3_pretrained", flow_matching_held_out_loss)])
+def test_held_out_loss_is_reproducible_and_depends_on_the_prompt(tiny, tmp_path, pipeline, fixture, loss_of):
+    pipe = pipeline.from_pretrained(tiny[fixture])
     stars = held_out_stars(tmp_path / "stars", count=4)
-    loss = held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
-    assert loss == held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
-    assert loss != held_out_loss(pipe, stars, "a blue square on a black background", repeats=2)
-
-
-def test_flow_matching_held_out_loss_is_reproducible_and_depends_on_the_prompt(tiny, tmp_path):
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny["sd3_pretrained"])
-    stars = held_out_stars(tmp_path / "stars", count=4)
-    loss = flow_matching_held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
-    assert loss == flow_matching_held_out_loss(pipe, stars, STAR_PROMPT, repeats=2)
-    assert loss != flow_matching_held_out_loss(pipe, stars, "a blue square on a black background", repeats=2)
+    loss = loss_of(pipe, stars, STAR_PROMPT, repeats=2)
+    assert loss == loss_of(pipe, stars, STAR_PROMPT, repeats=2)
+    assert loss != loss_of(pipe, stars, "a blue square on a black background", repeats=2)
 
 
 def test_failed_thresholds_names_the_measures_on_the_wrong_side():
