@@ -6,8 +6,9 @@ prompt names, large and centred ("a red circle on a white background": a red dis
 red square; `training_utils.testing.learning.BASE_THRESHOLDS` measures both), so that a LoRA trained on it (`make
 demo`, the learning tests) starts from a model that follows its prompts' words. Its weights are committed
 (`sd.PRETRAINED`, safetensors, about 4 MB; the fixture ``sd_pretrained`` copies them), made deterministically on the
-CPU (the VAE in one thread, the UNet in two processes of one thread: 270-325 s of CPU time in all, 211-360 s of wall
-time, on a two-core machine shared with other jobs; rerun, every weight reproduced bitwise) by::
+CPU (the VAE in one thread, the UNet in two processes of one thread: 164 s of wall time on an idle two-core machine,
+43 s of it the VAE's, 254 s of CPU; 211-360 s of wall time on the machine shared with other jobs; rerun, every weight
+reproduced bitwise) by::
 
     python -m training_utils.testing.tiny.pretrain
 
