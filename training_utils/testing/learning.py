@@ -18,6 +18,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from .tiny.data import DEMO_STAR, STAR, STAR_EXTENT, star_points
+from .tiny.pretrain_sd3 import MAX_SEQUENCE_LENGTH
 
 # How far (Euclidean, 0-255 RGB) a pixel may be from the prompted colour and still count as it: the tiny VAE
 # blurs edges and shifts hues a little.
@@ -104,7 +105,7 @@ def held_out_loss(pipe, images, prompt, seed=0, repeats=8):
     return float(np.mean(losses))
 
 
-def flow_matching_held_out_loss(pipe, images, prompt, seed=0, repeats=8, max_sequence_length=16):
+def flow_matching_held_out_loss(pipe, images, prompt, seed=0, repeats=8, max_sequence_length=MAX_SEQUENCE_LENGTH):
     """`held_out_loss` for a flow-matching pipeline (SD3's): the mean squared error of ``pipe``'s transformer
     predicting the velocity, noise minus latents, from the latents ``sigma`` of the way along the straight line to
     the noise, at evenly spaced ``sigma`` (the transformer's timestep is ``sigma`` times the scheduler's
@@ -180,8 +181,6 @@ def base_images(model, prompts=tuple(BASE_PROMPTS), seeds=range(4)):
     of lists, one per prompt."""
     from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
 
-    from .tiny.pretrain_sd3 import MAX_SEQUENCE_LENGTH
-
     pipe = DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     options = {"max_sequence_length": MAX_SEQUENCE_LENGTH} if isinstance(pipe, StableDiffusion3Pipeline) else {}
@@ -201,17 +200,19 @@ def final_images(output_dir, variant="raw", prompt=None):
     return [Path(output_dir) / path for path in last[0]["images"]]
 
 
-def star_measures(base_model, lora_dir, images, held_out_images, prompt):
-    """The measures of a LoRA (``lora_dir``) of ``base_model``: the `drawing_measures` of the star in ``images``
-    (its validation images), and its `held_out_loss` on ``held_out_images`` as a fraction of the base model's."""
-    from diffusers import StableDiffusionPipeline
+def star_measures(base_model, lora_dir, images, held_out_images, prompt, star=DEMO_STAR, loss_of=held_out_loss):
+    """The measures of a LoRA (``lora_dir``) of ``base_model``: the `drawing_measures` of ``star`` (`tiny.data`'s
+    ``(shape, colour, background)``) in ``images`` (its validation images), and its held-out loss on
+    ``held_out_images`` as a fraction of the base model's (``loss_of``: `held_out_loss` for a UNet,
+    `flow_matching_held_out_loss` for SD3)."""
+    from diffusers import DiffusionPipeline
 
-    shape, color, _ = DEMO_STAR
-    pipe = StableDiffusionPipeline.from_pretrained(base_model)
-    base_loss = held_out_loss(pipe, held_out_images, prompt)
+    shape, color, _ = star
+    pipe = DiffusionPipeline.from_pretrained(base_model)
+    base_loss = loss_of(pipe, held_out_images, prompt)
     pipe.load_lora_weights(lora_dir)
     return {**drawing_measures(images, shape, color),
-            "held_out_loss_ratio": held_out_loss(pipe, held_out_images, prompt) / base_loss}
+            "held_out_loss_ratio": loss_of(pipe, held_out_images, prompt) / base_loss}
 
 
 def failed_thresholds(measures, thresholds=STAR_THRESHOLDS):
@@ -284,7 +285,6 @@ def sd3_star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=SD3_
     ``steps`` steps of 4 at 32 px, validated on that prompt once, at the end (4 images, raw and EMA). The loss
     regresses the velocity (``--precondition_outputs 0``), as `flow_matching_held_out_loss` measures it."""
     from .tiny.data import STAR_PROMPT
-    from .tiny.pretrain_sd3 import MAX_SEQUENCE_LENGTH
 
     return ["--pretrained_model_name_or_path", base_model, "--instance_data_dir", instance_dir, "--instance_prompt",
             STAR_PROMPT, "--output_dir", output_dir, "--resolution", 32, "--center_crop", "--cache_latents",
@@ -292,21 +292,6 @@ def sd3_star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=SD3_
             "--max_sequence_length", MAX_SEQUENCE_LENGTH, "--precondition_outputs", 0, "--seed", seed,
             "--validation_prompt", STAR_PROMPT, "--num_validation_images", 4, "--validation_inference_steps", 20,
             "--validation_steps", steps, "--checkpointing_steps", 10 * steps, "--use_ema", "--ema_decay", 0.95]
-
-
-def sd3_star_measures(base_model, lora_dir, images, held_out_images, prompt):
-    """`star_measures` of an SD3 LoRA: the `drawing_measures` of the star (`tiny.data.STAR`) in ``images``, and
-    its `flow_matching_held_out_loss` on ``held_out_images`` as a fraction of the base model's."""
-    from diffusers import StableDiffusion3Pipeline
-
-    from .tiny.pretrain_sd3 import MAX_SEQUENCE_LENGTH
-
-    shape, color, _ = STAR
-    pipe = StableDiffusion3Pipeline.from_pretrained(base_model)
-    base_loss = flow_matching_held_out_loss(pipe, held_out_images, prompt, max_sequence_length=MAX_SEQUENCE_LENGTH)
-    pipe.load_lora_weights(lora_dir)
-    loss = flow_matching_held_out_loss(pipe, held_out_images, prompt, max_sequence_length=MAX_SEQUENCE_LENGTH)
-    return {**drawing_measures(images, shape, color), "held_out_loss_ratio": loss / base_loss}
 
 
 @dataclass(frozen=True)
@@ -336,6 +321,7 @@ LEARNING_RUNS = {
                         "sd", BASE_PROMPTS, BASE_THRESHOLDS),
     "flow_matching": LearningRun("dreambooth/train_dreambooth_lora_sd3.py", "sd3_pretrained", "instance_star",
                                  sd3_star_lora_flags, functools.partial(held_out_stars, star=STAR, extent=STAR_EXTENT),
-                                 sd3_star_measures, SD3_STAR_THRESHOLDS,
+                                 functools.partial(star_measures, star=STAR, loss_of=flow_matching_held_out_loss),
+                                 SD3_STAR_THRESHOLDS,
                                  "sd3", SD3_BASE_PROMPTS, SD3_BASE_THRESHOLDS),
 }
