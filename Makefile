@@ -12,9 +12,10 @@ install:
 	$(PYTHON) -m pip install -e ".[test]"
 
 # A real DreamBooth LoRA run, with EMA and validation: it teaches the pretrained tiny model (committed weights that
-# draw the shape, colour and background a prompt names) a purple star it never saw, called "sks": one centred star,
+# draw the shape, colour and background a prompt names) an orange star it never saw, called "sks": one centred star,
 # the UNet's LoRA only, learning rate 1e-2, half the pictures captioned with the empty prompt (without that, the
-# pictures, drawn with classifier-free guidance, drifted to blue and teal; the text encoder's LoRA made them messier).
+# pictures, drawn with classifier-free guidance, showed little of the star or its complementary colours). The
+# learning tests train the same recipe (training_utils.testing.learning.star_lora_flags).
 demo: install
 	$(PYTHON) -m training_utils.testing.tiny --output_dir tiny sd_pretrained instance_star_demo
 	rm -rf $(DEMO_DIR)

@@ -120,14 +120,16 @@ def test_shapes_dataset_captions_describe_the_images(tiny):
     assert len({caption_words(record["text"])[0][0] for record in records}) == len(COLORS)
 
 
-def test_shapes_dataset_takes_the_colours_backgrounds_and_sizes_asked(tmp_path):
+@pytest.mark.parametrize("shapes", [SHAPES, ("circle", "square")])
+def test_shapes_dataset_takes_the_shapes_colours_backgrounds_and_sizes_asked(tmp_path, shapes):
     from training_utils.testing.tiny.data import LARGE_EXTENT, build_shapes
 
-    build_shapes(tmp_path, num_images=12, extent=LARGE_EXTENT, colors=("red", "blue"), backgrounds=("black",))
+    build_shapes(tmp_path, num_images=12, extent=LARGE_EXTENT, colors=("red", "blue"), backgrounds=("black",),
+                 shapes=shapes)
     records = [json.loads(line) for line in (tmp_path / "metadata.jsonl").read_text().splitlines()]
     words = [caption_words(record["text"]) for record in records]
     assert {color[0] for color, _, _ in words} == {"red", "blue"} and {b[0] for _, _, b in words} == {"black"}
-    assert {shape[0] for _, shape, _ in words} == set(SHAPES)
+    assert {shape[0] for _, shape, _ in words} == set(shapes)
     for record, (color, _, _) in zip(records, words):
         ys, xs = np.nonzero(np.all(np.asarray(Image.open(tmp_path / record["file_name"]).convert("RGB")) ==
                                    COLORS[color[0]], axis=-1))

@@ -5,8 +5,8 @@ that a prompt names ("a red circle on a white background": a red round blob on a
 `training_utils.testing.learning.SD3_BASE_THRESHOLDS` measures it), so that a LoRA trained on it (the flow-matching
 learning test) starts from a model that follows its prompts' colour words. Its weights are committed
 (`sd3.PRETRAINED`, safetensors, 2.6 MB, half of it the transformer's fixed positional embedding; the fixture
-``sd3_pretrained`` copies them), made deterministically on the CPU (single-threaded: 115 s of CPU time on a shared
-two-core machine, 99 s on a quieter one; rerun, every weight reproduced bitwise) by::
+``sd3_pretrained`` copies them), made deterministically on the CPU (single-threaded: 82 s of wall and CPU time on a
+two-core machine, 103 s when the same machine ran slower; rerun, every weight reproduced bitwise) by::
 
     python -m training_utils.testing.tiny.pretrain_sd3
 
@@ -25,13 +25,13 @@ guidance, as for SD 1.x, and the random fixture's patch size of 1 (with patches 
 neither 300 steps at this width nor 800 at twice it drew any red).
 
 Its pictures of "a red circle on a white background", seeds 0-4 one by one (rendered as `learning.base_images`
-renders them), measured red fractions 0.375-0.426 and circle overlaps 0.76-0.88 (a red round blob on a light
-lavender background), against `learning.SD3_BASE_THRESHOLDS` of 0.25 and 0.6: 0.125 and 0.16 of margin (the random
-fixture ``sd3`` fails them). Blue squares on black came out as well (0.54, 0.81-0.83), green triangles less so
-(0.14-0.21, 0.46-0.68). It does not tell a circle from a square: "a red square on a white background" is the same
-round blob (its square overlap minus its circle overlap -0.06 to -0.10, seeds 0-4). Trained instead on shapes that
-nearly fill the picture (50 to 58 of 64 pixels), its circles got rounder (overlap 0.90-0.92) but its squares became
-red rings around green (square overlap 0.31-0.38).
+renders them), measured red fractions 0.268-0.315 and circle overlaps 0.688-0.788 (a speckled red-orange round blob
+on lavender), against `learning.SD3_BASE_THRESHOLDS` of 0.2 and 0.6: 0.068 and 0.088 of margin (the random fixture
+``sd3`` fails them). Blue squares on black came out too (blue 0.32-0.38, square overlap 0.57-0.71), green triangles
+not (green 0.00). It does not tell a circle from a square: "a red square on a white background" is the same round
+blob (its square overlap minus its circle overlap -0.04 to +0.01, seeds 0-4). With the SD 1.x fixture's earlier VAE,
+trained instead on shapes that nearly fill the picture (50 to 58 of 64 pixels), its circles got rounder (overlap
+0.90-0.92) but its squares became red rings around green (square overlap 0.31-0.38).
 
 Every run of the fixture renders with ``max_sequence_length`` `MAX_SEQUENCE_LENGTH`: T5's padding is part of the
 transformer's input (the SD3 pipeline passes no attention mask), so prompts padded to other lengths read differently.
