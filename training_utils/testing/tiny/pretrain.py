@@ -170,8 +170,9 @@ def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_lea
     cpu_seconds = cpu_time()
     log(f"CPU time: {cpu_seconds:.0f} s, this process and the script's")
     (Path(output_dir) / "pretraining.json").write_text(json.dumps(
-        {"vae_steps": vae_steps, "vae_threads": VAE_THREADS, "unet_steps": unet_steps, "unet_learning_rate": unet_learning_rate,
-         "unet_shapes": PRETRAINING_SHAPES, "unet_shape_extent": PRETRAINING_EXTENT, "unet_processes": PROCESSES,
+        {"vae_steps": vae_steps, "vae_threads": VAE_THREADS, "unet_steps": unet_steps,
+         "unet_learning_rate": unet_learning_rate, "unet_shapes": PRETRAINING_SHAPES,
+         "unet_shape_extent": PRETRAINING_EXTENT, "unet_processes": PROCESSES,
          "prediction_type": PREDICTION_TYPE, "caption_dropout": CAPTION_DROPOUT,
          "vae_reconstruction_error": round(error, 5), "cpu_seconds": round(cpu_seconds),
          "command": "python -m training_utils.testing.tiny.pretrain"}, indent=1))
