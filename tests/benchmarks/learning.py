@@ -3,9 +3,9 @@
     python -m tests.benchmarks.learning [--kind unet|flow_matching] [--seeds 0 1 2 3 4] [--variants correct ...]
                                         [--json out.json]
 
-Trains a learning run of ``tests/test_learning.py`` (`training_utils.testing.learning.LEARNING_RUNS`: for ``unet``
-a DreamBooth LoRA teaching the pretrained tiny SD the purple "sks" star of ``make demo``, for ``flow_matching`` one
-teaching the pretrained tiny SD3 the orange one) once per seed and variant, and prints the measures of each run's raw
+Trains a learning run of ``tests/test_learning.py`` (`training_utils.testing.learning.LEARNING_RUNS`: a DreamBooth
+LoRA, with ``make demo``'s recipe, teaching the demo's orange "sks" star to the pretrained tiny SD for ``unet``, to
+the pretrained tiny SD3 for ``flow_matching``) once per seed and variant, and prints the measures of each run's raw
 and EMA weights and the thresholds they fail. The variants are the script with one deliberate bug, patched in before the
 script imports what it patches (each patch is of what both kinds' scripts call; each script calls its own):
 

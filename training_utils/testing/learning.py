@@ -201,14 +201,14 @@ def final_images(output_dir, variant="raw", prompt=None):
     return [Path(output_dir) / path for path in last[0]["images"]]
 
 
-def star_measures(base_model, lora_dir, images, held_out_images, prompt, star=DEMO_STAR, loss_of=held_out_loss):
-    """The measures of a LoRA (``lora_dir``) of ``base_model``: the `drawing_measures` of ``star`` (`tiny.data`'s
-    ``(shape, colour, background)``) in ``images`` (its validation images), and its held-out loss on
+def star_measures(base_model, lora_dir, images, held_out_images, prompt, loss_of=held_out_loss):
+    """The measures of a LoRA (``lora_dir``) of ``base_model``: the `drawing_measures` of the taught star
+    (`tiny.data.DEMO_STAR`) in ``images`` (its validation images), and its held-out loss on
     ``held_out_images`` as a fraction of the base model's (``loss_of``: `held_out_loss` for a UNet,
     `flow_matching_held_out_loss` for SD3)."""
     from diffusers import DiffusionPipeline
 
-    shape, color, _ = star
+    shape, color, _ = DEMO_STAR
     pipe = DiffusionPipeline.from_pretrained(base_model)
     base_loss = loss_of(pipe, held_out_images, prompt)
     pipe.load_lora_weights(lora_dir)
@@ -253,17 +253,17 @@ def star_lora_flags(base_model, instance_dir, output_dir, seed=0, steps=STAR_LOR
 HELD_OUT_STAR_EXTENT = (46, 54)
 
 
-def held_out_stars(path, star=DEMO_STAR, extent=HELD_OUT_STAR_EXTENT, count=8, resolution=32):
-    """``count`` pictures of the taught ``star`` (`tiny.data`'s ``(shape, colour, background)``) that no learning
-    run trains on: at other places and sizes (``extent``), written to ``path`` and returned as PIL images at
-    ``resolution``, resized as the scripts resize."""
+def held_out_stars(path, count=8, resolution=32):
+    """``count`` pictures of the taught star (`tiny.data.DEMO_STAR`) that no learning run trains on: at other places
+    and sizes (`HELD_OUT_STAR_EXTENT`), written to ``path`` and returned as PIL images at ``resolution``, resized as
+    the scripts resize."""
     from .tiny.data import SEED, draw_shape
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED + 100)
     for index in range(count):
-        draw_shape(*star, rng=rng, extent=extent)[0].save(path / f"{index:04d}.png")
+        draw_shape(*DEMO_STAR, rng=rng, extent=HELD_OUT_STAR_EXTENT)[0].save(path / f"{index:04d}.png")
     return [Image.open(file).convert("RGB").resize((resolution, resolution), Image.LANCZOS)
             for file in sorted(path.glob("*.png"))]
 
