@@ -41,6 +41,8 @@ recipe and star; its loss on held-out stars is `flow_matching_held_out_loss` (th
 Here the star overlap does not tell the base's speckled blob from the star; its colour and the loss ratio do.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -183,6 +185,15 @@ def test_train_vae_is_deterministic_and_scales_latents_to_unit_variance():
     with torch.no_grad():
         latents = first.encode(pictures).latent_dist.mean * first.config.scaling_factor
     assert latents.std().item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_pretraining_scripts_run_this_repository_on_the_pretraining_threads(monkeypatch):
+    from training_utils.testing.tiny.pretrain import REPOSITORY, THREADS, script_environment
+
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    environment = script_environment()
+    assert environment["PYTHONPATH"].split(os.pathsep) == [str(REPOSITORY), "elsewhere"]
+    assert environment["OMP_NUM_THREADS"] == str(THREADS) == "1"
 
 
 def test_distinct_token_embeddings_set_unit_variance_and_separate_prompts():

@@ -159,9 +159,7 @@ def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_lea
                       "--use_ema", "--ema_decay", 0.99, "--seed", SEED, "--checkpointing_steps", 10 * unet_steps,
                       "--validation_prompt", "a red circle on a white background", "--num_validation_images", 4,
                       "--validation_inference_steps", 20, "--validation_steps", unet_steps,
-                      processes=PROCESSES, timeout=1800,
-                      env={"PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
-                           "OMP_NUM_THREADS": str(THREADS)})
+                      processes=PROCESSES, timeout=1800, env=script_environment())
         log(f"UNet: {unet_steps} steps of train_text_to_image.py ({time.monotonic() - started:.0f} s)")
         pipe = StableDiffusionPipeline.from_pretrained(scratch / "out")
         pipe.unet = UNet2DConditionModel.from_pretrained(scratch / "out" / "ema" / "unet")
@@ -176,6 +174,13 @@ def pretrain_sd(output_dir, vae_steps=VAE_STEPS, unet_steps=UNET_STEPS, unet_lea
          "prediction_type": PREDICTION_TYPE, "caption_dropout": CAPTION_DROPOUT,
          "vae_reconstruction_error": round(error, 5), "cpu_seconds": round(cpu_seconds),
          "command": "python -m training_utils.testing.tiny.pretrain"}, indent=1))
+
+
+def script_environment():
+    """The variables the pretraining's script runs with: this repository first on the path (its ``training_utils``,
+    whatever else is installed) and `THREADS` threads."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": str(THREADS)}
 
 
 def cpu_time():

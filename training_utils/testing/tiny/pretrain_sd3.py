@@ -39,7 +39,6 @@ transformer's input (the SD3 pipeline passes no attention mask), so prompts padd
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -51,7 +50,7 @@ import torch.nn as nn
 
 from .data import LARGE_EXTENT, SEED, build_shapes
 from .pretrain import (PRETRAINING_BACKGROUNDS, PRETRAINING_COLORS, PRETRAINING_IMAGES, REPOSITORY, RESOLUTION,
-                       THREADS, cpu_time, distinct_token_embeddings, shape_pictures)
+                       cpu_time, distinct_token_embeddings, script_environment, shape_pictures)
 from .sd import PRETRAINED as SD_PRETRAINED
 from .sd3 import PRETRAINED, sd3_pipeline
 
@@ -108,8 +107,7 @@ def pretrain_sd3(output_dir, steps=STEPS, learning_rate=LEARNING_RATE, work_dir=
                       "--seed", SEED, "--checkpointing_steps", 10 * steps, "--validation_prompt",
                       "a red circle on a white background", "--num_validation_images", 4,
                       "--validation_inference_steps", 20, "--validation_steps", steps, timeout=1800,
-                      env={"PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
-                           "OMP_NUM_THREADS": str(THREADS)})
+                      env=script_environment())
         log(f"transformer: {steps} steps of train_dreambooth_lora_sd3.py ({time.monotonic() - started:.0f} s)")
         pipe = StableDiffusion3Pipeline.from_pretrained(scratch / "base")
         pipe.load_lora_weights(scratch / "out" / "ema")
