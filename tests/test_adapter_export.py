@@ -1,4 +1,4 @@
-"""Writing trained adapters (training_utils.adapter_export): LoRA and DoRA files that ``load_lora_weights`` loads, LoKr,
+"""Writing trained adapters (training_utils.adapters.export): LoRA and DoRA files that ``load_lora_weights`` loads, LoKr,
 LoHa and OFT folders in peft's own format that ``PeftModel.from_pretrained`` loads, each rendering as the adapter in
 memory; raw and EMA, checked once written, read back from checkpoints, rewritten from their descriptions."""
 
@@ -14,17 +14,17 @@ from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from training_utils.adapter_export import (LORA_WEIGHTS_NAME, LoraExport, PeftExport, adapter_export, converted_name,
-                                           remove_adapter_name)
-from training_utils.adapters import SETTINGS, adapter_config, check_adapter_args
+from training_utils.adapters.config import SETTINGS, adapter_config, check_adapter_args
+from training_utils.adapters.export import LoraExport, PeftExport, adapter_export, converted_name, remove_adapter_name
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter, add_lora
 from training_utils.ema import EMA
 from training_utils.errors import UsageError
-from training_utils.export import save_with_ema
-from training_utils.hub import how_to_load
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter, add_lora
+from training_utils.outputs.export import save_with_ema
+from training_utils.outputs.hub import how_to_load
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema.synthesis import export_from_description
 from test_export import fresh_pipe, perturb
+from training_utils.names import LORA_WEIGHTS_NAME
 
 ADAPTERS = ["lora", "dora", "lokr", "loha", "oft"]
 

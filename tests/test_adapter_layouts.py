@@ -1,4 +1,4 @@
-"""Each adapter in the UI tools' layouts (training_utils.adapter_layouts, through convert_lora): every module's keys
+"""Each adapter in the UI tools' layouts (training_utils.adapters.layouts, through convert_lora): every module's keys
 are those ComfyUI's loader reads, none left unread, with the alpha it trained with; and what ComfyUI applies
 (`comfyui`, re-implemented from its source) is exactly the weight peft's adapter makes, for the UNet families' kohya
 files and each transformer family's ComfyUI layout, fused layers included. DoRA is exact under LyCORIS's convention
@@ -14,11 +14,11 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
 from comfyui import comfyui_weight, delta_shape, module_weights
-from training_utils.adapter_export import adapter_export, converted_name
-from training_utils.convert_lora import target_of, write_converted
+from training_utils.adapters.convert import target_of, write_converted
+from training_utils.adapters.export import adapter_export, converted_name
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.errors import UsageError
 from training_utils.families import family_of
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.pipeline import trainable_parameters
 from test_export import perturb
 from transformer_layouts import TRANSFORMERS

@@ -1,14 +1,14 @@
-"""The adapter flags (training_utils.adapters): each kind's settings and defaults, peft's config made of them, and a
+"""The adapter flags (training_utils.adapters.config): each kind's settings and defaults, peft's config made of them, and a
 setting that the chosen kind lacks, or a bad value, refused in one line before anything loads."""
 
 import pytest
 from diffusers import StableDiffusionPipeline
 from peft import LoHaConfig, LoKrConfig, LoraConfig, OFTConfig
 
-from training_utils.adapters import adapter_config, check_adapter_args
+from training_utils.adapters.config import adapter_config, check_adapter_args
 from training_utils.args import add_lora_args, training_parser
-from training_utils.checkpoint_folders import trajectory_flags
 from training_utils.errors import UsageError
+from training_utils.outputs.checkpoint_folders import trajectory_flags
 
 
 def checked(*flags):

@@ -4,11 +4,11 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 
+from training_utils.adapters.config import check_adapter_args
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  training_parser)
-from training_utils.adapters import check_adapter_args
-from training_utils.checkpoint_folders import trajectory_flags
 from training_utils.errors import UsageError, exit_on_usage_error
+from training_utils.outputs.checkpoint_folders import trajectory_flags
 from training_utils.parser import TrainingArgumentParser, add_refused_args
 from training_utils.pipeline import is_hub_id
 

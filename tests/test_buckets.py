@@ -10,12 +10,12 @@ from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from diffusers.configuration_utils import FrozenDict
 from PIL import Image
 
-from training_utils.buckets import (AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets, parse_buckets,
-                                    size_multiple, validation_size)
-from training_utils.data import (TrainDataset, captions_with_empty, drop_caption, dropped, make_dataloader,
-                                 sample_generator)
+from training_utils.data.buckets import (AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets, parse_buckets,
+                                         size_multiple, validation_size)
+from training_utils.data.datasets import (TrainDataset, captions_with_empty, drop_caption, dropped, make_dataloader,
+                                          sample_generator)
+from training_utils.data.images import ImageTransform, image_sizes
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform, image_sizes
 
 
 def pipe_with(vae_scale_factor, processor_factor, **model):

@@ -1,4 +1,4 @@
-"""Cached encoder outputs (training_utils.cache); the scripts' --cache_latents runs are in their smoke tests."""
+"""Cached encoder outputs (training_utils.data.frozen_encoders); the scripts' --cache_latents runs are in their smoke tests."""
 
 import logging
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 from PIL import Image
 
-from training_utils.cache import (CACHE_INDEX_COLUMN, FrozenEncoders, UnreadableImage, cached_images,
-                                  cached_latent_parameters, cached_latent_parameters_with_conditioning,
-                                  latent_chunk_encoder, sample_latents)
-from training_utils.captions import distinct_captions
-from training_utils.data import sample_generator, tokenize
-from training_utils.images import ImageTransform, ImageWithConditioningTransform
+from training_utils.data.captions import distinct_captions
+from training_utils.data.datasets import sample_generator, tokenize
+from training_utils.data.frozen_encoders import (CACHE_INDEX_COLUMN, FrozenEncoders, UnreadableImage, cached_images,
+                                                 cached_latent_parameters, cached_latent_parameters_with_conditioning,
+                                                 latent_chunk_encoder, sample_latents)
+from training_utils.data.images import ImageTransform, ImageWithConditioningTransform
 
 
 def cache_latent_parameters(images, transform, vae, batch_size):
@@ -252,7 +252,7 @@ def test_text_embeddings_per_distinct_caption_match_encoding_one_by_one(tiny_sd_
 
 
 def test_text_embeddings_of_an_encoder_returning_several_tensors_are_tuples_per_caption(caplog):
-    caplog.set_level(logging.INFO, logger="training_utils.feature_store")
+    caplog.set_level(logging.INFO, logger="training_utils.data.feature_store")
     captions = ["a", "b", "c"]
 
     def encode(texts):  # like SDXL's (hidden states, pooled): a batch of each
@@ -327,7 +327,7 @@ def test_a_disk_cache_is_reused_without_running_or_moving_an_encoder_and_gives_t
 
 
 def test_a_disk_cache_is_not_used_for_another_resolution_image_or_caption(tiny_sd_pipe, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="training_utils.feature_store")
+    caplog.set_level(logging.INFO, logger="training_utils.data.feature_store")
     dataset, paths = two_image_dataset(tmp_path)
     vae, text_encoder, tokenizer = tiny_sd_pipe.vae, tiny_sd_pipe.text_encoder, tiny_sd_pipe.tokenizer
     features = tmp_path / "features"

@@ -1,4 +1,4 @@
-"""Captions as people write them (training_utils.captions): a row without one is named by file and line before
+"""Captions as people write them (training_utils.data.captions): a row without one is named by file and line before
 anything loads, and captions the text encoder cuts are counted."""
 
 import json
@@ -11,11 +11,11 @@ from PIL import Image
 
 from helpers import usage_error
 from training_utils.args import training_parser
-from training_utils.cache import FrozenEncoders
-from training_utils.captions import check_captions, check_metadata, cut_captions_warning
-from training_utils.data import load_train_dataset
+from training_utils.data.captions import check_captions, check_metadata, cut_captions_warning
+from training_utils.data.datasets import load_train_dataset
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform
 from training_utils.testing.tiny import parts as tiny
 
 EXPECTED = "a caption (a string, or a list of strings) in every line of"

@@ -1,4 +1,4 @@
-"""Checkpoints of training_utils.checkpointing: naming, resolving, pruning and an exact save/load round trip.
+"""Checkpoints of training_utils.outputs.checkpointing: naming, resolving, pruning and an exact save/load round trip.
 
 accelerate's AcceleratorState is a process-wide singleton, so this module makes one
 ``Accelerator(cpu=True)`` and every test leaves it as it found it: no registered hooks and no
@@ -16,20 +16,14 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from helpers import forget_prepared
-from training_utils import checkpointing, export, writing
-from training_utils.checkpoint_folders import STATE_FILE, choose_checkpoint, complete_checkpoints, resolve_checkpoint
-from training_utils.checkpointing import (
-    EARLIER_EMA_FILE,
-    EARLIER_TRAINED_FILE,
-    EMA_FOLDER,
-    WRITE_FAILED_EXIT_CODE,
-    Checkpointer,
-    resume_position,
-)
 from training_utils.ema import EMA
 from training_utils.errors import RunStopped, UsageError
-from training_utils.export import TENSORS_NAME, TensorsExport
-from training_utils.manifest import MANIFEST_FILE, check_manifest, write_manifest
+from training_utils.names import EMA_FOLDER, MANIFEST_FILE, STATE_FILE
+from training_utils.outputs import checkpointing, export, writing
+from training_utils.outputs.checkpoint_folders import choose_checkpoint, complete_checkpoints, resolve_checkpoint
+from training_utils.outputs.checkpointing import (EARLIER_EMA_FILE, EARLIER_TRAINED_FILE, WRITE_FAILED_EXIT_CODE, Checkpointer, resume_position)
+from training_utils.outputs.export import TENSORS_NAME, TensorsExport
+from training_utils.outputs.manifest import check_manifest, write_manifest
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
 from training_utils.compile import add_compile_args, compilation_count, compile_repeated_blocks
 from training_utils.ema import tensors_swapped_in
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.testing.tiny.parts import tiny_unet
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
 from training_utils.args import training_parser
-from training_utils.buckets import validation_size
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_from_unet, controlnet_how_to_load, dataset_columns,
                                        load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator)
-from training_utils.data import drop_caption, pick_caption
+from training_utils.data.buckets import validation_size
+from training_utils.data.datasets import drop_caption, pick_caption
 from training_utils.errors import UsageError
 
 

@@ -1,4 +1,4 @@
-"""Converting diffusers-format LoRA files to kohya's and ComfyUI's layouts (training_utils.convert_lora).
+"""Converting diffusers-format LoRA files to kohya's and ComfyUI's layouts (training_utils.adapters.convert).
 
 SD 1.x and SDXL: diffusers' own ``load_lora_weights`` reads kohya files, so a kohya file must change a fresh
 pipeline's weights exactly as the diffusers file does (lora_alpha != rank, text encoders included). Transformer
@@ -20,12 +20,12 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from training_utils.convert_lora import METADATA_KEY, convert, main, write_converted
+from training_utils.adapters.convert import METADATA_KEY, convert, main, write_converted
+from training_utils.adapters.export import LoraExport
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.errors import UsageError
-from training_utils.adapter_export import LoraExport
-from training_utils.families import FAMILIES, family_of, formats_for
 from training_utils.families.layout import Family, fused
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora
+from training_utils.families.registry import FAMILIES, family_of, formats_for
 from training_utils.pipeline import trainable_parameters
 from transformer_layouts import TRANSFORMERS
 

@@ -1,4 +1,4 @@
-"""Datasets and preprocessing of training_utils.data: exact crops, seeded augmentations, checked inputs."""
+"""Datasets and preprocessing of training_utils.data.datasets: exact crops, seeded augmentations, checked inputs."""
 
 import json
 import os
@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.data import TrainDataset, load_train_dataset, pick_caption, sample_generator, tokenize
+from training_utils.data.datasets import TrainDataset, load_train_dataset, pick_caption, sample_generator, tokenize
+from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform
 from training_utils.testing.tiny.data import COLORS, SHAPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,7 +288,7 @@ def test_sample_generator_differs_across_epoch_index_and_seed():
 
 def test_sample_generator_does_not_depend_on_python_hash_seed():
     # a resumed run is a new process: its augmentations must match those of the first run
-    code = ("from training_utils.data import sample_generator; "
+    code = ("from training_utils.data.datasets import sample_generator; "
             "print(sample_generator(7, 3, 11).initial_seed())")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
@@ -432,7 +432,7 @@ def test_dataset_name_local_folder(tiny, cache_dir):
 @pytest.mark.parametrize("line, problem", [('{"file_name": "a.png", "text": "a"', "is not"),
                                            ('["a.png"]', "is a list")])
 def test_a_malformed_metadata_line_names_the_file_and_line(tmp_path, line, problem):
-    from training_utils.data import load_train_dataset
+    from training_utils.data.datasets import load_train_dataset
     from training_utils.errors import UsageError
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")

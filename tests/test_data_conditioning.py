@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 from test_data import decode, generator, position_image
-from training_utils.buckets import AspectRatioBuckets, parse_buckets
-from training_utils.cache import FrozenEncoders
-from training_utils.data import dataset_shapes, sample_generator
-from training_utils.images import ImageTransform, ImageWithConditioningTransform
+from training_utils.data.buckets import AspectRatioBuckets, parse_buckets
+from training_utils.data.datasets import dataset_shapes, sample_generator
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform, ImageWithConditioningTransform
 
 
 def from_unit(tensor):

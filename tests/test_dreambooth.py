@@ -1,4 +1,4 @@
-"""training_utils.dreambooth: checked inputs, instance and class data (prompts, repeats, caption dropout, buckets),
+"""training_utils.data.dreambooth: checked inputs, instance and class data (prompts, repeats, caption dropout, buckets),
 side-effect-free class images."""
 
 import json
@@ -13,15 +13,15 @@ import torch
 from PIL import Image
 
 from training_utils.args import TrainingArgumentParser
-from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
-from training_utils.cache import FrozenEncoders
-from training_utils.data import make_dataloader, sample_generator
-from training_utils.dreambooth import (EmbeddedImage, InstanceImages, add_dreambooth_args, check_dreambooth_args,
-                                       dreambooth_dataset, dreambooth_prompts, generate_class_images,
-                                       instance_then_class_collate, list_images, training_captions)
+from training_utils.data.buckets import AspectRatioBuckets, on_the_fly_buckets
+from training_utils.data.datasets import make_dataloader, sample_generator
+from training_utils.data.dreambooth import (EmbeddedImage, InstanceImages, add_dreambooth_args, check_dreambooth_args,
+                                            dreambooth_dataset, dreambooth_prompts, generate_class_images,
+                                            instance_then_class_collate, list_images, training_captions)
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform, read_image
+from training_utils.data.prompts import cached_rows
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform, read_image
-from training_utils.prompts import cached_rows
 
 
 def solid(path, value, size=(12, 8)):
@@ -592,7 +592,7 @@ def test_other_processes_wait_and_write_nothing(tiny_sd_pipe, tmp_path):
 
 
 def test_class_images_from_args_generates_only_with_prior_preservation(tmp_path, monkeypatch):
-    import training_utils.dreambooth as dreambooth
+    import training_utils.data.dreambooth as dreambooth
 
     calls = []
     monkeypatch.setattr(dreambooth, "generate_class_images", lambda *args, **kwargs: calls.append((args, kwargs)))

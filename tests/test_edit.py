@@ -1,4 +1,4 @@
-"""training_utils.edit and edit_samples: edit rows checked before weights load, samples of a target with 0..n
+"""training_utils.data.edit and edit_samples: edit rows checked before weights load, samples of a target with 0..n
 references batched by shape, references mirrored with their target, their latents cached equal to uncached,
 validation references, the loading code of an edit."""
 
@@ -13,15 +13,15 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.buckets import AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets
-from training_utils.cache import FrozenEncoders
-from training_utils.data import make_dataloader
-from training_utils.edit import (EditRows, add_edit_args, check_edit_args, how_to_edit, validation_inputs,
-                                 validation_references)
-from training_utils.edit_samples import References, SampleShape, edit_collate, edit_dataset, edit_prompts
+from training_utils.data.buckets import AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets
+from training_utils.data.datasets import make_dataloader
+from training_utils.data.edit import (EditRows, add_edit_args, check_edit_args, how_to_edit, validation_inputs,
+                                      validation_references)
+from training_utils.data.edit_samples import References, SampleShape, edit_collate, edit_dataset, edit_prompts
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
-from training_utils.hub import LORA_HOW_TO_LOAD, how_to_load
-from training_utils.images import ImageTransform
+from training_utils.outputs.hub import LORA_HOW_TO_LOAD, how_to_load
 from training_utils.testing.tiny.data import EDIT_REFERENCE_COUNTS
 
 
@@ -54,7 +54,7 @@ def rewrite_metadata(folder, change):
 
 
 def test_rows_of_a_dataset_hold_zero_one_or_two_references_and_the_count_without_is_logged(edit_data, caplog):
-    with caplog.at_level(logging.INFO, logger="training_utils.edit"):
+    with caplog.at_level(logging.INFO, logger="training_utils.data.edit"):
         rows = check_edit_args(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
                                      "--caption_column", "text"))
     assert [len(references) for references in rows.references] == list(EDIT_REFERENCE_COUNTS)
@@ -99,7 +99,7 @@ def test_an_unreadable_reference_is_named_before_weights_load_or_its_row_skipped
     argv = ["--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column", "text"]
     with pytest.raises(UsageError, match=r"row 3's .*references/0003-0.png \(UnidentifiedImageError"):
         check_edit_args(parse(*argv))
-    with caplog.at_level(logging.WARNING, logger="training_utils.edit"):
+    with caplog.at_level(logging.WARNING, logger="training_utils.data.edit"):
         rows = check_edit_args(parse(*argv, "--skip_corrupt_images"))
     assert len(rows.targets) == 5 and edit_data / "0003.png" not in rows.targets
     assert "1 rows left out for an unreadable reference image: row 3: " in caplog.text

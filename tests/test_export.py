@@ -1,4 +1,4 @@
-"""Writing trained weights (training_utils.export): model folders and pipelines, raw and EMA, checked once written;
+"""Writing trained weights (training_utils.outputs.export): model folders and pipelines, raw and EMA, checked once written;
 and the descriptions the post-hoc EMA synthesis writes with. Adapters: test_adapter_export.py."""
 
 import json
@@ -10,7 +10,8 @@ from diffusers import ControlNetModel, StableDiffusionPipeline, UNet2DConditionM
 from safetensors.torch import load_file
 
 from training_utils.ema import EMA
-from training_utils.export import TENSORS_NAME, ModelExport, PipelineExport, TensorsExport, as_json, save_with_ema
+from training_utils.outputs.export import (TENSORS_NAME, ModelExport, PipelineExport, TensorsExport, as_json,
+                                           save_with_ema)
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema.synthesis import export_from_description
 

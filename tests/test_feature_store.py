@@ -1,4 +1,4 @@
-"""Encoder outputs shared among processes and kept on disk (training_utils.feature_store)."""
+"""Encoder outputs shared among processes and kept on disk (training_utils.data.feature_store)."""
 
 import contextlib
 import logging
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training_utils import feature_store
-from training_utils.testing.tiny import parts as tiny
+from training_utils.data import feature_store
+from training_utils.data.cache_keys import describe
+from training_utils.data.feature_store import SHARD_PATTERN, Block, FeatureStore, encode_once
 from training_utils.errors import UsageError, WriteFailed
-from training_utils.cache_keys import describe
-from training_utils.feature_store import SHARD_PATTERN, Block, FeatureStore, encode_once
-from training_utils.manifest import file_hash
+from training_utils.outputs.manifest import file_hash
+from training_utils.testing.tiny import parts as tiny
 
 
 def squares_encoder(calls):
@@ -151,7 +151,7 @@ def test_a_shard_that_cannot_be_written_stops_in_one_line_saying_why(tmp_path, m
 
 
 def test_other_determinants_get_another_folder_and_the_log_says_what_differs(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="training_utils.feature_store")
+    caplog.set_level(logging.INFO, logger="training_utils.data.feature_store")
     encode(4, squares_encoder([]), FeatureStore(tmp_path, "squares", {"model": "a", "resolution": 32}))
     calls = []
     store = FeatureStore(tmp_path, "squares", {"model": "a", "resolution": 64})

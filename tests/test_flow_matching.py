@@ -7,8 +7,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
-                                          flow_matching_loss, sample_flow_matching_timesteps, velocity,
-                                          weighted_mse)
+                                          flow_matching_loss, sample_flow_matching_timesteps, velocity, weighted_mse)
 
 
 def parse(*argv, **defaults):

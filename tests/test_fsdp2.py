@@ -32,7 +32,7 @@ from diffusers import Flux2KleinPipeline, StableDiffusionPipeline, ZImagePipelin
 from safetensors.torch import load_file
 
 from helpers import FSDP2, launch, launching, together
-from training_utils.manifest import MANIFEST_FILE
+from training_utils.names import MANIFEST_FILE
 from training_utils.testing import assert_validated_at
 
 LORA = "pytorch_lora_weights.safetensors"

@@ -14,12 +14,11 @@ from safetensors.torch import save_file
 
 import helpers
 from helpers import RunHung, launch_processes, run_bounded, together
-from training_utils.adapter_export import LoraExport
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
-from training_utils.testing import (assert_close_files, assert_close_validations,
-                                    assert_lora_changes_pipeline_output, assert_model_folder_loads,
-                                    assert_resumes_exactly, assert_validated_at, checkpoint_names, launch_environment,
-                                    launch_script, run_with_timeout, tiny_fixture)
+from training_utils.adapters.export import LoraExport
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
+from training_utils.testing import (assert_close_files, assert_close_validations, assert_lora_changes_pipeline_output,
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
+                                    checkpoint_names, launch_environment, launch_script, run_with_timeout, tiny_fixture)
 
 # A launcher whose worker, like torchrun's, runs in a session of its own and never finishes.
 HUNG_LAUNCHER = """

@@ -1,11 +1,11 @@
-"""The end of a run (training_utils.hub): the model card, its loading code, and what is printed."""
+"""The end of a run (training_utils.outputs.hub): the model card, its loading code, and what is printed."""
 
 import re
 from types import SimpleNamespace
 
 import pytest
 
-from training_utils.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load, write_model_card
+from training_utils.outputs.hub import LORA_HOW_TO_LOAD, finish_run, how_to_load, write_model_card
 
 HOW_TO_LOAD = """
 from diffusers import StableDiffusionPipeline

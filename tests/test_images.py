@@ -1,4 +1,4 @@
-"""Images as cameras and editors write them (training_utils.images.read_image, image_sizes): upright by their
+"""Images as cameras and editors write them (training_utils.data.images.read_image, image_sizes): upright by their
 EXIF orientation, and 8-bit however many bits they have, on every path that reads one. Every file is made here."""
 
 import numpy as np
@@ -7,10 +7,10 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
-from training_utils.cache import FrozenEncoders
-from training_utils.data import dataset_shapes, load_train_dataset
-from training_utils.images import ORIENTATION, ImageTransform, image_sizes, read_image
+from training_utils.data.buckets import AspectRatioBuckets, on_the_fly_buckets
+from training_utils.data.datasets import dataset_shapes, load_train_dataset
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ORIENTATION, ImageTransform, image_sizes, read_image
 
 # How a camera stores a picture it tags with each EXIF orientation: the transpose that the tag then undoes.
 STORED_FOR_ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,

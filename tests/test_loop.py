@@ -12,13 +12,13 @@ from accelerate import Accelerator
 
 from helpers import forget_prepared
 from training_utils.accelerator import end_training
-from training_utils.data import TrainDataset, make_dataloader, stack_collate
+from training_utils.data.datasets import TrainDataset, make_dataloader, stack_collate
 from training_utils.ema import EMA
-from training_utils.export import TensorsExport
 from training_utils.errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, RunStopped, UsageError
 from training_utils.loop import TrainingLoop
-from training_utils.run_status import RUN
 from training_utils.optimization import training_length
+from training_utils.outputs.export import TensorsExport
+from training_utils.outputs.run_status import RUN
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots
 
@@ -229,8 +229,8 @@ def test_end_training_waits_for_every_process_before_the_teardown():
 def test_a_checkpoint_of_another_number_of_processes_goes_on_in_this_runs_epochs_only_when_asked(accelerator, tmp_path):
     import json
 
-    from training_utils.checkpoint_folders import STATE_FILE
-    from training_utils.manifest import write_manifest
+    from training_utils.outputs.checkpoint_folders import STATE_FILE
+    from training_utils.outputs.manifest import write_manifest
     toy_run(accelerator, tmp_path, max_train_steps=4)
     checkpoint = tmp_path / "checkpoint-4"
     state = json.loads((checkpoint / STATE_FILE).read_text())

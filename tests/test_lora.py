@@ -1,12 +1,13 @@
-"""Adding LoRA adapters (training_utils.lora); saving them is tested with training_utils.export."""
+"""Adding LoRA adapters (training_utils.adapters.injection); saving them is tested with training_utils.outputs.export."""
 
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 from diffusers.models.attention_processor import Attention
 
+from training_utils.adapters.injection import (ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora,
+                                               linear_layers_named)
 from training_utils.errors import UsageError
-from training_utils.lora import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_lora, linear_layers_named
 from training_utils.pipeline import trainable_parameters
 
 

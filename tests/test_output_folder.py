@@ -1,4 +1,4 @@
-"""The output folder (training_utils.output_folder): another run's outputs are refused before anything loads,
+"""The output folder (training_utils.outputs.folder): another run's outputs are refused before anything loads,
 cleared only on --overwrite_output_dir, and what killed writes left is removed by the next run."""
 
 import errno
@@ -8,11 +8,12 @@ import logging
 import pytest
 
 from helpers import usage_error
-from training_utils import writing
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
-from training_utils.output_folder import check_output_dir, prepare_output_dir, run_outputs
-from training_utils.run_status import RUN, STATUS_FILE, read_status
+from training_utils.names import STATUS_FILE
+from training_utils.outputs import writing
+from training_utils.outputs.folder import check_output_dir, prepare_output_dir, run_outputs
+from training_utils.outputs.run_status import RUN, read_status
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +138,7 @@ def test_overwrite_output_dir_never_clears_a_logging_dir_outside_the_folder(tmp_
 
 
 def test_the_next_run_removes_what_killed_writes_left_wherever_they_were(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="training_utils.output_folder")
+    caplog.set_level(logging.INFO, logger="training_utils.outputs.folder")
     earlier_run(tmp_path, "preempted")
     left = [tmp_path / ".incomplete-a1" / "vae" / "diffusion_pytorch_model.safetensors",
             tmp_path / "ema" / ".incomplete-b2" / "pytorch_lora_weights.safetensors",

@@ -8,15 +8,9 @@ from diffusers import DDPMScheduler, PNDMScheduler, StableDiffusionPipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
-from training_utils.pipeline import (
-    load_pipeline,
-    modules_of,
-    prepare_components,
-    trainable_parameters,
-    training_noise_scheduler,
-    weight_dtype_for,
-)
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
+from training_utils.pipeline import (load_pipeline, modules_of, prepare_components, trainable_parameters,
+                                     training_noise_scheduler, weight_dtype_for)
 
 
 @pytest.fixture

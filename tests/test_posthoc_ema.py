@@ -7,11 +7,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from training_utils.adapters.export import LoraExport, remove_adapter_name
 from training_utils.ema import PowerEMA
-from training_utils.adapter_export import LORA_WEIGHTS_NAME, LoraExport, remove_adapter_name
-from training_utils.export import TENSORS_NAME, ModelExport
-from training_utils.posthoc_ema import (FORMAT_FILE, MAX_SIGMA_REL, SNAPSHOT_DIR, PostHocEMA, gamma_to_sigma_rel,
-                                        profile_dot, read_snapshots, sigma_rel_to_gamma, solve_posthoc_coefficients)
+from training_utils.names import LORA_WEIGHTS_NAME, SNAPSHOT_DIR
+from training_utils.outputs.export import TENSORS_NAME, ModelExport
+from training_utils.posthoc_ema import (FORMAT_FILE, MAX_SIGMA_REL, PostHocEMA, gamma_to_sigma_rel, profile_dot, read_snapshots, sigma_rel_to_gamma, solve_posthoc_coefficients)
 from training_utils.posthoc_ema.__main__ import main
 from training_utils.posthoc_ema.synthesis import SYNTHESIS_FILE, output_folder, synthesize
 
@@ -361,7 +361,7 @@ def test_cli_writes_a_lora_that_load_lora_weights_accepts(tiny, tmp_path, capsys
     from diffusers import StableDiffusionPipeline
     from peft.utils import get_peft_model_state_dict
 
-    from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
+    from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
     from training_utils.pipeline import trainable_parameters
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])

@@ -1,11 +1,11 @@
-"""training_utils.prompts: the prompt-length flag most transformer families share."""
+"""training_utils.data.prompts: the prompt-length flag most transformer families share."""
 
 import types
 
 import pytest
 
+from training_utils.data.prompts import check_max_sequence_length, max_sequence_length
 from training_utils.errors import UsageError
-from training_utils.prompts import check_max_sequence_length, max_sequence_length
 
 
 class Pipeline:

@@ -18,8 +18,7 @@ from helpers import launch, launch_together, launching, usage_error
 from training_utils.args import training_parser
 from training_utils.controlnet import add_controlnet_args, load_controlnet_pipeline
 from training_utils.errors import UsageError
-from training_utils.quantization import (check_quantization_args, follow_autocast, is_quantized,
-                                         quantization_config)
+from training_utils.quantization import check_quantization_args, follow_autocast, is_quantized, quantization_config
 from training_utils.testing import (assert_lora_changes_pipeline_output, assert_model_folder_loads,
                                     assert_resumes_exactly, assert_validated_at, checkpoint_weight_files, read_log)
 

@@ -15,14 +15,14 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from PIL import Image, ImageOps
 
 from helpers import family_args
-from training_utils.cache import FrozenEncoders
 from training_utils.args import training_parser
-from training_utils.edit import add_edit_args, check_edit_args
-from training_utils.edit_samples import embeddings_with_references
+from training_utils.data.edit import add_edit_args, check_edit_args
+from training_utils.data.edit_samples import embeddings_with_references
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import read_image
 from training_utils.errors import UsageError
 from training_utils.families import qwen_image_edit
 from training_utils.flow_matching import add_noise, velocity
-from training_utils.images import read_image
 
 INSTRUCTION = "a purple triangle on a white background"
 # The references' area for the VAE in the tests (--reference_area): 32×32 pixels for both references below (sides

@@ -270,10 +270,11 @@ def test_resuming_the_stopped_run_with_skipping_equals_skipping_from_the_start(r
 
 def test_dreambooth_style_paths_are_named_and_replaced_also_through_loader_workers(tiny, tmp_path):
     """The folder scripts' samples name their files directly; markers cross worker processes as batches."""
-    from training_utils.cache import FrozenEncoders
-    from training_utils.data import BatchWithUnreadable, make_dataloader
-    from training_utils.images import ImageTransform
-    from training_utils.dreambooth import InstanceImages, dreambooth_dataset, instance_then_class_collate, list_images
+    from training_utils.data.frozen_encoders import FrozenEncoders
+    from training_utils.data.datasets import BatchWithUnreadable, make_dataloader
+    from training_utils.data.images import ImageTransform
+    from training_utils.data.dreambooth import (InstanceImages, dreambooth_dataset, instance_then_class_collate,
+                                                list_images)
 
     images = list_images(tiny["instance"])
     broken = tmp_path / "broken.png"

@@ -1,4 +1,4 @@
-"""How a run ends, whatever ends it (training_utils.run_status): one line, the exit status, run_status.json."""
+"""How a run ends, whatever ends it (training_utils.outputs.run_status): one line, the exit status, run_status.json."""
 
 import json
 import os
@@ -7,7 +7,8 @@ import signal
 import pytest
 
 from training_utils.errors import RunStopped, UsageError
-from training_utils.run_status import RUN, STATUS_FILE, read_status, run_script
+from training_utils.names import STATUS_FILE
+from training_utils.outputs.run_status import RUN, read_status, run_script
 
 
 def script(output_dir, body, step=None):

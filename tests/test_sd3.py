@@ -4,11 +4,11 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
+from training_utils.adapters.injection import CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.args import training_parser
-from training_utils.data import tokenize
+from training_utils.data.datasets import tokenize
 from training_utils.errors import UsageError
 from training_utils.families import sd3
-from training_utils.lora import CLIP_ATTENTION_PROJECTIONS, add_lora
 
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
 

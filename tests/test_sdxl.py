@@ -8,12 +8,12 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.buckets import AspectRatioBuckets, on_the_fly_buckets
-from training_utils.data import tokenize
+from training_utils.data.buckets import AspectRatioBuckets, on_the_fly_buckets
+from training_utils.data.datasets import tokenize
+from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
 from training_utils.families.sdxl import (add_args, batch_time_ids, check_vae_path, encode_prompts, time_ids,
-                                         vae_components)
-from training_utils.images import ImageTransform
+                                          vae_components)
 
 PROMPTS = ["a red circle on a white background", "a blue square"]
 

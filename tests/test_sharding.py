@@ -1,4 +1,4 @@
-"""`training_utils.sharding` and the EMA's shard-local half, in this process: the launch checks, the plugin, and
+"""`training_utils.sharding.fsdp2` and the EMA's shard-local half, in this process: the launch checks, the plugin, and
 sharded tensors as process 1 of 2 sees them (torch's fake process group: shapes and placements as in a real
 two-process run, no other process). Gathering and a whole run sharded are `test_fsdp2`'s."""
 
@@ -12,9 +12,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from training_utils.ema import EMA, tensors_swapped_in
 from training_utils.errors import UsageError
-from training_utils.sharding import (TrainedModules, any_sharded, check_launch, describe_held_bytes,
-                                     enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes, local_part, local_tensor,
-                                     one_model_of, unsharded_class, whole_bytes, without_model_state)
+from training_utils.sharding.fsdp2 import (TrainedModules, any_sharded, check_launch, describe_held_bytes,
+                                           enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes, local_part, local_tensor,
+                                           one_model_of, unsharded_class, whole_bytes, without_model_state)
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_accelerates_model_state_is_skipped_only_inside_and_only_sharded():
 def test_a_fully_trained_module_made_plain_again(second_of_two):
     from torch.distributed.fsdp import fully_shard
 
-    from training_utils.sharding import plain_modules, unshard_trained
+    from training_utils.sharding.fsdp2 import plain_modules, unshard_trained
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
     for block in model:
         fully_shard(block, mesh=second_of_two)
@@ -196,7 +196,7 @@ def test_a_sharded_text_encoder_still_records_its_hidden_states(second_of_two):
     from torch.distributed.fsdp import fully_shard
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from training_utils.sharding import keep_recorded_outputs
+    from training_utils.sharding.fsdp2 import keep_recorded_outputs
     torch.manual_seed(0)
     encoder = CLIPTextModel(CLIPTextConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                            num_attention_heads=2, max_position_embeddings=8))
@@ -209,7 +209,7 @@ def test_a_sharded_text_encoder_still_records_its_hidden_states(second_of_two):
 def test_units_and_unsharding_of_a_fully_sharded_module(second_of_two):
     from torch.distributed.fsdp import fully_shard
 
-    from training_utils.sharding import sharded_units, unshard_trained
+    from training_utils.sharding.fsdp2 import sharded_units, unshard_trained
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
     model[1].weight.requires_grad_(False)
     for block in model:

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT from a run's start to its end (training_utils.stop_signals)."""
+"""SIGTERM and SIGINT from a run's start to its end (training_utils.outputs.stop_signals)."""
 
 import os
 import signal
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from training_utils.errors import Interrupted
-from training_utils.stop_signals import StopSignals
+from training_utils.outputs.stop_signals import StopSignals
 
 
 def send(number=signal.SIGTERM):

@@ -1,4 +1,4 @@
-"""`training_utils.text_encoder_sharding` (``--fsdp_text_encoder``): in this process, the flag's refusal without an
+"""`training_utils.sharding.text_encoders` (``--fsdp_text_encoder``): in this process, the flag's refusal without an
 FSDP2 launch, the blocks picked, and a sharded encoder left in place; on two CPU processes (gloo, FSDP2), the tiny
 FLUX.2 [klein]'s Qwen3 text encoder sharded (`text_encoder_sharding_job`). A whole script run with the flag is
 `test_fsdp2`'s."""
@@ -12,12 +12,12 @@ from torch.distributed.tensor import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from helpers import REPO, launch, launching
+from training_utils.data.feature_store import encoders_on
 from training_utils.errors import UsageError
-from training_utils.feature_store import encoders_on
 from training_utils.parser import TrainingArgumentParser
-from training_utils.sharding import sharded_units
-from training_utils.text_encoder_sharding import (add_fsdp_text_encoder_arg, is_sharded, repeated_blocks,
-                                                  shard_text_encoders)
+from training_utils.sharding.fsdp2 import sharded_units
+from training_utils.sharding.text_encoders import (add_fsdp_text_encoder_arg, is_sharded, repeated_blocks,
+                                                   shard_text_encoders)
 
 FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 JOB = REPO / "tests" / "text_encoder_sharding_job.py"
@@ -66,7 +66,7 @@ def first_of_two():
 @pytest.fixture
 def fsdp2_accelerator(first_of_two, monkeypatch):
     """What `shard_text_encoders` reads of an accelerator on an FSDP2 launch, as process 0 of 2 (`first_of_two`)."""
-    from training_utils.sharding import fsdp2_plugin
+    from training_utils.sharding.fsdp2 import fsdp2_plugin
     for name, value in FSDP2.items():
         monkeypatch.setenv(name, value)
     return type("Accelerator", (), {"is_fsdp2": True, "torch_device_mesh": None,

@@ -32,7 +32,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launched_usage_error, launching, usage_error
-from training_utils.adapter_export import converted_name
+from training_utils.adapters.export import converted_name
 from training_utils.families import (chroma, flux, flux2, flux2_dev, hidream, ideogram4, krea2, lumina2, qwen_image,
                                      sana, sd3, z_image)
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,

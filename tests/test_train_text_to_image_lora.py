@@ -14,14 +14,14 @@ from safetensors.torch import load_file
 from diffusers import StableDiffusionPipeline
 from helpers import (EXAMPLES, deleting_after_load, launch, launch_together, launched_usage_error, launching,
                      usage_error)
-from training_utils import convert_lora
-from training_utils.adapter_export import converted_name
+from training_utils.adapters import convert as convert_lora
+from training_utils.adapters.export import converted_name
 from training_utils.grids import progress_grid, step_grid
 from training_utils.posthoc_ema.__main__ import main as synthesize
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_lora_changes_pipeline_output, assert_resumes_exactly, assert_same_files,
-                                    assert_same_tensors, assert_validated_at, checkpoint_names,
-                                    checkpoint_weight_files, read_log, rendered_images, reported_buckets)
+                                    assert_same_tensors, assert_validated_at, checkpoint_names, checkpoint_weight_files,
+                                    read_log, rendered_images, reported_buckets)
 
 SCRIPT = "text_to_image/train_text_to_image_lora.py"
 LORA = "pytorch_lora_weights.safetensors"

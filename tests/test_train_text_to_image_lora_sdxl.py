@@ -11,9 +11,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, launching, usage_error
-from training_utils.buckets import AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets
-from training_utils.data import TrainDataset, sample_generator
-from training_utils.images import ImageTransform
+from training_utils.data.buckets import AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets
+from training_utils.data.datasets import TrainDataset, sample_generator
+from training_utils.data.images import ImageTransform
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                                     assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
                                     checkpoint_weight_files, most_common_bucket, read_log, rendered_images,

@@ -21,9 +21,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import FSDP2, launch, launch_together, launching, together, usage_error
+from training_utils.data.video import probe
 from training_utils.testing import (assert_close_files, assert_lora_changes_pipeline_output, assert_same_files,
                                     assert_validated_at, checkpoint_names)
-from training_utils.video import probe
 
 SCRIPT = "video/train_text_to_video_lora_wan.py"
 I2V_SCRIPT = "video/train_image_to_video_lora_wan.py"

@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from helpers import EXAMPLES, launch, launch_together, launching
-from training_utils.images import ORIENTATION
-from training_utils.run_status import STATUS_FILE
+from training_utils.data.images import ORIENTATION
+from training_utils.names import STATUS_FILE
+from training_utils.outputs.writing import process_umask
 from training_utils.testing import assert_same_files
-from training_utils.writing import process_umask
 
 LORA_SCRIPT = "text_to_image/train_text_to_image_lora.py"
 DREAMBOOTH_SCRIPT = "dreambooth/train_dreambooth_lora.py"
@@ -118,7 +118,7 @@ def test_a_damaged_disk_cache_is_named_and_encoded_again_and_the_run_trains_as_b
 
 SIGNALLED_BETWEEN_RAW_AND_EMA = '''
 import os, runpy, signal, sys
-from training_utils.export import Export
+from training_utils.outputs.export import Export
 save_ema = Export.save_ema
 def signalled_first(self, directory):
     os.kill(os.getpid(), signal.SIGTERM)  # the raw weights are written; the EMA's are next

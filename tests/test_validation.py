@@ -9,8 +9,8 @@ from accelerate import Accelerator
 from diffusers import DDPMScheduler, StableDiffusionPipeline
 
 from training_utils import validation
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
 from training_utils.ema import EMA
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.pipeline import trainable_parameters
 from training_utils.validation import Validator, preserved_state, validation_due
 

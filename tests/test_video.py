@@ -1,4 +1,4 @@
-"""training_utils.video: clips found, probed and named when they cannot train; frames sampled and bucketed; frames
+"""training_utils.data.video: clips found, probed and named when they cannot train; frames sampled and bucketed; frames
 laid out alike; validation videos written as mp4 with a frame strip."""
 
 import argparse
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from training_utils.data.images import ImageTransform
+from training_utils.data.video import (RenderedVideo, VideoTransform, add_video_args, check_video_args, clip_sample,
+                                       find_clips, frame_bucket, frame_indices, probe, read_frames, write_mp4)
 from training_utils.errors import UsageError
-from training_utils.images import ImageTransform
 from training_utils.testing.tiny.video import build_moving_shapes, moving_shape
-from training_utils.video import (RenderedVideo, VideoTransform, add_video_args, check_video_args, clip_sample,
-                                  find_clips, frame_bucket, frame_indices, probe, read_frames, write_mp4)
 
 
 @pytest.fixture(scope="module")

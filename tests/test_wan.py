@@ -10,12 +10,12 @@ from peft.tuners.lora import LoraLayer
 from PIL import Image
 from safetensors.torch import load_file
 
+from training_utils.adapters.export import LoraExport
+from training_utils.adapters.injection import add_lora, linear_layers_named
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
 from training_utils.families import wan
-from training_utils.adapter_export import LoraExport
 from training_utils.flow_matching import add_flow_matching_args, add_noise, velocity
-from training_utils.lora import add_lora, linear_layers_named
 from training_utils.pipeline import trainable_parameters
 from training_utils.testing.tiny.wan import wan_i2v_pipeline, wan_pipeline
 

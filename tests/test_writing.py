@@ -1,4 +1,4 @@
-"""Outputs written atomically and checked once written (training_utils.writing)."""
+"""Outputs written atomically and checked once written (training_utils.outputs.writing)."""
 
 import os
 import signal
@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from training_utils import writing
 from training_utils.errors import WRITE_FAILED_EXIT_CODE, Interrupted, RunStopped
-from training_utils.stop_signals import SIGNALS
-from training_utils.writing import (PROBE_BYTES, failure_cause, save_model, saved_tensors, verify_saved_tensors,
-                                    write_atomically, write_problem)
+from training_utils.outputs import writing
+from training_utils.outputs.stop_signals import SIGNALS
+from training_utils.outputs.writing import (PROBE_BYTES, failure_cause, save_model, saved_tensors, verify_saved_tensors,
+                                            write_atomically, write_problem)
 
 
 def test_verify_saved_tensors_catches_differences():

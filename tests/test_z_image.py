@@ -9,9 +9,9 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
-from training_utils.families import z_image
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
+from training_utils.families import z_image
 from training_utils.flow_matching import add_noise, velocity
 from training_utils.pipeline import training_noise_scheduler
 

@@ -1,4 +1,4 @@
-"""`training_utils.text_encoder_sharding` on the tiny FLUX.2 [klein]'s Qwen3 text encoder, on the processes
+"""`training_utils.sharding.text_encoders` on the tiny FLUX.2 [klein]'s Qwen3 text encoder, on the processes
 ``accelerate launch`` starts with FSDP2 asked for; each process writes what it saw to ``OUTPUT_DIR/process-<rank>.json``
 for `test_text_encoder_sharding` to check.
 
@@ -19,11 +19,11 @@ import torch
 from accelerate import Accelerator
 from diffusers import Flux2KleinPipeline
 
-from training_utils.cache import FrozenEncoders
-from training_utils.cache_keys import describe
-from training_utils.dreambooth import generate_class_images
-from training_utils.sharding import enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes, sharded_units, whole_bytes
-from training_utils.text_encoder_sharding import in_lockstep, shard_text_encoders
+from training_utils.data.cache_keys import describe
+from training_utils.data.dreambooth import generate_class_images
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.sharding.fsdp2 import enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes, sharded_units, whole_bytes
+from training_utils.sharding.text_encoders import in_lockstep, shard_text_encoders
 
 CAPTIONS = ["a photo of sks triangle", "a red square", "a green circle on a blue sky"]
 

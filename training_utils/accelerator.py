@@ -14,8 +14,8 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from .errors import UsageError
-from .output_folder import prepare_output_dir
-from .sharding import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs, one_model_of
+from .outputs.folder import prepare_output_dir
+from .sharding.fsdp2 import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs, one_model_of
 
 
 def make_accelerator(args):

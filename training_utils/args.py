@@ -15,19 +15,19 @@ from pathlib import Path
 import torch
 from accelerate.utils import parse_flag_from_env
 
-from .adapters import add_adapter_args, check_adapter_args
-from .buckets import add_bucket_args
-from .checkpoint_folders import check_resume_from_checkpoint
+from .adapters.config import add_adapter_args, check_adapter_args
+from .adapters.convert import DIFFUSERS, FORMAT_USERS
 from .compile import add_compile_args
-from .convert_lora import DIFFUSERS, FORMAT_USERS
+from .data.buckets import add_bucket_args
+from .data.images import INTERPOLATIONS
 from .errors import require
-from .families import formats_for
-from .images import INTERPOLATIONS
-from .output_folder import check_output_dir
+from .families.registry import formats_for
+from .outputs.checkpoint_folders import check_resume_from_checkpoint
+from .outputs.folder import check_output_dir
+from .outputs.writing import write_problem
 from .parser import TrainingArgumentParser, flag_name
 from .pipeline import is_hub_id
 from .quantization import add_quantization_args, check_quantization_args
-from .writing import write_problem
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512, interpolation="bilinear",
@@ -152,7 +152,7 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
 def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     """The adapter's flags (`adapters.add_adapter_args`: LoRA by default), and those of a quantised base
     (`quantization.add_quantization_args`): an adapter trains beside a frozen base, which may be quantised. The file
-    layouts offered are those that apply to ``pipeline_class``'s family (`families.formats_for`). With
+    layouts offered are those that apply to ``pipeline_class``'s family (`families.registry.formats_for`). With
     ``train_text_encoder``, the text encoders may train too, with an optimizer setting of their own (upstream's flags;
     SD3's script gives them upstream's defaults)."""
     adapter = parser.add_argument_group("adapter")

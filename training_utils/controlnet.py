@@ -12,9 +12,9 @@ from pathlib import Path
 
 from diffusers import ControlNetModel
 
+from .data.images import UNREADABLE_IMAGE_ERRORS, read_image
 from .errors import UsageError, require
-from .hub import how_to_load
-from .images import UNREADABLE_IMAGE_ERRORS, read_image
+from .outputs.hub import how_to_load
 from .pipeline import load_pipeline
 from .quantization import add_quantization_args
 from .validation import make_validator

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import few
-from .sharding import any_sharded, local_part, local_tensor, whole_tensors
+from .sharding.fsdp2 import any_sharded, local_part, local_tensor, whole_tensors
 
 EMA_FORMAT = "training_utils.ema"
 

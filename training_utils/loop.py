@@ -36,21 +36,22 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from . import random_state
-from .adapter_export import AdapterExport
 from .accelerator import end_training
-from .checkpoint_folders import complete_checkpoints, trajectory_flags
-from .checkpointing import Checkpointer, resume_position
+from .adapters.export import AdapterExport
 from .compile import compilation_count
-from .data import BatchWithUnreadable, epoch_batches
+from .data.datasets import BatchWithUnreadable, epoch_batches
 from .errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, UNREADABLE_EXIT_CODE, RunStopped, UsageError
+from .names import VALIDATION_DIR
+from .outputs.checkpoint_folders import complete_checkpoints, trajectory_flags
+from .outputs.checkpointing import Checkpointer, resume_position
+from .outputs.run_status import RUN
+from .outputs.stop_signals import SIGNALS
+from .outputs.writing import stopping_on_write_errors
 from .pipeline import trainable_parameters
 from .posthoc_ema import posthoc_snapshot_steps
-from .sharding import (any_sharded, describe_held_bytes, held_bytes, plain_modules, sharded_units, unshard_trained,
-                       whole_bytes)
-from .run_status import RUN
-from .stop_signals import SIGNALS
-from .validation import VALIDATION_DIR, validation_due
-from .writing import stopping_on_write_errors
+from .sharding.fsdp2 import (any_sharded, describe_held_bytes, held_bytes, plain_modules, sharded_units,
+                             unshard_trained, whole_bytes)
+from .validation import validation_due
 
 logger = logging.getLogger(__name__)
 

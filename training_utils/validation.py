@@ -20,16 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .data.video import RenderedVideo, still
 from .ema import tensors_swapped_in
 from .grids import progress_grid, step_grid
+from .names import LOG_NAME, VALIDATION_DIR
 from .pipeline import modules_of
 from .posthoc_ema.synthesis import synthesize
-from .video import RenderedVideo, still
 
 logger = logging.getLogger(__name__)
 
-VALIDATION_DIR = "validation"
-LOG_NAME = "log.jsonl"
 
 
 def grid_path(step, prompt_index):

@@ -21,28 +21,27 @@ from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
-from training_utils.buckets import validation_size
-from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator)
-from training_utils.data import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption, load_train_dataset,
-                                 make_dataloader, pick_caption, stack_collate)
+from training_utils.data.buckets import validation_size
+from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
+                                          load_train_dataset, make_dataloader, pick_caption, stack_collate)
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageWithConditioningTransform
+from training_utils.data.prompts import cached_rows
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
 from training_utils.ema import make_ema
-from training_utils.export import ModelExport, save_with_ema
 from training_utils.families import sd
-from training_utils.hub import finish_run
-from training_utils.images import ImageWithConditioningTransform
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
-from training_utils.pipeline import (prepare_components, trainable_parameters, training_noise_scheduler,
-                                     weight_dtype_for)
+from training_utils.outputs.export import ModelExport, save_with_ema
+from training_utils.outputs.hub import finish_run
+from training_utils.outputs.run_status import run_script
+from training_utils.pipeline import prepare_components, trainable_parameters, training_noise_scheduler, weight_dtype_for
 from training_utils.posthoc_ema import make_posthoc_ema
-from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
-from training_utils.run_status import run_script
 
 
 def parse_args(argv=None):

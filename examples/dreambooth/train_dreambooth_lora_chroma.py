@@ -22,35 +22,35 @@ import torch
 from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
-from training_utils.adapter_export import adapter_export
-from training_utils.adapters import adapter_config
+from training_utils.adapters.config import adapter_config
+from training_utils.adapters.export import adapter_export
+from training_utils.adapters.injection import add_adapter, linear_layers_named
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
-from training_utils.buckets import validation_size
-from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data import make_dataloader
-from training_utils.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                       dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
-                                       training_captions, transformer_dreambooth_refusals)
+from training_utils.data.buckets import validation_size
+from training_utils.data.datasets import make_dataloader
+from training_utils.data.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
+                                            dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
+                                            training_captions, transformer_dreambooth_refusals)
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform
+from training_utils.data.prompts import cached_rows
 from training_utils.ema import make_ema
-from training_utils.export import save_with_ema
 from training_utils.families import chroma
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss, sample_flow_matching_timesteps)
-from training_utils.hub import finish_run, how_to_load
-from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import add_adapter, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.outputs.export import save_with_ema
+from training_utils.outputs.hub import finish_run, how_to_load
+from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
-from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
-from training_utils.run_status import run_script
-from training_utils.text_encoder_sharding import add_fsdp_text_encoder_arg, shard_text_encoders
+from training_utils.sharding.text_encoders import add_fsdp_text_encoder_arg, shard_text_encoders
 from training_utils.validation import make_validator
 
 # Upstream's FLUX.1 default targets: the double-stream blocks' attention projections and feed-forward layers (image

@@ -24,35 +24,35 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
-from training_utils.adapter_export import adapter_export
-from training_utils.adapters import adapter_config
+from training_utils.adapters.config import adapter_config
+from training_utils.adapters.export import adapter_export
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_adapter, linear_layers_named
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
-from training_utils.buckets import validation_size
-from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data import make_dataloader
-from training_utils.dreambooth import training_captions, transformer_dreambooth_refusals
-from training_utils.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
-from training_utils.edit_samples import References, edit_collate, edit_dataset, embeddings_with_references
+from training_utils.data.buckets import validation_size
+from training_utils.data.datasets import make_dataloader
+from training_utils.data.dreambooth import training_captions, transformer_dreambooth_refusals
+from training_utils.data.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
+from training_utils.data.edit_samples import References, edit_collate, edit_dataset, embeddings_with_references
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform
+from training_utils.data.prompts import cached_rows
 from training_utils.ema import make_ema
 from training_utils.errors import require
-from training_utils.export import save_with_ema
 from training_utils.families import qwen_image_edit
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss, sample_flow_matching_timesteps)
-from training_utils.hub import finish_run, how_to_load
-from training_utils.images import ImageTransform
 from training_utils.loop import TrainingLoop
-from training_utils.lora import ATTENTION_PROJECTIONS, add_adapter, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.outputs.export import save_with_ema
+from training_utils.outputs.hub import finish_run, how_to_load
+from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
-from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
-from training_utils.run_status import run_script
 from training_utils.validation import make_validator
 
 # Qwen-Image's default targets: the image stream's attention projections in every block.

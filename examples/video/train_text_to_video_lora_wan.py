@@ -21,33 +21,32 @@ import torch
 from diffusers import WanPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
-from training_utils.adapter_export import adapter_export
-from training_utils.adapters import adapter_config
+from training_utils.adapters.config import adapter_config
+from training_utils.adapters.export import adapter_export
+from training_utils.adapters.injection import add_adapter, linear_layers_named
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
                                  export_formats, training_parser)
-from training_utils.buckets import validation_size
-from training_utils.cache import FrozenEncoders
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data import TrainDataset, captions_with_empty, drop_caption, make_dataloader, pick_caption, \
-    stack_collate
+from training_utils.data.buckets import validation_size
+from training_utils.data.datasets import (TrainDataset, captions_with_empty, drop_caption, make_dataloader,
+                                          pick_caption, stack_collate)
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageTransform
+from training_utils.data.prompts import cached_rows
+from training_utils.data.video import (VideoTransform, add_video_args, cache_clip_latents, check_video_args,
+                                       clip_latents, clip_sample, find_clips)
 from training_utils.ema import make_ema
-from training_utils.export import save_with_ema
 from training_utils.families import wan
-from training_utils.flow_matching import add_flow_matching_args, add_noise, check_flow_matching_args, \
-    flow_matching_loss
-from training_utils.hub import VIDEO_LORA_HOW_TO_LOAD, finish_run, how_to_load
-from training_utils.images import ImageTransform
+from training_utils.flow_matching import add_flow_matching_args, add_noise, check_flow_matching_args, flow_matching_loss
 from training_utils.loop import TrainingLoop
-from training_utils.lora import add_adapter, linear_layers_named
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.outputs.export import save_with_ema
+from training_utils.outputs.hub import VIDEO_LORA_HOW_TO_LOAD, finish_run, how_to_load
+from training_utils.outputs.run_status import run_script
 from training_utils.pipeline import load_pipeline, prepare_components, trainable_parameters, weight_dtype_for
 from training_utils.posthoc_ema import make_posthoc_ema
-from training_utils.prompts import cached_rows
 from training_utils.quantization import quantization_config
-from training_utils.run_status import run_script
 from training_utils.validation import make_validator
-from training_utils.video import (VideoTransform, add_video_args, cache_clip_latents, check_video_args, clip_latents,
-                                  clip_sample, find_clips)
 
 # The attention projections of every block, self- and cross-attention (the layers the community trainers adapt).
 LORA_LAYERS = "to_q,to_k,to_v,to_out.0"

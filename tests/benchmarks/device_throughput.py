@@ -59,13 +59,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora, linear_layers_named
 from training_utils.compile import compile_repeated_blocks
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora, linear_layers_named
 from training_utils.optimization import make_optimizer
 
-from .unet_step import CONFIGS as UNET_CONFIGS
-from .unet_step import step_loss as unet_step_loss
-from .unet_step import synthetic_batch as unet_synthetic_batch
+from tests.benchmarks.unet_step import CONFIGS as UNET_CONFIGS
+from tests.benchmarks.unet_step import step_loss as unet_step_loss
+from tests.benchmarks.unet_step import synthetic_batch as unet_synthetic_batch
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 COLUMNS = ("model", "mode", "base", "batch", "step (s)", "samples/s", "TFLOP/s", "share of peak",

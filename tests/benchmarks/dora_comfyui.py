@@ -33,12 +33,12 @@ sys.path.insert(0, str(TESTS))  # the test helpers import each other by bare nam
 
 from comfyui import comfyui_weight, module_weights  # noqa: E402
 
-from training_utils.adapter_export import converted_name  # noqa: E402
-from training_utils.convert_lora import target_of  # noqa: E402
-from training_utils.families import family_of  # noqa: E402
-from training_utils.testing import launch_script, tiny_fixture  # noqa: E402
+from training_utils.adapters.convert import target_of
+from training_utils.adapters.export import converted_name
+from training_utils.families import family_of
+from training_utils.testing import launch_script, tiny_fixture
 
-from .models import model_path  # noqa: E402
+from tests.benchmarks.models import model_path
 
 SCRIPT = TESTS.parent / "examples" / "text_to_image" / "train_text_to_image_lora.py"
 PROMPT = "a red circle on a white background"

@@ -41,7 +41,8 @@ patches_called = set()
 
 def break_training(variant):
     """Patch ``variant``'s bug into training_utils, before the script imports the patched names."""
-    from training_utils import diffusion, flow_matching, lora
+    from training_utils import diffusion, flow_matching
+    from training_utils.adapters import injection as lora
     from training_utils.families import sd, sd3
 
     def called(name, function):

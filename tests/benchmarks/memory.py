@@ -56,12 +56,12 @@ import torch
 import torch.nn.functional as F
 from diffusers import StableDiffusionXLPipeline
 
-from training_utils.adapters import check_adapter_args
+from training_utils.adapters.config import check_adapter_args
 from training_utils.args import add_lora_args, training_parser
 from training_utils.errors import UsageError
 from training_utils.quantization import check_quantization_args
 
-from .unet_step import CONFIGS
+from tests.benchmarks.unet_step import CONFIGS
 
 RESOLUTION = 1024
 MIXED_PRECISION = "bf16"
@@ -473,8 +473,8 @@ def measure(model_name, pipeline_path, scheme, with_optional, rank):
     import diffusers
 
     from training_utils.ema import make_ema
-    from training_utils.adapters import adapter_config
-    from training_utils.lora import ATTENTION_PROJECTIONS, add_adapter
+    from training_utils.adapters.config import adapter_config
+    from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_adapter
     from training_utils.pipeline import load_pipeline, prepare_components, trainable_parameters, weight_dtype_for
     from training_utils.quantization import PACKAGES, quantization_config
 
@@ -659,11 +659,11 @@ def sharded_worker(rank, processes, model_name, lora_rank, port, results):
     AdamW, accelerate's prepare through `make_accelerator`'s path, and the EMA; puts what it holds in ``results``."""
     import diffusers
 
-    from training_utils.adapters import adapter_config
+    from training_utils.adapters.config import adapter_config
     from training_utils.ema import EMA
-    from training_utils.lora import add_adapter, linear_layers_named
+    from training_utils.adapters.injection import add_adapter, linear_layers_named
     from training_utils.pipeline import trainable_parameters
-    from training_utils.sharding import enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes
+    from training_utils.sharding.fsdp2 import enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes
 
     os.environ["ACCELERATE_USE_CPU"] = "1"
     if processes > 1:

@@ -42,10 +42,10 @@ from PIL import Image
 from training_utils import ema as ema_module
 from training_utils import loop as loop_module
 from training_utils import validation as validation_module
-from training_utils.cache import sample_latents
+from training_utils.data.frozen_encoders import sample_latents
 from training_utils.pipeline import weight_dtype_for
 
-from .models import model_path
+from tests.benchmarks.models import model_path
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = {"step_over_bare": 1.05, "validation_over_bare": 1.10, "ema_fraction_of_step": 0.01,

@@ -38,12 +38,12 @@ STEPS, BATCH, IMAGES = 20, 2, 36  # 18 steps an epoch
 # The profiled functions whose cumulative time makes each phase (by file suffix and function name).
 PHASES = {
     "pipeline load": [("training_utils/pipeline.py", "load_pipeline")],
-    "data preparation": [("training_utils/data.py", "load_train_dataset"),
-                         ("training_utils/cache.py", "text_embeddings"),
-                         ("training_utils/cache.py", "cache_dataset_images")],
+    "data preparation": [("training_utils/data/datasets.py", "load_train_dataset"),
+                         ("training_utils/data/frozen_encoders.py", "text_embeddings"),
+                         ("training_utils/data/frozen_encoders.py", "cache_dataset_images")],
     "training steps": [("training_utils/loop.py", "backward_and_step")],
     "validation": [("training_utils/validation.py", "__call__")],
-    "saving and model card": [("training_utils/export.py", "save_with_ema"), ("training_utils/hub.py", "finish_run")],
+    "saving and model card": [("training_utils/outputs/export.py", "save_with_ema"), ("training_utils/outputs/hub.py", "finish_run")],
 }
 
 

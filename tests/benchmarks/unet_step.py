@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from training_utils.accelerator import make_accelerator
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
 from training_utils.args import training_parser
 from training_utils.ema import make_ema
-from training_utils.export import TensorsExport
-from training_utils.lora import ATTENTION_PROJECTIONS, add_lora
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.outputs.export import TensorsExport
 from training_utils.pipeline import trainable_parameters, weight_dtype_for
 
 CONFIGS = {

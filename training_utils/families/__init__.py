@@ -22,27 +22,6 @@ load); those whose text encoders can train take the wrapped encoders in ``encode
 text_encoders={component: module})``. Each module's ``FAMILY`` (`layout.Family`) names the pipeline classes whose
 LoRAs it lays out, exactly, and its ComfyUI layout (``COMFYUI_LAYOUT``, the original release's module names).
 
-A new family adds its module here (`FAMILIES`).
+A new family adds its module here and registers it in `registry` (`FAMILIES`). Importing one family module
+imports no other: the registry, which imports them all, is for the code that looks families up by name.
 """
-
-from . import (chroma, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4, krea2, lumina2, qwen_image,
-               qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
-
-FAMILIES = {module.FAMILY.name: module.FAMILY for module in (sd, sdxl, sd3, flux, flux2, z_image, qwen_image, chroma,
-                                                             flux2_dev, krea2, sana, lumina2, hidream, ideogram4,
-                                                             wan, flux_kontext, qwen_image_edit)}
-
-
-def family_of(name):
-    """The `layout.Family` named ``name``, or whose pipelines include the class named ``name`` (exactly); None if
-    none does."""
-    if name in FAMILIES:
-        return FAMILIES[name]
-    return next((family for family in FAMILIES.values() if name in family.pipelines), None)
-
-
-def formats_for(name):
-    """The layouts besides diffusers' that apply to LoRAs of the pipeline class (or family) named ``name``: () for
-    an unknown one."""
-    family = family_of(name)
-    return family.formats if family else ()

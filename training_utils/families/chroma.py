@@ -24,7 +24,7 @@ static helpers, its ``encode_prompt`` and that method's defaults), so training f
 pipeline's sampling loop feeds it at the same noise level.
 """
 
-from ..prompts import check_max_sequence_length, max_sequence_length, stacked
+from ..data.prompts import check_max_sequence_length, max_sequence_length, stacked
 from .layout import BLOCK, Family, Rename, fused
 
 SINGLE_BLOCK = r"single_transformer_blocks\.(\d+)\."

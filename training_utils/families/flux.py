@@ -23,9 +23,9 @@ import inspect
 
 import torch
 
-from ..data import tokenize
+from ..data.datasets import tokenize
+from ..data.prompts import stacked
 from ..errors import require
-from ..prompts import stacked
 from .layout import BLOCK, Family, Rename, always, fused
 
 SINGLE = r"single_transformer_blocks\.(\d+)\."

@@ -34,8 +34,8 @@ from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from PIL import Image
 from transformers import AutoConfig
 
+from ..data.prompts import check_max_sequence_length, stacked
 from ..errors import UsageError, require
-from ..prompts import check_max_sequence_length, stacked
 from .layout import BLOCK, Family, Rename, always, fused
 
 # The original release's module tree (ComfyUI's FLUX.2 model): diffusers'

@@ -25,9 +25,9 @@ import inspect
 
 import torch
 
-from ..errors import require
-from ..prompts import stacked
 from . import flux2
+from ..data.prompts import stacked
+from ..errors import require
 from .layout import Family
 
 FAMILY = Family("flux2_dev", "FLUX.2 [dev]", ("Flux2Pipeline",), "transformer", {}, flux2.COMFYUI_LAYOUT)

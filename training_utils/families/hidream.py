@@ -31,7 +31,7 @@ import inspect
 
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..prompts import check_max_sequence_length, stacked
+from ..data.prompts import check_max_sequence_length, stacked
 from .layout import Family, Rename
 
 # upstream's defaults for the Llama flags: HiDream-I1's fourth text encoder, which its pipeline folders leave out.

@@ -32,8 +32,8 @@ from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICA
 from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS, _resolution_aware_mu
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
+from ..data.prompts import check_max_sequence_length, max_sequence_length
 from ..errors import UsageError, require
-from ..prompts import check_max_sequence_length, max_sequence_length
 from .layout import Family, Rename, fused
 
 # The original release's module tree, as diffusers' Ideogram 4 LoRA conversion reads it backwards

@@ -29,9 +29,9 @@ the same noise level.
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from ..errors import UsageError, require
-from ..prompts import check_max_sequence_length, max_sequence_length, stacked
 from . import qwen_image
+from ..data.prompts import check_max_sequence_length, max_sequence_length, stacked
+from ..errors import UsageError, require
 from .layout import Family, Rename
 
 # The blocks of the image stage and of the text-fusion stages, and each block's linear layers.

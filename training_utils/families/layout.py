@@ -1,6 +1,6 @@
 """How a family's LoRA files are laid out for the UI tools: the record each family module declares (`Family`), and
 the renaming rules (`Rename`, `fused`) from diffusers' module paths to those of the original release, which
-ComfyUI's models have. `training_utils.convert_lora` applies them."""
+ComfyUI's models have. `training_utils.adapters.convert` applies them."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field

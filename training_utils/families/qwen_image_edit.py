@@ -28,9 +28,9 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 from transformers import Qwen2VLProcessor
 
-from ..cache_keys import describe
-from ..errors import require
 from . import qwen_image
+from ..data.cache_keys import describe
+from ..errors import require
 from .layout import Family
 
 # Qwen-Image's own: the VAE, the latents' standardisation, a batch's text inputs from its samples' rows.

@@ -7,8 +7,8 @@ length (`encode_prompts`). It predicts the noise or the velocity as the schedule
 latents' layout (`prediction`). Its LoRA files for the UI tools are kohya's (``lora_unet_…``, ``lora_te_…``).
 """
 
-from ..data import tokenize
-from ..prompts import stacked
+from ..data.datasets import tokenize
+from ..data.prompts import stacked
 from .layout import Family
 
 FAMILY = Family("sd", "SD 1.x", ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline",

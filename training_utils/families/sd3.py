@@ -18,9 +18,9 @@ sequence length (the flow-matching flags and timesteps are `flow_matching`'s).
 import torch
 import torch.nn.functional as F
 
-from ..data import tokenize
+from ..data.datasets import tokenize
+from ..data.prompts import stacked
 from ..errors import require
-from ..prompts import stacked
 from .layout import BLOCK, CLIP_PAIR, Family, Rename, always, fused, two_chunk_modulation
 
 # The original release's module tree (ComfyUI's MMDiT): comfy/utils.py mmdit_to_diffusers, read backwards.

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL
 
-from ..data import tokenize
+from ..data.datasets import tokenize
+from ..data.prompts import stacked
 from ..errors import require
 from ..pipeline import is_hub_id
-from ..prompts import stacked
 from .layout import CLIP_PAIR, Family
 # What SDXL does as SD 1.x does: the protocol's functions for its latents, UNet inputs and prompt settings.
-from .sd import call_kwargs, image_vae, model_inputs, normalized_latents, prediction, prompt_settings  # noqa: F401
+from .sd import call_kwargs, image_vae, model_inputs, normalized_latents, prediction, prompt_settings
 
 FAMILY = Family("sdxl", "SDXL", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                                  "StableDiffusionXLInpaintPipeline", "StableDiffusionXLControlNetPipeline"),

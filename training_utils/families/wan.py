@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from ..data.prompts import check_max_sequence_length, max_sequence_length, stacked
 from ..errors import require
 from ..flow_matching import sample_flow_matching_timesteps
-from ..prompts import check_max_sequence_length, max_sequence_length, stacked
 from .layout import Family, Rename
 
 BLOCKS = r"blocks\.(\d+)\."

@@ -25,7 +25,7 @@ level.
 
 import torch
 
-from ..prompts import check_max_sequence_length, max_sequence_length
+from ..data.prompts import check_max_sequence_length, max_sequence_length
 from .layout import Family, Rename, fused
 
 # The original release's module tree (ComfyUI's Z-Image model): comfy/utils.py z_image_to_diffusers, read backwards.

@@ -45,13 +45,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..ema import PowerEMA
-from ..export import TensorsExport
-from ..writing import write_atomically
+from ..names import SNAPSHOT_DIR
+from ..outputs.export import TensorsExport
+from ..outputs.writing import write_atomically
 
 POSTHOC_FORMAT = "training_utils.posthoc_ema"
 POSTHOC_STATE_FORMAT = "training_utils.posthoc_ema.state"
 FORMAT_VERSION = 1
-SNAPSHOT_DIR = "posthoc_ema"
 FORMAT_FILE = "format.json"
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-gamma-(.+)\.safetensors$")
 MAX_SIGMA_REL = 1 / math.sqrt(12)  # sigma_rel of gamma = 0 (a uniform average over [0, T])

@@ -7,9 +7,10 @@ run's own output format (a LoRA ``pipe.load_lora_weights`` loads, an adapter in 
 and prints the least-squares coefficients and the reconstruction error.
 """
 
+from . import MAX_SIGMA_REL, read_snapshots
 from ..args import TrainingArgumentParser
 from ..errors import exit_on_usage_error, require
-from . import MAX_SIGMA_REL, SNAPSHOT_DIR, read_snapshots
+from ..names import SNAPSHOT_DIR
 from .synthesis import output_folder, read_export, synthesize, write_synthesis
 
 

@@ -23,8 +23,8 @@ layout: the LoRA file or model folders, ``validation/log.jsonl`` and ``checkpoin
 pytest: a failed check raises `AssertionError`. `tiny_fixture` builds the tiny offline models and data of `tiny`.
 """
 
-from ..validation import read_log
 from . import tiny
+from ..validation import read_log
 from .checks import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                      assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output, assert_model_folder_loads,
                      assert_resumes_exactly, assert_same_files, assert_same_tensors, assert_validated_at,

@@ -1,0 +1,355 @@
+"""Videos as training reads and validation writes them, with PyAV: clips found and checked before anything loads
+(`find_clips`), their frames sampled (`--frame_rate` or `--frame_stride`) and laid out (`VideoTransform`), their
+latents cached per clip (`cache_clip_latents`), and validation videos written as mp4 with a PNG frame strip
+(`RenderedVideo`).
+
+A clip trains at ``--num_frames`` frames, or, when it has fewer, at the longest count the VAE takes (``4k + 1``)
+that it has: its frame bucket. A clip is never padded or looped. A still image is a clip of one frame. Every batch
+holds clips of one (frames, height, width) shape (`data.TrainDataset`'s ``shapes``), so frame buckets and
+resolution buckets batch alike. A clip's frames start at its first frame; its crop and flip are drawn once per
+sample for all its frames, as an image's are.
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..errors import UsageError, few, require
+from .cache_keys import describe
+from .captions import check_captions, check_metadata, is_caption, read_caption_file
+from .feature_store import Block, block_bytes, encode_once, encoders_on
+from .frozen_encoders import image_source, many, sample_latents
+from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, openable, read_image
+
+logger = logging.getLogger(__name__)
+
+VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi"}
+# The fewest frames a video must give to train as a video (one latent frame past the first); fewer is "too short".
+MIN_VIDEO_FRAMES = 5
+# What PyAV and PIL raise for missing, truncated or undecodable files.
+UNREADABLE_VIDEO_ERRORS = (*UNREADABLE_IMAGE_ERRORS, ValueError, IndexError)
+# The frame rate of validation videos written by a pipeline that does not say (Wan renders 16 fps).
+DEFAULT_FPS = 16
+
+
+def add_video_args(parser, num_frames=81):
+    """The video flags: frames per clip, their sampling, the dataset's video column, validation length."""
+    group = parser.add_argument_group("video")
+    group.add_argument("--num_frames", type=int, default=num_frames,
+                       help="frames per training clip, a count the VAE takes (4k+1); shorter clips train at the "
+                            "longest such count they have")
+    group.add_argument("--frame_rate", type=float, default=None,
+                       help="sample each video at this many frames a second (default: every frame)")
+    group.add_argument("--frame_stride", type=int, default=None, help="sample every N-th frame (default: 1)")
+    group.add_argument("--video_column", default="video", help="the column of --dataset_name holding the videos")
+    group.add_argument("--validation_num_frames", type=int, default=None,
+                       help="frames per validation video (default: --num_frames)")
+    group.add_argument("--validation_fps", type=int, default=DEFAULT_FPS, help="frame rate of the validation mp4s")
+    group.add_argument("--enable_vae_tiling", action="store_true",
+                       help="the VAE encodes and decodes in overlapping tiles: validation videos at full size fit "
+                            "where training fits (sides above 256 pixels are tiled)")
+
+
+def check_video_args(args, temporal=4):
+    """Fail in one line on a bad video flag, before anything loads."""
+    for flag, value in (("--num_frames", args.num_frames), ("--validation_num_frames", args.validation_num_frames)):
+        require(value is None or (value > 0 and value % temporal == 1), flag, value,
+                f"a frame count the VAE takes: {temporal}k+1 (1, {temporal + 1}, {2 * temporal + 1}, ...)")
+    require(args.frame_rate is None or args.frame_rate > 0, "--frame_rate", args.frame_rate, "a positive number")
+    require(args.frame_stride is None or args.frame_stride > 0, "--frame_stride", args.frame_stride,
+            "a positive integer")
+    require(args.frame_rate is None or args.frame_stride is None, "--frame_rate/--frame_stride",
+            f"{args.frame_rate}/{args.frame_stride}", "one of the two")
+    require(args.validation_fps > 0, "--validation_fps", args.validation_fps, "a positive integer")
+
+
+def is_still(source):
+    """Whether ``source`` (a path, or datasets' ``{"path", "bytes"}``) is a still image."""
+    path = source["path"] if isinstance(source, dict) else source
+    return Path(path or "").suffix.lower() in IMAGE_EXTENSIONS
+
+
+def probe(source):
+    """``(frame count, frames a second, (width, height))`` of a video, or ``(1, None, size)`` of a still image;
+    raises one of `UNREADABLE_VIDEO_ERRORS` for a file that cannot be read."""
+    if is_still(source):
+        return 1, None, read_image(source if isinstance(source, dict) else str(source)).size
+    import av
+
+    with av.open(openable(source)) as container:
+        stream = container.streams.video[0]
+        fps = float(stream.average_rate or stream.guessed_rate or DEFAULT_FPS)
+        count = sum(1 for _ in container.decode(stream))
+        return count, fps, (stream.codec_context.width, stream.codec_context.height)
+
+
+def frame_indices(count, fps, frame_rate=None, frame_stride=None):
+    """The indices of the frames sampled from a video of ``count`` frames at ``fps``: every ``frame_stride``-th,
+    or one every ``1 / frame_rate`` seconds (the frame shown at that time), or every frame."""
+    if frame_rate is not None and fps:
+        step = fps / frame_rate
+        return [int(k * step + 1e-6) for k in range(int((count - 1) / step + 1e-6) + 1)]
+    return list(range(0, count, frame_stride or 1))
+
+
+def frame_bucket(available, num_frames, temporal=4):
+    """The frames a clip of ``available`` sampled frames trains at: ``num_frames``, or the longest ``4k + 1`` it
+    has."""
+    return min(num_frames, (available - 1) // temporal * temporal + 1)
+
+
+def read_frames(source, indices):
+    """The frames ``indices`` of a video (or a still image, index 0) as upright RGB PIL images."""
+    if is_still(source):
+        return [read_image(source if isinstance(source, dict) else str(source))]
+    import av
+
+    wanted, frames = set(indices), {}
+    with av.open(openable(source)) as container:
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            if index in wanted:
+                frames[index] = frame.to_image().convert("RGB")
+            if index >= max(indices):
+                break
+    missing = [index for index in indices if index not in frames]
+    if missing:
+        raise ValueError(f"frame {missing[0]} of {source!r} could not be decoded")
+    return [frames[index] for index in indices]
+
+
+class Clip(NamedTuple):
+    """A training clip: its file (path or ``{"path", "bytes"}``), caption, the frames sampled from it, and its
+    original (width, height)."""
+
+    source: object
+    caption: object
+    indices: list
+    size: tuple
+
+    @property
+    def name(self):
+        return self.source["path"] if isinstance(self.source, dict) else str(self.source)
+
+
+def _folder_rows(folder):
+    """``[(path, caption or None)]`` of a folder of videos and images: captions from ``metadata.jsonl``
+    (``file_name``, ``text``) where it lists the file, else from a sidecar ``.txt`` beside it."""
+    captions = {}
+    for metadata in sorted(folder.rglob("metadata.jsonl")):
+        check_metadata(metadata, "--train_data_dir", str(folder), "text")
+        for line in metadata.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                captions[(metadata.parent / row["file_name"]).resolve()] = row.get("text")
+    rows = []
+    for path in sorted(folder.rglob("*")):
+        if path.suffix.lower() in VIDEO_EXTENSIONS | IMAGE_EXTENSIONS:
+            caption = captions.get(path.resolve())
+            if caption is None:
+                caption = read_caption_file(path.with_suffix(".txt"), "--train_data_dir", str(folder))
+            rows.append((path, caption))
+    return rows
+
+
+def find_clips(args, temporal=4):
+    """The training clips of ``--train_data_dir`` (videos and still images, captions from ``metadata.jsonl`` or
+    sidecar ``.txt`` files) or ``--dataset_name`` (``--video_column``, ``--caption_column``), each probed: a file
+    that cannot be read, or a video giving fewer than `MIN_VIDEO_FRAMES` frames, stops the run in one line naming
+    it, before any weights load (with ``--skip_corrupt_images``, a warning names them and they are left out)."""
+    if (args.dataset_name is None) == (args.train_data_dir is None):
+        raise UsageError("--dataset_name/--train_data_dir", args.dataset_name or args.train_data_dir,
+                         "exactly one of the two")
+    if args.train_data_dir is not None:
+        folder = Path(args.train_data_dir)
+        require(folder.is_dir(), "--train_data_dir", args.train_data_dir, "an existing folder")
+        rows = _folder_rows(folder)
+        require(rows, "--train_data_dir", args.train_data_dir, "a folder holding videos or images")
+        uncaptioned = [str(path) for path, caption in rows if not is_caption(caption)]
+        require(not uncaptioned, "--train_data_dir", args.train_data_dir,
+                f"a caption for every file, in metadata.jsonl or a sidecar .txt ({few(uncaptioned, 3)} have none)")
+    else:
+        rows = _dataset_rows(args)
+    if args.max_train_samples is not None:
+        rows = rows[:args.max_train_samples]
+    clips, bad = [], []
+    for source, caption in rows:
+        try:
+            count, fps, size = probe(source)
+        except UNREADABLE_VIDEO_ERRORS as error:
+            bad.append(f"{_name(source)} (unreadable: {type(error).__name__}: {error})")
+            continue
+        indices = frame_indices(count, fps, args.frame_rate, args.frame_stride)
+        if not is_still(source) and len(indices) < MIN_VIDEO_FRAMES:
+            bad.append(f"{_name(source)} (too short: {len(indices)} frames sampled, {MIN_VIDEO_FRAMES} needed)")
+            continue
+        clips.append(Clip(source, caption, indices[:frame_bucket(len(indices), args.num_frames, temporal)], size))
+    if bad and not args.skip_corrupt_images:
+        raise UsageError("--train_data_dir" if args.train_data_dir else "--dataset_name",
+                         args.train_data_dir or args.dataset_name,
+                         f"readable videos of {MIN_VIDEO_FRAMES} frames or more: {few(bad, 3)} "
+                         "(--skip_corrupt_images leaves them out)")
+    for line in bad:
+        logger.warning(f"left out: {line}")
+    require(clips, "--train_data_dir", args.train_data_dir, "at least one readable clip")
+    return clips
+
+
+def _name(source):
+    return source["path"] if isinstance(source, dict) else str(source)
+
+
+def _dataset_rows(args):
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)["train"]
+    except (FileNotFoundError, ValueError, ConnectionError, KeyError) as error:
+        raise UsageError("--dataset_name", args.dataset_name, f"a loadable dataset with a train split ({error})") \
+            from None
+    for flag, column in (("--video_column", args.video_column), ("--caption_column", args.caption_column)):
+        require(column in dataset.column_names, flag, column,
+                f"a column of the dataset: {', '.join(dataset.column_names)}")
+    check_captions(dataset, args.caption_column)
+    feature = dataset.features[args.video_column]
+    if hasattr(feature, "decode"):  # datasets' Video or Image feature: read the files with PyAV, not its decoders
+        dataset = dataset.cast_column(args.video_column, type(feature)(decode=False))
+    root = Path(args.dataset_name)
+    return [(value if isinstance(value, dict) or not root.is_dir() else str(root / value), caption)
+            for value, caption in zip(dataset[args.video_column], dataset[args.caption_column])]
+
+
+class VideoTransform:
+    """A clip's frames resized to cover its training shape, cropped and maybe flipped, one layout for every frame
+    (drawn as `images.ImageTransform` draws an image's), as a ``(3, frames, height, width)`` tensor in [-1, 1]."""
+
+    def __init__(self, image_transform):
+        self.images = image_transform
+
+    def shape_of(self, clip):
+        """The (frames, height, width) ``clip`` trains at."""
+        return (len(clip.indices), *self.images.shape_of(*clip.size))
+
+    def __call__(self, clip, generator, crop=None, flip=None):
+        frames = read_frames(clip.source, clip.indices)
+        layout = self.images.draw_layout(*clip.size, generator, crop=crop, shape=self.shape_of(clip)[1:])
+        if flip is not None:
+            layout = layout._replace(flip=flip)
+        pixels = [torch.from_numpy(self.images.apply_layout(frame, layout) / 127.5 - 1.0) for frame in frames]  # HWC
+        return torch.stack(pixels).permute(3, 0, 1, 2).contiguous(), layout
+
+
+def clip_latent_encoder(clips, transform, vae, device, dtype, seed):
+    """``encode_chunk(indices)`` for `feature_store.encode_once`: each clip's latent parameters, unflipped and
+    (with ``--random_flip``) flipped, with the crop drawn once from ``seed`` and the clip's place."""
+    flips = [False, True] if transform.images.random_flip else [False]
+
+    def encode_chunk(indices):
+        parameters, crops = [], []
+        for index in indices:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            pixels, layout = transform(clips[index], generator, flip=False)
+            crops.append((layout.top, layout.left))
+            videos = torch.stack([pixels.flip(-1) if flip else pixels for flip in flips]).to(device, dtype)
+            parameters.append(vae.encode(videos).latent_dist.parameters.cpu())
+        return Block(torch.tensor(indices, dtype=torch.int64),
+                     {"parameters": torch.stack(parameters), "crops": torch.tensor(crops)}, {})
+
+    return encode_chunk
+
+
+def cache_clip_latents(frozen, clips, transform, shapes):
+    """``[(latent parameters per flip, crop)]`` for every clip, encoded once by ``frozen``'s VAE (in memory, or
+    with ``--feature_cache_dir`` on disk), a store per training shape."""
+    by_shape = {}
+    for index, shape in enumerate(shapes):
+        by_shape.setdefault(shape, []).append(index)
+    cached = [None] * len(clips)
+    for shape, indices in sorted(by_shape.items()):
+        group = [clips[index] for index in indices]
+        store = frozen.store("latents", {
+            "vae": describe(frozen.vae), "clips": many([(image_source(c.source), c.indices) for c in group], "clips"),
+            "transform": f"{'x'.join(map(str, shape))} {'center' if transform.images.center_crop else 'random'} crop, "
+                         f"flips {transform.images.random_flip}, {transform.images.interpolation} resize"})
+        encode_chunk = clip_latent_encoder(group, transform, frozen.vae, frozen.device, frozen.dtype, frozen.seed)
+        blocks = encode_once(f"latents {'x'.join(map(str, shape))}", len(group), encode_chunk,
+                             lambda: block_bytes(encode_chunk([0])), lambda: encoders_on(frozen.device, [frozen.vae]),
+                             1, store)
+        for block in blocks:
+            for row, position in enumerate(block.indices.tolist()):
+                cached[indices[position]] = (block.tensors["parameters"][row],
+                                             tuple(block.tensors["crops"][row].tolist()))
+    return cached
+
+
+def clip_sample(clip, transform, generator, cached=None):
+    """A sample's video: pixels, or from ``cached`` (`cache_clip_latents`) the latent parameters of the flip drawn,
+    the draws taken from ``generator`` exactly as the pixels' would be."""
+    if cached is None:
+        return transform(clip, generator)[0]
+    parameters, crop = cached
+    layout = transform.images.draw_layout(*clip.size, generator, crop=crop, shape=transform.shape_of(clip)[1:])
+    return parameters[int(layout.flip)]
+
+
+def clip_sample_with_first_frame(clip, transform, generator, cached=None):
+    """`clip_sample` and the clip's first frame laid out as its frames are (``(3, height, width)`` in [-1, 1]), the
+    image that conditions an image-to-video model."""
+    if cached is None:
+        pixels = transform(clip, generator)[0]
+        return pixels, pixels[:, 0]
+    parameters, crop = cached
+    layout = transform.images.draw_layout(*clip.size, generator, crop=crop, shape=transform.shape_of(clip)[1:])
+    first = transform.images.apply_layout(read_frames(clip.source, clip.indices[:1])[0], layout) / 127.5 - 1.0
+    return parameters[int(layout.flip)], torch.from_numpy(first).permute(2, 0, 1).contiguous()
+
+
+def clip_latents(frozen, videos):
+    """A batch's VAE latents: drawn from cached parameters, or encoded now (`cache.FrozenEncoders.latents`)."""
+    if frozen.cache_latents:
+        return sample_latents(videos).contiguous()
+    return frozen.latents(videos)
+
+
+class RenderedVideo:
+    """A validation video (``frames``: ``(frames, height, width, 3)`` in [0, 1]): saved as a PNG frame strip at
+    the path it is given, and as an mp4 beside it; `still` is the strip, which grids and the model card show."""
+
+    def __init__(self, frames, fps=DEFAULT_FPS):
+        self.frames = (np.clip(np.asarray(frames, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
+        self.fps = fps
+
+    @property
+    def still(self):
+        return Image.fromarray(np.concatenate(list(self.frames), axis=1))
+
+    def save(self, path):
+        self.still.save(path)
+        write_mp4(Path(path).with_suffix(".mp4"), self.frames, self.fps)
+
+    def convert(self, mode):
+        return self.still.convert(mode)
+
+
+def write_mp4(path, frames, fps=DEFAULT_FPS):
+    """``frames`` (uint8 ``(frames, height, width, 3)``) as an H.264 mp4 at ``fps`` (sides padded to even)."""
+    import av
+
+    frames = np.asarray(frames)
+    height, width = frames.shape[1] + frames.shape[1] % 2, frames.shape[2] + frames.shape[2] % 2
+    frames = np.pad(frames, ((0, 0), (0, height - frames.shape[1]), (0, width - frames.shape[2]), (0, 0)), "edge")
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def still(image):
+    """What a grid shows of a validation output: a video's frame strip, or the image itself."""
+    return image.still if isinstance(image, RenderedVideo) else image

@@ -1,0 +1,117 @@
+"""The run's output folder: another run's outputs are never written over, and a killed writer's leftovers are removed.
+
+Before any weights load (`check_output_dir`), a run that does not resume refuses a folder holding what runs write
+(`run_outputs`: checkpoints, weights, validation images, the model card) unless ``--overwrite_output_dir``, which
+clears those first; so does ``--resume_from_checkpoint latest`` in a folder without checkpoints, unless the run
+last in it did not complete (its ``run_status.json`` says so): that run is being started over. The folder must be
+one this run can write. When the run starts (`prepare_output_dir`, the first process) the staging folders of
+writes that were killed are removed, and ``run_status.json`` says "running" until the run ends.
+"""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from ..errors import few, require
+from ..names import LORA_WEIGHTS_NAME, PEFT_CONFIG_NAME, SAVED_AS, STAGING_PREFIX, STATUS_FILE
+from .checkpoint_folders import CHECKPOINT_PATTERN, complete_checkpoints
+from .run_status import COMPLETED, RUN, RUNNING, read_status
+from .writing import write_problem
+
+logger = logging.getLogger(__name__)
+
+# What the scripts write at the top of an output folder, besides checkpoints and a full pipeline's components.
+OUTPUT_NAMES = ("ema", "posthoc_ema", "validation", "README.md", "model_index.json", "config.json")
+OUTPUT_FILE_PREFIXES = ("pytorch_lora_weights", "diffusion_pytorch_model")
+# Staging folders of checkpoints before they shared the prefix of every other write.
+EARLIER_CHECKPOINT_STAGING = ".checkpoint-*.incomplete"
+
+
+def run_outputs(folder):
+    """The names of what runs write at the top of ``folder`` (sorted; none if it does not exist): checkpoints,
+    LoRA files, adapter folders (`adapter_folder`), ControlNet or pipeline files and their components, EMA and
+    post-hoc EMA, validation, model card. Tracker logs, ``run_status.json`` and staging folders are not among them:
+    they hold nothing of a result."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = {*OUTPUT_NAMES, *pipeline_components(folder)}
+    return sorted(path.name for path in folder.iterdir()
+                  if path.name in names or path.name.startswith(OUTPUT_FILE_PREFIXES)
+                  or (CHECKPOINT_PATTERN.match(path.name) and path.is_dir())
+                  or adapter_folder(path))
+
+
+def adapter_folder(path):
+    """Whether ``path`` is a component's adapter in a folder of its own: peft's format (LoKr, LoHa, OFT), or a LoRA
+    written as another component's beside that one's (Wan 2.2's low-noise expert, `adapter_export.SAVED_AS`)."""
+    return (path / PEFT_CONFIG_NAME).is_file() or (path.name in SAVED_AS and (path / LORA_WEIGHTS_NAME).is_file())
+
+
+def pipeline_components(folder):
+    """The component folders that ``folder/model_index.json`` (a saved pipeline's) lists."""
+    try:
+        index = json.loads((Path(folder) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)]
+
+
+def check_output_dir(args):
+    """Refuse, in one line, an ``--output_dir`` that this run cannot write or that holds another run's outputs
+    (see the module's docstring); once the folder is accepted, the run's status goes there however it ends."""
+    output_dir, resume = args.output_dir, args.resume_from_checkpoint
+    require(not Path(output_dir).is_file(), "--output_dir", output_dir, "a folder (or a path where one can be made), "
+            "not a file")
+    problem = write_problem(output_dir)
+    require(problem is None, "--output_dir", output_dir, f"a folder this run can write ({problem})")
+    require(not (args.overwrite_output_dir and resume), "--overwrite_output_dir", True,
+            "no --resume_from_checkpoint with it (clearing the folder would remove the checkpoints to resume from)")
+    outputs = run_outputs(output_dir)
+    if outputs and not args.overwrite_output_dir:
+        require(resume is not None, "--output_dir", output_dir,
+                f"a folder without another run's outputs (it holds {few(outputs)}): pass --resume_from_checkpoint "
+                f"latest to continue that run, or --overwrite_output_dir to clear the folder first")
+        status = read_status(output_dir)
+        require(resume != "latest" or complete_checkpoints(output_dir) or (status or {}).get("reason") not in
+                (None, COMPLETED), "--resume_from_checkpoint", resume,
+                f"a checkpoint in {output_dir} to resume from: it holds {few(outputs)} of a run that "
+                f"{'completed' if status else 'left no run_status.json'}, but no checkpoint; pass "
+                f"--overwrite_output_dir to clear the folder first, or choose another --output_dir")
+    RUN.output_dir = output_dir
+
+
+def prepare_output_dir(args):
+    """Make the output folder ready for the run, on the first process before anything is written: with
+    ``--overwrite_output_dir`` what runs write there is removed first (tracker logs and status too); the staging
+    folders of writes that were killed are removed; ``run_status.json`` says "running"."""
+    output_dir = Path(args.output_dir)
+    if args.overwrite_output_dir:
+        records = [name for name in (args.logging_dir, STATUS_FILE) if inside(output_dir / name, output_dir)]
+        cleared = [*run_outputs(output_dir), *(name for name in records if (output_dir / name).exists())]
+        for name in cleared:
+            remove(output_dir / name)
+        if cleared:
+            logger.info(f"--overwrite_output_dir: removed {few(cleared)} from {output_dir}")
+    staging = [*output_dir.rglob(f"{STAGING_PREFIX}*"), *output_dir.glob(EARLIER_CHECKPOINT_STAGING)]
+    for path in staging:
+        remove(path)
+    if staging:
+        logger.info(f"removed what {len(staging)} interrupted write(s) left: {few([str(path) for path in staging])}")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    RUN.write(RUNNING, None)
+
+
+def inside(path, folder):
+    """Whether ``path`` is under ``folder`` (not the folder itself), once ``..`` and links are resolved."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path != folder and path.is_relative_to(folder)
+
+
+def remove(path):
+    """Remove the file or folder ``path``; one that is already gone is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

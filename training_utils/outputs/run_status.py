@@ -1,0 +1,113 @@
+"""How a run ends, whatever ends it: one line saying why, its exit status, and ``run_status.json``.
+
+Every script's ``__main__`` block is ``run_script(main, parse_args)``. The run then ends in one of these ways,
+each with its exit status, and the first process writes ``run_status.json`` into the output folder last,
+atomically, once the folder is accepted for the run (`output_folder.check_output_dir`) and exists: a command
+refused before leaves no trace::
+
+    {"reason": "preempted", "exit_status": 75, "last_step": 40, "resume_from": "checkpoint-40",
+     "message": "stopped by SIGTERM after step 40; checkpoint saved, resume with --resume_from_checkpoint latest"}
+
+=================  ===========  ====================================================================================
+reason             exit status  what ended the run
+=================  ===========  ====================================================================================
+completed          0            the last step, its outputs written
+usage error        2            a bad flag or input (``error: ...``)
+non-finite loss    3            a NaN or infinite loss, stopped before anything was written from those weights
+unreadable image   65           an image that cannot be read, with a checkpoint of the last whole step
+write failed       74           a file that could not be written, named with the cause
+preempted          75           SIGTERM or SIGINT: after the running step, with a checkpoint, or at once before
+failed             1            anything else (a bug: its traceback follows)
+running            (none)       written when the run starts: a run killed outright (SIGKILL) leaves it
+=================  ===========  ====================================================================================
+
+``accelerate launch`` exits with status 1 whenever its script fails, whatever the script's own status was: a
+scheduler that requeues preempted jobs reads the reason here (the script run on one process with ``python`` exits
+with its own status too).
+"""
+
+import json
+import logging
+import traceback
+from pathlib import Path
+
+from ..errors import (PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE, Interrupted, RunStopped, UsageError, WriteFailed,
+                      is_first_process, say_why_and_exit)
+from ..names import STATUS_FILE
+from .checkpoint_folders import complete_checkpoints
+from .stop_signals import SIGNALS
+from .writing import write_atomically
+
+logger = logging.getLogger(__name__)
+
+COMPLETED, RUNNING, FAILED = "completed", "running", "failed"
+
+
+class RunRecord:
+    """What ``run_status.json`` says of the run in this process: where it goes (``output_dir``, once the folder is
+    the run's) and the last completed optimizer step (``last_step``, from the training loop; None before training)."""
+
+    def __init__(self):
+        self.output_dir = None
+        self.last_step = None
+
+    def reset(self):
+        """Forget the run before (a process may run more than one script, as the tests do)."""
+        self.__init__()
+
+    def status(self, reason, exit_status, message=""):
+        """The status of the run ended by ``reason``: the newest whole checkpoint in its folder is where to resume."""
+        checkpoints = complete_checkpoints(self.output_dir)
+        return {"reason": reason, "exit_status": exit_status, "last_step": self.last_step,
+                "resume_from": checkpoints[-1][1].name if checkpoints else None, "message": message}
+
+    def write(self, reason, exit_status, message=""):
+        """Write ``run_status.json`` atomically into the run's folder (nothing before the folder is the run's, and
+        only on the first process). A status that cannot be written is said on stderr: the run's own line says why
+        it ended."""
+        if self.output_dir is None or not is_first_process() or not Path(self.output_dir).is_dir():
+            return
+        text = json.dumps(self.status(reason, exit_status, message), indent=1) + "\n"
+        try:
+            write_atomically(self.output_dir, lambda staging: Path(staging, STATUS_FILE).write_text(text))
+        except WriteFailed as failed:
+            logger.error(f"{STATUS_FILE} was not written: {failed}")
+
+
+RUN = RunRecord()
+
+
+def read_status(output_dir):
+    """The ``run_status.json`` of the run last in ``output_dir``, or None (none there, or unreadable)."""
+    try:
+        return json.loads((Path(output_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def interrupted_stop(interrupted):
+    """The `RunStopped` that a signal received outside the training loop (`errors.Interrupted`) amounts to."""
+    after = "before training began" if RUN.last_step is None else f"after step {RUN.last_step}"
+    return RunStopped(f"stopped by {interrupted.signal_name} {after}; every file written is whole: rerun with "
+                      f"--resume_from_checkpoint latest", PREEMPTED_EXIT_CODE, "preempted")
+
+
+def run_script(main, parse_args):
+    """Run ``main(parse_args())`` as a training script, with SIGTERM and SIGINT handled from start to end
+    (`stop_signals`), and end it as the table above says: one line saying why, ``run_status.json``, the exit
+    status. An unexpected error also writes the status ("failed"), then its traceback ends the process."""
+    RUN.reset()
+    try:
+        with SIGNALS.handled():
+            main(parse_args())
+    except (UsageError, RunStopped, Interrupted) as error:
+        stop = interrupted_stop(error) if isinstance(error, Interrupted) else error
+        if isinstance(stop, UsageError):
+            RUN.write("usage error", USAGE_EXIT_CODE, str(stop))
+        else:
+            RUN.write(stop.reason, stop.exit_code, str(stop))
+        say_why_and_exit(stop)
+    except Exception as error:
+        RUN.write(FAILED, 1, "".join(traceback.format_exception_only(error)).strip())
+        raise
+    RUN.write(COMPLETED, 0)
