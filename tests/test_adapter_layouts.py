@@ -18,7 +18,7 @@ from training_utils.adapters.convert import target_of, write_converted
 from training_utils.adapters.export import adapter_export, converted_name
 from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.errors import UsageError
-from training_utils.families import family_of
+from training_utils.families.registry import family_of
 from training_utils.pipeline import trainable_parameters
 from test_export import perturb
 from transformer_layouts import TRANSFORMERS

@@ -35,7 +35,7 @@ from comfyui import comfyui_weight, module_weights  # noqa: E402
 
 from training_utils.adapters.convert import target_of
 from training_utils.adapters.export import converted_name
-from training_utils.families import family_of
+from training_utils.families.registry import family_of
 from training_utils.testing import launch_script, tiny_fixture
 
 from tests.benchmarks.models import model_path
