@@ -1,4 +1,4 @@
-"""A script copied out of the repository passes the smoke test that the README gives its user, run
+"""A script copied out of the repository passes the smoke test that docs/porting.md gives its user, run
 beside it with pytest, with nothing of this checkout importable but the training_utils package (as installed)."""
 
 import os
@@ -13,10 +13,10 @@ from helpers import EXAMPLES, REPO, run_bounded
 
 
 def users_smoke_test():
-    """The smoke test that the README's "Adding a model family" ends with, for a copy of train_text_to_image_lora.py;
-    `training_utils.testing`'s docstring shows the same."""
-    readme_blocks = [block.split("```", 1)[0] for block in (REPO / "README.md").read_text().split("```python\n")[1:]]
-    (test,) = [block for block in readme_blocks if "launch_script(" in block]
+    """The smoke test that docs/porting.md's "Smoke-testing a copied script" gives, for a copy of
+    train_text_to_image_lora.py; `training_utils.testing`'s docstring shows the same."""
+    section = (REPO / "docs" / "porting.md").read_text().split("## Smoke-testing a copied script\n", 1)[1]
+    (test,) = [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
     docstring_example = training_utils.testing.__doc__.split("::\n", 1)[1].split("\n`launch_script`", 1)[0]
     assert textwrap.dedent(docstring_example).strip() == test.strip()
     return test
