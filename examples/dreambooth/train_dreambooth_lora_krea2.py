@@ -18,6 +18,8 @@ encodes each image once (both flips); what is cached stays off the accelerator e
 the upstream script that this one does not carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline
 
