@@ -26,9 +26,9 @@ from .grids import progress_grid, step_grid
 from .names import LOG_NAME, VALIDATION_DIR
 from .pipeline import modules_of
 from .posthoc_ema.synthesis import synthesize
+from .validation_guidance import guidance_used, with_validation_guidance
 
 logger = logging.getLogger(__name__)
-
 
 
 def grid_path(step, prompt_index):
@@ -84,8 +84,10 @@ def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
         if accelerator.is_main_process:
             logger.info("--num_validation_images 0: no validation images are rendered")
         return None
+    call_kwargs = with_validation_guidance(args, pipe, kwargs.pop("call_kwargs", None))
     return Validator(pipe, accelerator, args.output_dir, prompts, args.num_validation_images,
-                     args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels, **kwargs)
+                     args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels,
+                     call_kwargs=call_kwargs, **kwargs)
 
 
 class Validator:
@@ -94,7 +96,8 @@ class Validator:
     ``schedulers`` are extra schedulers to protect besides ``pipe.scheduler`` (the training noise
     scheduler). ``call_kwargs`` go to every pipeline call (e.g. height/width); ``prompt_kwargs``
     holds one dict per prompt (e.g. a ControlNet's conditioning image). Images are written under
-    ``output_dir/validation`` and described in ``validation/log.jsonl``.
+    ``output_dir/validation`` and described in ``validation/log.jsonl``, each record with the guidance scales the
+    pipeline rendered at (`validation_guidance.guidance_used`).
 
     ``conditioning_images`` (per prompt: one PIL image, a list of them, or None) are the inputs shown beside each
     prompt's samples: each distinct image is saved once, as ``validation/conditioning-pNN.png`` (of a list,
@@ -186,6 +189,7 @@ class Validator:
         same images, and the main process writes its own.
         """
         sweep = final and self.posthoc is not None
+        self.guidance = guidance_used(self.pipe, self.call_kwargs)
         variants = self._variants(step, sweep)
         work = [(variant, index) for variant in range(len(variants)) for index in range(len(self.prompts))]
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
@@ -302,7 +306,7 @@ class Validator:
         paths = [f"{VALIDATION_DIR}/step-{step:06d}/{variant}-p{prompt_index:02d}-{index:02d}.png"
                  for index in range(len(images))]
         record = {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths,
-                  "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index)}
+                  "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index), **self.guidance}
         if self.video_fps:
             record["videos"] = [path.removesuffix(".png") + ".mp4" for path in paths]
         return record

@@ -66,8 +66,6 @@ REFUSED = {
                                "after training",
     "--validation_num_inference_steps": "upstream applies it only to --validation_model_path's checkpoint, which is "
                                         "not carried; --validation_inference_steps sets the steps here",
-    "--validation_guidance_scale": "upstream applies it only to --validation_model_path's checkpoint, which is not "
-                                   "carried; validation uses Krea2Pipeline's own guidance",
     **transformer_dreambooth_refusals(text_encoder_trains=False),
 }
 
