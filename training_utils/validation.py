@@ -22,29 +22,14 @@ import torch
 
 from .data.video import RenderedVideo, still
 from .ema import tensors_swapped_in
-from .grids import progress_grid, step_grid
+from .grids import BASE, grid_path, progress_grid, progress_path, read_log, step_grid
 from .names import LOG_NAME, VALIDATION_DIR
+from .outputs.writing import stopping_on_write_errors
 from .pipeline import modules_of
 from .posthoc_ema.synthesis import synthesize
 from .validation_guidance import guidance_used, with_validation_guidance
 
 logger = logging.getLogger(__name__)
-
-
-def grid_path(step, prompt_index):
-    """Where one validation's grid for one prompt goes, relative to the output folder."""
-    return f"{VALIDATION_DIR}/step-{step:06d}/grid-p{prompt_index:02d}.png"
-
-
-def progress_path(prompt_index):
-    """Where a prompt's progress grid goes, relative to the output folder."""
-    return f"{VALIDATION_DIR}/progress-p{prompt_index:02d}.png"
-
-
-def read_log(output_dir):
-    """The records of ``validation/log.jsonl``, oldest first ([] before the first validation)."""
-    path = Path(output_dir) / VALIDATION_DIR / LOG_NAME
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def validation_due(step, max_train_steps, validation_steps=None, validation_epochs=None, steps_per_epoch=None):
@@ -174,6 +159,16 @@ class Validator:
                  for prompt, paths in zip(self.prompts, self.conditioning_paths) if paths]
         return shown + list(records)
 
+    def draw_base(self):
+        """Render the pictures of the base model, which the weights are before the first optimizer step, as step 0
+        (variant "base"): the first column of the progress grids. Not again where the log holds them (a run started
+        over in its folder)."""
+        drawn = any(record["step"] == 0 for record in read_log(self.output_dir))
+        self.accelerator.wait_for_everyone()  # every process has read the log before the main process writes it
+        if not drawn:
+            with stopping_on_write_errors(self.output_dir / VALIDATION_DIR):
+                self(0)
+
     def __call__(self, step, final=False):
         """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only).
 
@@ -247,7 +242,10 @@ class Validator:
         return records
 
     def _variants(self, step, sweep):
-        """``[(variant name, context manager factory putting its weights in)]``: raw, EMA, then the sweep's."""
+        """``[(variant name, context manager factory putting its weights in)]``: raw, EMA, then the sweep's; at step
+        0 the base alone, which the EMA then is too."""
+        if step == 0:
+            return [(BASE, contextlib.nullcontext)]
         variants = [("raw", contextlib.nullcontext)]
         if self.ema is not None:
             variants.append(("ema", self.ema.swapped_in))
