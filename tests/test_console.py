@@ -25,9 +25,10 @@ NOISE = [
                                         "`CLIPImageProcessorPil` for backward compatibility. Install torchvision to "
                                         "use the default backend, or import `CLIPImageProcessorPil` directly to "
                                         "silence this warning."),
-    ("diffusers.models.modeling_utils", "There are modules in AutoencoderKL that should be kept in float32: []. Casting "
-                                        "directly with `to()` can lead to inconsistent results; set `torch_dtype` in "
-                                        "`from_pretrained()` instead to keep these modules in float32."),
+    ("diffusers.models.modeling_utils", "There are modules in AutoencoderKL that should be kept in float32: []. "
+                                        "Casting directly with `to()` can lead to inconsistent results; set "
+                                        "`torch_dtype` in `from_pretrained()` instead to keep these modules in "
+                                        "float32."),
 ]
 # What the same loggers say that does concern a run, and stays.
 KEPT = [

@@ -260,7 +260,8 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs, synthesized):
     assert len(snapshots) == 3 * 2 and snapshots[0].startswith("snapshot-00000002-")
     log = read_log(output_dir)
     assert [(r["step"], r["variant"]) for r in log[::2]] == [
-        (0, "base"), (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"), (6, "ema_sigma_rel-0.08")]
+        (0, "base"), (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"),
+        (6, "ema_sigma_rel-0.08")]
     # The final step's grid: a row per variant, the sweep's included, each the logged images.
     final = [record for record in log if record["step"] == 6 and record["prompt"] == PROMPTS[0]]
     assert [record["variant"] for record in final] == ["raw", "ema", "ema_sigma_rel-0.05", "ema_sigma_rel-0.08"]
