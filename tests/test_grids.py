@@ -93,3 +93,21 @@ def test_progress_grid_shows_each_variants_first_image_per_step_and_blanks_where
             expected = (np.asarray(Image.open(tmp_path / first[0]["images"][0])) if first
                         else np.full((16, 24, 3), BACKGROUND, dtype=np.uint8))
             assert np.array_equal(cell(grid, layout, row, column), expected), (variant, step)
+
+
+def test_progress_grid_leads_every_row_with_the_base_models_picture(tmp_path):
+    records = []
+    for step, variant, value in ((0, "base", 10), (3, "raw", 20), (3, "ema", 30)):
+        path = f"validation/step-{step:06d}/{variant}-p00-00.png"
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        solid(value).save(tmp_path / path)
+        records.append({"step": step, "variant": variant, "prompt": "a", "images": [path]})
+
+    alone, alone_layout = progress_grid(records[:1], "a", tmp_path)  # before the first validation
+    assert alone.size[1] == alone_layout.header_height + 16
+    assert np.array_equal(cell(alone, alone_layout, 0, 0), np.asarray(solid(10)))
+    grid, layout = progress_grid(records, "a", tmp_path)
+    assert grid.size == (layout.label_width + 2 * layout.column_width, layout.header_height + 2 * 16)  # raw, ema
+    for row, value in enumerate((20, 30)):
+        assert np.array_equal(cell(grid, layout, row, 0), np.asarray(solid(10)))
+        assert np.array_equal(cell(grid, layout, row, 1), np.asarray(solid(value)))

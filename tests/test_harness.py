@@ -127,11 +127,11 @@ def test_tiny_fixture_builds_the_named_fixture_and_refuses_others(tmp_path):
 
 def fake_run(output_dir, grey, steps=(2,), variants=("raw",), prompts=("p",)):
     """A run folder whose validation log holds one record of one image per step, variant and prompt, a solid
-    ``grey``, with the step's grid and the prompt's progress grid."""
+    ``grey``, with the step's grid and the prompt's progress grid, after the base model's (step 0) of each prompt."""
     (output_dir / "validation").mkdir(parents=True)
     records = []
-    for step in steps:
-        for variant in variants:
+    for step, step_variants in [(0, ("base",)), *((step, variants) for step in steps)]:
+        for variant in step_variants:
             for index, prompt in enumerate(prompts):
                 image, grid, progress = (f"validation/{name}.png" for name in (
                     f"{variant}-{step}-{index}", f"grid-{step}-{index}", f"progress-{index}"))
@@ -145,7 +145,7 @@ def fake_run(output_dir, grey, steps=(2,), variants=("raw",), prompts=("p",)):
 
 def test_validated_at_needs_every_step_variant_and_prompt_once_in_order_and_their_images(tmp_path):
     output_dir = fake_run(tmp_path / "run", 100, steps=(3, 6, 8), variants=("raw", "ema"), prompts=("a", "b"))
-    assert len(assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), num_images=1)) == 12
+    assert len(assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), num_images=1)) == 2 + 12
     assert_validated_at(output_dir, [3, 6, 8], ("raw", "ema"), ["a", "b"])
     for steps, variants, prompts in (([3, 6], ("raw", "ema"), None), ([3, 6, 8, 8], ("raw", "ema"), None),
                                      ([3, 6, 8], ("raw",), None), ([3, 6, 8], ("raw", "ema"), ["b", "a"])):

@@ -40,6 +40,11 @@ class RecordingValidator:
     def __init__(self):
         self.steps = []
         self.final_steps = []
+        self.base_drawn = False
+
+    def draw_base(self):
+        assert not self.steps, "the base is drawn before the first validation"
+        self.base_drawn = True
 
     def __call__(self, step, final=False):
         self.steps.append(step)
@@ -92,7 +97,7 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
 def test_runs_to_max_steps_across_epochs_doing_due_work(accelerator, tmp_path):
     loop, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7)
     assert loop.global_step == 7
-    assert validator.steps == [3, 6, 7] and validator.final_steps == [7]
+    assert validator.steps == [3, 6, 7] and validator.final_steps == [7] and validator.base_drawn
     assert loop.records == [{"shown": "first"}, {"step": 7}]  # the last validation's, as the model card shows them
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
 
@@ -113,7 +118,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(accelerator, 
 
     forget_prepared(accelerator)
     resumed, validator, state, ema = toy_run(accelerator, tmp_path / "a", max_train_steps=7, resume="latest")
-    assert resumed.global_step == 7 and validator.steps == [6, 7]
+    assert resumed.global_step == 7 and validator.steps == [6, 7] and not validator.base_drawn
 
     forget_prepared(accelerator)
     _, _, expected_state, expected_ema = toy_run(accelerator, tmp_path / "b", max_train_steps=7)

@@ -224,7 +224,8 @@ def test_trains_on_rows_with_0_1_and_2_references_and_validates_showing_the_refe
     # Raw and EMA at step 2 and at the end; there also the post-hoc EMAs of the two lengths, from the snapshots.
     log = read_log(output_dir)
     assert [(record["step"], record["variant"]) for record in log] == [
-        (2, "raw"), (2, "ema"), (4, "raw"), (4, "ema"), (4, "ema_sigma_rel-0.05"), (4, "ema_sigma_rel-0.1")]
+        (0, "base"), (2, "raw"), (2, "ema"), (4, "raw"), (4, "ema"), (4, "ema_sigma_rel-0.05"),
+        (4, "ema_sigma_rel-0.1")]
     assert all(record["prompt"] == PROMPT and len(record["images"]) == 1 for record in log)
     # Each step's grid: the references, then raw, then EMA (then the post-hoc EMAs).
     final = [record for record in log if record["step"] == 4]

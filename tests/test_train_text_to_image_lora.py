@@ -260,7 +260,8 @@ def test_posthoc_ema_sweep_snapshots_and_synthesis(tiny, runs, synthesized):
     assert len(snapshots) == 3 * 2 and snapshots[0].startswith("snapshot-00000002-")
     log = read_log(output_dir)
     assert [(r["step"], r["variant"]) for r in log[::2]] == [
-        (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"), (6, "ema_sigma_rel-0.08")]
+        (0, "base"), (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.05"),
+        (6, "ema_sigma_rel-0.08")]
     # The final step's grid: a row per variant, the sweep's included, each the logged images.
     final = [record for record in log if record["step"] == 6 and record["prompt"] == PROMPTS[0]]
     assert [record["variant"] for record in final] == ["raw", "ema", "ema_sigma_rel-0.05", "ema_sigma_rel-0.08"]
@@ -376,7 +377,7 @@ def test_each_adapter_trains_and_validates_raw_ema_and_posthoc_and_writes_its_fi
     output_dir, result = runs[adapter]
     log = read_log(output_dir)
     assert [(record["step"], record["variant"]) for record in log] == [
-        (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.08")]
+        (0, "base"), (3, "raw"), (3, "ema"), (6, "raw"), (6, "ema"), (6, "ema_sigma_rel-0.08")]
     title = {"dora": "DoRA", "lokr": "LoKr", "loha": "LoHa", "oft": "OFT"}[adapter]
     own = output_dir / LORA if adapter == "dora" else output_dir
     assert f"raw {title}: {own}" in result.stdout

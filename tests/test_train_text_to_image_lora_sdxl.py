@@ -207,7 +207,7 @@ def test_replacement_vae_goes_into_the_pipeline(runs, decoder_only_vae):
     assert f"VAE: {decoder_only_vae}" in result.stdout
     # Its encoder is the pipeline's, so training is the same bit for bit; validation decodes with its decoder.
     assert_same_files(own_vae / LORA, other_vae / LORA)
-    [own_record, _], [other_record, _] = read_log(own_vae), read_log(other_vae)
+    [_, own_record, _], [_, other_record, _] = read_log(own_vae), read_log(other_vae)
     own_image = np.asarray(Image.open(own_vae / own_record["images"][0]), dtype=np.int64)
     other_image = np.asarray(Image.open(other_vae / other_record["images"][0]), dtype=np.int64)
     assert np.abs(own_image - other_image).mean() > 10

@@ -7,10 +7,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 from diffusers import DDPMScheduler, StableDiffusionPipeline
+from PIL import Image
 
 from training_utils import validation
 from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
 from training_utils.ema import EMA
+from training_utils.grids import progress_grid
 from training_utils.pipeline import trainable_parameters
 from training_utils.validation import Validator, preserved_state, validation_due
 
@@ -103,6 +105,49 @@ def test_validator_has_no_side_effects(lora_pipe, accelerator, tmp_path):
         assert torch.equal(after, value) if torch.is_tensor(value) else after == value, key
     assert pipe.scheduler.num_inference_steps == pipe_scheduler_state["num_inference_steps"]
     assert all(parameter.requires_grad for parameter in parameters.values())
+
+
+def train_a_few_steps(pipe, parameters, steps=3):
+    """Steps of the LoRA on noise drawn from the global RNG, as a training loop draws it."""
+    optimizer = torch.optim.SGD(parameters.values(), lr=0.1)
+    for _ in range(steps):
+        latents = torch.randn(1, pipe.unet.config.in_channels, 4, 4)
+        text = torch.randn(1, 4, pipe.unet.config.cross_attention_dim)
+        pipe.unet(latents, torch.randint(0, 1000, (1,)), text).sample.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_drawing_the_base_before_training_leaves_the_trained_weights_bitwise_the_same(tiny, accelerator, tmp_path):
+    trained = []
+    for draw_base in (False, True):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+        pipe.set_progress_bar_config(disable=True)
+        torch.manual_seed(0)
+        add_lora(pipe.unet, 4, ATTENTION_PROJECTIONS)
+        parameters = trainable_parameters({"unet": pipe.unet})
+        pipe.unet.train()
+        initial = {name: parameter.detach().clone() for name, parameter in parameters.items()}
+        if draw_base:
+            make_validator(pipe, accelerator, tmp_path).draw_base()
+        train_a_few_steps(pipe, parameters)
+        trained.append({name: parameter.detach().clone() for name, parameter in parameters.items()})
+    assert not all(torch.equal(initial[name], trained[1][name]) for name in initial)
+    assert all(torch.equal(trained[0][name], trained[1][name]) for name in trained[0])
+    assert (tmp_path / "validation" / "step-000000").is_dir()
+
+
+def test_the_base_is_step_0_of_the_log_and_the_progress_grids_and_drawn_once(tiny_sd_pipe, accelerator, tmp_path):
+    validator = make_validator(tiny_sd_pipe, accelerator, tmp_path)
+    validator.draw_base()
+    validator.draw_base()  # a run started over in its folder
+    validator(2)
+    log = validation.read_log(tmp_path)
+    assert [(record["step"], record["variant"]) for record in log] == [(0, "base")] * 2 + [(2, "raw")] * 2
+    base, raw = (_open(tmp_path, log[index]["images"][0]) for index in (0, 2))
+    assert np.array_equal(np.asarray(base), np.asarray(raw))  # the same weights and seeds: the same picture
+    with Image.open(tmp_path / log[0]["progress"]) as progress:
+        assert progress.size == progress_grid(log[::2], "a red circle", tmp_path)[0].size
 
 
 def test_validator_writes_images_and_log_raw_then_ema(lora_pipe, accelerator, tmp_path):

@@ -128,7 +128,8 @@ def test_renders_each_prompt_with_its_conditioning_image_and_keeps_the_log_schem
 
     lines = [json.loads(line) for line in (tmp_path / "validation" / "log.jsonl").read_text().splitlines()]
     assert lines == first + second
-    assert all(set(record) == {"step", "variant", "prompt", "images", "grid", "progress"} for record in lines)
+    assert all(set(record) == {"step", "variant", "prompt", "images", "grid", "progress", "guidance_scale"}
+               for record in lines)
     assert [(record["step"], record["prompt"]) for record in lines] == [(step, p) for step in (1, 2) for p in prompts]
     # Saved at construction, never again.
     assert sorted(path.name for path in (tmp_path / "validation").glob("conditioning-*")) == [

@@ -125,6 +125,12 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
                             help="default: --resolution, or with buckets the most common bucket's")
     validation.add_argument("--validation_width", type=int, default=None,
                             help="default: --resolution, or with buckets the most common bucket's")
+    validation.add_argument("--validation_guidance_scale", type=float, default=None,
+                            help="the guidance scale validation renders with (default: the pipeline's, or the one "
+                                 "the script renders with)")
+    validation.add_argument("--validation_true_cfg_scale", type=float, default=None,
+                            help="the true classifier-free guidance scale validation renders with, against the empty "
+                                 "prompt, for pipelines that take one (Qwen-Image, FLUX.1; default: the script's)")
 
     ema = parser.add_argument_group("EMA")
     ema.add_argument("--use_ema", action="store_true", help="keep an EMA of the trained parameters")

@@ -3,15 +3,20 @@
 A grid is a table of equally sized images: a label for each row on its left and for each column above it, and a
 title on top. Each validation writes one per prompt (`step_grid`: a row per variant, a column per image), and the
 run's progress is one per prompt (`progress_grid`: a row per variant, a column per validated step, each variant's
-first image), rebuilt from ``validation/log.jsonl`` and the images it names after every validation, so it also
-spans resumed runs.
+first image, led by the base model's from before the first step), rebuilt from ``validation/log.jsonl`` (`read_log`)
+and the images it names after every validation, so it also spans resumed runs.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from .names import LOG_NAME, VALIDATION_DIR
+
+# The variant of the pictures drawn before the first optimizer step (step 0), which stand in every variant's row.
+BASE = "base"
 BACKGROUND = (255, 255, 255)
 INK = (0, 0, 0)
 PADDING = 4
@@ -33,6 +38,22 @@ class GridLayout:
         width, height = self.cell_size
         left, top = self.label_width + column * self.column_width, self.header_height + row * height
         return left, top, left + width, top + height
+
+
+def grid_path(step, prompt_index):
+    """Where one validation's grid for one prompt goes, relative to the output folder."""
+    return f"{VALIDATION_DIR}/step-{step:06d}/grid-p{prompt_index:02d}.png"
+
+
+def progress_path(prompt_index):
+    """Where a prompt's progress grid goes, relative to the output folder."""
+    return f"{VALIDATION_DIR}/progress-p{prompt_index:02d}.png"
+
+
+def read_log(output_dir):
+    """The records of ``validation/log.jsonl``, oldest first ([] before the first validation)."""
+    path = Path(output_dir) / VALIDATION_DIR / LOG_NAME
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def font_for(cell_height):
@@ -94,14 +115,17 @@ def fitted(image, cell_size):
 def progress_grid(records, prompt, root):
     """The progress of one prompt over a run: each variant's first image (a row per variant) at every validated
     step (a column per step), from the validation log's ``records`` of that prompt (image paths relative to
-    ``root``). A variant rendered at some steps only (the post-hoc sweep, at the final one) has blank cells at the
-    others."""
+    ``root``). The base model's pictures (variant `BASE`, step 0) head every row, in a column labelled "base". A
+    variant rendered at some steps only (the post-hoc sweep, at the final one) has blank cells at the others."""
     first_images = {}
     for record in records:
         with Image.open(Path(root) / record["images"][0]) as image:
             first_images[record["variant"], record["step"]] = image.convert("RGB")
     steps = sorted({step for _, step in first_images})
-    variants = list(dict.fromkeys(variant for variant, _ in first_images))
+    variants = [variant for variant in dict.fromkeys(variant for variant, _ in first_images) if variant != BASE]
+    variants = variants or [BASE]
     blank = Image.new("RGB", next(iter(first_images.values())).size, BACKGROUND)
-    rows = [[first_images.get((variant, step), blank) for step in steps] for variant in variants]
-    return labelled_grid(prompt, variants, [f"step {step}" for step in steps], rows)
+    rows = [[first_images.get((variant, step), first_images.get((BASE, step), blank)) for step in steps]
+            for variant in variants]
+    labels = [BASE if (BASE, step) in first_images else f"step {step}" for step in steps]
+    return labelled_grid(prompt, variants, labels, rows)

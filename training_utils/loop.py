@@ -136,6 +136,8 @@ class TrainingLoop:
         first_epoch, batches_to_skip = resume_position(self.global_step, self.steps_per_epoch,
                                                        self.args.gradient_accumulation_steps)
         num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
+        if self.validator is not None and self.global_step == 0:  # the progress grids' step 0, before any training
+            self.validator.draw_base()
         self._progress = tqdm(total=self.max_train_steps, initial=self.global_step,
                               disable=not self.accelerator.is_local_main_process)
         if self.posthoc is not None:

@@ -22,29 +22,14 @@ import torch
 
 from .data.video import RenderedVideo, still
 from .ema import tensors_swapped_in
-from .grids import progress_grid, step_grid
+from .grids import BASE, grid_path, progress_grid, progress_path, read_log, step_grid
 from .names import LOG_NAME, VALIDATION_DIR
+from .outputs.writing import stopping_on_write_errors
 from .pipeline import modules_of
 from .posthoc_ema.synthesis import synthesize
+from .validation_guidance import guidance_used, with_validation_guidance
 
 logger = logging.getLogger(__name__)
-
-
-
-def grid_path(step, prompt_index):
-    """Where one validation's grid for one prompt goes, relative to the output folder."""
-    return f"{VALIDATION_DIR}/step-{step:06d}/grid-p{prompt_index:02d}.png"
-
-
-def progress_path(prompt_index):
-    """Where a prompt's progress grid goes, relative to the output folder."""
-    return f"{VALIDATION_DIR}/progress-p{prompt_index:02d}.png"
-
-
-def read_log(output_dir):
-    """The records of ``validation/log.jsonl``, oldest first ([] before the first validation)."""
-    path = Path(output_dir) / VALIDATION_DIR / LOG_NAME
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def validation_due(step, max_train_steps, validation_steps=None, validation_epochs=None, steps_per_epoch=None):
@@ -84,8 +69,10 @@ def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
         if accelerator.is_main_process:
             logger.info("--num_validation_images 0: no validation images are rendered")
         return None
+    call_kwargs = with_validation_guidance(args, pipe, kwargs.pop("call_kwargs", None))
     return Validator(pipe, accelerator, args.output_dir, prompts, args.num_validation_images,
-                     args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels, **kwargs)
+                     args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels,
+                     call_kwargs=call_kwargs, **kwargs)
 
 
 class Validator:
@@ -94,7 +81,8 @@ class Validator:
     ``schedulers`` are extra schedulers to protect besides ``pipe.scheduler`` (the training noise
     scheduler). ``call_kwargs`` go to every pipeline call (e.g. height/width); ``prompt_kwargs``
     holds one dict per prompt (e.g. a ControlNet's conditioning image). Images are written under
-    ``output_dir/validation`` and described in ``validation/log.jsonl``.
+    ``output_dir/validation`` and described in ``validation/log.jsonl``, each record with the guidance scales the
+    pipeline rendered at (`validation_guidance.guidance_used`).
 
     ``conditioning_images`` (per prompt: one PIL image, a list of them, or None) are the inputs shown beside each
     prompt's samples: each distinct image is saved once, as ``validation/conditioning-pNN.png`` (of a list,
@@ -171,6 +159,16 @@ class Validator:
                  for prompt, paths in zip(self.prompts, self.conditioning_paths) if paths]
         return shown + list(records)
 
+    def draw_base(self):
+        """Render the pictures of the base model, which the weights are before the first optimizer step, as step 0
+        (variant "base"): the first column of the progress grids. Not again where the log holds them (a run started
+        over in its folder)."""
+        drawn = any(record["step"] == 0 for record in read_log(self.output_dir))
+        self.accelerator.wait_for_everyone()  # every process has read the log before the main process writes it
+        if not drawn:
+            with stopping_on_write_errors(self.output_dir / VALIDATION_DIR):
+                self(0)
+
     def __call__(self, step, final=False):
         """Render every prompt (raw, then EMA) at ``step``; returns the log records (main process only).
 
@@ -186,6 +184,7 @@ class Validator:
         same images, and the main process writes its own.
         """
         sweep = final and self.posthoc is not None
+        self.guidance = guidance_used(self.pipe, self.call_kwargs)
         variants = self._variants(step, sweep)
         work = [(variant, index) for variant in range(len(variants)) for index in range(len(self.prompts))]
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
@@ -243,7 +242,10 @@ class Validator:
         return records
 
     def _variants(self, step, sweep):
-        """``[(variant name, context manager factory putting its weights in)]``: raw, EMA, then the sweep's."""
+        """``[(variant name, context manager factory putting its weights in)]``: raw, EMA, then the sweep's; at step
+        0 the base alone, which the EMA then is too."""
+        if step == 0:
+            return [(BASE, contextlib.nullcontext)]
         variants = [("raw", contextlib.nullcontext)]
         if self.ema is not None:
             variants.append(("ema", self.ema.swapped_in))
@@ -302,7 +304,7 @@ class Validator:
         paths = [f"{VALIDATION_DIR}/step-{step:06d}/{variant}-p{prompt_index:02d}-{index:02d}.png"
                  for index in range(len(images))]
         record = {"step": step, "variant": variant, "prompt": self.prompts[prompt_index], "images": paths,
-                  "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index)}
+                  "grid": grid_path(step, prompt_index), "progress": progress_path(prompt_index), **self.guidance}
         if self.video_fps:
             record["videos"] = [path.removesuffix(".png") + ".mp4" for path in paths]
         return record

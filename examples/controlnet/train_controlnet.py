@@ -17,6 +17,8 @@ Writes the ControlNet to ``output_dir`` (and the EMA to ``output_dir/ema``), whi
 checkpoints to resume from, and a model card.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config

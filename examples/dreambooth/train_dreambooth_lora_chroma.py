@@ -18,6 +18,8 @@ accelerator except while validating. It takes the flags of upstream's FLUX.1 scr
 script); those that this one does not carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
 

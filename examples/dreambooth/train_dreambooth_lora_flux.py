@@ -19,6 +19,8 @@ is cached stays off the accelerator except while validating. Flags of the upstre
 carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 

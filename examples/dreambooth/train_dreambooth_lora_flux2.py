@@ -19,6 +19,8 @@ training and in every render. Flags of the upstream script that this one does no
 saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 

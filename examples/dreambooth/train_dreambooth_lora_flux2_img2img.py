@@ -22,6 +22,8 @@ The guidance-distilled transformer is given ``--guidance_scale`` in training and
 upstream script that this one does not carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 

@@ -20,6 +20,8 @@ the pipeline's ``encode_prompt`` does, and ``--cache_latents`` encodes each targ
 Flags of the upstream script that this one does not carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 

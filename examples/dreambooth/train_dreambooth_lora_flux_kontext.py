@@ -23,6 +23,8 @@ except while validating. Flags of the upstream script that this one does not car
 saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
 

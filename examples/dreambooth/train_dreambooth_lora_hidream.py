@@ -19,6 +19,8 @@ validating. Validation and class images render at ``--resolution``'s area (the p
 the upstream script that this one does not carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import HiDreamImagePipeline
 

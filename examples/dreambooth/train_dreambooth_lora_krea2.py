@@ -18,6 +18,8 @@ encodes each image once (both flips); what is cached stays off the accelerator e
 the upstream script that this one does not carry stop the run with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline
 
@@ -64,8 +66,6 @@ REFUSED = {
                                "after training",
     "--validation_num_inference_steps": "upstream applies it only to --validation_model_path's checkpoint, which is "
                                         "not carried; --validation_inference_steps sets the steps here",
-    "--validation_guidance_scale": "upstream applies it only to --validation_model_path's checkpoint, which is not "
-                                   "carried; validation uses Krea2Pipeline's own guidance",
     **transformer_dreambooth_refusals(text_encoder_trains=False),
 }
 

@@ -18,6 +18,8 @@ accelerator except while validating. Flags of the upstream script that this one 
 with one line saying why.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 

@@ -20,6 +20,8 @@ each row's instruction is embedded with its references, once, before training, e
 accelerator except while validating.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
 

@@ -18,6 +18,8 @@ each instance and class image once (both flips), before training; what is cached
 accelerator except while validating.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 

@@ -19,6 +19,8 @@ class image once (both flips), before training; what is cached stays off the acc
 while validating. Each image is micro-conditioned on its own original size and crop, as SDXL was trained.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 from diffusers import StableDiffusionXLPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config

@@ -16,6 +16,8 @@ text encoder runs once per distinct caption before training (and, with ``--cache
 per image), not in every step; both stay off the accelerator except while validating.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import math
 
 from diffusers import StableDiffusionPipeline

@@ -11,6 +11,8 @@ Writes ``pytorch_lora_weights.safetensors`` (and ``ema/pytorch_lora_weights.safe
 checkpoints to resume from, and a model card.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config

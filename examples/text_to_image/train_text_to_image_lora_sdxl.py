@@ -22,6 +22,8 @@ adapters; with ``--use_ema`` also ``ema/pytorch_lora_weights.safetensors``), whi
 checkpoints to resume from, and a model card.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 from diffusers import StableDiffusionXLPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config

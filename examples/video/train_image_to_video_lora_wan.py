@@ -22,6 +22,8 @@ text encoder (UMT5) embeds the captions once, before training, exactly as the pi
 and ``--cache_latents`` encodes each clip once.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 from contextlib import nullcontext
 from pathlib import Path
 

@@ -17,6 +17,8 @@ text encoder (UMT5) embeds the captions once, before training, exactly as the pi
 and ``--cache_latents`` encodes each clip once.
 """
 
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
 import torch
 from diffusers import WanPipeline
 

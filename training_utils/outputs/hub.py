@@ -69,6 +69,10 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=(), cap
         lines += ["", "## Training captions", "", *(f"- {json.dumps(caption)}" for caption in captions)]
     if records:
         lines += ["", f"## Validation at step {records[-1]['step']}", ""]
+        guidance = [f"{name} {records[-1][name]:g}" for name in ("guidance_scale", "true_cfg_scale")
+                    if records[-1].get(name) is not None]
+        if guidance:
+            lines += [f"Rendered at {', '.join(guidance)}.", ""]
         shown_grids = set()
         for record in records:
             if "grid" not in record:  # an input shown as it is (a ControlNet's conditioning image)

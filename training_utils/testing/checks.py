@@ -14,12 +14,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from ..grids import BASE
 from ..validation import read_log
 from .launch import launch_script
 
 
 def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_images=None):
-    """The run in ``output_dir`` validated at ``steps`` (in order; the final step once) and nowhere else: each
+    """The run in ``output_dir`` drew the base model's pictures (step 0, variant "base", one record per prompt), then
+    validated at ``steps`` (in order; the final step once) and nowhere else: each
     step's records are one per variant (``variants``: "raw", and "ema" with ``--use_ema``) and prompt (``prompts``;
     by default those of the first step), and name images that exist (``num_images`` each, if given), the step's
     grid and the prompt's progress grid. Returns the records."""
@@ -28,7 +30,8 @@ def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_
         prompts = [record["prompt"] for record in log if record["step"] == log[0]["step"]
                    and record["variant"] == log[0]["variant"]] if log else []
     validated = [(record["step"], record["variant"], record["prompt"]) for record in log]
-    expected = [(step, variant, prompt) for step in steps for variant in variants for prompt in prompts]
+    expected = [(0, BASE, prompt) for prompt in prompts]
+    expected += [(step, variant, prompt) for step in steps for variant in variants for prompt in prompts]
     assert validated == expected, f"validated (step, variant, prompt): {validated}; expected {expected}"
     for record in log:
         assert record["images"] and all((Path(output_dir) / path).is_file() for path in record["images"]), record
@@ -63,9 +66,10 @@ def most_common_bucket(buckets):
 
 
 def rendered_images(output_dir):
-    """The validation images a run rendered (not its grids, nor a ControlNet's conditioning images)."""
+    """The validation images a run rendered at its validated steps (not the base model's at step 0, not its grids,
+    nor a ControlNet's conditioning images)."""
     return sorted(path for path in (Path(output_dir) / "validation").glob("step-*/*.png")
-                  if not path.name.startswith("grid-"))
+                  if not path.name.startswith("grid-") and path.parent.name != "step-000000")
 
 
 def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo", resolution=32,
@@ -197,12 +201,15 @@ def assert_close_files(a, b, atol=1e-5):
 
 
 def assert_close_validations(a, b, expected, max_difference=2):
-    """The runs in ``a`` and ``b`` both logged the validations ``expected`` (``[(step, variant)]``), with images at
-    most ``max_difference`` levels apart: e.g. cached against uncached encoders, equal up to float noise."""
+    """The runs in ``a`` and ``b`` both logged the base model's pictures (step 0), then the validations ``expected``
+    (``[(step, variant)]``), with images at most ``max_difference`` levels apart: e.g. cached against uncached
+    encoders, equal up to float noise."""
     a, b = Path(a), Path(b)
     logs = read_log(a), read_log(b)
     for log in logs:
-        assert [(record["step"], record["variant"]) for record in log] == expected
+        base = [record for record in log if record["step"] == 0]
+        assert base and all(record["variant"] == BASE for record in base), log
+        assert [(record["step"], record["variant"]) for record in log[len(base):]] == expected
     for record_a, record_b in zip(*logs):
         for path_a, path_b in zip(record_a["images"], record_b["images"], strict=True):
             image_a, image_b = (np.asarray(Image.open(path), dtype=np.int16) for path in (a / path_a, b / path_b))
