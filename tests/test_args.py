@@ -195,7 +195,7 @@ GOOD_INPUTS = [
 
 @pytest.mark.parametrize("extra", GOOD_INPUTS, ids=lambda extra: " ".join(extra) or "defaults")
 def test_good_inputs_pass(extra, model_dir, tmp_path, capsys, no_cuda):
-    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path)]
+    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out")]
                            + extra)
     assert args.pretrained_model_name_or_path == str(model_dir)
     assert capsys.readouterr().err == ""
@@ -340,7 +340,7 @@ def test_bf16_needs_a_gpu_that_supports_it(model_dir, monkeypatch, capsys):
 
 def test_trajectory_flags_record_what_decides_training_and_nothing_secret(model_dir, tmp_path):
 
-    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path),
+    args = parse_and_check(["--pretrained_model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"),
                             "--hub_token", "hf_secret", "--validation_prompt", "a red circle", "--seed", "5"])
     recorded = trajectory_flags(args)
     assert recorded["seed"] == 5 and recorded["pretrained_model_name_or_path"] == str(model_dir)

@@ -1,5 +1,6 @@
 """TrainingLoop on a toy regression: step bookkeeping, due work, preemption and a broken loss."""
 
+import json
 import os
 import shutil
 import signal
@@ -18,7 +19,8 @@ from training_utils.errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Run
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import training_length
 from training_utils.outputs.export import TensorsExport
-from training_utils.outputs.run_status import RUN
+from training_utils.names import STATUS_FILE
+from training_utils.outputs.run_status import RunRecord, read_status
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots
 
@@ -57,9 +59,9 @@ class RecordingValidator:
 
 
 def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None, validation_steps=3,
-            posthoc_sigma_rels=None, shapes=None, resume_with_changed_args=False):
+            posthoc_sigma_rels=None, shapes=None, resume_with_changed_args=False, run=None):
     """Train a linear regression; ``on_step(step, loss)`` may replace the loss or send a signal; ``shapes`` puts
-    the samples in aspect-ratio buckets."""
+    the samples in aspect-ratio buckets; ``run`` is the script's run record (a new one if None)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     export = TensorsExport({"model": model})
@@ -83,8 +85,8 @@ def toy_run(accelerator, output_dir, max_train_steps, resume=None, on_step=None,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer, lr_scheduler = accelerator.prepare(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
     validator = RecordingValidator()
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_steps,
-                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+    loop = TrainingLoop(accelerator, args, RunRecord() if run is None else run, dataloader, optimizer, lr_scheduler,
+                        export, max_steps, steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     for batch in loop:
         loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
         if on_step is not None:
@@ -133,11 +135,12 @@ def test_a_signal_during_the_last_step_checkpoints_it_and_stops_so_that_a_rerun_
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
 
+    run = RunRecord()
     with pytest.raises(RunStopped) as stopped:
-        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=preempt_during_step_7)
+        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=preempt_during_step_7, run=run)
     assert (stopped.value.exit_code, stopped.value.reason) == (PREEMPTED_EXIT_CODE, "preempted")
     assert "SIGTERM after step 7; checkpoint saved" in str(stopped.value)
-    assert (tmp_path / "checkpoint-7").is_dir() and RUN.last_step == 7
+    assert (tmp_path / "checkpoint-7").is_dir() and run.last_step == 7
     forget_prepared(accelerator)
     resumed, validator, _, _ = toy_run(accelerator, tmp_path, max_train_steps=7, resume="latest")
     assert resumed.global_step == 7 and validator.steps == []
@@ -157,16 +160,36 @@ def test_with_buckets_a_resumed_run_ends_as_the_straight_one_and_other_buckets_a
         toy_run(accelerator, tmp_path / "a", max_train_steps=9, resume="latest", shapes=[(8, 16), (16, 8)] * 5)
 
 
+def test_the_folder_becomes_the_runs_once_the_checkpoint_to_resume_is_accepted_and_a_refusal_leaves_it(accelerator,
+                                                                                                     tmp_path):
+    shapes = [(8, 16)] * 5 + [(16, 8)] * 5
+    toy_run(accelerator, tmp_path, max_train_steps=9, shapes=shapes)
+    completed = json.dumps({"reason": "completed", "exit_status": 0, "last_step": 9})
+    (tmp_path / STATUS_FILE).write_text(completed)
+    forget_prepared(accelerator)
+    refused = RunRecord()
+    with pytest.raises(UsageError, match="other aspect-ratio buckets"):
+        toy_run(accelerator, tmp_path, max_train_steps=12, resume="latest", shapes=[(8, 16), (16, 8)] * 5,
+                run=refused)
+    assert refused.output_dir is None and (tmp_path / STATUS_FILE).read_text() == completed
+    forget_prepared(accelerator)
+    accepted = RunRecord()
+    loop, _, _, _ = toy_run(accelerator, tmp_path, max_train_steps=9, resume="latest", shapes=shapes, run=accepted)
+    assert accepted.output_dir == str(tmp_path) and loop.global_step == accepted.last_step == 9
+    assert (read_status(tmp_path)["reason"], read_status(tmp_path)["last_step"]) == ("running", 8)
+
+
 def test_a_non_finite_loss_stops_before_anything_is_written(accelerator, tmp_path):
     def break_step_5(step, loss):
         return loss * float("nan") if step == 5 else loss
 
+    run = RunRecord()
     with pytest.raises(RunStopped) as stopped:
-        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=break_step_5)
+        toy_run(accelerator, tmp_path, max_train_steps=7, on_step=break_step_5, run=run)
     assert (stopped.value.exit_code, stopped.value.reason) == (NON_FINITE_EXIT_CODE, "non-finite loss")
     assert str(stopped.value) == (f"the loss is nan at step 5; stopped before writing anything from these weights "
                                   f"({tmp_path / 'checkpoint-4'} is the last checkpoint)")
-    assert RUN.last_step == 4
+    assert run.last_step == 4
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
     # The progress bar was closed (drawn for the last time) before the stop left the loop.
     bars = [frame.f_locals["loop"]._progress for frame, _ in traceback.walk_tb(stopped.tb) if "loop" in frame.f_locals]

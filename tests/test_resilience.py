@@ -8,6 +8,7 @@ test can signal it directly.
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from functools import partial
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import EXAMPLES, REPO, SUBPROCESS_ENV, launching, run_warm, together, warm_server
+from training_utils.names import STATUS_FILE
 from training_utils.testing import RUN_TIMEOUT_S
 
 SCRIPT = EXAMPLES / "text_to_image" / "train_text_to_image_lora.py"
@@ -182,6 +184,25 @@ def test_sigterm_checkpoints_the_step_it_stopped_at_and_exits_75(runs):
     assert trajectory["seed"] == 3 and trajectory["learning_rate"] == 1e-3 and trajectory["lr_scheduler"] == "cosine"
     assert "output_dir" not in trajectory and "hub_token" not in trajectory
     assert not (output_dir / LORA).exists(), "a stopped run must not write final outputs"
+
+
+def test_the_status_command_says_how_the_preempted_run_ended_and_exits_with_its_status(runs):
+    output_dir, (returncode, _) = runs["preempted"]
+    step = last_checkpoint_step(output_dir)
+    command = subprocess.run([sys.executable, "-m", "training_utils.outputs.run_status", output_dir],
+                             capture_output=True, text=True, env=SUBPROCESS_ENV, cwd=REPO)
+    assert (command.returncode, command.stdout, command.stderr) == (
+        75, f"preempted: exit status 75, last step {step}, resume from checkpoint-{step}\n", "")
+
+
+def test_a_refused_resume_leaves_the_status_of_the_completed_run(tiny, runs, tmp_path):
+    shutil.copytree(runs["uninterrupted"][0], tmp_path / "out")
+    completed = (tmp_path / "out" / STATUS_FILE).read_text()
+    assert json.loads(completed)["reason"] == "completed"
+    refused = run(*flags(tiny, tmp_path / "out", "--adapter", "loha", "--resume_from_checkpoint", "latest"),
+                  check=False)
+    assert refused.returncode == 2 and "--adapter was 'lora', now 'loha'" in refused.stderr, refused.stderr[-3000:]
+    assert (tmp_path / "out" / STATUS_FILE).read_text() == completed
 
 
 def test_resumed_run_equals_the_uninterrupted_one_in_weights_ema_optimizer_and_lr(runs, resumed_runs):

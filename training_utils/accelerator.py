@@ -1,8 +1,8 @@
 """The run's `Accelerator`, made from the flags; what trains, prepared by it; and the run's end on every process
 together.
 
-The accelerator writes trackers under the output folder (made ready first: `output_folder.prepare_output_dir`),
-draws each epoch's data order from (seed, epoch) alone, and seeds every RNG.
+The accelerator writes trackers under the output folder (made ready first, for the script's run record:
+`outputs.folder.prepare_output_dir`), draws each epoch's data order from (seed, epoch) alone, and seeds every RNG.
 """
 
 import logging
@@ -18,11 +18,12 @@ from .outputs.folder import prepare_output_dir
 from .sharding.fsdp2 import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs, one_model_of
 
 
-def make_accelerator(args):
+def make_accelerator(args, run):
     """An `Accelerator` writing trackers under ``output_dir/logging_dir``, with a seedable sampler
     so that each epoch's data order depends on (seed, epoch) alone; also seeds every RNG, and makes the output
-    folder ready (`output_folder.prepare_output_dir`) before any process goes on. A launch asking for FSDP2 shards
-    (`sharding`), on CPU processes too; DeepSpeed, FSDP1 and a quantised base under FSDP2 are refused in one line."""
+    folder ready and ``run``'s (`outputs.folder.prepare_output_dir`) before any process goes on. A launch asking
+    for FSDP2 shards (`sharding`), on CPU processes too; DeepSpeed, FSDP1 and a quantised base under FSDP2 are
+    refused in one line."""
     check_launch(args)
     output_dir = Path(args.output_dir)
     plugin = fsdp2_plugin()
@@ -43,7 +44,7 @@ def make_accelerator(args):
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     if accelerator.is_main_process:
-        prepare_output_dir(args)
+        prepare_output_dir(args, run)
     accelerator.wait_for_everyone()
     return accelerator
 

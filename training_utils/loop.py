@@ -3,7 +3,7 @@
 What a script computes in a step (its loss, its conditioning) stays in the script; what happens
 between steps is the same everywhere and lives here::
 
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)   # resumes if asked
     for batch in loop:                      # epochs, resuming mid-epoch, stops at max_train_steps
         with accelerator.accumulate(model):
@@ -13,7 +13,8 @@ between steps is the same everywhere and lives here::
 Preemption (SIGTERM, or SIGINT as from Ctrl-C; `stop_signals`) lets the current step finish, the last one
 too, writes a checkpoint and stops the run with `PREEMPTED_EXIT_CODE`; a non-finite loss stops it before
 anything is written from the broken weights, keeping the last good checkpoint. The loop keeps the step
-that ``run_status.json`` reports (`run_status.RUN`). A batch holding an image that
+that ``run_status.json`` reports in the script's ``run`` (`run_status.RunRecord`), and makes the output folder the
+run's once a checkpoint to resume from is accepted. A batch holding an image that
 cannot be read stops the run with `UNREADABLE_EXIT_CODE` after checkpointing the last completed
 step (as it was when that step ended, also mid-accumulation), or with ``--skip_corrupt_images``
 trains on the readable sample put in its place and counts it (``skipped_images`` in the logs).
@@ -44,7 +45,6 @@ from .errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, UNREADABLE_EXIT_C
 from .names import VALIDATION_DIR
 from .outputs.checkpoint_folders import complete_checkpoints, trajectory_flags
 from .outputs.checkpointing import Checkpointer, resume_position
-from .outputs.run_status import RUN
 from .outputs.stop_signals import SIGNALS
 from .outputs.writing import stopping_on_write_errors
 from .pipeline import trainable_parameters
@@ -67,14 +67,16 @@ class TrainingLoop:
 
     It owns the run's `Checkpointer` (what ``export`` writes of the trained weights, and the ``ema`` and
     ``posthoc`` EMA, are what checkpoints hold besides accelerate's state) and resumes from ``--resume_from_checkpoint``
-    when made, so build it after ``accelerator.prepare``. ``global_step`` is the number of completed
-    optimizer steps; ``records`` holds the last validation's records as the model card shows them.
+    when made, so build it after ``accelerator.prepare``; once the checkpoint is accepted the output folder is
+    ``run``'s (`run_status.RunRecord.take_folder`), and ``run.last_step`` follows the steps. ``global_step`` is the
+    number of completed optimizer steps; ``records`` holds the last validation's records as the model card shows them.
     """
 
-    def __init__(self, accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    def __init__(self, accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                  steps_per_epoch, ema=None, posthoc=None, validator=None):
         self.accelerator = accelerator
         self.args = args
+        self.run = run
         self.dataloader = dataloader
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -107,7 +109,6 @@ class TrainingLoop:
                                          posthoc, trajectory_flags(args), args.resume_with_changed_args,
                                          getattr(args, "spellings", None))
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
-        RUN.last_step = self.global_step
         # Images skipped on all processes up to the last completed step, counting those before a resume;
         # the main process's own count starts from it, since the logged count is the sum over processes.
         self._skipped_total = self.checkpointer.loaded_state.get("skipped_images", 0) if self.global_step else 0
@@ -125,6 +126,8 @@ class TrainingLoop:
             raise UsageError("--resume_from_checkpoint", args.resume_from_checkpoint,
                              "the data the checkpoint was trained on: its images fell into other aspect-ratio buckets, "
                              "so the batches it trained would not be those of this run")
+        run.last_step = self.global_step
+        run.take_folder(args.output_dir)
 
     def _checkpoint_state(self, skipped_images):
         """What a checkpoint records of the loop: skipped images, and what its data position depends on (the epoch
@@ -210,7 +213,7 @@ class TrainingLoop:
             kept = f"{checkpoints[-1][1]} is the last checkpoint" if checkpoints else "no checkpoint was written"
             raise RunStopped(f"the loss is {loss} at step {step}; stopped before writing anything from these weights "
                              f"({kept})", NON_FINITE_EXIT_CODE, "non-finite loss")
-        RUN.last_step = step
+        self.run.last_step = step
         logs = {"train_loss": loss, "lr": self.lr_scheduler.get_last_lr()[0]}
         if skipped_images:
             logs["skipped_images"] = skipped_images

@@ -57,11 +57,11 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
     dataset = load_train_dataset(args, dataset_columns(args))
     validation_pairs = load_validation_pairs(args)
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once, with the ControlNet among its components (without --controlnet_model_name_or_path,
     # one made from the loaded UNet's encoder).
@@ -126,7 +126,7 @@ def main(args):
         args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
         weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
         call_kwargs={**validation_size(args, shapes), **call_kwargs})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

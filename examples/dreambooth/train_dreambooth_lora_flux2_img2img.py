@@ -89,12 +89,12 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: the rows, their
     #    references and the validation references (read, and their sizes checked against the pipeline's rules).
     rows = check_edit_args(args, check_size=flux2_dev.check_reference_size)
     validation = validation_inputs(args, check_size=flux2_dev.check_reference_size)
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render validation images. Prompts are encoded as its own
     #    encode_prompt does, with the same settings everywhere: training and validation.
@@ -149,7 +149,7 @@ def main(args):
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, dataset.target_shapes), **call_kwargs},
                                **validation)
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

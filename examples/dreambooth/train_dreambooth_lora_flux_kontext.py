@@ -92,11 +92,11 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
     rows = check_edit_args(args, max_references=1)
     validation = validation_inputs(args, single_reference=True)
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render validation images. Prompts are encoded as its own
     #    encode_prompt does, with the same settings in training and validation; references are laid out as it lays
@@ -164,7 +164,7 @@ def main(args):
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device, **validation,
                                call_kwargs={**flux_kontext.render_kwargs(validation_size(args, dataset.target_shapes)),
                                             **call_kwargs})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

@@ -85,7 +85,7 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: the model's pipeline
     #    class says how many references a row may have (the first Edit's needs its one).
     pipeline_class = qwen_image_edit.pipeline_class(args)
@@ -97,7 +97,7 @@ def main(args):
     validation = validation_inputs(args, single_reference=single_reference)
     require(all(validation["conditioning_images"]), "--validation_image", args.validation_image,
             "reference images for every --validation_prompt (the edit pipelines render from references)")
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once (its processor without a video processor: no torchvision). Its modules train and render
     #    validation images; prompts with their references are encoded as its own encode_prompt does.
@@ -154,7 +154,7 @@ def main(args):
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, dataset.target_shapes), **call_kwargs},
                                **validation)
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

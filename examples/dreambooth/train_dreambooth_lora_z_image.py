@@ -83,10 +83,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
     instance_images = check_dreambooth_args(args)
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
     #    encoded as its own encode_prompt does, with the same settings everywhere: training, validation, class images.
@@ -141,7 +141,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

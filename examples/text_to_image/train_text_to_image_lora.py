@@ -53,10 +53,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
     dataset = load_train_dataset(args, {"--image_column": args.image_column, "--caption_column": args.caption_column})
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules are the ones we train and the ones validation renders with. Prompts are
     #    encoded as its own encode_prompt does, with the same settings everywhere: training and validation.
@@ -113,7 +113,7 @@ def main(args):
     validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, shapes), **call_kwargs})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

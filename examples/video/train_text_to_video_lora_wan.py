@@ -70,10 +70,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
+def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
     clips = find_clips(args)
-    accelerator = make_accelerator(args)
+    accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own
     #    encode_prompt does, with the same settings in training and validation; the noise levels are its sampler's.
@@ -138,7 +138,7 @@ def main(args):
                                video_fps=args.validation_fps,
                                call_kwargs={**validation_size(args, [shape[1:] for shape in shapes]),
                                             "num_frames": num_frames, **call_kwargs})
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 

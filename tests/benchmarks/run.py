@@ -43,6 +43,7 @@ from training_utils import ema as ema_module
 from training_utils import loop as loop_module
 from training_utils import validation as validation_module
 from training_utils.data.frozen_encoders import sample_latents
+from training_utils.outputs.run_status import RunRecord
 from training_utils.pipeline import weight_dtype_for
 
 from tests.benchmarks.models import model_path
@@ -314,7 +315,7 @@ def measure(options):
         args = module.parse_args(script_argv(options, model, output_dir, str(data)))
         with hooks.installed(profile=options.profile):
             hooks.started = time.perf_counter()
-            module.main(args)
+            module.main(args, RunRecord())
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     loop = hooks.loop

@@ -27,6 +27,7 @@ from training_utils.ema import make_ema
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.outputs.export import TensorsExport
+from training_utils.outputs.run_status import RunRecord
 from training_utils.pipeline import trainable_parameters, weight_dtype_for
 
 CONFIGS = {
@@ -123,7 +124,8 @@ def step_flops(unet, batch, device, weight_dtype):
 
 def looped_step_seconds(args, unet, batch, warmup, steps):
     """Median seconds per optimizer step of ``TrainingLoop`` with EMA, and of its EMA updates alone."""
-    accelerator = make_accelerator(args)
+    run = RunRecord()
+    accelerator = make_accelerator(args, run)
     export = TensorsExport({"unet": unet})
     parameters = trainable_parameters(export.trained)
     ema = make_ema(args, parameters, accelerator)
@@ -133,7 +135,7 @@ def looped_step_seconds(args, unet, batch, warmup, steps):
     optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     model, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
-    loop = TrainingLoop(accelerator, args, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema)
 
     ema_times = []

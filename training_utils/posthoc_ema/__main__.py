@@ -7,10 +7,11 @@ run's own output format (a LoRA ``pipe.load_lora_weights`` loads, an adapter in 
 and prints the least-squares coefficients and the reconstruction error.
 """
 
-from . import MAX_SIGMA_REL, read_snapshots
+from . import read_snapshots
 from ..args import TrainingArgumentParser
 from ..errors import exit_on_usage_error, require
 from ..names import SNAPSHOT_DIR
+from .profiles import MAX_SIGMA_REL
 from .synthesis import output_folder, read_export, synthesize, write_synthesis
 
 

@@ -14,10 +14,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from . import FORMAT_FILE, POSTHOC_FORMAT, Snapshot, read_snapshots, sigma_rel_to_gamma, solve_posthoc_coefficients
+from . import FORMAT_FILE, POSTHOC_FORMAT, Snapshot, read_snapshots
 from ..adapters.export import LoraExport, PeftExport
 from ..names import SNAPSHOT_DIR
 from ..outputs.export import ModelExport, TensorsExport
+from .profiles import sigma_rel_to_gamma, solve_posthoc_coefficients
 
 SYNTHESIS_FILE = "synthesis.json"
 # The exports a run's description may name, by kind.
