@@ -42,8 +42,9 @@ from training_utils.data.feature_store import encoders_on
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform, read_image
 from training_utils.data.prompts import cached_rows
-from training_utils.data.video import (VideoTransform, add_video_args, cache_clip_latents, check_video_args,
-                                       clip_latents, clip_sample_with_first_frame, find_clips, read_frames)
+from training_utils.data.video import (VideoTransform, add_video_args, cache_clip_latents, check_image_to_video_clips,
+                                       check_video_args, clip_latents, clip_sample_with_first_frame, find_clips,
+                                       read_frames)
 from training_utils.ema import make_ema
 from training_utils.errors import require
 from training_utils.families import wan
@@ -78,6 +79,7 @@ def parse_args(argv=None):
     check_flow_matching_args(args)
     check_video_args(args)
     wan.check_args(args)
+    wan.check_image_to_video_model(args)
     images = args.validation_image or []
     require(all(Path(path).is_file() for path in images) and len(images) in (0, 1, len(args.validation_prompt or [])),
             "--validation_image", images, "image files, one for every --validation_prompt or one for all")
@@ -87,6 +89,7 @@ def parse_args(argv=None):
 def main(args):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
     clips = find_clips(args)
+    check_image_to_video_clips(clips, args)
     accelerator = make_accelerator(args)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own
