@@ -209,9 +209,10 @@ def check_image_to_video_clips(clips, args, temporal=4):
     of them."""
     one_frame = sum((len(clip.indices) - 1) // temporal == 0 for clip in clips)
     flag, value = data_flag(args)
-    require(one_frame < len(clips), flag, value, f"clips of more than one frame for image-to-video (all {len(clips)} "
-            f"train at {len(clips[0].indices)} frame, still images or --num_frames={args.num_frames}: each "
-            "sample's first frame, its conditioning, would be its whole target, teaching the model to copy it)")
+    cause = "--num_frames=1" if args.num_frames == 1 else "still images"
+    require(one_frame < len(clips), flag, value, f"clips of more than one frame for image-to-video: all {len(clips)} "
+            f"train at 1 frame ({cause}), so each sample's conditioning first frame would be its whole target and "
+            "the model would learn to copy it")
     if one_frame >= ONE_FRAME_WARNING_SHARE * len(clips):
         logger.warning(f"{one_frame} of {len(clips)} clips ({one_frame / len(clips):.0%}) are one frame (still "
                        "images): in those samples the image-to-video model learns to copy its conditioning image")
