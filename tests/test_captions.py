@@ -177,3 +177,21 @@ def test_an_image_column_of_captions_stops_and_one_of_image_paths_holds_their_im
     with pytest.raises(UsageError, match="^--image_column='size': expected a column of images \\(or of image files' "
                                          "paths\\): it holds Value\\('int64'\\)$"):
         load_train_dataset(image_column_args(tmp_path, table), {"--image_column": "size"})
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("missing", 'line 2 has "file_name": "1.png", and {data}/1.png is not there'),
+    ("text column", "--image_column='text': expected a column of images (or of image files' paths): row 0 has 'a'"),
+])
+def test_a_script_stops_on_a_missing_image_or_a_column_of_text_given_as_images_before_anything_loads(
+        tmp_path, change, expected):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    metadata(tmp_path / "data", {"file_name": "0.png", "text": "a"}, {"file_name": "1.png", "text": "b"})
+    if change == "missing":
+        (tmp_path / "data" / "1.png").unlink()
+    line = usage_error("text_to_image/train_text_to_image_lora.py", "--pretrained_model_name_or_path", model,
+                       "--train_data_dir", tmp_path / "data", "--output_dir", tmp_path / "out",
+                       *(["--image_column", "text"] if change == "text column" else []))
+    assert line.endswith(expected.format(data=tmp_path / "data"))
