@@ -17,7 +17,9 @@ as the clip's frames are). Writes ``pytorch_lora_weights.safetensors`` (with ``-
 validation videos from ``--validation_image`` (default: the first clip's first frame; mp4 and a PNG frame strip
 each) with ``validation/log.jsonl``, checkpoints to resume from, and a
 model card. ``--train_data_dir`` holds videos and still images (one-frame clips) with captions in ``metadata.jsonl``
-or sidecar ``.txt`` files; a clip shorter than ``--num_frames`` trains at the longest count (4k+1) it has. The
+or sidecar ``.txt`` files; a clip shorter than ``--num_frames`` trains at the longest count (4k+1) it has. A still
+is its own conditioning, which teaches the model to copy its image: a run of stills alone stops before anything
+loads, and a quarter or more of them is warned of. The
 text encoder (UMT5) embeds the captions once, before training, exactly as the pipeline's ``encode_prompt`` does,
 and ``--cache_latents`` encodes each clip once.
 """
