@@ -11,8 +11,10 @@ from PIL import Image
 
 from helpers import usage_error
 from training_utils.args import training_parser
-from training_utils.data.captions import check_captions, check_metadata, cut_captions_warning
+from training_utils.data.captions import (check_captions, check_metadata, cut_captions_warning, read_caption_file,
+                                         without_bom)
 from training_utils.data.datasets import load_train_dataset
+from training_utils.data.dreambooth import sidecar_captioned_images
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
@@ -104,3 +106,92 @@ def test_a_dataset_folder_given_as_dataset_name_is_checked_line_by_line_too(tmp_
     with pytest.raises(UsageError, match=f"^--dataset_name='{tmp_path / 'data'}': expected UTF-8 text in {path}: "
                                          f"line 2 is not"):
         load_train_dataset(args, {"--image_column": "image", "--caption_column": "text"})
+
+
+def test_a_leading_byte_order_mark_is_no_part_of_a_caption_file_or_a_metadata_file(tmp_path):
+    sidecar = tmp_path / "a.txt"
+    sidecar.write_text("sks triangle\n", encoding="utf-8-sig")  # Windows Notepad's "UTF-8 with BOM"
+    assert read_caption_file(sidecar, "--caption_extension", ".txt") == "sks triangle"
+    sidecar.write_bytes(b"")
+    assert read_caption_file(sidecar, "--caption_extension", ".txt") == ""
+    path = metadata(tmp_path / "data", {"file_name": "0.png", "text": "sks 0"}, {"file_name": "1.png", "text": "a"})
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    check_metadata(path, "--train_data_dir", str(tmp_path / "data"), "text")
+
+
+def test_captions_of_a_dataset_column_lose_a_leading_byte_order_mark(tmp_path):
+    metadata(tmp_path / "data", {"file_name": "0.png", "text": "\ufeffsks triangle"},
+             {"file_name": "1.png", "text": "\ufeffsks circle"}, {"file_name": "2.png", "text": "a"})
+    args = training_parser("test").parse_args(["--pretrained_model_name_or_path", "x/y", "--train_data_dir",
+                                               str(tmp_path / "data"), "--cache_dir", str(tmp_path / "cache")])
+    dataset = load_train_dataset(args, {"--image_column": "image", "--caption_column": "text"})
+    assert list(dataset["text"]) == ["sks triangle", "sks circle", "a"]
+    assert without_bom(["\ufeffa", "b"]) == ["a", "b"] and without_bom(7) == 7
+
+
+def test_sidecar_caption_files_that_are_empty_are_counted_in_one_warning(tmp_path, caplog):
+    images = []
+    for name, text in (("0", "sks triangle"), ("1", ""), ("2", None)):
+        images.append(tmp_path / f"{name}.png")
+        Image.new("RGB", (8, 8)).save(images[-1])
+        if text is not None:
+            (tmp_path / f"{name}.txt").write_text(text)
+    with caplog.at_level(logging.WARNING):
+        instance = sidecar_captioned_images(images, ".txt", "a photo of sks")
+    assert instance.captions == ["sks triangle", "", "a photo of sks"]
+    assert "1 of 3 .txt caption files are empty: those images train on the empty caption, without the trigger " \
+           "word" in caplog.text
+
+
+def test_a_metadata_line_naming_a_file_that_is_not_there_is_named_before_anything_loads(tmp_path):
+    path = metadata(tmp_path / "data", {"file_name": "0.png", "text": "a"}, {"file_name": "1.png", "text": "b"},
+                    {"file_name": "gone.png", "text": "c"})
+    (tmp_path / "data" / "2.png").unlink()
+    with pytest.raises(UsageError) as error:
+        check_metadata(path, "--train_data_dir", str(tmp_path / "data"), "text")
+    assert str(error.value).endswith(f'line 3 has "file_name": "gone.png", and {tmp_path / "data" / "gone.png"} '
+                                     "is not there")
+    path.write_text(json.dumps({"file_name": "0.png", "text": "a", "reference_file_names": ["1.png", "r.png"]}))
+    with pytest.raises(UsageError, match='line 1 has "reference_file_names": "r.png"'):
+        check_metadata(path, "--train_data_dir", str(tmp_path / "data"))
+
+
+def image_column_args(tmp_path, data):
+    return training_parser("test").parse_args(["--pretrained_model_name_or_path", "x/y", "--dataset_name", str(data),
+                                               "--cache_dir", str(tmp_path / "cache")])
+
+
+def test_an_image_column_of_captions_stops_and_one_of_image_paths_holds_their_images(tmp_path):
+    data = tmp_path / "data"
+    metadata(data, {"file_name": "0.png", "text": "a"}, {"file_name": "1.png", "text": "b"})
+    with pytest.raises(UsageError, match="^--image_column='text': expected a column of images \\(or of image files' "
+                                         "paths\\): row 0 has 'a'$"):
+        load_train_dataset(image_column_args(tmp_path, data), {"--image_column": "text", "--caption_column": "text"})
+    table = tmp_path / "table"
+    table.mkdir()
+    Image.new("RGB", (8, 6)).save(table / "0.png")
+    (table / "train.jsonl").write_text(json.dumps({"path": "0.png", "text": "a", "size": 3}) + "\n")
+    dataset = load_train_dataset(image_column_args(tmp_path, table), {"--image_column": "path",
+                                                                      "--caption_column": "text"})
+    assert isinstance(dataset.features["path"], datasets.Image) and dataset[0]["path"].size == (8, 6)
+    with pytest.raises(UsageError, match="^--image_column='size': expected a column of images \\(or of image files' "
+                                         "paths\\): it holds Value\\('int64'\\)$"):
+        load_train_dataset(image_column_args(tmp_path, table), {"--image_column": "size"})
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("missing", 'line 2 has "file_name": "1.png", and {data}/1.png is not there'),
+    ("text column", "--image_column='text': expected a column of images (or of image files' paths): row 0 has 'a'"),
+])
+def test_a_script_stops_on_a_missing_image_or_a_column_of_text_given_as_images_before_anything_loads(
+        tmp_path, change, expected):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    metadata(tmp_path / "data", {"file_name": "0.png", "text": "a"}, {"file_name": "1.png", "text": "b"})
+    if change == "missing":
+        (tmp_path / "data" / "1.png").unlink()
+    line = usage_error("text_to_image/train_text_to_image_lora.py", "--pretrained_model_name_or_path", model,
+                       "--train_data_dir", tmp_path / "data", "--output_dir", tmp_path / "out",
+                       *(["--image_column", "text"] if change == "text column" else []))
+    assert line.endswith(expected.format(data=tmp_path / "data"))

@@ -264,3 +264,23 @@ def test_the_loading_code_renders_an_edit_of_the_validation_references(edit_data
     args = parse("--dataset_name", edit_data)
     template, fields = how_to_edit(LORA_HOW_TO_LOAD, args, single_reference=True)
     assert 'pipe("a photo", image=load_image("reference.png"))' in how_to_load(template, args, object(), **fields)
+
+
+def refuse_1x1(width, height):
+    if min(width, height) < 2:
+        raise ValueError(f"Image too small: {width}×{height}")
+
+
+def test_a_truncated_reference_is_named_as_unreadable_or_its_row_skipped(edit_data, caplog):
+    reference = edit_data / "references" / "0003-0.png"
+    data = reference.read_bytes()
+    reference.write_bytes(data[:len(data) // 2])  # an interrupted copy: the header whole, the pixels cut
+    argv = ["--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column", "text"]
+    with pytest.raises(UsageError, match=r"expected readable reference images: row 3's .*references/0003-0.png "
+                                         r"\(OSError: .*truncated"):
+        check_edit_args(parse(*argv), check_size=refuse_1x1)
+    with caplog.at_level(logging.WARNING, logger="training_utils.data.edit"):
+        rows = check_edit_args(parse(*argv, "--skip_corrupt_images"), check_size=refuse_1x1)
+    assert len(rows.targets) == 5 and edit_data / "0003.png" not in rows.targets
+    assert [record.getMessage() for record in caplog.records if "left out" in record.getMessage()] == [
+        f"1 rows left out for an unreadable reference image: row 3: {reference} (OSError: image file is truncated)"]

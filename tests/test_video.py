@@ -3,14 +3,16 @@ laid out alike; validation videos written as mp4 with a frame strip."""
 
 import argparse
 import json
+import logging
 
 import numpy as np
 import pytest
 import torch
 
 from training_utils.data.images import ImageTransform
-from training_utils.data.video import (RenderedVideo, VideoTransform, add_video_args, check_video_args, clip_sample,
-                                       find_clips, frame_bucket, frame_indices, probe, read_frames, write_mp4)
+from training_utils.data.rendered_video import RenderedVideo, write_mp4
+from training_utils.data.video import (VideoTransform, add_video_args, check_image_to_video_clips, check_video_args,
+                                       clip_sample, find_clips, frame_bucket, frame_indices, probe, read_frames)
 from training_utils.errors import UsageError
 from training_utils.testing.tiny.video import build_moving_shapes, moving_shape
 
@@ -76,8 +78,9 @@ def test_a_folder_gives_clips_with_captions_from_metadata_or_sidecars_and_stills
 def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_loads(clips_dir, tmp_path):
     folder = tmp_path / "bad"
     folder.mkdir()
-    for name in ("00.mp4", "03.mp4", "metadata.jsonl"):
+    for name in ("00.mp4", "03.mp4"):
         (folder / name).write_bytes((clips_dir / name).read_bytes())
+    (folder / "metadata.jsonl").write_text((clips_dir / "metadata.jsonl").read_text().splitlines()[0])
     (folder / "broken.mp4").write_bytes(b"not a video")
     (folder / "broken.txt").write_text("a broken clip")
     write_mp4(folder / "short.mp4", moving_shape("square", "red", "white", 3), fps=8)
@@ -139,3 +142,40 @@ def test_a_rendered_video_is_written_as_a_decodable_mp4_and_a_frame_strip(tmp_pa
     assert strip.shape == (16, 5 * 24, 3) and np.array_equal(strip[:, 24:48], video.frames[1])
     decoded = np.asarray(read_frames(tmp_path / "v.mp4", [2])[0], dtype=np.int16)
     assert np.abs(decoded - video.frames[2]).mean() < 8  # H.264 is lossy
+
+
+def test_a_leading_byte_order_mark_leaves_metadata_and_sidecar_captions_of_clips(clips_dir, tmp_path):
+    folder = tmp_path / "bom"
+    folder.mkdir()
+    for name in ("00.mp4", "02.mp4"):
+        (folder / name).write_bytes((clips_dir / name).read_bytes())
+    (folder / "metadata.jsonl").write_text('{"file_name": "00.mp4", "text": "sks circle"}\n', encoding="utf-8-sig")
+    (folder / "02.txt").write_text("sks triangle", encoding="utf-8-sig")
+    clips = find_clips(video_args("--train_data_dir", folder, "--num_frames", 9))
+    assert [clip.caption for clip in clips] == ["sks circle", "sks triangle"]
+
+
+def test_image_to_video_refuses_clips_of_one_frame_only_and_warns_of_many(clips_dir, tmp_path, caplog):
+    stills = tmp_path / "stills"
+    stills.mkdir()
+    for name in ("still.png", "still.txt"):
+        (stills / name).write_bytes((clips_dir / name).read_bytes())
+    args = video_args("--train_data_dir", stills, "--num_frames", 9)
+    with pytest.raises(UsageError) as error:
+        check_image_to_video_clips(find_clips(args), args)
+    assert str(error.value) == (
+        f"--train_data_dir={str(stills)!r}: expected clips of more than one frame for image-to-video: all 1 train at "
+        "1 frame (still images), so each sample's conditioning first frame would be its whole target and the model "
+        "would learn to copy it")
+    one_frame = video_args("--train_data_dir", clips_dir, "--num_frames", 1)
+    with pytest.raises(UsageError, match="all 5 train at 1 frame \\(--num_frames=1\\)"):
+        check_image_to_video_clips(find_clips(one_frame), one_frame)
+    (stills / "00.mp4").write_bytes((clips_dir / "00.mp4").read_bytes())
+    (stills / "00.txt").write_text("a red circle")
+    with caplog.at_level(logging.WARNING, logger="training_utils.data.video"):
+        check_image_to_video_clips(find_clips(args), args)
+    assert caplog.messages == ["1 of 2 clips (50%) are one frame (still images): in those samples the image-to-video "
+                               "model learns to copy its conditioning image"]
+    caplog.clear()
+    check_image_to_video_clips(find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9)), args)
+    assert caplog.messages == []  # one still among five clips

@@ -2,7 +2,10 @@
 are the pipeline's own.
 
 The central check: sampling with transformers that predict exactly the training target follows the training path
-step by step and ends on the clean latents, each step in the expert that training gives that noise level."""
+step by step and ends on the clean latents, each step in the expert that training gives that noise level. The
+image-to-video script refuses a model or data it cannot train before any weights load."""
+
+import shutil
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from peft.tuners.lora import LoraLayer
 from PIL import Image
 from safetensors.torch import load_file
 
+from helpers import usage_error
 from training_utils.adapters.export import LoraExport
 from training_utils.adapters.injection import add_lora, linear_layers_named
 from training_utils.args import training_parser
@@ -17,8 +21,10 @@ from training_utils.errors import UsageError
 from training_utils.families import wan
 from training_utils.flow_matching import add_flow_matching_args, add_noise, velocity
 from training_utils.pipeline import trainable_parameters
+from training_utils.testing.tiny.video import build_moving_shapes
 from training_utils.testing.tiny.wan import wan_i2v_pipeline, wan_pipeline
 
+I2V_SCRIPT = "video/train_image_to_video_lora_wan.py"
 PROMPTS = ["a red circle on a white background", "a blue square"]
 
 
@@ -205,3 +211,40 @@ def test_two_experts_loras_are_written_apart_and_read_back_by_parameter(tmp_path
     assert all(torch.equal(read[name], parameter) for name, parameter in parameters.items())
     assert wan.load_adapter_lines(export, "out").splitlines()[1] == \
         'pipe.load_lora_weights("out/transformer_2", load_into_transformer_2=True)'
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``{name: folder}``: the tiny text-to-video, TI2V and image-to-video pipelines saved, and a folder of stills."""
+    root = tmp_path_factory.mktemp("saved")
+    for name, pipe in (("wan21", wan_pipeline()), ("ti2v", wan_pipeline(expand_timesteps=True)),
+                       ("wan_i2v", wan_i2v_pipeline())):
+        pipe.save_pretrained(root / name)
+    build_moving_shapes(root / "clips")
+    (root / "stills").mkdir()
+    for name in ("still.png", "still.txt"):
+        shutil.copy(root / "clips" / name, root / "stills" / name)
+    return {name: root / name for name in ("wan21", "ti2v", "wan_i2v", "clips", "stills")}
+
+
+def image_to_video_error(saved, tmp_path, model, data):
+    return usage_error(I2V_SCRIPT, "--pretrained_model_name_or_path", saved[model], "--train_data_dir", saved[data],
+                       "--output_dir", tmp_path / "out", "--resolution", 32, "--num_frames", 9)
+
+
+def test_image_to_video_refuses_a_text_to_video_model_before_its_weights_load(saved, tmp_path):
+    assert image_to_video_error(saved, tmp_path, "wan21", "clips") == (
+        f"error: --pretrained_model_name_or_path={str(saved['wan21'])!r}: expected {wan.IMAGE_TO_VIDEO} (it is a "
+        "WanPipeline whose transformer takes 16 channels; a text-to-video model trains with "
+        "train_text_to_video_lora_wan.py)")
+    assert image_to_video_error(saved, tmp_path, "ti2v", "clips").endswith(wan.NOT_TI2V)
+    with pytest.raises(UsageError, match="its transformer takes 16 channels"):
+        wan.check_image_to_video(wan_pipeline())  # a hub name's, found once loaded
+    wan.check_image_to_video(wan_i2v_pipeline())
+
+
+def test_image_to_video_refuses_a_folder_of_still_images_before_anything_loads(saved, tmp_path):
+    assert image_to_video_error(saved, tmp_path, "wan_i2v", "stills").endswith(
+        "expected clips of more than one frame for image-to-video: all 1 train at 1 frame (still images), so each "
+        "sample's conditioning first frame would be its whole target and the model would learn to copy it")
+    assert not (tmp_path / "out").exists()

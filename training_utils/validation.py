@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data.video import RenderedVideo, still
+from .data.rendered_video import RenderedVideo, still
 from .ema import tensors_swapped_in
 from .grids import BASE, grid_path, progress_grid, progress_path, read_log, step_grid
 from .names import LOG_NAME, VALIDATION_DIR

@@ -17,7 +17,9 @@ as the clip's frames are). Writes ``pytorch_lora_weights.safetensors`` (with ``-
 validation videos from ``--validation_image`` (default: the first clip's first frame; mp4 and a PNG frame strip
 each) with ``validation/log.jsonl``, checkpoints to resume from, and a
 model card. ``--train_data_dir`` holds videos and still images (one-frame clips) with captions in ``metadata.jsonl``
-or sidecar ``.txt`` files; a clip shorter than ``--num_frames`` trains at the longest count (4k+1) it has. The
+or sidecar ``.txt`` files; a clip shorter than ``--num_frames`` trains at the longest count (4k+1) it has. A still
+is its own conditioning, which teaches the model to copy its image: a run of stills alone stops before anything
+loads, and a quarter or more of them is warned of. The
 text encoder (UMT5) embeds the captions once, before training, exactly as the pipeline's ``encode_prompt`` does,
 and ``--cache_latents`` encodes each clip once.
 """
@@ -44,8 +46,9 @@ from training_utils.data.feature_store import encoders_on
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform, read_image
 from training_utils.data.prompts import cached_rows
-from training_utils.data.video import (VideoTransform, add_video_args, cache_clip_latents, check_video_args,
-                                       clip_latents, clip_sample_with_first_frame, find_clips, read_frames)
+from training_utils.data.video import (VideoTransform, add_video_args, cache_clip_latents, check_image_to_video_clips,
+                                       check_video_args, clip_latents, clip_sample_with_first_frame, find_clips,
+                                       read_frames)
 from training_utils.ema import make_ema
 from training_utils.errors import require
 from training_utils.families import wan
@@ -80,6 +83,7 @@ def parse_args(argv=None):
     check_flow_matching_args(args)
     check_video_args(args)
     wan.check_args(args)
+    wan.check_image_to_video_model(args)
     images = args.validation_image or []
     require(all(Path(path).is_file() for path in images) and len(images) in (0, 1, len(args.validation_prompt or [])),
             "--validation_image", images, "image files, one for every --validation_prompt or one for all")
@@ -89,6 +93,7 @@ def parse_args(argv=None):
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
     clips = find_clips(args)
+    check_image_to_video_clips(clips, args)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own

@@ -25,13 +25,15 @@ from PIL import Image
 
 from ..errors import UsageError
 from .buckets import BucketBatchSampler
-from .captions import check_captions, check_metadata
+from .captions import captions_without_bom, check_captions, check_metadata
 from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, image_sizes
 
 logger = logging.getLogger(__name__)
 
 # How far past an unreadable sample to look for a readable one to take its place.
 SUBSTITUTE_SEARCH_LIMIT = 32
+# The flags naming a column of one image a row (an edit's --cond_image_column, which may hold lists, checks its own).
+IMAGE_COLUMN_FLAGS = {"--image_column", "--conditioning_image_column"}
 
 
 def load_train_dataset(args, columns):
@@ -73,9 +75,32 @@ def load_train_dataset(args, columns):
         raise UsageError("--train_data_dir", args.train_data_dir, "a dataset with at least one example")
     if args.max_train_samples is not None:
         dataset = dataset.select(range(min(args.max_train_samples, len(dataset))))
+    for flag in IMAGE_COLUMN_FLAGS.intersection(columns):
+        dataset = images_in_column(dataset, flag, columns[flag], Path(value) if Path(value).is_dir() else None)
     if "--caption_column" in columns:
         check_captions(dataset, columns["--caption_column"])
+        dataset = captions_without_bom(dataset, columns["--caption_column"])
     return dataset
+
+
+def images_in_column(dataset, flag, column, folder=None):
+    """``dataset`` with ``column`` holding images: datasets' Image feature, or strings naming image files (relative
+    to ``folder``, a local dataset's, where given), which become that feature. Any other column (captions, say) stops
+    the run in one line naming its first row that is no image file; no image is decoded."""
+    import datasets
+
+    feature = dataset.features[column]
+    if isinstance(feature, datasets.Image):
+        return dataset
+    values = list(dataset[column]) if getattr(feature, "dtype", None) in ("string", "large_string") else []
+    paths = [Path(folder or "", value) if isinstance(value, str) else Path() for value in values]
+    problem = next((index for index, path in enumerate(paths)
+                    if path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file()), None)
+    if not values or problem is not None:
+        found = f"row {problem} has {values[problem]!r}" if values else f"it holds {feature}"
+        raise UsageError(flag, column, f"a column of images (or of image files' paths): {found}")
+    paths = [str(path) for path in paths]
+    return dataset.remove_columns(column).add_column(column, paths).cast_column(column, datasets.Image())
 
 
 def sample_generator(seed, epoch, index):

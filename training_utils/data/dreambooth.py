@@ -171,10 +171,13 @@ def sidecar_captioned_images(images, extension, instance_prompt):
     require(extension.startswith(".") and len(extension) > 1, "--caption_extension", extension,
             "a file extension, e.g. .txt")
     captions = [read_caption_file(image.with_suffix(extension), "--caption_extension", extension) for image in images]
-    missing = captions.count(None)
+    missing, empty = captions.count(None), captions.count("")
     if missing:
         logger.warning(f"{missing} of {len(images)} instance images have no {extension} caption file beside them; "
                        f"they train on --instance_prompt")
+    if empty:
+        logger.warning(f"{empty} of {len(images)} {extension} caption files are empty: those images train on the "
+                       "empty caption, without the trigger word")
     return InstanceImages(images, [instance_prompt if caption is None else caption for caption in captions])
 
 

@@ -22,6 +22,7 @@ from PIL import Image
 
 from ..errors import UsageError, require
 from ..parser import add_refused_args
+from .captions import without_bom
 from .datasets import load_train_dataset
 from .dreambooth import NOT_DREAMBOOTH_DATA, EmbeddedImage, list_images, sidecar_captioned_images
 from .images import UNREADABLE_IMAGE_ERRORS, image_sizes, openable, read_image
@@ -142,8 +143,8 @@ def dataset_edit_rows(args):
                       for index, value in enumerate(dataset.cast_column(column, feature)[column])]
     captions = [args.instance_prompt] * len(targets)
     if args.caption_column is not None:
-        captions = [caption if caption not in (None, "") or args.instance_prompt is None else args.instance_prompt
-                    for caption in dataset[args.caption_column]]
+        captions = [without_bom(caption) if caption not in (None, "") or args.instance_prompt is None
+                    else args.instance_prompt for caption in dataset[args.caption_column]]
     return EditRows(targets, references, captions)
 
 
@@ -173,15 +174,16 @@ def image_name(image):
 
 
 def readable_references(rows, column, skip_unreadable, check_size=None):
-    """``rows`` whose references all open (their headers are read); a row with one that does not stops the run in
-    one line naming it, or with ``skip_unreadable`` is left out, named in a warning. ``check_size(width, height)``
-    (the family's) raises ValueError for a size its pipeline refuses: that stops the run, naming the image."""
+    """``rows`` whose references all read (decoded, so that a truncated file is found here, not as a size of 1×1); a
+    row with one that does not stops the run in one line naming it and why, or with ``skip_unreadable`` is left out,
+    counted and named in one warning. ``check_size(width, height)`` (the family's) raises ValueError for a size its
+    pipeline refuses: that stops the run, naming the image."""
     unreadable = {}
     for index, references in enumerate(rows.references):
         for reference in references:
             try:
-                with Image.open(openable(reference)):
-                    pass
+                with Image.open(openable(reference)) as image:
+                    image.load()
             except UNREADABLE_IMAGE_ERRORS as error:
                 unreadable[index] = f"{image_name(reference)} ({type(error).__name__}: {error})"
                 break

@@ -1,7 +1,6 @@
-"""Videos as training reads and validation writes them, with PyAV: clips found and checked before anything loads
-(`find_clips`), their frames sampled (`--frame_rate` or `--frame_stride`) and laid out (`VideoTransform`), their
-latents cached per clip (`cache_clip_latents`), and validation videos written as mp4 with a PNG frame strip
-(`RenderedVideo`).
+"""Videos as training reads them, with PyAV: clips found and checked before anything loads (`find_clips`), their
+frames sampled (`--frame_rate` or `--frame_stride`) and laid out (`VideoTransform`), and their latents cached per
+clip (`cache_clip_latents`). Validation writes its videos with `rendered_video`.
 
 A clip trains at ``--num_frames`` frames, or, when it has fewer, at the longest count the VAE takes (``4k + 1``)
 that it has: its frame bucket. A clip is never padded or looped. A still image is a clip of one frame. Every batch
@@ -15,26 +14,26 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
-from PIL import Image
 
 from ..errors import UsageError, few, require
 from .cache_keys import describe
-from .captions import check_captions, check_metadata, is_caption, read_caption_file
+from .captions import (captions_without_bom, check_captions, check_metadata, is_caption, read_caption_file,
+                       without_bom)
 from .feature_store import Block, block_bytes, encode_once, encoders_on
 from .frozen_encoders import image_source, many, sample_latents
 from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, openable, read_image
+from .rendered_video import DEFAULT_FPS
 
 logger = logging.getLogger(__name__)
 
 VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi"}
 # The fewest frames a video must give to train as a video (one latent frame past the first); fewer is "too short".
 MIN_VIDEO_FRAMES = 5
+# The share of one-frame clips (stills) in an image-to-video run from which it warns that they teach copying.
+ONE_FRAME_WARNING_SHARE = 0.25
 # What PyAV and PIL raise for missing, truncated or undecodable files.
 UNREADABLE_VIDEO_ERRORS = (*UNREADABLE_IMAGE_ERRORS, ValueError, IndexError)
-# The frame rate of validation videos written by a pipeline that does not say (Wan renders 16 fps).
-DEFAULT_FPS = 16
 
 
 def add_video_args(parser, num_frames=81):
@@ -142,10 +141,10 @@ def _folder_rows(folder):
     captions = {}
     for metadata in sorted(folder.rglob("metadata.jsonl")):
         check_metadata(metadata, "--train_data_dir", str(folder), "text")
-        for line in metadata.read_text().splitlines():
+        for line in metadata.read_text(encoding="utf-8-sig").splitlines():
             if line.strip():
                 row = json.loads(line)
-                captions[(metadata.parent / row["file_name"]).resolve()] = row.get("text")
+                captions[(metadata.parent / row["file_name"]).resolve()] = without_bom(row.get("text"))
     rows = []
     for path in sorted(folder.rglob("*")):
         if path.suffix.lower() in VIDEO_EXTENSIONS | IMAGE_EXTENSIONS:
@@ -176,6 +175,7 @@ def find_clips(args, temporal=4):
         rows = _dataset_rows(args)
     if args.max_train_samples is not None:
         rows = rows[:args.max_train_samples]
+    flag, value = data_flag(args)
     clips, bad = [], []
     for source, caption in rows:
         try:
@@ -189,14 +189,33 @@ def find_clips(args, temporal=4):
             continue
         clips.append(Clip(source, caption, indices[:frame_bucket(len(indices), args.num_frames, temporal)], size))
     if bad and not args.skip_corrupt_images:
-        raise UsageError("--train_data_dir" if args.train_data_dir else "--dataset_name",
-                         args.train_data_dir or args.dataset_name,
-                         f"readable videos of {MIN_VIDEO_FRAMES} frames or more: {few(bad, 3)} "
+        raise UsageError(flag, value, f"readable videos of {MIN_VIDEO_FRAMES} frames or more: {few(bad, 3)} "
                          "(--skip_corrupt_images leaves them out)")
     for line in bad:
         logger.warning(f"left out: {line}")
-    require(clips, "--train_data_dir", args.train_data_dir, "at least one readable clip")
+    require(clips, flag, value, "at least one readable clip")
     return clips
+
+
+def data_flag(args):
+    """``(flag, value)`` of where the clips come from, for messages."""
+    return ("--train_data_dir", args.train_data_dir) if args.train_data_dir else ("--dataset_name", args.dataset_name)
+
+
+def check_image_to_video_clips(clips, args, temporal=4):
+    """Stop in one line if no clip trains at more than one latent frame (still images, or ``--num_frames 1``): the
+    first frame conditions an image-to-video sample, so a one-latent-frame sample's target is its conditioning
+    and the model learns to copy its image. Warn in one line when such clips are `ONE_FRAME_WARNING_SHARE` or more
+    of them."""
+    one_frame = sum((len(clip.indices) - 1) // temporal == 0 for clip in clips)
+    flag, value = data_flag(args)
+    cause = "--num_frames=1" if args.num_frames == 1 else "still images"
+    require(one_frame < len(clips), flag, value, f"clips of more than one frame for image-to-video: all {len(clips)} "
+            f"train at 1 frame ({cause}), so each sample's conditioning first frame would be its whole target and "
+            "the model would learn to copy it")
+    if one_frame >= ONE_FRAME_WARNING_SHARE * len(clips):
+        logger.warning(f"{one_frame} of {len(clips)} clips ({one_frame / len(clips):.0%}) are one frame (still "
+                       "images): in those samples the image-to-video model learns to copy its conditioning image")
 
 
 def _name(source):
@@ -215,6 +234,7 @@ def _dataset_rows(args):
         require(column in dataset.column_names, flag, column,
                 f"a column of the dataset: {', '.join(dataset.column_names)}")
     check_captions(dataset, args.caption_column)
+    dataset = captions_without_bom(dataset, args.caption_column)
     feature = dataset.features[args.video_column]
     if hasattr(feature, "decode"):  # datasets' Video or Image feature: read the files with PyAV, not its decoders
         dataset = dataset.cast_column(args.video_column, type(feature)(decode=False))
@@ -313,43 +333,3 @@ def clip_latents(frozen, videos):
     if frozen.cache_latents:
         return sample_latents(videos).contiguous()
     return frozen.latents(videos)
-
-
-class RenderedVideo:
-    """A validation video (``frames``: ``(frames, height, width, 3)`` in [0, 1]): saved as a PNG frame strip at
-    the path it is given, and as an mp4 beside it; `still` is the strip, which grids and the model card show."""
-
-    def __init__(self, frames, fps=DEFAULT_FPS):
-        self.frames = (np.clip(np.asarray(frames, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
-        self.fps = fps
-
-    @property
-    def still(self):
-        return Image.fromarray(np.concatenate(list(self.frames), axis=1))
-
-    def save(self, path):
-        self.still.save(path)
-        write_mp4(Path(path).with_suffix(".mp4"), self.frames, self.fps)
-
-    def convert(self, mode):
-        return self.still.convert(mode)
-
-
-def write_mp4(path, frames, fps=DEFAULT_FPS):
-    """``frames`` (uint8 ``(frames, height, width, 3)``) as an H.264 mp4 at ``fps`` (sides padded to even)."""
-    import av
-
-    frames = np.asarray(frames)
-    height, width = frames.shape[1] + frames.shape[1] % 2, frames.shape[2] + frames.shape[2] % 2
-    frames = np.pad(frames, ((0, 0), (0, height - frames.shape[1]), (0, width - frames.shape[2]), (0, 0)), "edge")
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-
-
-def still(image):
-    """What a grid shows of a validation output: a video's frame strip, or the image itself."""
-    return image.still if isinstance(image, RenderedVideo) else image

@@ -200,12 +200,44 @@ def load_adapter_lines(export, output_dir):
     return "\n".join(lines)
 
 
+# The first frame's mask beside the latents: one channel per frame of the VAE's 4-frame steps in time.
+MASK_CHANNELS = 4
+IMAGE_TO_VIDEO = (f"an image-to-video pipeline (WanImageToVideoPipeline) whose transformer takes the noisy latents, "
+                  f"the first frame's mask ({MASK_CHANNELS} channels) and its latents: Wan 2.1 I2V, Wan 2.2 A14B I2V")
+NOT_TI2V = "TI2V-5B's per-token timesteps are not built for image-to-video yet"
+
+
+def check_image_to_video_model(args):
+    """Stop in one line, before any weights load, if a local ``--pretrained_model_name_or_path`` is no image-to-video
+    model this script trains (read from its ``model_index.json`` and ``transformer/config.json``): a text-to-video
+    model's transformer takes the latents alone, and would fail at the first step on the conditioning's channels."""
+    folder = Path(args.pretrained_model_name_or_path)
+    if not (folder / "model_index.json").is_file() or not (folder / "transformer" / "config.json").is_file():
+        return
+    index = json.loads((folder / "model_index.json").read_text())
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    found = f"it is a {index.get('_class_name')} whose transformer takes {config.get('in_channels')} channels"
+    require(not index.get("expand_timesteps"), "--pretrained_model_name_or_path", args.pretrained_model_name_or_path,
+            f"{IMAGE_TO_VIDEO}; {NOT_TI2V}")
+    require(index.get("_class_name") == "WanImageToVideoPipeline" and takes_first_frame(config),
+            "--pretrained_model_name_or_path", args.pretrained_model_name_or_path,
+            f"{IMAGE_TO_VIDEO} ({found}; a text-to-video model trains with train_text_to_video_lora_wan.py)")
+
+
+def takes_first_frame(config):
+    """Whether a transformer of ``config`` reads the first frame's mask and latents beside the noisy latents."""
+    return config.get("in_channels") == 2 * config.get("out_channels", 0) + MASK_CHANNELS
+
+
 def check_image_to_video(pipe):
-    """Stop in one line on an image-to-video pipeline whose conditioning this script does not build: TI2V's
-    (``expand_timesteps``: the first frame's clean latents in place of its noise, and no loss there)."""
+    """Stop in one line on a pipeline whose image-to-video conditioning this script does not build: a transformer that
+    does not read the first frame's mask and latents (a text-to-video model, of a hub name that
+    `check_image_to_video_model` could not read before loading), or TI2V's (``expand_timesteps``: the first frame's
+    clean latents in place of its noise, and no loss there)."""
     require(not pipe.config.expand_timesteps, "--pretrained_model_name_or_path", pipe.name_or_path,
-            "an image-to-video pipeline that conditions on the first frame's mask and latents (Wan 2.1 I2V, Wan 2.2 "
-            "A14B I2V); TI2V-5B's per-token timesteps are not built for image-to-video yet")
+            f"{IMAGE_TO_VIDEO}; {NOT_TI2V}")
+    require(takes_first_frame(pipe.transformer.config), "--pretrained_model_name_or_path", pipe.name_or_path,
+            f"{IMAGE_TO_VIDEO} (its transformer takes {pipe.transformer.config.in_channels} channels)")
 
 
 def image_to_video_conditioning(pipe, first_frames, latents):

@@ -25,7 +25,7 @@ def moving_shape(shape, color, background, frames, size=SIZE, seed=SEED):
 def build_moving_shapes(path):
     """Four mp4 clips of 6 to 12 frames (captions: the first two in ``metadata.jsonl``, the others in sidecar
     ``.txt`` files) and one still image (a one-frame clip)."""
-    from training_utils.data.video import write_mp4
+    from training_utils.data.rendered_video import write_mp4
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
