@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 from accelerate.utils import parse_flag_from_env
 
-from .adapters.config import add_adapter_args, check_adapter_args
+from .adapters.config import add_adapter_args, check_adapter_args, fill_adapter_settings
 from .adapters.convert import DIFFUSERS, FORMAT_USERS
 from .compile import add_compile_args
-from .data.buckets import add_bucket_args
-from .data.images import INTERPOLATIONS
+from .data.flags import add_data_args
 from .errors import require
 from .families.registry import formats_for
 from .outputs.checkpoint_folders import check_resume_from_checkpoint
@@ -42,30 +41,7 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
     model.add_argument("--revision", default=None, help="hub revision of the pretrained pipeline")
     model.add_argument("--variant", default=None, help="weights variant to load, e.g. fp16")
 
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", default=None, help="a datasets hub name or a local dataset folder")
-    data.add_argument("--dataset_config_name", default=None)
-    data.add_argument("--train_data_dir", default=None, help="an imagefolder with metadata.jsonl")
-    data.add_argument("--image_column", default="image")
-    data.add_argument("--caption_column", default="text")
-    data.add_argument("--max_train_samples", type=int, default=None)
-    data.add_argument("--cache_dir", default=None)
-    data.add_argument("--resolution", type=int, default=resolution)
-    data.add_argument("--center_crop", action="store_true",
-                      help="crop the centre instead of a random square (or bucket-shaped rectangle)")
-    data.add_argument("--random_flip", action="store_true")
-    data.add_argument("--image_interpolation_mode", default=interpolation, choices=list(INTERPOLATIONS),
-                      help="the filter that resizes the images (torchvision's names, as upstream's scripts take them)")
-    add_bucket_args(data)
-    data.add_argument("--repeats", type=int, default=1,
-                      help="how many times each training image is seen an epoch (each time with draws of its own)")
-    data.add_argument("--caption_dropout", "--proportion_empty_prompts", dest="caption_dropout", type=float,
-                      default=0.0, help="the probability that a sample trains on the empty prompt instead of its "
-                                        "caption, for classifier-free guidance (never a class image's)")
-    data.add_argument("--dataloader_num_workers", type=int, default=0)
-    data.add_argument("--skip_corrupt_images", action="store_true",
-                      help="train on the next readable sample in place of an image that cannot be read (counted in "
-                           "the logs as skipped_images) instead of stopping the run after a checkpoint")
+    add_data_args(parser, resolution, interpolation)
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default="output")
@@ -290,7 +266,8 @@ def check_posthoc_args(args):
 
 
 def check_args(args):
-    """The checks every script shares. Call right after parsing, before anything loads."""
+    """The checks every script shares. Call right after parsing, before anything loads; `fill_dependent_defaults`
+    follows the checks."""
     check_output_dir(args)
     check_pretrained_path(args.pretrained_model_name_or_path)
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
@@ -348,8 +325,6 @@ def check_args(args):
     check_posthoc_args(args)
     if hasattr(args, "quantize_base"):
         check_quantization_args(args)
-    if args.validation_steps is None and args.validation_epochs is None:
-        args.validation_steps = 100
     if args.validation_prompt is not None:
         require(all(prompt.strip() for prompt in args.validation_prompt), "--validation_prompt",
                 args.validation_prompt, "non-empty prompts")
@@ -357,3 +332,12 @@ def check_args(args):
     # A token in the tracker's logged config would leak it to whoever sees the run.
     require(args.hub_token is None or args.report_to not in ("wandb", "all"), "--hub_token", "<hidden>",
             "no --hub_token with --report_to wandb/all (log in with `hf auth login` instead)")
+
+
+def fill_dependent_defaults(args):
+    """Fill in the defaults that depend on other flags, once the flags are checked: ``--validation_steps`` 100
+    unless ``--validation_epochs`` is given, and the adapter's kind and settings (`fill_adapter_settings`)."""
+    if args.validation_steps is None and args.validation_epochs is None:
+        args.validation_steps = 100
+    if hasattr(args, "adapter"):
+        fill_adapter_settings(args)
