@@ -11,9 +11,10 @@ Every kind is peft's own implementation:
 - ``oft``: `OFTConfig`, a block-diagonal rotation of each layer's input, which keeps the base's hyperspherical energy.
 
 Each kind has the settings of `SETTINGS` that name it; one that it lacks, given with it, stops the run in one line
-(`check_adapter_args`); those not given get their kind's default (`fill_adapter_settings`). Defaults are peft's and the LyCORIS guidelines': LoRA and DoRA rank 4 and alpha = rank, as
-upstream's scripts; LoKr rank 8, alpha = rank, factor -1 (peft's defaults, LyCORIS's "small LoKr"); LoHa rank 8
-(peft's; LyCORIS: 32 at most) and alpha half the rank (LyCORIS: from 1 to half the rank); OFT blocks of 32 (peft's).
+(`check_adapter_args`); those not given get their kind's default (`fill_adapter_settings`). Defaults are peft's and
+the LyCORIS guidelines': LoRA and DoRA rank 4 and alpha = rank, as upstream's scripts; LoKr rank 8, alpha = rank,
+factor -1 (peft's defaults, LyCORIS's "small LoKr"); LoHa rank 8 (peft's; LyCORIS: 32 at most) and alpha half the
+rank (LyCORIS: from 1 to half the rank); OFT blocks of 32 (peft's).
 """
 
 import math

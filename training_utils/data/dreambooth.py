@@ -154,20 +154,23 @@ def check_dreambooth_args(args):
 def instance_images_from_args(args):
     """The `InstanceImages` of ``--instance_data_dir`` or ``--dataset_name`` (checked flags), each with its caption;
     a folder without images, or a dataset without the columns, stops the run before any weights load."""
-    if args.dataset_name is not None:
-        instance_images = dataset_instance_images(args)
-    else:
-        require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir,
-                "an existing folder")
-        images = list_images(args.instance_data_dir)
-        require(images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
-        instance_images = InstanceImages.captioned_by(images, args.instance_prompt) if args.caption_extension is None \
-            else sidecar_captioned_images(images, args.caption_extension, args.instance_prompt)
+    instance_images = dataset_instance_images(args) if args.dataset_name is not None else folder_images(args)
     if not args.instance_prompt.strip() and args.instance_prompt in instance_images.captions:
         # Accepted, as upstream's scripts accept it: those images train on the pipeline's encoding of that prompt.
         logger.warning(f"--instance_prompt={args.instance_prompt!r} is empty: the adapter learns the subject without "
                        "a trigger word, as what the model draws unprompted")
     return instance_images
+
+
+def folder_images(args):
+    """The `InstanceImages` of ``--instance_data_dir``, each captioned by its ``--caption_extension`` file or by
+    ``--instance_prompt``; a missing folder, or one without images, stops the run."""
+    require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir, "an existing folder")
+    images = list_images(args.instance_data_dir)
+    require(images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
+    if args.caption_extension is None:
+        return InstanceImages.captioned_by(images, args.instance_prompt)
+    return sidecar_captioned_images(images, args.caption_extension, args.instance_prompt)
 
 
 def sidecar_captioned_images(images, extension, instance_prompt):

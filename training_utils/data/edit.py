@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..errors import UsageError, require
 from .datasets import load_train_dataset
-from .dreambooth import EmbeddedImage, add_instance_args, list_images, sidecar_captioned_images
+from .dreambooth import EmbeddedImage, add_instance_args, folder_images
 from .images import UNREADABLE_IMAGE_ERRORS, image_sizes, openable, read_image
 
 logger = logging.getLogger(__name__)
@@ -91,14 +91,8 @@ def edit_rows_from_args(args, max_references=None, check_size=None):
     if args.dataset_name is not None:
         rows = dataset_edit_rows(args)
     else:
-        require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir,
-                "an existing folder")
-        targets = list_images(args.instance_data_dir)
-        require(targets, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
-        captioned = sidecar_captioned_images(targets, args.caption_extension, args.instance_prompt) \
-            if args.caption_extension is not None else None
-        rows = EditRows(targets, [()] * len(targets),
-                        captioned.captions if captioned else [args.instance_prompt] * len(targets))
+        targets = folder_images(args)
+        rows = EditRows(targets.images, [()] * len(targets.images), targets.captions)
     most = max(map(len, rows.references))
     require(max_references is None or most <= max_references, "--cond_image_column", args.cond_image_column,
             f"at most {max_references} reference images a row for this model (a row has {most})")
