@@ -1,7 +1,10 @@
 """Command-line flags shared by every script, and the checks that run before any weights load.
 
-Flag names follow the diffusers example scripts so that their commands work here. A bad value
-stops the run with one line on stderr naming the flag, the value and what was expected::
+A script's ``parse_args`` parses, checks (`check_args`, then the checks of its own groups), and last fills in the
+defaults that depend on other flags (`fill_dependent_defaults`): the checks change nothing.
+
+Flag names follow the diffusers example scripts so that their commands work here. A bad value stops the run with one
+line on stderr naming the flag, the value and what was expected::
 
     error: --resolution=500: expected a positive multiple of 8
 """
@@ -24,7 +27,7 @@ from .families.registry import formats_for
 from .outputs.checkpoint_folders import check_resume_from_checkpoint
 from .outputs.folder import check_output_dir
 from .outputs.writing import write_problem
-from .parser import TrainingArgumentParser, flag_name
+from .parser import NOT_CARRIED, TrainingArgumentParser, flag_name
 from .pipeline import is_hub_id
 from .quantization import add_quantization_args, check_quantization_args
 
@@ -191,30 +194,6 @@ def add_cache_args(parser):
     cache.add_argument("--offload", action="store_true",
                        help="keep the VAE off the accelerator between steps too when it encodes in every step "
                             "(the text encoders, and a VAE whose latents are cached, always are)")
-
-
-# Flags of the upstream diffusers scripts that no script here carries, and why; a script refuses those its
-# upstream counterpart has (`add_refused_args`), with reasons of its own beside these.
-NOT_CARRIED = {
-    "--optimizer": "AdamW is the only optimizer here (--use_8bit_adam for bitsandbytes' 8-bit AdamW); Prodigy is "
-                   "not carried",
-    **dict.fromkeys(["--prodigy_beta3", "--prodigy_decouple", "--prodigy_use_bias_correction",
-                     "--prodigy_safeguard_warmup"], "Prodigy is not carried (AdamW only)"),
-    **dict.fromkeys(["--lr_num_cycles", "--lr_power"],
-                    "the learning-rate schedules run with diffusers' defaults (one cycle, power 1)"),
-    "--upcast_before_saving": "the adapters train in fp32 and are always saved in fp32",
-    "--skip_final_inference": "there is no separate final inference: validation renders in the loop (the final step "
-                              "included) and only with --validation_prompt",
-    "--final_validation_prompt": "validation renders --validation_prompt in the loop, the final step included",
-    "--prior_generation_precision": "class images are rendered by the pipeline that trains, in --mixed_precision's "
-                                    "dtype",
-    "--local_rank": "accelerate launch (or torchrun) tells each process its rank",
-    "--enable_npu_flash_attention": "Ascend NPUs are not supported",
-    "--enable_xformers_memory_efficient_attention": "attention runs on PyTorch's scaled_dot_product_attention "
-                                                    "(diffusers' default), as fast on current PyTorch, nothing to "
-                                                    "install",
-    "--tokenizer_name": "the tokenizers are the pipeline's (--pretrained_model_name_or_path)",
-}
 
 
 def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):

@@ -44,7 +44,7 @@ NOT_DREAMBOOTH_DATA = dict.fromkeys(
 
 def transformer_dreambooth_refusals(text_encoder_trains):
     """The flags of upstream's DreamBooth scripts for the flow-matching transformers that a script here does not
-    carry, besides those no script here carries (`args.NOT_CARRIED`), with reasons true of it: whether its text
+    carry, besides those no script here carries (`parser.NOT_CARRIED`), with reasons true of it: whether its text
     encoder trains (``text_encoder_trains``: then it takes upstream's text-encoder optimizer flags) or not."""
     refused = {
         "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen "
