@@ -315,7 +315,8 @@ def check_args(args):
 
 def fill_dependent_defaults(args):
     """Fill in the defaults that depend on other flags, once the flags are checked: ``--validation_steps`` 100
-    unless ``--validation_epochs`` is given, and the adapter's kind and settings (`fill_adapter_settings`)."""
+    unless ``--validation_epochs`` is given, and, in a script with adapter flags (`add_lora_args`), the adapter's kind
+    and settings (`fill_adapter_settings`)."""
     if args.validation_steps is None and args.validation_epochs is None:
         args.validation_steps = 100
     if hasattr(args, "adapter"):
