@@ -14,7 +14,8 @@ from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from training_utils.adapters.config import SETTINGS, adapter_config, check_adapter_args
+from training_utils.adapters.config import (SETTINGS, adapter_config, check_adapter_args,
+                                            fill_adapter_settings)
 from training_utils.adapters.export import LoraExport, PeftExport, adapter_export, converted_name, remove_adapter_name
 from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter, add_lora
 from training_utils.ema import EMA
@@ -38,6 +39,7 @@ def adapter_flags(adapter, **settings):
     """The checked flags of ``adapter`` with its defaults, but ``settings``."""
     args = types.SimpleNamespace(adapter=adapter, use_dora=False, **{**dict.fromkeys(SETTINGS), **settings})
     check_adapter_args(args)
+    fill_adapter_settings(args)
     return args
 
 

@@ -5,7 +5,7 @@ import pytest
 from diffusers import StableDiffusionPipeline
 from peft import LoHaConfig, LoKrConfig, LoraConfig, OFTConfig
 
-from training_utils.adapters.config import adapter_config, check_adapter_args
+from training_utils.adapters.config import adapter_config, check_adapter_args, fill_adapter_settings
 from training_utils.args import add_lora_args, training_parser
 from training_utils.errors import UsageError
 from training_utils.outputs.checkpoint_folders import trajectory_flags
@@ -16,6 +16,7 @@ def checked(*flags):
     add_lora_args(parser, StableDiffusionPipeline)
     args = parser.parse_args(["--pretrained_model_name_or_path", "a/b", *map(str, flags)])
     check_adapter_args(args)
+    fill_adapter_settings(args)
     return args
 
 

@@ -1,15 +1,20 @@
 """Flags and fail-fast checks of training_utils.args: every bad value is one "error: " line, exit 2."""
 
+import argparse
+import collections
+from unittest import mock
+
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 
-from training_utils.adapters.config import check_adapter_args
+from helpers import EXAMPLES, import_script
+from training_utils.adapters.config import fill_adapter_settings
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
-                                 training_parser)
+                                 fill_dependent_defaults, training_parser)
 from training_utils.errors import UsageError, exit_on_usage_error
 from training_utils.outputs.checkpoint_folders import trajectory_flags
-from training_utils.parser import TrainingArgumentParser, add_refused_args
+from training_utils.parser import RefusedFlag, TrainingArgumentParser, add_refused_args
 from training_utils.pipeline import is_hub_id
 
 
@@ -41,6 +46,7 @@ def parse_and_check(argv):
     with exit_on_usage_error():
         args = parser.parse_args(argv)
         check_args(args)
+        fill_dependent_defaults(args)
     return args
 
 
@@ -256,6 +262,16 @@ def test_parse_alone_leaves_validation_steps_unset(model_dir):
     assert args.validation_steps is None
 
 
+def test_the_checks_fill_in_nothing_and_the_dependent_defaults_are_filled_in_one_step(model_dir):
+    args = full_parser().parse_args(["--pretrained_model_name_or_path", str(model_dir), "--adapter", "lokr"])
+    parsed = dict(vars(args))
+    check_args(args)
+    assert vars(args) == parsed
+    fill_dependent_defaults(args)
+    assert {name: value for name, value in vars(args).items() if value != parsed[name]} == {
+        "validation_steps": 100, "rank": 8, "lokr_factor": -1, "lokr_decompose_both": False}
+
+
 def test_defaults_and_parser_options():
     args = training_parser("x", validation_inference_steps=12, resolution=1024).parse_args(
         ["--pretrained_model_name_or_path", "a/b"])
@@ -283,7 +299,7 @@ def test_lora_and_loss_groups():
     add_lora_args(parser, StableDiffusionPipeline)
     add_diffusion_loss_args(parser)
     args = parser.parse_args(["--pretrained_model_name_or_path", "a/b"])
-    check_adapter_args(args)
+    fill_adapter_settings(args)
     assert (args.adapter, args.rank, args.lora_alpha, args.lora_dropout) == ("lora", 4, None, 0.0)
     assert not hasattr(args, "train_text_encoder")
     assert (args.prediction_type, args.snr_gamma, args.noise_offset) == (None, None, 0.0)
@@ -386,3 +402,30 @@ def test_refused_flags_stop_parsing_with_one_line_saying_why(model_dir, argv, me
     with pytest.raises(UsageError) as error:
         parser.parse_args(["--pretrained_model_name_or_path", str(model_dir), *argv])
     assert str(error.value) == message
+
+
+class Parsing(Exception):
+    """Raised where a script's parser starts parsing: everything it declares has been declared."""
+
+
+@pytest.mark.parametrize("script", sorted(path.relative_to(EXAMPLES).as_posix()
+                                          for path in EXAMPLES.glob("*/train_*.py")))
+def test_a_scripts_parser_declares_each_flag_once(script):
+    """Two declarations of a flag would be two defaults, the one added last winning. The one replacement allowed is a
+    shared flag refused by a script that does not read it (DreamBooth's --train_data_dir)."""
+    declared = collections.Counter()
+    add_argument = argparse._ActionsContainer.add_argument
+
+    def counting(container, *names, **kwargs):
+        if kwargs.get("action") is not RefusedFlag:
+            declared.update(name for name in names if name.startswith("--"))
+        return add_argument(container, *names, **kwargs)
+
+    def stop(parser, args=None, namespace=None):
+        raise Parsing
+
+    with mock.patch.object(argparse._ActionsContainer, "add_argument", counting), \
+            mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop), pytest.raises(Parsing):
+        import_script(script).parse_args([])
+    assert "--dataset_name" in declared
+    assert [flag for flag, count in declared.items() if count > 1] == []

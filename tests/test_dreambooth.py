@@ -17,11 +17,13 @@ from training_utils.data.buckets import AspectRatioBuckets, on_the_fly_buckets
 from training_utils.data.datasets import make_dataloader, sample_generator
 from training_utils.data.dreambooth import (EmbeddedImage, InstanceImages, add_dreambooth_args, check_dreambooth_args,
                                             dreambooth_dataset, dreambooth_prompts, generate_class_images,
-                                            instance_then_class_collate, list_images, training_captions)
+                                            instance_images_from_args, instance_then_class_collate, list_images,
+                                            training_captions)
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform, read_image
 from training_utils.data.prompts import cached_rows
 from training_utils.errors import UsageError
+from training_utils.data.flags import add_data_args
 
 
 def solid(path, value, size=(12, 8)):
@@ -48,8 +50,15 @@ def scaled(value):
 
 def parse(*argv):
     parser = TrainingArgumentParser()
+    add_data_args(parser)
     add_dreambooth_args(parser)
     return parser.parse_args([str(arg) for arg in argv])
+
+
+def checked_instance_images(args):
+    """What a script does with ``args``: check the flags (its parse_args), then list the images (its main)."""
+    check_dreambooth_args(args)
+    return instance_images_from_args(args)
 
 
 @pytest.fixture
@@ -73,9 +82,9 @@ def test_list_images_keeps_image_files_sorted_by_name(tmp_path):
     assert list_images(tmp_path / "missing") == []
 
 
-def test_check_returns_the_instance_images(instance_dir):
+def test_the_instance_images_are_the_folders_with_the_instance_prompt(instance_dir):
     args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "a photo of sks dog")
-    instance = check_dreambooth_args(args)
+    instance = checked_instance_images(args)
     assert [path.name for path in instance.images] == ["0.png", "1.png", "2.png"]
     assert instance.captions == ["a photo of sks dog"] * 3
     assert (args.num_class_images, args.prior_loss_weight, args.sample_batch_size) == (100, 1.0, 4)
@@ -83,7 +92,7 @@ def test_check_returns_the_instance_images(instance_dir):
 
 def test_upstreams_pre_compute_text_embeddings_is_accepted_unless_the_text_encoder_trains(instance_dir):
     flags = ["--instance_data_dir", instance_dir, "--instance_prompt", "a dog", "--pre_compute_text_embeddings"]
-    assert check_dreambooth_args(parse(*flags))
+    check_dreambooth_args(parse(*flags))
     args = parse(*flags)
     args.train_text_encoder = True
     with pytest.raises(UsageError, match="^--pre_compute_text_embeddings=True: expected no --train_text_encoder"):
@@ -120,20 +129,20 @@ def test_check_rejects_a_missing_or_empty_instance_folder(tmp_path):
     for folder, expected in (("missing", "an existing folder"), ("empty", "a folder holding images")):
         args = parse("--instance_data_dir", tmp_path / folder, "--instance_prompt", "a dog")
         with pytest.raises(UsageError, match=expected):
-            check_dreambooth_args(args)
+            checked_instance_images(args)
 
 
 def test_an_empty_instance_prompt_trains_unprompted_with_a_warning_where_an_image_takes_it(tmp_path, caplog):
     for name in ("a.png", "b.png"):
         (tmp_path / name).write_bytes(b"")
     args = parse("--instance_data_dir", tmp_path, "--instance_prompt", "")
-    assert check_dreambooth_args(args).captions == ["", ""]
+    assert checked_instance_images(args).captions == ["", ""]
     assert "--instance_prompt='' is empty: the adapter learns the subject without a trigger word" in caplog.text
     caplog.clear()
     (tmp_path / "a.txt").write_text("a red circle")
     (tmp_path / "b.txt").write_text("a blue square")
     args = parse("--instance_data_dir", tmp_path, "--instance_prompt", " ", "--caption_extension", ".txt")
-    assert check_dreambooth_args(args).captions == ["a red circle", "a blue square"]
+    assert checked_instance_images(args).captions == ["a red circle", "a blue square"]
     assert "--instance_prompt" not in caplog.text
 
 
@@ -355,14 +364,14 @@ def test_caption_files_caption_their_images_and_the_others_take_the_instance_pro
     args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "a photo of sks dog",
                  "--caption_extension", ".txt")
     with caplog.at_level("WARNING"):
-        instance = check_dreambooth_args(args)
+        instance = checked_instance_images(args)
     assert [path.name for path in instance.images] == ["0.png", "1.png", "2.png"]
     # Stripped; an empty file is the empty caption, on purpose.
     assert instance.captions == ["sks dog, running", "a photo of sks dog", ""]
     assert "1 of 3 instance images have no .txt caption file beside them; they train on --instance_prompt" \
         in caplog.text
     # Without --caption_extension the files are not read.
-    assert check_dreambooth_args(parse("--instance_data_dir", instance_dir, "--instance_prompt", "sks")).captions \
+    assert checked_instance_images(parse("--instance_data_dir", instance_dir, "--instance_prompt", "sks")).captions \
         == ["sks"] * 3
 
 
@@ -374,7 +383,7 @@ def test_bad_caption_files_fail_in_one_line(instance_dir, extension, content, me
     (instance_dir / "0.txt").write_bytes(content)
     args = parse("--instance_data_dir", instance_dir, "--instance_prompt", "sks", "--caption_extension", extension)
     with pytest.raises(UsageError) as error:
-        check_dreambooth_args(args)
+        checked_instance_images(args)
     assert str(error.value) == message.format(folder=instance_dir)
 
 
@@ -392,12 +401,12 @@ def test_a_datasets_caption_column_captions_each_image_and_without_one_the_insta
     # Lists of captions (a caption drawn per sample); a column holds lists or strings, not both.
     folder = imagefolder(tmp_path / "data", [["sks dog"], ["sks dog, left", "sks dog, right"], ["sks dog"]])
     flags = ["--dataset_name", folder, "--instance_prompt", "a photo of sks dog", "--cache_dir", tmp_path / "cache"]
-    instance = check_dreambooth_args(parse(*flags, "--caption_column", "text"))
+    instance = checked_instance_images(parse(*flags, "--caption_column", "text"))
     assert [Path(path).name for path in instance.images] == ["0.png", "1.png", "2.png"]
     assert all(isinstance(path, Path) for path in instance.images)  # files keep their paths (the cache keys)
     assert instance.captions == [["sks dog"], ["sks dog, left", "sks dog, right"], ["sks dog"]]
     assert training_captions(instance) == ["sks dog", "sks dog, left", "sks dog, right"]
-    assert check_dreambooth_args(parse(*flags)).captions == ["a photo of sks dog"] * 3
+    assert checked_instance_images(parse(*flags)).captions == ["a photo of sks dog"] * 3
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -413,19 +422,19 @@ def test_bad_dataset_flags_fail_in_one_line(tmp_path, extra, message):
     args = parse("--dataset_name", folder, "--instance_prompt", "sks", "--cache_dir", tmp_path / "cache",
                  *[str(value).format(tmp=tmp_path) for value in extra])
     with pytest.raises(UsageError) as error:
-        check_dreambooth_args(args)
+        checked_instance_images(args)
     assert str(error.value) == message.format(tmp=tmp_path)
 
 
 def test_neither_a_folder_nor_a_dataset_fails_and_text_to_image_data_flags_are_refused(tmp_path):
     with pytest.raises(UsageError, match="^--instance_data_dir=None: expected a folder of images, or --dataset_name"):
-        check_dreambooth_args(parse("--instance_prompt", "sks"))
+        checked_instance_images(parse("--instance_prompt", "sks"))
     with pytest.raises(UsageError, match="^--train_data_dir is not supported here: DreamBooth's images come from"):
         parse("--instance_prompt", "sks", "--train_data_dir", tmp_path)
     tmp_path.joinpath("0.png").write_bytes(b"")
     with pytest.raises(UsageError, match="^--caption_column='text': expected --dataset_name with it"):
-        check_dreambooth_args(parse("--instance_prompt", "sks", "--instance_data_dir", tmp_path, "--caption_column",
-                                    "text"))
+        checked_instance_images(parse("--instance_prompt", "sks", "--instance_data_dir", tmp_path, "--caption_column",
+                                      "text"))
 
 
 def test_images_held_in_a_dataset_train_and_cache_like_files(tmp_path, tiny_sd_pipe):
@@ -436,8 +445,8 @@ def test_images_held_in_a_dataset_train_and_cache_like_files(tmp_path, tiny_sd_p
     pictures = [Image.new("RGB", (16, 16), (value, 0, 0)) for value in (10, 200)]
     datasets.Dataset.from_dict({"image": pictures, "text": ["sks dark", "sks bright"]}).cast_column(
         "image", datasets.Image()).to_parquet(folder / "train.parquet")
-    instance = check_dreambooth_args(parse("--dataset_name", folder, "--instance_prompt", "sks", "--caption_column",
-                                           "text", "--cache_dir", tmp_path / "cache"))
+    instance = checked_instance_images(parse("--dataset_name", folder, "--instance_prompt", "sks", "--caption_column",
+                                             "text", "--cache_dir", tmp_path / "cache"))
     assert all(isinstance(image, EmbeddedImage) for image in instance.images)
     assert len({hash(image) for image in instance.images}) == 2
     transform = ImageTransform(16, center_crop=True)

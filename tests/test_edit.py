@@ -15,8 +15,8 @@ from PIL import Image
 from training_utils.args import training_parser
 from training_utils.data.buckets import AspectRatioBuckets, BucketBatchSampler, on_the_fly_buckets
 from training_utils.data.datasets import make_dataloader
-from training_utils.data.edit import (EditRows, add_edit_args, check_edit_args, how_to_edit, validation_inputs,
-                                      validation_references)
+from training_utils.data.edit import (EditRows, add_edit_args, check_edit_args, edit_rows_from_args, how_to_edit,
+                                      validation_inputs, validation_references)
 from training_utils.data.edit_samples import References, SampleShape, edit_collate, edit_dataset, edit_prompts
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform
@@ -29,6 +29,12 @@ def parse(*argv):
     parser = training_parser("edit")
     add_edit_args(parser)
     return parser.parse_args(["--pretrained_model_name_or_path", "unused", *map(str, argv)])
+
+
+def checked_rows(args, **limits):
+    """What a script does with ``args``: check the flags (its parse_args), then read the rows (its main)."""
+    check_edit_args(args)
+    return edit_rows_from_args(args, **limits)
 
 
 def lay_out(image):
@@ -55,8 +61,8 @@ def rewrite_metadata(folder, change):
 
 def test_rows_of_a_dataset_hold_zero_one_or_two_references_and_the_count_without_is_logged(edit_data, caplog):
     with caplog.at_level(logging.INFO, logger="training_utils.data.edit"):
-        rows = check_edit_args(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
-                                     "--caption_column", "text"))
+        rows = checked_rows(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
+                                  "--caption_column", "text"))
     assert [len(references) for references in rows.references] == list(EDIT_REFERENCE_COUNTS)
     assert rows.references[1][1] == edit_data / "references" / "0001-1.png"
     assert rows.targets[0] == edit_data / "0000.png" and rows.captions[0] == "make the circle yellow"
@@ -66,13 +72,13 @@ def test_rows_of_a_dataset_hold_zero_one_or_two_references_and_the_count_without
 def test_a_single_image_column_and_rows_without_a_caption(edit_data):
     rewrite_metadata(edit_data, lambda row: {"file_name": row["file_name"], "text": None if row["text"].startswith(
         "a ") else row["text"], "reference_file_name": (row["reference_file_names"] or [None])[0]})
-    rows = check_edit_args(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
-                                 "--caption_column", "text", "--instance_prompt", "draw it"))
+    rows = checked_rows(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
+                              "--caption_column", "text", "--instance_prompt", "draw it"))
     assert [len(references) for references in rows.references] == [min(count, 1) for count in EDIT_REFERENCE_COUNTS]
     assert rows.captions[2] == "draw it" and rows.captions[0] == "make the circle yellow"
     with pytest.raises(UsageError, match="line 3 has \"text\": null"):  # no --instance_prompt to fall back on
-        check_edit_args(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
-                              "--caption_column", "text"))
+        checked_rows(parse("--dataset_name", edit_data, "--cond_image_column", "reference",
+                           "--caption_column", "text"))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -85,22 +91,22 @@ def test_a_single_image_column_and_rows_without_a_caption(edit_data):
 ])
 def test_bad_columns_stop_in_one_line(edit_data, argv, message):
     with pytest.raises(UsageError, match=message):
-        check_edit_args(parse("--dataset_name", edit_data, *argv))
+        checked_rows(parse("--dataset_name", edit_data, *argv))
 
 
 def test_too_many_references_for_the_model_stop(edit_data):
     with pytest.raises(UsageError, match="at most 1 reference images a row for this model \\(a row has 2\\)"):
-        check_edit_args(parse("--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column",
-                              "text"), max_references=1)
+        checked_rows(parse("--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column",
+                           "text"), max_references=1)
 
 
 def test_an_unreadable_reference_is_named_before_weights_load_or_its_row_skipped(edit_data, caplog):
     (edit_data / "references" / "0003-0.png").write_bytes(b"not a png")
     argv = ["--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column", "text"]
     with pytest.raises(UsageError, match=r"row 3's .*references/0003-0.png \(UnidentifiedImageError"):
-        check_edit_args(parse(*argv))
+        checked_rows(parse(*argv))
     with caplog.at_level(logging.WARNING, logger="training_utils.data.edit"):
-        rows = check_edit_args(parse(*argv, "--skip_corrupt_images"))
+        rows = checked_rows(parse(*argv, "--skip_corrupt_images"))
     assert len(rows.targets) == 5 and edit_data / "0003.png" not in rows.targets
     assert "1 rows left out for an unreadable reference image: row 3: " in caplog.text
 
@@ -114,7 +120,7 @@ def test_a_reference_size_the_pipeline_refuses_is_named_before_weights_load(edit
     argv = ["--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column", "text"]
     with pytest.raises(UsageError, match=r"expected reference images the pipeline takes: row 0's .*0000-0.png is not "
                                          r"\(64x64 is under 80 pixels\)"):
-        check_edit_args(parse(*argv), check_size=refuse_under_80)
+        checked_rows(parse(*argv), check_size=refuse_under_80)
     with pytest.raises(UsageError, match=r"--validation_image='.*0001-0.png': expected reference images the pipeline "
                                          r"takes: .*0001-0.png is not \(96x64 is under 80 pixels\)"):
         validation_inputs(parse(*argv, "--validation_prompt", "a", "--validation_image",
@@ -127,16 +133,16 @@ def test_an_instance_folder_holds_targets_only(edit_data, tmp_path):
     for name in ("0000.png", "0002.png"):
         shutil.copy(edit_data / name, folder / name)
     (folder / "0000.txt").write_text("make it so\n")
-    rows = check_edit_args(parse("--instance_data_dir", folder, "--instance_prompt", "a shape"))
+    rows = checked_rows(parse("--instance_data_dir", folder, "--instance_prompt", "a shape"))
     assert rows == EditRows([folder / "0000.png", folder / "0002.png"], [(), ()], ["a shape", "a shape"])
-    rows = check_edit_args(parse("--instance_data_dir", folder, "--instance_prompt", "a shape",
-                                 "--caption_extension", ".txt"))
+    rows = checked_rows(parse("--instance_data_dir", folder, "--instance_prompt", "a shape",
+                              "--caption_extension", ".txt"))
     assert rows.captions == ["make it so", "a shape"]
     for argv, message in ((["--cond_image_column", "reference"], "--dataset_name with it"),
                           ([], "an instruction for the targets"),
                           (["--dataset_name", edit_data], "not both")):
         with pytest.raises(UsageError, match=message):
-            check_edit_args(parse("--instance_data_dir", folder, *argv))
+            checked_rows(parse("--instance_data_dir", folder, *argv))
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +155,8 @@ def vae():
 
 @pytest.fixture(scope="module")
 def edit_rows(tiny):
-    return check_edit_args(parse("--dataset_name", tiny["shapes_edit"], "--cond_image_column", "reference",
-                                 "--caption_column", "text", "--caption_dropout", "0.5"))
+    return checked_rows(parse("--dataset_name", tiny["shapes_edit"], "--cond_image_column", "reference",
+                              "--caption_column", "text", "--caption_dropout", "0.5"))
 
 
 def dataset_of(rows, vae, cache_latents, cache_dir=None, buckets=False, repeats=1):

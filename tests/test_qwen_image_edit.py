@@ -16,7 +16,7 @@ from PIL import Image, ImageOps
 
 from helpers import family_args
 from training_utils.args import training_parser
-from training_utils.data.edit import add_edit_args, check_edit_args
+from training_utils.data.edit import add_edit_args, check_edit_args, edit_rows_from_args
 from training_utils.data.edit_samples import embeddings_with_references
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import read_image
@@ -211,8 +211,10 @@ def test_each_rows_instructions_are_embedded_with_its_references_once_and_cached
     data = tiny["shapes_edit"]
     parser = training_parser("edit")
     add_edit_args(parser)
-    rows = check_edit_args(parser.parse_args(["--pretrained_model_name_or_path", "unused", "--dataset_name", str(data),
-                                              "--cond_image_column", "reference", "--caption_column", "text"]))
+    args = parser.parse_args(["--pretrained_model_name_or_path", "unused", "--dataset_name", str(data),
+                              "--cond_image_column", "reference", "--caption_column", "text"])
+    check_edit_args(args)
+    rows = edit_rows_from_args(args)
     rows = rows.select([0, 1, 2])  # one reference, two, none
     settings = qwen_image_edit.prompt_settings(plus, parse("--reference_area", AREA))
     encoded = []

@@ -1,7 +1,10 @@
 """Command-line flags shared by every script, and the checks that run before any weights load.
 
-Flag names follow the diffusers example scripts so that their commands work here. A bad value
-stops the run with one line on stderr naming the flag, the value and what was expected::
+A script's ``parse_args`` parses, checks (`check_args`, then the checks of its own groups), and last fills in the
+defaults that depend on other flags (`fill_dependent_defaults`): the checks change nothing.
+
+Flag names follow the diffusers example scripts so that their commands work here. A bad value stops the run with one
+line on stderr naming the flag, the value and what was expected::
 
     error: --resolution=500: expected a positive multiple of 8
 """
@@ -15,17 +18,16 @@ from pathlib import Path
 import torch
 from accelerate.utils import parse_flag_from_env
 
-from .adapters.config import add_adapter_args, check_adapter_args
+from .adapters.config import add_adapter_args, check_adapter_args, fill_adapter_settings
 from .adapters.convert import DIFFUSERS, FORMAT_USERS
 from .compile import add_compile_args
-from .data.buckets import add_bucket_args
-from .data.images import INTERPOLATIONS
+from .data.flags import add_data_args
 from .errors import require
 from .families.registry import formats_for
 from .outputs.checkpoint_folders import check_resume_from_checkpoint
 from .outputs.folder import check_output_dir
 from .outputs.writing import write_problem
-from .parser import TrainingArgumentParser, flag_name
+from .parser import NOT_CARRIED, TrainingArgumentParser, flag_name
 from .pipeline import is_hub_id
 from .quantization import add_quantization_args, check_quantization_args
 
@@ -42,30 +44,7 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
     model.add_argument("--revision", default=None, help="hub revision of the pretrained pipeline")
     model.add_argument("--variant", default=None, help="weights variant to load, e.g. fp16")
 
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", default=None, help="a datasets hub name or a local dataset folder")
-    data.add_argument("--dataset_config_name", default=None)
-    data.add_argument("--train_data_dir", default=None, help="an imagefolder with metadata.jsonl")
-    data.add_argument("--image_column", default="image")
-    data.add_argument("--caption_column", default="text")
-    data.add_argument("--max_train_samples", type=int, default=None)
-    data.add_argument("--cache_dir", default=None)
-    data.add_argument("--resolution", type=int, default=resolution)
-    data.add_argument("--center_crop", action="store_true",
-                      help="crop the centre instead of a random square (or bucket-shaped rectangle)")
-    data.add_argument("--random_flip", action="store_true")
-    data.add_argument("--image_interpolation_mode", default=interpolation, choices=list(INTERPOLATIONS),
-                      help="the filter that resizes the images (torchvision's names, as upstream's scripts take them)")
-    add_bucket_args(data)
-    data.add_argument("--repeats", type=int, default=1,
-                      help="how many times each training image is seen an epoch (each time with draws of its own)")
-    data.add_argument("--caption_dropout", "--proportion_empty_prompts", dest="caption_dropout", type=float,
-                      default=0.0, help="the probability that a sample trains on the empty prompt instead of its "
-                                        "caption, for classifier-free guidance (never a class image's)")
-    data.add_argument("--dataloader_num_workers", type=int, default=0)
-    data.add_argument("--skip_corrupt_images", action="store_true",
-                      help="train on the next readable sample in place of an image that cannot be read (counted in "
-                           "the logs as skipped_images) instead of stopping the run after a checkpoint")
+    add_data_args(parser, resolution, interpolation)
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default="output")
@@ -223,30 +202,6 @@ def add_cache_args(parser):
                             "(the text encoders, and a VAE whose latents are cached, always are)")
 
 
-# Flags of the upstream diffusers scripts that no script here carries, and why; a script refuses those its
-# upstream counterpart has (`add_refused_args`), with reasons of its own beside these.
-NOT_CARRIED = {
-    "--optimizer": "AdamW is the only optimizer here (--use_8bit_adam for bitsandbytes' 8-bit AdamW); Prodigy is "
-                   "not carried",
-    **dict.fromkeys(["--prodigy_beta3", "--prodigy_decouple", "--prodigy_use_bias_correction",
-                     "--prodigy_safeguard_warmup"], "Prodigy is not carried (AdamW only)"),
-    **dict.fromkeys(["--lr_num_cycles", "--lr_power"],
-                    "the learning-rate schedules run with diffusers' defaults (one cycle, power 1)"),
-    "--upcast_before_saving": "the adapters train in fp32 and are always saved in fp32",
-    "--skip_final_inference": "there is no separate final inference: validation renders in the loop (the final step "
-                              "included) and only with --validation_prompt",
-    "--final_validation_prompt": "validation renders --validation_prompt in the loop, the final step included",
-    "--prior_generation_precision": "class images are rendered by the pipeline that trains, in --mixed_precision's "
-                                    "dtype",
-    "--local_rank": "accelerate launch (or torchrun) tells each process its rank",
-    "--enable_npu_flash_attention": "Ascend NPUs are not supported",
-    "--enable_xformers_memory_efficient_attention": "attention runs on PyTorch's scaled_dot_product_attention "
-                                                    "(diffusers' default), as fast on current PyTorch, nothing to "
-                                                    "install",
-    "--tokenizer_name": "the tokenizers are the pipeline's (--pretrained_model_name_or_path)",
-}
-
-
 def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
     path = Path(value).expanduser()
     if path.exists():
@@ -296,7 +251,8 @@ def check_posthoc_args(args):
 
 
 def check_args(args):
-    """The checks every script shares. Call right after parsing, before anything loads."""
+    """The checks every script shares. Call right after parsing, before anything loads; `fill_dependent_defaults`
+    follows the checks."""
     check_output_dir(args)
     check_pretrained_path(args.pretrained_model_name_or_path)
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
@@ -354,8 +310,6 @@ def check_args(args):
     check_posthoc_args(args)
     if hasattr(args, "quantize_base"):
         check_quantization_args(args)
-    if args.validation_steps is None and args.validation_epochs is None:
-        args.validation_steps = 100
     if args.validation_prompt is not None:
         require(all(prompt.strip() for prompt in args.validation_prompt), "--validation_prompt",
                 args.validation_prompt, "non-empty prompts")
@@ -363,3 +317,13 @@ def check_args(args):
     # A token in the tracker's logged config would leak it to whoever sees the run.
     require(args.hub_token is None or args.report_to not in ("wandb", "all"), "--hub_token", "<hidden>",
             "no --hub_token with --report_to wandb/all (log in with `hf auth login` instead)")
+
+
+def fill_dependent_defaults(args):
+    """Fill in the defaults that depend on other flags, once the flags are checked: ``--validation_steps`` 100
+    unless ``--validation_epochs`` is given, and, in a script with adapter flags (`add_lora_args`), the adapter's kind
+    and settings (`fill_adapter_settings`)."""
+    if args.validation_steps is None and args.validation_epochs is None:
+        args.validation_steps = 100
+    if hasattr(args, "adapter"):
+        fill_adapter_settings(args)

@@ -15,6 +15,30 @@ import sys
 from .errors import UsageError
 
 
+# Flags of the upstream diffusers scripts that no script here carries, and why; a script refuses those its
+# upstream counterpart has (`add_refused_args`), with reasons of its own beside these.
+NOT_CARRIED = {
+    "--optimizer": "AdamW is the only optimizer here (--use_8bit_adam for bitsandbytes' 8-bit AdamW); Prodigy is "
+                   "not carried",
+    **dict.fromkeys(["--prodigy_beta3", "--prodigy_decouple", "--prodigy_use_bias_correction",
+                     "--prodigy_safeguard_warmup"], "Prodigy is not carried (AdamW only)"),
+    **dict.fromkeys(["--lr_num_cycles", "--lr_power"],
+                    "the learning-rate schedules run with diffusers' defaults (one cycle, power 1)"),
+    "--upcast_before_saving": "the adapters train in fp32 and are always saved in fp32",
+    "--skip_final_inference": "there is no separate final inference: validation renders in the loop (the final step "
+                              "included) and only with --validation_prompt",
+    "--final_validation_prompt": "validation renders --validation_prompt in the loop, the final step included",
+    "--prior_generation_precision": "class images are rendered by the pipeline that trains, in --mixed_precision's "
+                                    "dtype",
+    "--local_rank": "accelerate launch (or torchrun) tells each process its rank",
+    "--enable_npu_flash_attention": "Ascend NPUs are not supported",
+    "--enable_xformers_memory_efficient_attention": "attention runs on PyTorch's scaled_dot_product_attention "
+                                                    "(diffusers' default), as fast on current PyTorch, nothing to "
+                                                    "install",
+    "--tokenizer_name": "the tokenizers are the pipeline's (--pretrained_model_name_or_path)",
+}
+
+
 class ParsedArgs(argparse.Namespace):
     """The parsed flags, as argparse gives them; ``spellings`` holds how the user wrote each flag given that has
     several spellings (by its name), kept out of ``vars()``, which is what checkpoints and trackers record."""

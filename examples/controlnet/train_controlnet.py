@@ -22,7 +22,8 @@ import training_utils  # noqa: F401  (first: filters what diffusers' imports log
 from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
-from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, fill_dependent_defaults,
+                                 training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
                                        controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
@@ -54,6 +55,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_controlnet_args(args)
+    fill_dependent_defaults(args)
     return args
 
 

@@ -33,12 +33,12 @@ from training_utils.adapters.config import adapter_config
 from training_utils.adapters.export import adapter_export
 from training_utils.adapters.injection import CLIP_ATTENTION_PROJECTIONS, add_adapter, linear_layers_named
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
-                                 export_formats, training_parser)
+                                 export_formats, fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import make_dataloader
 from training_utils.data.dreambooth import training_captions, transformer_dreambooth_refusals
-from training_utils.data.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
+from training_utils.data.edit import add_edit_args, check_edit_args, edit_rows_from_args, how_to_edit, validation_inputs
 from training_utils.data.edit_samples import References, edit_collate, edit_dataset, edit_prompts
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform
@@ -87,14 +87,16 @@ def parse_args(argv=None):
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
+    check_edit_args(args)
     check_flow_matching_args(args)
     flux_kontext.check_args(args)
+    fill_dependent_defaults(args)
     return args
 
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
-    rows = check_edit_args(args, max_references=1)
+    rows = edit_rows_from_args(args, max_references=1)
     validation = validation_inputs(args, single_reference=True)
     accelerator = make_accelerator(args, run)
 

@@ -30,12 +30,12 @@ from training_utils.adapters.config import adapter_config
 from training_utils.adapters.export import adapter_export
 from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_adapter, linear_layers_named
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
-                                 export_formats, training_parser)
+                                 export_formats, fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import make_dataloader
 from training_utils.data.dreambooth import training_captions, transformer_dreambooth_refusals
-from training_utils.data.edit import add_edit_args, check_edit_args, how_to_edit, validation_inputs
+from training_utils.data.edit import add_edit_args, check_edit_args, edit_rows_from_args, how_to_edit, validation_inputs
 from training_utils.data.edit_samples import References, edit_collate, edit_dataset, embeddings_with_references
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform
@@ -80,8 +80,10 @@ def parse_args(argv=None):
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
+    check_edit_args(args)
     check_flow_matching_args(args)
     qwen_image_edit.check_args(args)
+    fill_dependent_defaults(args)
     return args
 
 
@@ -90,7 +92,7 @@ def main(args, run):
     #    class says how many references a row may have (the first Edit's needs its one).
     pipeline_class = qwen_image_edit.pipeline_class(args)
     fewest, most = qwen_image_edit.REFERENCES[pipeline_class.__name__]
-    rows = check_edit_args(args, max_references=most)
+    rows = edit_rows_from_args(args, max_references=most)
     require(min(map(len, rows.references)) >= fewest, "--cond_image_column", args.cond_image_column,
             f"{fewest} reference image in every row for {pipeline_class.__name__}")
     single_reference = pipeline_class is QwenImageEditPipeline

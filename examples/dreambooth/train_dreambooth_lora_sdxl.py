@@ -28,13 +28,13 @@ from training_utils.adapters.config import adapter_config
 from training_utils.adapters.export import adapter_export
 from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
-                                 training_parser)
+                                 fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import make_dataloader
 from training_utils.data.dreambooth import (add_dreambooth_args, check_dreambooth_args, class_images_from_args,
-                                            dreambooth_dataset, dreambooth_prompts, instance_then_class_collate,
-                                            training_captions)
+                                            dreambooth_dataset, dreambooth_prompts, instance_images_from_args,
+                                            instance_then_class_collate, training_captions)
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform
 from training_utils.data.prompts import cached_rows, encoded_rows
@@ -71,13 +71,15 @@ def parse_args(argv=None):
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
+    check_dreambooth_args(args)
     sdxl.check_args(args)
+    fill_dependent_defaults(args)
     return args
 
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
-    instance_images = check_dreambooth_args(args)
+    instance_images = instance_images_from_args(args)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are

@@ -23,7 +23,8 @@ import math
 from diffusers import StableDiffusionPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
-from training_utils.args import add_cache_args, add_diffusion_loss_args, check_args, training_parser
+from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, fill_dependent_defaults,
+                                 training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
@@ -75,6 +76,7 @@ def parse_args(argv=None):
     check_args(args)
     require(args.input_perturbation >= 0 and math.isfinite(args.input_perturbation), "--input_perturbation",
             args.input_perturbation, "a non-negative number")
+    fill_dependent_defaults(args)
     return args
 
 

@@ -31,7 +31,7 @@ from training_utils.adapters.config import adapter_config
 from training_utils.adapters.export import adapter_export
 from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
-                                 training_parser)
+                                 fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
@@ -68,6 +68,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     sdxl.check_args(args)
+    fill_dependent_defaults(args)
     return args
 
 

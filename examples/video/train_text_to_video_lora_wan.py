@@ -27,7 +27,7 @@ from training_utils.adapters.config import adapter_config
 from training_utils.adapters.export import adapter_export
 from training_utils.adapters.injection import add_adapter, linear_layers_named
 from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_arg, check_args, comma_separated,
-                                 export_formats, training_parser)
+                                 export_formats, fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, drop_caption, make_dataloader,
@@ -67,6 +67,7 @@ def parse_args(argv=None):
     check_flow_matching_args(args)
     check_video_args(args)
     wan.check_args(args)
+    fill_dependent_defaults(args)
     return args
 
 

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import StableDiffusionXLPipeline
 
-from training_utils.adapters.config import check_adapter_args
+from training_utils.adapters.config import check_adapter_args, fill_adapter_settings
 from training_utils.args import add_lora_args, training_parser
 from training_utils.errors import UsageError
 from training_utils.quantization import check_quantization_args
@@ -401,6 +401,7 @@ def script_args(pipeline_path, scheme, rank):
         argv += ["--quantize_base", scheme]
     args = parser.parse_args(argv)
     check_adapter_args(args)
+    fill_adapter_settings(args)
     return args
 
 

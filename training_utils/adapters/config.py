@@ -11,9 +11,10 @@ Every kind is peft's own implementation:
 - ``oft``: `OFTConfig`, a block-diagonal rotation of each layer's input, which keeps the base's hyperspherical energy.
 
 Each kind has the settings of `SETTINGS` that name it; one that it lacks, given with it, stops the run in one line
-(`check_adapter_args`). Defaults are peft's and the LyCORIS guidelines': LoRA and DoRA rank 4 and alpha = rank, as
-upstream's scripts; LoKr rank 8, alpha = rank, factor -1 (peft's defaults, LyCORIS's "small LoKr"); LoHa rank 8
-(peft's; LyCORIS: 32 at most) and alpha half the rank (LyCORIS: from 1 to half the rank); OFT blocks of 32 (peft's).
+(`check_adapter_args`); those not given get their kind's default (`fill_adapter_settings`). Defaults are peft's and
+the LyCORIS guidelines': LoRA and DoRA rank 4 and alpha = rank, as upstream's scripts; LoKr rank 8, alpha = rank,
+factor -1 (peft's defaults, LyCORIS's "small LoKr"); LoHa rank 8 (peft's; LyCORIS: 32 at most) and alpha half the
+rank (LyCORIS: from 1 to half the rank); OFT blocks of 32 (peft's).
 """
 
 import math
@@ -58,19 +59,15 @@ def add_adapter_args(group):
 
 
 def check_adapter_args(args):
-    """Fail on a setting the adapter lacks or a bad value, then give every setting of the adapter its value: the
-    adapter and its settings are what the checkpoints record (`checkpointing.trajectory_flags`). Before any load."""
+    """Fail on a setting the adapter lacks or a bad value, before any load."""
     require(not args.use_dora or args.adapter in (None, "dora"), "--adapter", args.adapter,
             "dora or nothing beside --use_dora (upstream's name for --adapter dora)")
-    args.adapter = "dora" if args.use_dora else args.adapter or "lora"
+    adapter = adapter_kind(args)
     for flag, defaults in SETTINGS.items():
-        value = getattr(args, flag)
-        if args.adapter not in defaults:
+        if adapter not in defaults:
             owners = ", ".join(ADAPTERS[name] for name in defaults)
-            require(value is None, f"--{flag}", value,
-                    f"no --{flag} with --adapter {args.adapter} (a setting of {owners})")
-        elif value is None:
-            setattr(args, flag, defaults[args.adapter])
+            require(getattr(args, flag) is None, f"--{flag}", getattr(args, flag),
+                    f"no --{flag} with --adapter {adapter} (a setting of {owners})")
     if args.rank is not None:
         require(args.rank > 0, "--rank", args.rank, "a positive integer")
     if args.lora_alpha is not None:
@@ -82,6 +79,20 @@ def check_adapter_args(args):
                 "-1 (near the square root) or a positive integer")
     if args.oft_block_size is not None:
         require(args.oft_block_size > 1, "--oft_block_size", args.oft_block_size, "an integer above 1")
+
+
+def adapter_kind(args):
+    """The adapter the flags ask for: ``--adapter``, dora with ``--use_dora``, lora by default."""
+    return "dora" if args.use_dora else args.adapter or "lora"
+
+
+def fill_adapter_settings(args):
+    """Give ``--adapter`` its kind and every setting of that kind not given its default (checked flags): the adapter
+    and its settings are what the checkpoints record (`checkpoint_folders.trajectory_flags`)."""
+    args.adapter = adapter_kind(args)
+    for flag, defaults in SETTINGS.items():
+        if args.adapter in defaults and getattr(args, flag) is None:
+            setattr(args, flag, defaults[args.adapter])
 
 
 def adapter_config(args, target_modules):

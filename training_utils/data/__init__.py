@@ -1,5 +1,6 @@
 """What trains: the data a script reads, from the files people have to the batches of a step.
 
+- `flags`: the data flags every script shares, each declared once;
 - `datasets`: datasets (hub name, imagefolder, local files), the data loader, tokenizing;
 - `images`, `captions`, `buckets`, `video`: images, captions, aspect-ratio buckets and video clips as training
   reads them, checked before any weights load;

@@ -44,7 +44,7 @@ NOT_DREAMBOOTH_DATA = dict.fromkeys(
 
 def transformer_dreambooth_refusals(text_encoder_trains):
     """The flags of upstream's DreamBooth scripts for the flow-matching transformers that a script here does not
-    carry, besides those no script here carries (`args.NOT_CARRIED`), with reasons true of it: whether its text
+    carry, besides those no script here carries (`parser.NOT_CARRIED`), with reasons true of it: whether its text
     encoder trains (``text_encoder_trains``: then it takes upstream's text-encoder optimizer flags) or not."""
     refused = {
         "--do_fp8_training": "torchao's float8 training is not carried; --quantize_base fp8 loads the frozen "
@@ -56,27 +56,29 @@ def transformer_dreambooth_refusals(text_encoder_trains):
     return refused
 
 
-def add_dreambooth_args(parser):
-    """The DreamBooth flags of the diffusers scripts, with their names and meanings (the data flags replace the
-    text-to-image scripts' ones of the same names, whose defaults differ)."""
-    group = parser.add_argument_group("DreamBooth", conflict_handler="resolve")
+def add_instance_args(parser, group, prompt_required):
+    """The flags of training images given as a folder (or as ``--dataset_name``), shared by the DreamBooth and edit
+    scripts, into their ``group``: ``--instance_data_dir``, ``--caption_extension``, ``--instance_prompt`` (with
+    ``prompt_required``, as DreamBooth's). Such data takes no ``--caption_column`` unless given, and refuses the
+    text-to-image data flags (`NOT_DREAMBOOTH_DATA`), as upstream's scripts do."""
     group.add_argument("--instance_data_dir", default=None,
-                       help="a folder of images of the subject (or --dataset_name)")
+                       help="a folder of the training images (DreamBooth: the subject's; edit: targets without "
+                            "references), or --dataset_name")
     group.add_argument("--caption_extension", default=None,
-                       help="read each instance image's caption from the file beside it with this extension (e.g. "
-                            ".txt: a.png's caption is a.txt); an image without one takes --instance_prompt")
-    group.add_argument("--dataset_name", default=None,
-                       help="a datasets hub name or a local dataset folder holding the subject's images (or "
-                            "--instance_data_dir)")
-    group.add_argument("--dataset_config_name", default=None, help="the dataset's configuration, if it has several")
-    group.add_argument("--image_column", default="image", help="--dataset_name's column of images")
-    group.add_argument("--caption_column", default=None,
-                       help="--dataset_name's column of captions, one per image (a string, or a list to draw one "
-                            "from); without it --instance_prompt captions every image")
-    group.add_argument("--cache_dir", default=None, help="where datasets keeps what it downloads")
-    group.add_argument("--instance_prompt", required=True,
-                       help='the prompt naming the subject, e.g. "a photo of sks dog"; the caption of every image '
-                            "that has none of its own")
+                       help="read each image's caption (an edit's instruction) from the file beside it with this "
+                            "extension (e.g. .txt: a.png's caption is a.txt); an image without one takes "
+                            "--instance_prompt")
+    group.add_argument("--instance_prompt", default=None, required=prompt_required,
+                       help='the caption of every image that has none of its own (DreamBooth: the prompt naming the '
+                            'subject, e.g. "a photo of sks dog"; edit: the instruction)')
+    parser.set_defaults(caption_column=None)
+    add_refused_args(parser, NOT_DREAMBOOTH_DATA)
+
+
+def add_dreambooth_args(parser):
+    """The DreamBooth flags of the diffusers scripts, with their names and meanings, beside the shared data flags."""
+    group = parser.add_argument_group("DreamBooth")
+    add_instance_args(parser, group, prompt_required=True)
     group.add_argument("--class_data_dir", default=None,
                        help="a folder of class images; with --with_prior_preservation, missing ones are generated")
     group.add_argument("--class_prompt", default=None, help='the prompt naming the class, e.g. "a photo of a dog"')
@@ -90,7 +92,6 @@ def add_dreambooth_args(parser):
     group.add_argument("--pre_compute_text_embeddings", action="store_true",
                        help="accepted for upstream's commands: the frozen text encoders always embed the prompts "
                             "once, before training")
-    add_refused_args(parser, NOT_DREAMBOOTH_DATA)
 
 
 class InstanceImages(NamedTuple):
@@ -123,7 +124,8 @@ def list_images(folder):
 
 
 def check_dreambooth_args(args):
-    """Fail on bad DreamBooth inputs before any weights load; returns the captioned `InstanceImages`."""
+    """Fail on bad DreamBooth flags before any weights load (the images are checked as they are listed,
+    `instance_images_from_args`)."""
     require(not (args.pre_compute_text_embeddings and getattr(args, "train_text_encoder", False)),
             "--pre_compute_text_embeddings", True, "no --train_text_encoder with it (a text encoder that trains "
             "embeds the prompts in every step)")
@@ -141,7 +143,18 @@ def check_dreambooth_args(args):
                 args.class_data_dir, "a folder (it is created if missing)")
         require(args.class_prompt is not None and args.class_prompt.strip(), "--class_prompt", args.class_prompt,
                 "a non-empty prompt with --with_prior_preservation")
-    instance_images = captioned_instance_images(args)
+    if args.dataset_name is not None:
+        require(args.caption_extension is None, "--caption_extension", args.caption_extension,
+                "no caption files with --dataset_name (its captions are in --caption_column)")
+    else:
+        require(args.caption_column is None, "--caption_column", args.caption_column,
+                "--dataset_name with it (--instance_data_dir's captions are in --caption_extension files)")
+
+
+def instance_images_from_args(args):
+    """The `InstanceImages` of ``--instance_data_dir`` or ``--dataset_name`` (checked flags), each with its caption;
+    a folder without images, or a dataset without the columns, stops the run before any weights load."""
+    instance_images = dataset_instance_images(args) if args.dataset_name is not None else folder_images(args)
     if not args.instance_prompt.strip() and args.instance_prompt in instance_images.captions:
         # Accepted, as upstream's scripts accept it: those images train on the pipeline's encoding of that prompt.
         logger.warning(f"--instance_prompt={args.instance_prompt!r} is empty: the adapter learns the subject without "
@@ -149,20 +162,15 @@ def check_dreambooth_args(args):
     return instance_images
 
 
-def captioned_instance_images(args):
-    """The `InstanceImages` of ``--instance_data_dir`` or ``--dataset_name``, each with its caption."""
-    if args.dataset_name is not None:
-        require(args.caption_extension is None, "--caption_extension", args.caption_extension,
-                "no caption files with --dataset_name (its captions are in --caption_column)")
-        return dataset_instance_images(args)
-    require(args.caption_column is None, "--caption_column", args.caption_column,
-            "--dataset_name with it (--instance_data_dir's captions are in --caption_extension files)")
+def folder_images(args):
+    """The `InstanceImages` of ``--instance_data_dir``, each captioned by its ``--caption_extension`` file or by
+    ``--instance_prompt``; a missing folder, or one without images, stops the run."""
     require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir, "an existing folder")
-    instance_images = list_images(args.instance_data_dir)
-    require(instance_images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
+    images = list_images(args.instance_data_dir)
+    require(images, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
     if args.caption_extension is None:
-        return InstanceImages.captioned_by(instance_images, args.instance_prompt)
-    return sidecar_captioned_images(instance_images, args.caption_extension, args.instance_prompt)
+        return InstanceImages.captioned_by(images, args.instance_prompt)
+    return sidecar_captioned_images(images, args.caption_extension, args.instance_prompt)
 
 
 def sidecar_captioned_images(images, extension, instance_prompt):

@@ -21,10 +21,9 @@ from typing import NamedTuple
 from PIL import Image
 
 from ..errors import UsageError, require
-from ..parser import add_refused_args
 from .captions import without_bom
 from .datasets import load_train_dataset
-from .dreambooth import NOT_DREAMBOOTH_DATA, EmbeddedImage, list_images, sidecar_captioned_images
+from .dreambooth import EmbeddedImage, add_instance_args, folder_images
 from .images import UNREADABLE_IMAGE_ERRORS, image_sizes, openable, read_image
 
 logger = logging.getLogger(__name__)
@@ -40,31 +39,16 @@ EDIT_REFUSALS = {
 
 
 def add_edit_args(parser):
-    """Upstream's data flags of its edit scripts (``--cond_image_column``, ``--validation_image``), and the target
-    and instruction flags with their meanings here (replacing the DreamBooth ones of the same names)."""
-    group = parser.add_argument_group("edit data", conflict_handler="resolve")
-    group.add_argument("--instance_data_dir", default=None,
-                       help="a folder of target images without references (or --dataset_name)")
-    group.add_argument("--caption_extension", default=None,
-                       help="with --instance_data_dir, read each target's instruction from the file beside it with "
-                            "this extension (a.png's is a.txt); a target without one takes --instance_prompt")
-    group.add_argument("--dataset_name", default=None,
-                       help="a datasets hub name or a local dataset folder of targets, references and instructions")
-    group.add_argument("--dataset_config_name", default=None, help="the dataset's configuration, if it has several")
-    group.add_argument("--image_column", default="image", help="--dataset_name's column of target images")
+    """Upstream's data flags of its edit scripts (``--cond_image_column``, ``--validation_image``), beside the shared
+    data flags and those of training images in a folder (`dreambooth.add_instance_args`: here the targets)."""
+    group = parser.add_argument_group("edit data")
+    add_instance_args(parser, group, prompt_required=False)
     group.add_argument("--cond_image_column", default=None,
                        help="--dataset_name's column of reference images: an image, a list of images, or nothing "
                             "for a row (which then trains as text-to-image)")
-    group.add_argument("--caption_column", default=None,
-                       help="--dataset_name's column of instructions (a string, or a list to draw one from); "
-                            "without it --instance_prompt is every row's")
-    group.add_argument("--cache_dir", default=None, help="where datasets keeps what it downloads")
-    group.add_argument("--instance_prompt", default=None,
-                       help="the instruction of every row that has none of its own")
     group.add_argument("--validation_image", nargs="+", action="append", default=None,
                        help="reference images for the validation prompts: given once, every prompt's; given once "
                             "per --validation_prompt, that prompt's (several images each are allowed)")
-    add_refused_args(parser, NOT_DREAMBOOTH_DATA)
 
 
 class EditRows(NamedTuple):
@@ -80,10 +64,9 @@ class EditRows(NamedTuple):
         return EditRows(*([values[index] for index in keep] for values in self))
 
 
-def check_edit_args(args, max_references=None, check_size=None):
-    """Fail on bad edit data before any weights load; returns the `EditRows`. ``max_references`` is the most
-    references the model takes in one sample (None: no limit); ``check_size(width, height)`` raises ValueError for
-    a reference size the model's pipeline refuses (`readable_references`)."""
+def check_edit_args(args):
+    """Fail on bad edit data flags before any weights load (the rows are checked as they are read,
+    `edit_rows_from_args`)."""
     require((args.instance_data_dir is None) != (args.dataset_name is None), "--instance_data_dir",
             args.instance_data_dir, "a folder of target images, or --dataset_name, not both")
     require(args.instance_prompt is None or args.instance_prompt.strip(), "--instance_prompt", args.instance_prompt,
@@ -93,21 +76,24 @@ def check_edit_args(args, max_references=None, check_size=None):
                 "no caption files with --dataset_name (its instructions are in --caption_column)")
         require(args.caption_column is not None or args.instance_prompt is not None, "--caption_column", None,
                 "a column of instructions, or --instance_prompt for every row")
-        rows = dataset_edit_rows(args)
     else:
         for flag in ("--cond_image_column", "--caption_column"):
             value = getattr(args, flag[2:])
             require(value is None, flag, value, "--dataset_name with it (--instance_data_dir holds targets only)")
-        require(Path(args.instance_data_dir).is_dir(), "--instance_data_dir", args.instance_data_dir,
-                "an existing folder")
-        targets = list_images(args.instance_data_dir)
-        require(targets, "--instance_data_dir", args.instance_data_dir, "a folder holding images")
         require(args.instance_prompt is not None or args.caption_extension is not None, "--instance_prompt", None,
                 "an instruction for the targets of --instance_data_dir (or --caption_extension files)")
-        captioned = sidecar_captioned_images(targets, args.caption_extension, args.instance_prompt) \
-            if args.caption_extension is not None else None
-        rows = EditRows(targets, [()] * len(targets),
-                        captioned.captions if captioned else [args.instance_prompt] * len(targets))
+
+
+def edit_rows_from_args(args, max_references=None, check_size=None):
+    """The `EditRows` of ``--dataset_name`` or ``--instance_data_dir`` (checked flags), their references read
+    (`readable_references`), before any weights load. ``max_references`` is the most references the model takes in
+    one sample (None: no limit); ``check_size(width, height)`` raises ValueError for a reference size the model's
+    pipeline refuses."""
+    if args.dataset_name is not None:
+        rows = dataset_edit_rows(args)
+    else:
+        targets = folder_images(args)
+        rows = EditRows(targets.images, [()] * len(targets.images), targets.captions)
     most = max(map(len, rows.references))
     require(max_references is None or most <= max_references, "--cond_image_column", args.cond_image_column,
             f"at most {max_references} reference images a row for this model (a row has {most})")

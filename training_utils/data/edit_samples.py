@@ -6,7 +6,7 @@ latents cached as theirs are (`cache.FrozenEncoders`). Each reference is laid ou
 mirrored when its target is, and encoded by the VAE to its latent distribution's parameters, cached with
 ``--cache_latents`` (in memory, or on disk with ``--feature_cache_dir``) and otherwise encoded in each step
 (`References`). A batch holds samples whose target and references have one shape each (`SampleShape`), so that
-they stack. The rows come from `edit.check_edit_args`. A sample carries its row's position, so that a family whose
+they stack. The rows come from `edit.edit_rows_from_args`. A sample carries its row's position, so that a family whose
 prompt embedding depends on the references (Qwen-Image-Edit's) looks it up by row and instruction.
 """
 
