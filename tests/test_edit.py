@@ -284,9 +284,9 @@ def test_a_truncated_reference_is_named_as_unreadable_or_its_row_skipped(edit_da
     argv = ["--dataset_name", edit_data, "--cond_image_column", "reference", "--caption_column", "text"]
     with pytest.raises(UsageError, match=r"expected readable reference images: row 3's .*references/0003-0.png "
                                          r"\(OSError: .*truncated"):
-        check_edit_args(parse(*argv), check_size=refuse_1x1)
+        checked_rows(parse(*argv), check_size=refuse_1x1)
     with caplog.at_level(logging.WARNING, logger="training_utils.data.edit"):
-        rows = check_edit_args(parse(*argv, "--skip_corrupt_images"), check_size=refuse_1x1)
+        rows = checked_rows(parse(*argv, "--skip_corrupt_images"), check_size=refuse_1x1)
     assert len(rows.targets) == 5 and edit_data / "0003.png" not in rows.targets
     assert [record.getMessage() for record in caplog.records if "left out" in record.getMessage()] == [
         f"1 rows left out for an unreadable reference image: row 3: {reference} (OSError: image file is truncated)"]
