@@ -19,11 +19,11 @@ from training_utils.data.dreambooth import (EmbeddedImage, InstanceImages, add_d
                                             dreambooth_dataset, dreambooth_prompts, generate_class_images,
                                             instance_images_from_args, instance_then_class_collate, list_images,
                                             training_captions)
+from training_utils.data.flags import add_data_args
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform, read_image
 from training_utils.data.prompts import cached_rows
 from training_utils.errors import UsageError
-from training_utils.data.flags import add_data_args
 
 
 def solid(path, value, size=(12, 8)):

@@ -17,9 +17,9 @@ from training_utils.data.datasets import TrainDataset, make_dataloader, stack_co
 from training_utils.ema import EMA
 from training_utils.errors import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, RunStopped, UsageError
 from training_utils.loop import TrainingLoop
+from training_utils.names import STATUS_FILE
 from training_utils.optimization import training_length
 from training_utils.outputs.export import TensorsExport
-from training_utils.names import STATUS_FILE
 from training_utils.outputs.run_status import RunRecord, read_status
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema import PostHocEMA, read_snapshots

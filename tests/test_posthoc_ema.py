@@ -12,9 +12,9 @@ from training_utils.ema import PowerEMA
 from training_utils.names import LORA_WEIGHTS_NAME, SNAPSHOT_DIR
 from training_utils.outputs.export import TENSORS_NAME, ModelExport
 from training_utils.posthoc_ema import FORMAT_FILE, PostHocEMA, read_snapshots
+from training_utils.posthoc_ema.__main__ import main
 from training_utils.posthoc_ema.profiles import (MAX_SIGMA_REL, gamma_to_sigma_rel, profile_dot, sigma_rel_to_gamma,
                                                  solve_posthoc_coefficients)
-from training_utils.posthoc_ema.__main__ import main
 from training_utils.posthoc_ema.synthesis import SYNTHESIS_FILE, output_folder, synthesize
 
 TRACKED = [0.05, 0.10]

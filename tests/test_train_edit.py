@@ -46,8 +46,8 @@ from training_utils.adapters.export import converted_name
 from training_utils.data.images import read_image
 from training_utils.families import flux2, flux2_dev, flux_kontext, qwen_image_edit
 from training_utils.grids import step_grid
+from training_utils.grids import read_log
 from training_utils.testing import assert_lora_changes_pipeline_output, assert_same_files, checkpoint_names
-from training_utils.validation import read_log
 
 LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "make the square blue"

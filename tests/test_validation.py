@@ -14,7 +14,8 @@ from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
 from training_utils.ema import EMA
 from training_utils.grids import progress_grid
 from training_utils.pipeline import trainable_parameters
-from training_utils.validation import Validator, preserved_state, validation_due
+from training_utils.pipeline import preserved_state
+from training_utils.validation import Validator, validation_due
 
 
 @pytest.mark.parametrize(

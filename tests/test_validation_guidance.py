@@ -9,8 +9,9 @@ from accelerate import Accelerator
 from PIL import Image
 
 from training_utils.errors import UsageError
+from training_utils.grids import read_log
 from training_utils.outputs.hub import write_model_card
-from training_utils.validation import make_validator, read_log
+from training_utils.validation import make_validator
 from training_utils.validation_guidance import guidance_used, with_validation_guidance
 
 

@@ -1,9 +1,12 @@
 """Load the pipeline once, then hand out its components ready for training.
 
 The scripts never load a component on its own: the pipeline built here is the one that trains
-(its modules are the live ones) and the one that renders validation images.
+(its modules are the live ones) and the one that renders validation images; `preserved_state` restores its
+schedulers and its modules' train/eval modes after such a render.
 """
 
+import contextlib
+import copy
 import re
 
 import torch
@@ -107,3 +110,18 @@ def training_noise_scheduler(pipe, scheduler_class=DDPMScheduler, prediction_typ
     if prediction_type is not None:
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
     return scheduler_class.from_config(pipe.scheduler.config)
+
+
+@contextlib.contextmanager
+def preserved_state(schedulers, modules):
+    """Restore the schedulers' attributes and every submodule's train/eval mode on exit."""
+    saved_schedulers = [copy.deepcopy(vars(scheduler)) for scheduler in schedulers]
+    saved_modes = [(submodule, submodule.training) for module in modules for submodule in module.modules()]
+    try:
+        yield
+    finally:
+        for scheduler, saved in zip(schedulers, saved_schedulers):
+            vars(scheduler).clear()
+            vars(scheduler).update(saved)
+        for submodule, training in saved_modes:
+            submodule.training = training

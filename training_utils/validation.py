@@ -8,7 +8,6 @@ ends with the same weights as the same run without it.
 """
 
 import contextlib
-import copy
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from .ema import tensors_swapped_in
 from .grids import BASE, grid_path, progress_grid, progress_path, read_log, step_grid
 from .names import LOG_NAME, VALIDATION_DIR
 from .outputs.writing import stopping_on_write_errors
-from .pipeline import modules_of
+from .pipeline import modules_of, preserved_state
 from .posthoc_ema.synthesis import synthesize
 from .validation_guidance import guidance_used, with_validation_guidance
 
@@ -41,21 +40,6 @@ def validation_due(step, max_train_steps, validation_steps=None, validation_epoc
         return True
     return (validation_epochs is not None and step % steps_per_epoch == 0
             and (step // steps_per_epoch) % validation_epochs == 0)
-
-
-@contextlib.contextmanager
-def preserved_state(schedulers, modules):
-    """Restore the schedulers' attributes and every submodule's train/eval mode on exit."""
-    saved_schedulers = [copy.deepcopy(vars(scheduler)) for scheduler in schedulers]
-    saved_modes = [(submodule, submodule.training) for module in modules for submodule in module.modules()]
-    try:
-        yield
-    finally:
-        for scheduler, saved in zip(schedulers, saved_schedulers):
-            vars(scheduler).clear()
-            vars(scheduler).update(saved)
-        for submodule, training in saved_modes:
-            submodule.training = training
 
 
 def make_validator(args, pipe, accelerator, prompts=None, **kwargs):

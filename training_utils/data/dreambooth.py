@@ -23,9 +23,8 @@ from tqdm.auto import tqdm
 
 from ..errors import require
 from ..parser import add_refused_args
-from ..pipeline import modules_of
+from ..pipeline import modules_of, preserved_state
 from ..sharding.text_encoders import is_sharded
-from ..validation import preserved_state
 from .captions import distinct_captions, read_caption_file
 from .datasets import TrainDataset, drop_caption, load_train_dataset, pick_caption
 from .images import IMAGE_EXTENSIONS, image_sizes

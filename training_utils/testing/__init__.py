@@ -24,7 +24,7 @@ pytest: a failed check raises `AssertionError`. `tiny_fixture` builds the tiny o
 """
 
 from . import tiny
-from ..validation import read_log
+from ..grids import read_log
 from .checks import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
                      assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output, assert_model_folder_loads,
                      assert_resumes_exactly, assert_same_files, assert_same_tensors, assert_validated_at,

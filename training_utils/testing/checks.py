@@ -14,8 +14,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from ..grids import BASE
-from ..validation import read_log
+from ..grids import BASE, read_log
 from .launch import launch_script
 
 

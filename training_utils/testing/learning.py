@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from ..grids import read_log
 from .tiny.data import DEMO_STAR, star_points
 from .tiny.pretrain_sd3 import MAX_SEQUENCE_LENGTH
 
@@ -193,8 +194,6 @@ def base_images(model, prompts=tuple(BASE_PROMPTS), seeds=range(4)):
 def final_images(output_dir, variant="raw", prompt=None):
     """The paths of the images that the run in ``output_dir`` rendered at its last validation, for ``variant``
     ("raw", "ema") and ``prompt`` (by default the first)."""
-    from ..validation import read_log
-
     log = [record for record in read_log(output_dir) if record["variant"] == variant]
     prompt = prompt if prompt is not None else log[0]["prompt"]
     last = [record for record in log if record["prompt"] == prompt and record["step"] == log[-1]["step"]]
