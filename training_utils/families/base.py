@@ -33,7 +33,7 @@ def check_max_sequence_length(args, limit=None, pipeline=None):
 def max_sequence_length(pipe, args, method="encode_prompt"):
     """``--max_sequence_length``, or where unset the default of the pipeline's ``method`` (``"__call__"`` where the
     pipeline passes its own to ``encode_prompt``)."""
-    default = inspect.signature(getattr(type(pipe), method)).parameters["max_sequence_length"].default
+    default = inspect.signature(getattr(pipe, method)).parameters["max_sequence_length"].default
     return args.max_sequence_length or default
 
 
