@@ -7,11 +7,12 @@ import torch
 from PIL import Image
 
 from training_utils.data.captions import distinct_captions
-from training_utils.data.datasets import sample_generator, tokenize
+from training_utils.data.datasets import sample_generator
 from training_utils.data.frozen_encoders import (CACHE_INDEX_COLUMN, FrozenEncoders, UnreadableImage, cached_images,
                                                  cached_latent_parameters, cached_latent_parameters_with_conditioning,
                                                  latent_chunk_encoder, sample_latents)
 from training_utils.data.images import ImageTransform, ImageWithConditioningTransform
+from training_utils.families.base import tokenize
 
 
 def cache_latent_parameters(images, transform, vae, batch_size):

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from training_utils.args import training_parser
-from training_utils.data.datasets import TrainDataset, load_train_dataset, pick_caption, sample_generator, tokenize
+from training_utils.data.datasets import TrainDataset, load_train_dataset, pick_caption, sample_generator
 from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
 from training_utils.testing.tiny.data import COLORS, SHAPES
@@ -242,24 +242,6 @@ def test_pick_caption_bad_type_raises_usage_error(value):
 def test_pick_caption_names_the_given_flag():
     with pytest.raises(UsageError, match="--text_column"):
         pick_caption(3.5, generator(0), flag="--text_column")
-
-
-def test_tokenize_pads_to_max_length(tiny_sd_pipe):
-    tokenizer = tiny_sd_pipe.tokenizer
-    ids = tokenize(tokenizer, ["a red circle", "a blue square on a white background"])
-    assert ids.shape == (2, tokenizer.model_max_length) == (2, 77)
-    assert ids.dtype == torch.long
-    assert not torch.equal(ids[0], ids[1])
-    expected = tokenizer("a red circle").input_ids
-    assert ids[0, : len(expected)].tolist() == expected
-    assert torch.all(ids[0, len(expected):] == tokenizer.pad_token_id)
-
-
-def test_tokenize_truncates(tiny_sd_pipe):
-    tokenizer = tiny_sd_pipe.tokenizer
-    ids = tokenize(tokenizer, ["red " * 200])
-    assert ids.shape == (1, 77)
-    assert ids[0, -1].item() == tokenizer.eos_token_id
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,30 +14,9 @@ from diffusers import DiffusionPipeline
 import training_utils.families
 from training_utils.families import (chroma, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4, krea2,
                                      lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
-from training_utils.families.layout import Family
+from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily
 from training_utils.families.registry import FAMILIES
 
-# The protocol: each function's leading parameters. A family whose text encoders can train may add
-# ``text_encoders=None`` to ``encode_prompts``; one whose pipeline takes reference images (an edit model) adds
-# ``references=()`` to ``model_inputs`` and offers `EDIT_PROTOCOL`.
-PROTOCOL = {
-    "prompt_settings": ["pipe", "args"],
-    "call_kwargs": ["pipe", "settings"],
-    "prompt_dependencies": ["pipe", "settings"],
-    "encode_prompts": ["pipe", "prompts", "device", "settings"],
-    "text_inputs": ["rows"],
-    "image_vae": ["pipe"],
-    "normalized_latents": ["pipe", "latents"],
-    "model_inputs": ["pipe", "noisy_latents", "timesteps", "text"],
-    "prediction": ["pipe", "output", "latents"],
-}
-EDIT_PROTOCOL = {
-    "reference_layout": ["pipe"],
-    "check_reference_size": ["width", "height"],
-    "reference_latents": ["pipe", "parameters"],
-}
-# What a function of the protocol may take besides its leading parameters, and their defaults.
-OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"references": ()}}
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
@@ -50,27 +29,37 @@ SHORTER = {ideogram4}
 
 
 def test_every_family_module_is_registered_and_tested_here():
-    modules = {name for _, name, _ in pkgutil.iter_modules(training_utils.families.__path__) if name not in ("layout", "registry")}
+    modules = {name for _, name, _ in pkgutil.iter_modules(training_utils.families.__path__)
+               if name not in ("base", "layout", "protocol", "registry")}
     assert modules == {module.__name__.rsplit(".", 1)[1] for module in MODULES}
     assert [module.FAMILY for module in MODULES] == list(FAMILIES.values())
 
 
+def functions_of(protocol):
+    """``{name: parameters}`` of the protocol's functions."""
+    return {name: inspect.signature(getattr(protocol, name)).parameters for name in dir(protocol)
+            if not name.startswith("_")}
+
+
 @pytest.mark.parametrize("module", MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[1])
-def test_every_family_offers_the_protocol_with_its_signatures(module):
-    for name, leading in PROTOCOL.items():
+def test_every_family_follows_the_protocol_with_its_signatures(module):
+    """The package's protocol (`protocol.ImageFamily`, `protocol.EditFamily`): each function with the protocol's
+    parameters, and only those `protocol.OPTIONAL` allows besides; an edit family's reference functions may add
+    parameters with defaults."""
+    image, edit = functions_of(ImageFamily), functions_of(EditFamily)
+    references = edit.keys() - image.keys()
+    assert isinstance(module, ImageFamily) and module.FAMILY.pipelines, module.__name__
+    offered = [name for name in sorted(references) if hasattr(module, name)]
+    assert offered in ([], sorted(references)) and bool(offered) == isinstance(module, EditFamily), module.__name__
+    for name, expected in (edit if offered else image).items():
         parameters = inspect.signature(getattr(module, name)).parameters
-        assert list(parameters)[:len(leading)] == leading, (module.__name__, name)
-        extra = {key: parameter.default for key, parameter in parameters.items() if key not in leading}
-        assert extra in ({}, OPTIONAL.get(name)), (name, extra)
-    edit = [name for name in EDIT_PROTOCOL if hasattr(module, name)]
-    assert edit in ([], list(EDIT_PROTOCOL)), (module.__name__, edit)
-    for name in edit:  # the leading parameters; any others have defaults (Kontext's layout: the targets' area)
-        parameters = inspect.signature(getattr(module, name)).parameters
-        assert list(parameters)[:len(EDIT_PROTOCOL[name])] == EDIT_PROTOCOL[name], (module.__name__, name)
-        assert all(parameter.default is not parameter.empty for parameter in
-                   list(parameters.values())[len(EDIT_PROTOCOL[name]):]), (module.__name__, name)
-    assert bool(edit) == ("references" in inspect.signature(module.model_inputs).parameters), module.__name__
-    assert isinstance(module.FAMILY, Family) and module.FAMILY.pipelines
+        assert [(key, parameter.default) for key, parameter in parameters.items()][:len(expected)] == \
+            [(key, parameter.default) for key, parameter in expected.items()], (module.__name__, name)
+        extra = {key: parameter.default for key, parameter in parameters.items() if key not in expected}
+        if name in references:
+            assert inspect.Parameter.empty not in extra.values(), (module.__name__, name, extra)
+        else:
+            assert extra in ({}, OPTIONAL.get(name)), (module.__name__, name, extra)
     assert hasattr(module, "add_args") == hasattr(module, "check_args")
 
 

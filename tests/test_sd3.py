@@ -6,9 +6,9 @@ from diffusers import StableDiffusion3Pipeline
 
 from training_utils.adapters.injection import CLIP_ATTENTION_PROJECTIONS, add_lora
 from training_utils.args import training_parser
-from training_utils.data.datasets import tokenize
 from training_utils.errors import UsageError
 from training_utils.families import sd3
+from training_utils.families.base import tokenize
 
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
 

@@ -9,9 +9,9 @@ from PIL import Image
 
 from training_utils.args import training_parser
 from training_utils.data.buckets import AspectRatioBuckets, on_the_fly_buckets
-from training_utils.data.datasets import tokenize
 from training_utils.data.images import ImageTransform
 from training_utils.errors import UsageError
+from training_utils.families.base import tokenize
 from training_utils.families.sdxl import (add_args, batch_time_ids, check_vae_path, encode_prompts, time_ids,
                                           vae_components)
 

@@ -109,76 +109,78 @@ def main(args, run):
                          processor=qwen_image_edit.load_processor(args.pretrained_model_name_or_path, args.revision,
                                                                   args.cache_dir))
     transformer, text_encoders = pipe.transformer, [pipe.text_encoder]
-    qwen_image_edit.use_reference_area(pipe, args.reference_area)  # in training and validation alike
-    noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
-    settings = qwen_image_edit.prompt_settings(pipe, args)
-    call_kwargs = qwen_image_edit.call_kwargs(pipe, settings)
+    with qwen_image_edit.references_at_area(pipe, args.reference_area):  # in training and validation alike
+        noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+        settings = qwen_image_edit.prompt_settings(pipe, args)
+        call_kwargs = qwen_image_edit.call_kwargs(pipe, settings)
 
-    # 3. An adapter (--adapter) on the transformer; the EMA tracks it. The text encoder and the VAE stay frozen.
-    add_adapter(transformer, adapter_config(args, linear_layers_named(transformer, comma_separated(args.lora_layers))))
-    trained = {"transformer": transformer}
-    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    compile_repeated_blocks(transformer, args.torch_compile)
-    parameters = trainable_parameters(trained)
-    export = adapter_export(type(pipe), trained, export_formats(args))
-    ema = make_ema(args, parameters, accelerator)
-    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
+        # 3. An adapter (--adapter) on the transformer; the EMA tracks it. The text encoder and the VAE stay frozen.
+        add_adapter(transformer,
+                    adapter_config(args, linear_layers_named(transformer, comma_separated(args.lora_layers))))
+        trained = {"transformer": transformer}
+        prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
+        if args.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        compile_repeated_blocks(transformer, args.torch_compile)
+        parameters = trainable_parameters(trained)
+        export = adapter_export(type(pipe), trained, export_formats(args))
+        ema = make_ema(args, parameters, accelerator)
+        posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Data: targets bucketed, references laid out as the pipeline lays them out. The frozen encoders run once,
-    #    here, not in every step (the text encoder on each row's instructions with its references; with
-    #    --cache_latents, the VAE on each target and reference), then leave the accelerator until validation.
-    #    Optimizer, schedule, accelerate; the loop resumes if asked.
-    transform = ImageTransform.from_args(args, pipe)
-    frozen = FrozenEncoders(qwen_image_edit.image_vae(pipe), text_encoders, transform, accelerator.device,
-                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
-                            offload=args.offload, seed=args.seed)
+        # 4. Data: targets bucketed, references laid out as the pipeline lays them out. The frozen encoders run once,
+        #    here, not in every step (the text encoder on each row's instructions with its references; with
+        #    --cache_latents, the VAE on each target and reference), then leave the accelerator until validation.
+        #    Optimizer, schedule, accelerate; the loop resumes if asked.
+        transform = ImageTransform.from_args(args, pipe)
+        frozen = FrozenEncoders(qwen_image_edit.image_vae(pipe), text_encoders, transform, accelerator.device,
+                                weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                                offload=args.offload, seed=args.seed)
 
-    def encode_prompts(prompts):
-        return qwen_image_edit.encode_prompts(pipe, prompts, accelerator.device, settings)
+        def encode_prompts(prompts):
+            return qwen_image_edit.encode_prompts(pipe, prompts, accelerator.device, settings)
 
-    embeddings = embeddings_with_references(frozen, rows, args.caption_dropout, encode_prompts,
-                                            qwen_image_edit.prompt_dependencies(pipe, settings), args.random_flip)
-    lay_out, layout_dependencies = qwen_image_edit.reference_layout(pipe)
-    references = References(lay_out, frozen, layout_dependencies)
-    dataset = edit_dataset(rows, frozen, references, args.seed, args.repeats, args.caption_dropout)
-    dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
-                                                     edit_collate, args.seed))
+        embeddings = embeddings_with_references(frozen, rows, args.caption_dropout, encode_prompts,
+                                                qwen_image_edit.prompt_dependencies(pipe, settings), args.random_flip)
+        lay_out, layout_dependencies = qwen_image_edit.reference_layout(pipe)
+        references = References(lay_out, frozen, layout_dependencies)
+        dataset = edit_dataset(rows, frozen, references, args.seed, args.repeats, args.caption_dropout)
+        dataloader = accelerator.prepare(make_dataloader(dataset, args.train_batch_size, args.dataloader_num_workers,
+                                                         edit_collate, args.seed))
 
-    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
-    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
-    prompt_rows = cached_rows(embeddings, accelerator.device)  # each sample's by its (row, instruction, flip)
+        max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+        optimizer = make_optimizer(args, parameters, accelerator.num_processes)
+        lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+        models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+        prompt_rows = cached_rows(embeddings, accelerator.device)  # each sample's by its (row, instruction, flip)
 
-    validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                               call_kwargs={**validation_size(args, dataset.target_shapes), **call_kwargs},
-                               **validation)
-    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
-                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
-    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
+        validator = make_validator(args, pipe, accelerator, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+                                   weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+                                   call_kwargs={**validation_size(args, dataset.target_shapes), **call_kwargs},
+                                   **validation)
+        loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+                            steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+        accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
-    # 5. The loop: flow matching in the transformer's own layout and conventions (the family module's): the target's
-    # latents move on a straight line to noise and the transformer predicts the velocity, noise - latents, reading
-    # the clean references' tokens after the target's, and each sample's instruction embedded with its references.
-    # After each optimizer step the loop updates the EMA, checkpoints and validates when due (the final step
-    # included, once).
-    for model in models.values():
-        model.train()
-    for batch in loop:
-        with accelerator.accumulate(*models.values()):
-            latents = qwen_image_edit.normalized_latents(pipe, frozen.latents(batch["images"]))
-            reference_latents = qwen_image_edit.reference_latents(pipe, references.parameters(batch["references"]))
-            noise = torch.randn_like(latents)
-            timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
-            text = qwen_image_edit.text_inputs(prompt_rows(zip(batch["rows"], batch["prompts"], batch["flips"])))
-            inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text,
-                                                  reference_latents)
-            output = models["transformer"](**inputs, return_dict=False)[0]
-            loss = flow_matching_loss(qwen_image_edit.prediction(pipe, output, latents), latents, noise, sigmas, args)
-            loop.backward_and_step(loss)
+        # 5. The loop: flow matching in the transformer's own layout and conventions (the family module's): the target's
+        # latents move on a straight line to noise and the transformer predicts the velocity, noise - latents, reading
+        # the clean references' tokens after the target's, and each sample's instruction embedded with its references.
+        # After each optimizer step the loop updates the EMA, checkpoints and validates when due (the final step
+        # included, once).
+        for model in models.values():
+            model.train()
+        for batch in loop:
+            with accelerator.accumulate(*models.values()):
+                latents = qwen_image_edit.normalized_latents(pipe, frozen.latents(batch["images"]))
+                reference_latents = qwen_image_edit.reference_latents(pipe, references.parameters(batch["references"]))
+                noise = torch.randn_like(latents)
+                timesteps, sigmas = sample_flow_matching_timesteps(noise_scheduler, args, latents)
+                text = qwen_image_edit.text_inputs(prompt_rows(zip(batch["rows"], batch["prompts"], batch["flips"])))
+                inputs = qwen_image_edit.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text,
+                                                      reference_latents)
+                output = models["transformer"](**inputs, return_dict=False)[0]
+                loss = flow_matching_loss(qwen_image_edit.prediction(pipe, output, latents), latents, noise, sigmas,
+                                          args)
+                loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:

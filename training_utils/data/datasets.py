@@ -145,13 +145,6 @@ def dataset_shapes(transform, dataset, column):
     return transform.shapes(image_sizes(row[column] for row in undecoded))
 
 
-def tokenize(tokenizer, texts):
-    """Token ids padded to the tokenizer's maximum length, as the text encoders were trained."""
-    return tokenizer(
-        texts, max_length=tokenizer.model_max_length, padding="max_length", truncation=True, return_tensors="pt"
-    ).input_ids
-
-
 def stack_collate(examples):
     """Batch a list of ``{name: value}`` samples into ``{name: batch}``: tensors stacked, anything else (a prompt)
     listed."""

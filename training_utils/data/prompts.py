@@ -5,16 +5,10 @@ and a pooled embedding); a prompt's row is its slice of each part. Frozen text e
 before training (`cache.FrozenEncoders.text_embeddings`, in the chunks of `text_chunk_encoder`); text encoders that
 train encode a step's prompts in the step. Either way the step gets each sample's row (`cached_rows`,
 `encoded_rows`), and the family's ``text_inputs`` batches the rows into the model's text inputs.
-
-Most transformer families take the prompt's length in tokens, ``--max_sequence_length``; unset, the pipeline's own
-default applies (`check_max_sequence_length`, `max_sequence_length`).
 """
-
-import inspect
 
 import torch
 
-from ..errors import require
 from .feature_store import Block
 
 
@@ -34,11 +28,6 @@ def encoded_rows(encode):
         return list(zip(*encode(list(prompts))))
 
     return rows
-
-
-def stacked(rows, part):
-    """Part ``part`` of every row, stacked into a batch."""
-    return torch.stack([row[part] for row in rows])
 
 
 def text_chunk_encoder(captions, encode):
@@ -79,15 +68,3 @@ def embeddings_by_caption(captions, blocks):
         found.update(zip(block.indices.tolist(), zip(*parts)))
     return {caption: found[index] for index, caption in enumerate(captions)}
 
-
-def check_max_sequence_length(args):
-    """A positive ``--max_sequence_length``, or none (the pipeline's default)."""
-    require(args.max_sequence_length is None or args.max_sequence_length > 0, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer")
-
-
-def max_sequence_length(pipe, args, method="encode_prompt"):
-    """``--max_sequence_length``, or where unset the default of the pipeline's ``method`` (``"__call__"`` where the
-    pipeline passes its own to ``encode_prompt``)."""
-    default = inspect.signature(getattr(type(pipe), method)).parameters["max_sequence_length"].default
-    return args.max_sequence_length or default

@@ -22,6 +22,19 @@ load); those whose text encoders can train take the wrapped encoders in ``encode
 text_encoders={component: module})``. Each module's ``FAMILY`` (`layout.Family`) names the pipeline classes whose
 LoRAs it lays out, exactly, and its ComfyUI layout (``COMFYUI_LAYOUT``, the original release's module names).
 
+The protocol is stated once, as code: `protocol.ImageFamily` (the functions above, with their signatures) and
+`protocol.EditFamily` for families whose pipelines take reference images (``model_inputs(..., references=())``,
+``reference_layout``, ``check_reference_size``, ``reference_latents``); `protocol.OPTIONAL` names the parameters a
+function may add (``text_encoders``). ``tests/test_families.py`` checks every family module against them.
+
+Families share code in one way: where a family's protocol function is exactly a shared one, the module binds the
+name to it by assignment at its top (``image_vae = base.image_vae``; ``normalized_latents = flux.normalized_latents``
+in FLUX.1 Kontext), so a script still calls ``flux_kontext.image_vae(pipe)``. `base` holds what several families do
+alike (the VAE as it is, the renders' settings, shifting and scaling or standardising latents, the shared flags
+``--max_sequence_length`` and ``--guidance_scale``, each declared there only, and the small text helpers); a family
+that does more than another family's function writes its own function and calls that one inside.
+
 A new family adds its module here and registers it in `registry` (`FAMILIES`). Importing one family module
-imports no other: the registry, which imports them all, is for the code that looks families up by name.
+imports no other but those it shares functions with, and little of the rest of the package: the registry, which
+imports them all, is for the code that looks families up by name.
 """

@@ -24,25 +24,14 @@ static helpers, its ``encode_prompt`` and that method's defaults), so training f
 pipeline's sampling loop feeds it at the same noise level.
 """
 
-from ..data.prompts import check_max_sequence_length, max_sequence_length, stacked
-from .layout import BLOCK, Family, Rename, fused
+from . import base, flux
+from .base import stacked
+from .layout import Family, Rename
 
-SINGLE_BLOCK = r"single_transformer_blocks\.(\d+)\."
 # The original release's module tree (ComfyUI's Chroma model, comfy/ldm/chroma/model.py): diffusers'
 # convert_chroma_transformer_checkpoint_to_diffusers, read backwards (FLUX.1's blocks, Chroma's modulation network).
 COMFYUI_LAYOUT = (
-    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
-    *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
-    Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
-    Rename(BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
-    Rename(BLOCK + r"ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.0"),
-    Rename(BLOCK + r"ff\.net\.2", r"double_blocks.\1.img_mlp.2"),
-    Rename(BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
-    Rename(BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
-    # The single-stream blocks' q, k, v and MLP input are one layer there, the MLP's rows four times the others'.
-    *fused(SINGLE_BLOCK + "{}", r"single_blocks.\1.linear1", (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", "proj_mlp"),
-           sizes=(1, 1, 1, 4)),
-    Rename(SINGLE_BLOCK + "proj_out", r"single_blocks.\1.linear2"),
+    *flux.BLOCKS_LAYOUT,
     Rename(r"distilled_guidance_layer\.(in_proj|out_proj)", r"distilled_guidance_layer.\1"),
     Rename(r"distilled_guidance_layer\.layers\.(\d+)\.linear_1", r"distilled_guidance_layer.layers.\1.in_layer"),
     Rename(r"distilled_guidance_layer\.layers\.(\d+)\.linear_2", r"distilled_guidance_layer.layers.\1.out_layer"),
@@ -51,29 +40,19 @@ COMFYUI_LAYOUT = (
     Rename(r"proj_out", "final_layer.linear"),
 )
 FAMILY = Family("chroma", "Chroma", ("ChromaPipeline",), "transformer", {}, COMFYUI_LAYOUT)
+check_args = base.check_max_sequence_length
+prompt_settings = base.prompt_length_settings
+# The renders guide by classifier-free guidance on the empty prompt, as the pipeline does by default.
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
+normalized_latents = base.shifted_and_scaled_latents
+prediction = base.unpacked_prediction
 
 
 def add_args(parser):
     """The prompt-encoding flag of the diffusers FLUX.1 script; unset, the pipeline's own default applies."""
-    group = parser.add_argument_group("Chroma")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="T5 tokens per prompt (default: the pipeline's, 512)")
-
-
-def check_args(args):
-    check_max_sequence_length(args)
-
-
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
-    ``--max_sequence_length``, or where unset the method's own default."""
-    return {"max_sequence_length": max_sequence_length(pipe, args)}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings (the pipeline
-    guides by classifier-free guidance on the empty prompt, as it does by default)."""
-    return dict(settings)
+    base.add_max_sequence_length(parser.add_argument_group("Chroma"),
+                                 "T5 tokens per prompt (default: the pipeline's, 512)")
 
 
 def prompt_dependencies(pipe, settings):
@@ -98,16 +77,6 @@ def text_inputs(rows):
             "txt_ids": prompt_embeds.new_zeros(prompt_embeds.shape[1], 3)}
 
 
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents as the transformer reads them: shifted and scaled as the pipeline undoes before decoding."""
-    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
-
-
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens of 2×2 patches, their (0, row, column) ids, the timesteps in the
@@ -121,11 +90,3 @@ def model_inputs(pipe, noisy_latents, timesteps, text):
             "img_ids": pipe._prepare_latent_image_ids(batch_size, height // 2, width // 2, noisy_latents.device,
                                                       noisy_latents.dtype),
             "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text, "attention_mask": attention_mask}
-
-
-def prediction(pipe, output, latents):
-    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``: the velocity it
-    predicts."""
-    height, width = latents.shape[-2:]
-    scale = pipe.vae_scale_factor  # the unpacking takes the image's size in pixels
-    return pipe._unpack_latents(output, height * scale, width * scale, scale)

@@ -19,19 +19,17 @@ velocity. Every piece is the pipeline's own (its static helpers, its ``encode_pr
 so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
 """
 
-import inspect
-
 import torch
 
-from ..data.datasets import tokenize
-from ..data.prompts import stacked
-from ..errors import require
+from . import base
+from .base import stacked, tokenize
 from .layout import BLOCK, Family, Rename, always, fused
 
 SINGLE = r"single_transformer_blocks\.(\d+)\."
 # The original release's module tree (ComfyUI's FLUX.1 model): diffusers' convert_flux_to_diffusers, read backwards.
-# A single-stream block's linear1 fuses q, k, v and the MLP's input projection, four times as wide as each.
-COMFYUI_LAYOUT = (
+# The double-stream blocks' layers, and the single-stream blocks' linear layers (Chroma's are the same): a
+# single-stream block's linear1 fuses q, k, v and the MLP's input projection, four times as wide as each.
+BLOCKS_LAYOUT = (
     *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
     *fused(BLOCK + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
     Rename(BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
@@ -40,11 +38,14 @@ COMFYUI_LAYOUT = (
     Rename(BLOCK + r"ff\.net\.2", r"double_blocks.\1.img_mlp.2"),
     Rename(BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
     Rename(BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
-    Rename(BLOCK + r"norm1\.linear", r"double_blocks.\1.img_mod.lin"),
-    Rename(BLOCK + r"norm1_context\.linear", r"double_blocks.\1.txt_mod.lin"),
-    *fused(SINGLE + "{}", r"single_blocks.\1.linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    *fused(SINGLE + "{}", r"single_blocks.\1.linear1", (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", "proj_mlp"),
            sizes=(1, 1, 1, 4)),
     Rename(SINGLE + r"proj_out", r"single_blocks.\1.linear2"),
+)
+COMFYUI_LAYOUT = (
+    *BLOCKS_LAYOUT,
+    Rename(BLOCK + r"norm1\.linear", r"double_blocks.\1.img_mod.lin"),
+    Rename(BLOCK + r"norm1_context\.linear", r"double_blocks.\1.txt_mod.lin"),
     Rename(SINGLE + r"norm\.linear", r"single_blocks.\1.modulation.lin"),
     Rename(r"x_embedder", "img_in"),
     Rename(r"context_embedder", "txt_in"),
@@ -60,34 +61,28 @@ COMFYUI_LAYOUT = (
 # The CLIP encoder's LoRA (--train_text_encoder) in kohya's names, which ComfyUI reads for FLUX.1's clip_l.
 TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1"}
 FAMILY = Family("flux", "FLUX.1", ("FluxPipeline",), "transformer", TEXT_ENCODER_PREFIXES, COMFYUI_LAYOUT)
+call_kwargs = base.call_kwargs  # the prompt settings and the guidance
+image_vae = base.image_vae
+normalized_latents = base.shifted_and_scaled_latents
+prediction = base.unpacked_prediction
 
 
 def add_args(parser):
     """The prompt and guidance flags of the diffusers FLUX.1 script; unset, the pipeline's own defaults apply."""
     group = parser.add_argument_group("FLUX.1")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="T5 tokens per prompt (default: the pipeline's, 512)")
-    group.add_argument("--guidance_scale", type=float, default=3.5,
-                       help="the guidance that FLUX.1 [dev]'s transformer embeds in training, and validation's "
-                            "(upstream's default; [schnell] embeds none)")
+    base.add_max_sequence_length(group, "T5 tokens per prompt (default: the pipeline's, 512)")
+    base.add_guidance_scale(group, "the guidance that FLUX.1 [dev]'s transformer embeds in training, and "
+                                   "validation's (upstream's default, 3.5; [schnell] embeds none)")
 
 
 def check_args(args):
-    require(args.max_sequence_length is None or 0 < args.max_sequence_length <= 512, "--max_sequence_length",
-            args.max_sequence_length, "a positive integer of at most 512 (FluxPipeline's limit)")
+    base.check_max_sequence_length(args, 512, "FluxPipeline")
 
 
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike: ``--max_sequence_length``
     or the method's default; and the guidance."""
-    defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default,
-            "guidance_scale": args.guidance_scale}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings and the guidance."""
-    return dict(settings)
+    return {"max_sequence_length": base.max_sequence_length(pipe, args), "guidance_scale": args.guidance_scale}
 
 
 def prompt_dependencies(pipe, settings):
@@ -118,17 +113,6 @@ def text_inputs(rows):
             "guidance": stacked(rows, 3) if len(rows[0]) > 3 else None}
 
 
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents as the transformer reads them: shifted and scaled by the VAE's configuration, as the pipeline
-    undoes before decoding."""
-    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
-
-
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into 2×2 patches, their position ids, and the timesteps in the latents' dtype
@@ -138,10 +122,3 @@ def model_inputs(pipe, noisy_latents, timesteps, text):
             "img_ids": pipe._prepare_latent_image_ids(batch, height // 2, width // 2, noisy_latents.device,
                                                       noisy_latents.dtype),
             "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
-
-
-def prediction(pipe, output, latents):
-    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``: the velocity."""
-    height, width = latents.shape[-2:]
-    scale = pipe.vae_scale_factor
-    return pipe._unpack_latents(output, height * scale, width * scale, scale)

@@ -29,13 +29,13 @@ import inspect
 
 import torch
 from diffusers import Flux2Transformer2DModel
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from PIL import Image
 from transformers import AutoConfig
 
-from ..data.prompts import check_max_sequence_length, stacked
+from . import base
 from ..errors import UsageError, require
+from .base import stacked
 from .layout import BLOCK, Family, Rename, always, fused
 
 # The original release's module tree (ComfyUI's FLUX.2 model): diffusers'
@@ -64,22 +64,25 @@ COMFYUI_LAYOUT = (
 FAMILY = Family("flux2", "FLUX.2", ("Flux2KleinPipeline",), "transformer", {}, COMFYUI_LAYOUT)
 # The largest reference, in pixels, that the FLUX.2 pipelines encode as it is; a larger one is scaled down to it.
 REFERENCE_AREA = 1024 * 1024
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
 
 
 def add_args(parser):
-    """The prompt-encoding flags of the diffusers FLUX.2 scripts; unset, the pipeline's own defaults apply."""
+    """The prompt-encoding flags of the diffusers FLUX.2 scripts ([klein]'s and [dev]'s); unset, the pipeline's own
+    defaults apply."""
     group = parser.add_argument_group("FLUX.2")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="tokens per prompt (default: the pipeline's, 512)")
+    base.add_max_sequence_length(group, "tokens per prompt, [dev]'s system message included (default: the "
+                                        "pipeline's, 512)")
     group.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=None,
                        help="indices of the text encoder's hidden states that the prompt embedding stacks "
-                            "(default: the pipeline's, 9 18 27 for FLUX.2 [klein])")
+                            "(default: the pipeline's, 9 18 27 for FLUX.2 [klein], 10 20 30 for [dev])")
 
 
 def check_args(args):
     """Fail in one line on a bad prompt setting, before any weights load: ``--text_encoder_out_layers`` is
     checked against the text encoder's and the transformer's configurations, which load without weights."""
-    check_max_sequence_length(args)
+    base.check_max_sequence_length(args)
     if args.text_encoder_out_layers is not None:
         check_text_encoder_out_layers(args.text_encoder_out_layers, *model_configs(args))
 
@@ -111,14 +114,9 @@ def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
     ``--max_sequence_length`` and ``--text_encoder_out_layers``, or where unset the method's own defaults."""
     defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default,
+    return {"max_sequence_length": base.max_sequence_length(pipe, args),
             "text_encoder_out_layers": tuple(args.text_encoder_out_layers
                                              or defaults["text_encoder_out_layers"].default)}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
-    return dict(settings)
 
 
 def prompt_dependencies(pipe, settings):
@@ -137,20 +135,11 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0), "txt_ids": stacked(rows, 1)}
 
 
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
 def normalized_latents(pipe, latents):
     """VAE latents ``(B, C, H, W)`` as the transformer reads them: 2×2 patches folded into the channels, then
     standardised with the VAE's batch-norm running statistics, as the pipeline encodes images (sampling undoes
     both before decoding)."""
-    patches = pipe._patchify_latents(latents)
-    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
-    mean = bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
-    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(patches.device, patches.dtype)
-    return (patches - mean) / std
+    return base.batch_norm_standardised(pipe, pipe._patchify_latents(latents))
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text, references=()):
@@ -205,4 +194,4 @@ def reference_latents(pipe, parameters):
     """The references of a batch as the pipeline encodes them, from their VAE latent distributions' ``parameters``
     (a list, one ``(B, 2C, h, w)`` tensor per reference): the mode (the pipeline's ``sample_mode="argmax"``),
     patchified and standardised (`normalized_latents`)."""
-    return [normalized_latents(pipe, DiagonalGaussianDistribution(batch).mode()) for batch in parameters]
+    return base.normalized_modes(pipe, parameters, normalized_latents)

@@ -21,33 +21,32 @@ compares them with the velocity. Every piece is the pipeline's own, so training 
 pipeline's sampling loop feeds it at the same noise level.
 """
 
-import inspect
-
 import torch
 
-from . import flux2
-from ..data.prompts import stacked
+from . import base, flux2
 from ..errors import require
+from .base import stacked
 from .layout import Family
 
 FAMILY = Family("flux2_dev", "FLUX.2 [dev]", ("Flux2Pipeline",), "transformer", {}, flux2.COMFYUI_LAYOUT)
-image_vae, normalized_latents, model_inputs = flux2.image_vae, flux2.normalized_latents, flux2.model_inputs
-# Reference images (Flux2Pipeline's image=) are laid out, encoded and placed as [klein]'s pipeline does them.
-check_reference_size, reference_layout, reference_latents = (flux2.check_reference_size, flux2.reference_layout,
-                                                             flux2.reference_latents)
+# The prompts' settings and the guidance go to every render.
+call_kwargs = flux2.call_kwargs
+# [klein]'s latents and transformer inputs; reference images (Flux2Pipeline's image=) are laid out, encoded and
+# placed as [klein]'s pipeline does them.
+image_vae = flux2.image_vae
+normalized_latents = flux2.normalized_latents
+model_inputs = flux2.model_inputs
+check_reference_size = flux2.check_reference_size
+reference_layout = flux2.reference_layout
+reference_latents = flux2.reference_latents
 
 
 def add_args(parser):
-    """The prompt-encoding and guidance flags of the diffusers FLUX.2 [dev] script; unset, the pipeline's own
-    defaults apply to the prompts, and upstream's default to the guidance."""
-    group = parser.add_argument_group("FLUX.2 [dev]")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="tokens per prompt, its system message included (default: the pipeline's, 512)")
-    group.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=None,
-                       help="indices of the text encoder's hidden states that the prompt embedding stacks "
-                            "(default: the pipeline's, 10 20 30)")
-    group.add_argument("--guidance_scale", type=float, default=3.5,
-                       help="the guidance the distilled transformer is given, in training and every render "
+    """FLUX.2's prompt-encoding flags, and the guidance flag of the diffusers FLUX.2 [dev] script; unset, the
+    pipeline's own defaults apply to the prompts, and upstream's default to the guidance."""
+    flux2.add_args(parser)
+    base.add_guidance_scale(parser.add_argument_group("FLUX.2 [dev]"),
+                            "the guidance the distilled transformer is given, in training and every render "
                             "(default 3.5, upstream's)")
 
 
@@ -61,16 +60,7 @@ def check_args(args):
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with (``--max_sequence_length`` and ``--text_encoder_out_layers``, or where
     unset the method's own defaults), and the guidance: in training, validation and class images alike."""
-    defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default,
-            "text_encoder_out_layers": tuple(args.text_encoder_out_layers
-                                             or defaults["text_encoder_out_layers"].default),
-            "guidance_scale": args.guidance_scale}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings and the guidance."""
-    return dict(settings)
+    return {**flux2.prompt_settings(pipe, args), "guidance_scale": args.guidance_scale}
 
 
 def prompt_dependencies(pipe, settings):

@@ -15,19 +15,23 @@ from dataclasses import dataclass
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-from . import flux
-from .flux import (COMFYUI_LAYOUT, TEXT_ENCODER_PREFIXES, add_args, call_kwargs, check_args, encode_prompts, image_vae,
-                   normalized_latents, prompt_dependencies, prompt_settings, text_inputs)
+from . import base, flux
 from .layout import Family
 
-__all__ = ["add_args", "call_kwargs", "check_args", "encode_prompts", "image_vae", "model_inputs",
-           "normalized_latents", "prompt_dependencies", "prompt_settings", "text_inputs", "prediction",
-           "check_reference_size", "reference_latents", "reference_layout", "reference_size", "render_kwargs"]
-FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer", TEXT_ENCODER_PREFIXES,
-                COMFYUI_LAYOUT)
+FAMILY = Family("flux_kontext", "FLUX.1 Kontext", ("FluxKontextPipeline",), "transformer",
+                flux.TEXT_ENCODER_PREFIXES, flux.COMFYUI_LAYOUT)
+# FLUX.1's flags, prompts and latents.
+add_args = flux.add_args
+check_args = flux.check_args
+prompt_settings = flux.prompt_settings
+call_kwargs = flux.call_kwargs
+prompt_dependencies = flux.prompt_dependencies
+encode_prompts = flux.encode_prompts
+text_inputs = flux.text_inputs
+image_vae = flux.image_vae
+normalized_latents = flux.normalized_latents
 # The area of the pipeline's preferred resolutions (each about one megapixel).
 PREFERRED_AREA = 1024 ** 2
 
@@ -86,7 +90,7 @@ def reference_latents(pipe, parameters):
     """The `normalized_latents` of a batch's references from their VAE latent distributions' ``parameters`` (a list,
     one tensor per reference; Kontext takes at most one): the mode, as the pipeline encodes a reference
     (``sample_mode="argmax"``)."""
-    return [normalized_latents(pipe, DiagonalGaussianDistribution(batch).mode()) for batch in parameters]
+    return base.normalized_modes(pipe, parameters, normalized_latents)
 
 
 def render_kwargs(size):

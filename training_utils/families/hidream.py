@@ -27,11 +27,10 @@ the aspect ratio: `render_at_resolution` sets that area to ``--resolution``'s, s
 rendered at the size training sees (at 1024, the pipeline's own).
 """
 
-import inspect
-
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..data.prompts import check_max_sequence_length, stacked
+from . import base
+from .base import stacked
 from .layout import Family, Rename
 
 # upstream's defaults for the Llama flags: HiDream-I1's fourth text encoder, which its pipeline folders leave out.
@@ -40,21 +39,21 @@ LLAMA = "meta-llama/Meta-Llama-3.1-8B-Instruct"
 # convert_hidream_transformer_to_diffusers only strips the checkpoint's prefix).
 COMFYUI_LAYOUT = (Rename(r"(.+)", r"\1"),)
 FAMILY = Family("hidream", "HiDream-I1", ("HiDreamImagePipeline",), "transformer", {}, COMFYUI_LAYOUT)
+check_args = base.check_max_sequence_length
+prompt_settings = base.prompt_length_settings
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
+normalized_latents = base.shifted_and_scaled_latents  # the transformer cuts them into 2×2 patches itself
 
 
 def add_args(parser):
     """The prompt flags of the diffusers HiDream script, and where its Llama comes from."""
     group = parser.add_argument_group("HiDream")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="tokens per prompt, of each text encoder (default: the pipeline's, 128)")
+    base.add_max_sequence_length(group, "tokens per prompt, of each text encoder (default: the pipeline's, 128)")
     group.add_argument("--pretrained_text_encoder_4_name_or_path", default=LLAMA,
                        help=f"the Llama model that is HiDream's fourth text encoder (default: {LLAMA})")
     group.add_argument("--pretrained_tokenizer_4_name_or_path", default=LLAMA,
                        help=f"its tokenizer (default: {LLAMA})")
-
-
-def check_args(args):
-    check_max_sequence_length(args)
 
 
 def llama(args, weight_dtype, quantization=None):
@@ -81,18 +80,6 @@ def training_noise_scheduler(pipe):
     return FlowMatchEulerDiscreteScheduler.from_config(config, shift=shift)
 
 
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
-    ``--max_sequence_length`` or the method's default."""
-    defaults = inspect.signature(pipe.encode_prompt).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
-    return dict(settings)
-
-
 def prompt_dependencies(pipe, settings):
     """What the prompts' rows depend on besides the text encoders' weights, for the disk cache's key: the encoding
     code, the four tokenizers and the settings."""
@@ -112,17 +99,6 @@ def text_inputs(rows):
     return {"encoder_hidden_states_t5": stacked(rows, 0),
             "encoder_hidden_states_llama3": stacked(rows, 1).transpose(0, 1),
             "pooled_embeds": stacked(rows, 2)}
-
-
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents as the transformer reads them: shifted and scaled by the VAE's configuration, as the pipeline
-    undoes before decoding."""
-    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text):

@@ -32,8 +32,8 @@ from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICA
 from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS, _resolution_aware_mu
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
-from ..data.prompts import check_max_sequence_length, max_sequence_length
-from ..errors import UsageError, require
+from . import base
+from ..errors import UsageError
 from .layout import Family, Rename, fused
 
 # The original release's module tree, as diffusers' Ideogram 4 LoRA conversion reads it backwards
@@ -47,35 +47,27 @@ COMFYUI_LAYOUT = (
 FAMILY = Family("ideogram4", "Ideogram 4", ("Ideogram4Pipeline",), "transformer", {}, COMFYUI_LAYOUT)
 # The guidance of validation and class images: that of all but the last steps of the pipeline's default schedule (7).
 GUIDANCE_SCALE = inspect.signature(Ideogram4Pipeline.__call__).parameters["guidance_schedule"].default[0]
+image_vae = base.image_vae
 
 
 def add_args(parser):
     """The prompt-encoding flag of the diffusers Ideogram 4 script; unset, the pipeline's own default applies."""
-    group = parser.add_argument_group("Ideogram 4")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="text positions of the packed sequence, the chat template's tokens included (default: "
-                            "the pipeline's, 2048)")
+    base.add_max_sequence_length(parser.add_argument_group("Ideogram 4"), "text positions of the packed sequence, "
+                                 "the chat template's tokens included (default: the pipeline's, 2048)")
 
 
 def check_args(args):
     """Fail in one line on a bad prompt length or image size, before any weights load: the size is checked against
     the VAE's configuration, which loads without weights."""
-    check_max_sequence_length(args)
-    path, options = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
-    try:
-        scale = 2 ** (len(AutoencoderKLFlux2.load_config(path, subfolder="vae", **options)["block_out_channels"]) - 1)
-    except (OSError, ValueError, KeyError):
-        raise UsageError("--pretrained_model_name_or_path", path,
-                         "an Ideogram 4 pipeline, whose vae configuration is FLUX.2's VAE's") from None
-    require(args.resolution % (2 * scale) == 0, "--resolution", args.resolution,
-            f"a multiple of {2 * scale}: the VAE divides the size by {scale}, and the latents are packed in 2×2 "
-            "patches")
+    base.check_max_sequence_length(args)
+    base.check_packed_resolution(args, AutoencoderKLFlux2, lambda config: 2 ** (len(config["block_out_channels"]) - 1),
+                                 "an Ideogram 4 pipeline, whose vae configuration is FLUX.2's VAE's")
 
 
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
     ``--max_sequence_length``, or where unset the pipeline's default."""
-    return {"max_sequence_length": max_sequence_length(pipe, args, "__call__")}
+    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__")}
 
 
 def call_kwargs(pipe, settings):
@@ -115,11 +107,6 @@ def text_inputs(rows):
     return {"encoder_hidden_states": features, "text_lengths": torch.stack([row[1] for row in rows])}
 
 
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
 def normalized_latents(pipe, latents):
     """VAE latents ``(B, C, H, W)`` as the transformer reads them: each 2×2 patch folded into the channels, ordered
     (patch row, patch column, channel) as the pipeline unfolds them before decoding, and standardised with the VAE's
@@ -127,11 +114,8 @@ def normalized_latents(pipe, latents):
     batch, channels, height, width = latents.shape
     patch = pipe.patch_size
     patches = latents.reshape(batch, channels, height // patch, patch, width // patch, patch).permute(0, 3, 5, 1, 2, 4)
-    patches = patches.reshape(batch, patch * patch * channels, height // patch, width // patch)
-    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
-    mean = bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
-    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(patches.device, patches.dtype)
-    return (patches - mean) / std
+    return base.batch_norm_standardised(pipe, patches.reshape(batch, patch * patch * channels, height // patch,
+                                                             width // patch))
 
 
 def sample_timesteps(pipe, noise_scheduler, args, latents):

@@ -27,11 +27,8 @@ the same noise level.
 """
 
 import torch
-from diffusers import AutoencoderKLQwenImage
 
-from . import qwen_image
-from ..data.prompts import check_max_sequence_length, max_sequence_length, stacked
-from ..errors import UsageError, require
+from . import base, qwen_image
 from .layout import Family, Rename
 
 # The blocks of the image stage and of the text-fusion stages, and each block's linear layers.
@@ -54,42 +51,26 @@ COMFYUI_LAYOUT = (
     Rename(r"final_layer\.linear", "last.linear"),
 )
 FAMILY = Family("krea2", "Krea 2", ("Krea2Pipeline",), "transformer", {}, COMFYUI_LAYOUT)
-image_vae, normalized_latents = qwen_image.image_vae, qwen_image.normalized_latents
+prompt_settings = base.prompt_length_settings
+# The renders guide by classifier-free guidance on the empty prompt, as the pipeline does by default.
+call_kwargs = base.call_kwargs
+text_inputs = base.masked_text_inputs
+# Qwen-Image's VAE and latents' standardisation.
+image_vae = qwen_image.image_vae
+normalized_latents = qwen_image.normalized_latents
 
 
 def add_args(parser):
     """The prompt-encoding flag of the diffusers Krea 2 script; unset, the pipeline's own default applies."""
-    group = parser.add_argument_group("Krea 2")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="text tokens per prompt, padding and the template's suffix included (default: the "
-                            "pipeline's, 512)")
+    base.add_max_sequence_length(parser.add_argument_group("Krea 2"), "text tokens per prompt, padding and the "
+                                 "template's suffix included (default: the pipeline's, 512)")
 
 
 def check_args(args):
     """Fail in one line on a bad prompt length or image size, before any weights load: the size is checked against
     the VAE's configuration, which loads without weights."""
-    check_max_sequence_length(args)
-    path, options = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
-    try:
-        scale = 2 ** len(AutoencoderKLQwenImage.load_config(path, subfolder="vae", **options)["temperal_downsample"])
-    except (OSError, ValueError, KeyError):
-        raise UsageError("--pretrained_model_name_or_path", path,
-                         "a Krea 2 pipeline, whose vae configuration is Qwen-Image's VAE's") from None
-    require(args.resolution % (2 * scale) == 0, "--resolution", args.resolution,
-            f"a multiple of {2 * scale}: the VAE divides the size by {scale}, and the latents are packed in 2×2 "
-            "patches")
-
-
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
-    ``--max_sequence_length``, or where unset the method's own default."""
-    return {"max_sequence_length": max_sequence_length(pipe, args)}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings (the pipeline
-    guides by classifier-free guidance on the empty prompt, as it does by default)."""
-    return dict(settings)
+    base.check_max_sequence_length(args)
+    qwen_image.check_resolution(args, "a Krea 2 pipeline")
 
 
 def prompt_dependencies(pipe, settings):
@@ -103,11 +84,6 @@ def prompt_dependencies(pipe, settings):
 def encode_prompts(pipe, prompts, device, settings):
     """``(prompt_embeds, prompt_embeds_mask)`` of ``pipe.encode_prompt``, one row per prompt."""
     return pipe.encode_prompt(prompts, device=device, **settings)
-
-
-def text_inputs(rows):
-    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``."""
-    return {"encoder_hidden_states": stacked(rows, 0), "encoder_attention_mask": stacked(rows, 1)}
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text):

@@ -20,11 +20,7 @@ pipeline's scheduler configuration (its static ``shift``; the pipeline's ``mu`` 
 ``use_dynamic_shifting``).
 """
 
-import inspect
-
-import torch
-
-from ..errors import require
+from . import base
 from .layout import Family, Rename, fused
 
 # Lumina2Pipeline refuses longer prompts (its check_inputs), so a longer setting would fail at the first validation.
@@ -46,35 +42,30 @@ COMFYUI_LAYOUT = (
     Rename(r"norm_out\.linear_2", "final_layer.linear"),
 )
 FAMILY = Family("lumina2", "Lumina 2", ("Lumina2Pipeline",), "transformer", {}, COMFYUI_LAYOUT)
+call_kwargs = base.call_kwargs
+text_inputs = base.masked_text_inputs  # every prompt is padded to the same length: rows batch as they are
+image_vae = base.image_vae
+normalized_latents = base.shifted_and_scaled_latents
 
 
 def add_args(parser):
     """The prompt-encoding flags of the diffusers Lumina 2 script; unset, the pipeline's own apply."""
     group = parser.add_argument_group("Lumina 2")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="tokens per prompt, its system prompt included (default: the pipeline's, 256)")
+    base.add_max_sequence_length(group, "tokens per prompt, its system prompt included (default: the pipeline's, 256)")
     group.add_argument("--system_prompt", default=None,
                        help="the system prompt written before every prompt (default: Lumina2Pipeline's own)")
 
 
 def check_args(args):
-    require(args.max_sequence_length is None or 0 < args.max_sequence_length <= MAX_SEQUENCE_LENGTH_LIMIT,
-            "--max_sequence_length", args.max_sequence_length,
-            f"a positive integer of at most {MAX_SEQUENCE_LENGTH_LIMIT} (Lumina2Pipeline's limit)")
+    base.check_max_sequence_length(args, MAX_SEQUENCE_LENGTH_LIMIT, "Lumina2Pipeline")
 
 
 def prompt_settings(pipe, args):
     """What the pipeline encodes prompts with, in training, validation and class images alike:
     ``--system_prompt`` (else the pipeline's ``system_prompt``) and ``--max_sequence_length`` (else the default of
     the pipeline's call, which it passes to encode_prompt)."""
-    defaults = inspect.signature(type(pipe).__call__).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default,
+    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__"),
             "system_prompt": pipe.system_prompt if args.system_prompt is None else args.system_prompt}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
-    return dict(settings)
 
 
 def prompt_dependencies(pipe, settings):
@@ -89,23 +80,6 @@ def encode_prompts(pipe, prompts, device, settings):
     prompt_embeds, mask, _, _ = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, device=device,
                                                    **settings)
     return prompt_embeds, mask
-
-
-def text_inputs(rows):
-    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``."""
-    return {"encoder_hidden_states": torch.stack([embeds for embeds, _ in rows]),
-            "encoder_attention_mask": torch.stack([mask for _, mask in rows])}
-
-
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents as the transformer reads them: shifted and scaled by the VAE's config, the inverse of what the
-    pipeline does before decoding."""
-    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text):

@@ -29,12 +29,10 @@ transformer what the pipeline's sampling loop feeds it at the same noise level; 
 the latents' layout (`prediction`), where the loss compares them with the velocity.
 """
 
-import inspect
-
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from ..errors import UsageError, require
+from . import base
 from .layout import BLOCK, Family, Rename
 
 # QwenImagePipeline refuses longer prompts (its check_inputs), so a longer setting would fail at the first validation.
@@ -45,48 +43,40 @@ COMFYUI_LAYOUT = (
     Rename(r"(img_in|txt_in|time_text_embed\.timestep_embedder\.linear_[12]|norm_out\.linear|proj_out)", r"\1"),
 )
 FAMILY = Family("qwen_image", "Qwen-Image", ("QwenImagePipeline",), "transformer", {}, COMFYUI_LAYOUT)
+normalized_latents = base.standardised_latents
+prediction = base.unpacked_prediction
 
 
 def add_args(parser):
     """The prompt-encoding flag of the diffusers Qwen-Image script; unset, the pipeline's own default applies."""
-    group = parser.add_argument_group("Qwen-Image")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="text tokens per prompt at most (default: the pipeline's, 512)")
+    base.add_max_sequence_length(parser.add_argument_group("Qwen-Image"),
+                                 "text tokens per prompt at most (default: the pipeline's, 512)")
 
 
 def check_args(args):
     """Fail in one line on a bad prompt length or image size, before any weights load: the size is checked against
     the VAE's configuration, which loads without weights."""
-    require(args.max_sequence_length is None or 0 < args.max_sequence_length <= MAX_SEQUENCE_LENGTH_LIMIT,
-            "--max_sequence_length", args.max_sequence_length,
-            f"a positive integer of at most {MAX_SEQUENCE_LENGTH_LIMIT} (QwenImagePipeline's limit)")
+    base.check_max_sequence_length(args, MAX_SEQUENCE_LENGTH_LIMIT, "QwenImagePipeline")
     check_resolution(args)
 
 
-def check_resolution(args):
-    """Fail in one line on an image size that the latents cannot pack, checked against the VAE's configuration."""
-    scale = vae_scale_factor(args)
-    require(args.resolution % (2 * scale) == 0, "--resolution", args.resolution,
-            f"a multiple of {2 * scale}: the VAE divides the size by {scale}, and the latents are packed in 2×2 "
-            "patches")
+def check_resolution(args, pipeline="a Qwen-Image pipeline"):
+    """Fail in one line on an image size that the latents cannot pack, checked against the configuration of
+    ``pipeline``'s VAE (Qwen-Image's, in words as the error names it)."""
+    base.check_packed_resolution(args, AutoencoderKLQwenImage, vae_scale_factor,
+                                 f"{pipeline}, whose vae configuration is Qwen-Image's VAE's")
 
 
-def vae_scale_factor(args):
-    """How many pixels make a latent along each side for ``--pretrained_model_name_or_path``'s VAE, worked out from
-    its configuration as the pipeline works it out from the loaded VAE."""
-    path, options = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
-    try:
-        return 2 ** len(AutoencoderKLQwenImage.load_config(path, subfolder="vae", **options)["temperal_downsample"])
-    except (OSError, ValueError, KeyError):
-        raise UsageError("--pretrained_model_name_or_path", path,
-                         "a Qwen-Image pipeline, whose vae configuration is Qwen-Image's VAE's") from None
+def vae_scale_factor(config):
+    """How many pixels make a latent along each side for a Qwen-Image VAE of ``config``, worked out as the pipeline
+    works it out from the loaded VAE."""
+    return 2 ** len(config["temperal_downsample"])
 
 
 def prompt_settings(pipe, args):
     """What the pipeline encodes prompts with, in training, validation and class images alike:
     ``--max_sequence_length``, or where unset the default of the pipeline's call (which it passes to encode_prompt)."""
-    defaults = inspect.signature(type(pipe).__call__).parameters
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default}
+    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__")}
 
 
 def call_kwargs(pipe, settings):
@@ -145,17 +135,6 @@ def image_vae(pipe):
     return OneFrameVAE(pipe.vae)
 
 
-def normalized_latents(pipe, latents):
-    """VAE latents ``(B, C, 1, h, w)`` as the transformer reads them: standardised per channel with the VAE
-    configuration's ``latents_mean`` and ``latents_std``, exactly inverting what the pipeline does before decoding
-    (``latents / (1 / std) + mean``)."""
-    config = pipe.vae.config
-    shape = (1, config.z_dim, 1, 1, 1)
-    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    inverse_std = (1.0 / torch.tensor(config.latents_std).view(shape)).to(latents.device, latents.dtype)
-    return (latents - mean) * inverse_std
-
-
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs for `normalized_latents` at ``timesteps``, as the pipeline's denoising loop
     passes them: the latents packed into tokens of 2×2 patches, each image's (frames, rows, columns) of patches, and
@@ -164,11 +143,3 @@ def model_inputs(pipe, noisy_latents, timesteps, text):
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
             "img_shapes": [[(frames, height // 2, width // 2)]] * batch_size,
             "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
-
-
-def prediction(pipe, output, latents):
-    """The transformer's output tokens in the layout of the `normalized_latents` ``latents``, ``(B, C, 1, h, w)``:
-    the velocity it predicts."""
-    height, width = latents.shape[-2:]
-    scale = pipe.vae_scale_factor  # the unpacking takes the image's size in pixels
-    return pipe._unpack_latents(output, height * scale, width * scale, scale)

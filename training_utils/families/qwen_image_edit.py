@@ -12,8 +12,8 @@ images twice, each as the pipeline does it:
   target's, with its own (frames, rows, columns) in ``img_shapes`` (`with_references`). The transformer's output
   is cut back to the target's tokens (`prediction`), as the sampling loop cuts it.
 
-``--reference_area`` trains on references of another area (memory, speed), and validation renders at that area
-(`use_reference_area`), since the pipelines fix theirs in code. The pipeline's
+``--reference_area`` trains on references of another area (memory, speed), and validation renders at that area:
+the pipelines fix theirs in code, so a script runs at that area inside `references_at_area`. The pipeline's
 ``Qwen2VLProcessor`` needs torchvision in transformers 5 only for its video processor, which editing never uses:
 `load_processor` loads it without (`QwenVLImageProcessor`).
 """
@@ -28,13 +28,17 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 from transformers import Qwen2VLProcessor
 
-from . import qwen_image
+from . import base, qwen_image
 from ..data.cache_keys import describe
 from ..errors import require
 from .layout import Family
 
-# Qwen-Image's own: the VAE, the latents' standardisation, a batch's text inputs from its samples' rows.
-image_vae, normalized_latents, text_inputs = qwen_image.image_vae, qwen_image.normalized_latents, qwen_image.text_inputs
+# Qwen-Image's own: the renders without true classifier-free guidance, a batch's text inputs from its samples' rows,
+# the VAE and the latents' standardisation.
+call_kwargs = qwen_image.call_kwargs
+text_inputs = qwen_image.text_inputs
+image_vae = qwen_image.image_vae
+normalized_latents = qwen_image.normalized_latents
 # ComfyUI loads Qwen-Image-Edit's transformer as Qwen-Image's: the same module names.
 FAMILY = Family("qwen_image_edit", "Qwen-Image-Edit", ("QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
                 "transformer", {}, qwen_image.COMFYUI_LAYOUT)
@@ -92,13 +96,8 @@ def pipeline_class(args):
 
 def prompt_settings(pipe, args):
     """None: the references' area, on which the first Edit's prompt depends too, is the pipeline's rule in force
-    (`use_reference_area`)."""
+    (`references_at_area`)."""
     return {}
-
-
-def call_kwargs(pipe, settings):
-    """What every render passes to the pipeline: no true classifier-free guidance, as Qwen-Image."""
-    return {"true_cfg_scale": 1.0}
 
 
 def _pipeline_module(pipe):
@@ -111,32 +110,24 @@ def _edit_plus(pipe):
     return hasattr(_pipeline_module(pipe), "VAE_IMAGE_SIZE")
 
 
-def _set_reference_area(pipe, area):
-    """Make the pipeline's module resize references for the VAE to ``area`` pixels; returns how to undo it."""
+@contextlib.contextmanager
+def references_at_area(pipe, area):
+    """``--reference_area``: inside, the pipeline (``pipe``, or its class) resizes references for the VAE to ``area``
+    pixels (the first Edit: for the text encoder too), in training as in validation, where it is the pipeline itself
+    that resizes them; ``None`` keeps the pipeline's own. The pipelines fix their areas in code, a module constant
+    (Edit Plus) or a literal given to the module's ``calculate_dimensions`` (the first Edit): their module's name is
+    rebound while inside, and restored on leaving."""
+    if area is None:
+        yield
+        return
     module = _pipeline_module(pipe)
     name, original = (("VAE_IMAGE_SIZE", module.VAE_IMAGE_SIZE) if _edit_plus(pipe)
                       else ("calculate_dimensions", module.calculate_dimensions))
     setattr(module, name, area if _edit_plus(pipe) else lambda target_area, ratio: original(area, ratio))
-    return lambda: setattr(module, name, original)
-
-
-def use_reference_area(pipe, area):
-    """``--reference_area``: from now on in this process the pipeline (``pipe``, or its class) resizes references
-    for the VAE to ``area`` pixels (the first Edit: for the text encoder too), in training as in validation, where
-    it is the pipeline itself that resizes them; ``None`` keeps the pipeline's own. The pipelines fix their areas in
-    code: a module constant (Edit Plus), a literal given to the module's ``calculate_dimensions`` (the first Edit)."""
-    if area is not None:
-        _set_reference_area(pipe, area)
-
-
-@contextlib.contextmanager
-def references_at_area(pipe, area):
-    """`use_reference_area` while inside only."""
-    undo = _set_reference_area(pipe, area) if area is not None else (lambda: None)
     try:
         yield
     finally:
-        undo()
+        setattr(module, name, original)
 
 
 def reference_sizes(pipe, reference):
@@ -189,16 +180,8 @@ def reference_layout(pipe):
 def reference_latents(pipe, parameters):
     """The references of a batch as the pipeline encodes them, from their VAE latent distributions' ``parameters``
     (a list, one ``(B, 2C, 1, h, w)`` tensor per reference): the mode (``sample_mode="argmax"``), standardised
-    exactly as the pipeline standardises them (dividing by the standard deviation, where `normalized_latents`
-    multiplies by its inverse)."""
-    shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
-    latents = []
-    for batch in parameters:
-        mode = batch.chunk(2, dim=1)[0]
-        mean, std = (torch.tensor(values).view(shape).to(mode.device, mode.dtype)
-                     for values in (pipe.vae.config.latents_mean, pipe.vae.config.latents_std))
-        latents.append((mode - mean) / std)
-    return latents
+    as the target is (`normalized_latents`), as the pipeline standardises them."""
+    return base.normalized_modes(pipe, parameters, normalized_latents)
 
 
 def prompt_dependencies(pipe, settings):

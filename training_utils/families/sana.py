@@ -28,6 +28,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
+from . import base
 from ..errors import require
 from .layout import Family
 
@@ -35,13 +36,14 @@ FAMILY = Family("sana", "SANA", ("SanaPipeline",), "transformer")
 # The smallest log-variance a `DiagonalGaussianDistribution` keeps (it clamps below): the DC-AE's latents as a
 # distribution whose samples differ from them by a standard deviation of exp(-15), about 3e-7.
 NO_SPREAD = -30.0
+text_inputs = base.masked_text_inputs  # every prompt is padded to the same length: rows batch as they are
+normalized_latents = base.scaled_latents
 
 
 def add_args(parser):
     """The prompt-encoding flags of the diffusers SANA script; unset, the pipeline's call's own defaults apply."""
     group = parser.add_argument_group("SANA")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="prompt tokens the transformer reads (default: the pipeline's, 300)")
+    base.add_max_sequence_length(group, "prompt tokens the transformer reads (default: the pipeline's, 300)")
     group.add_argument("--complex_human_instruction", default=None,
                        help="the instruction written before every prompt (default: SanaPipeline's own; '' for none)")
 
@@ -58,7 +60,7 @@ def prompt_settings(pipe, args):
     defaults = inspect.signature(type(pipe).__call__).parameters
     instruction = defaults["complex_human_instruction"].default if args.complex_human_instruction is None \
         else [args.complex_human_instruction] if args.complex_human_instruction else []
-    return {"max_sequence_length": args.max_sequence_length or defaults["max_sequence_length"].default,
+    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__"),
             "complex_human_instruction": tuple(instruction)}
 
 
@@ -87,12 +89,6 @@ def encode_prompts(pipe, prompts, device, settings):
     return prompt_embeds, mask
 
 
-def text_inputs(rows):
-    """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``."""
-    return {"encoder_hidden_states": torch.stack([embeds for embeds, _ in rows]),
-            "encoder_attention_mask": torch.stack([mask for _, mask in rows])}
-
-
 def training_noise_scheduler(pipe):
     """The flow-matching scheduler that noises training latents: the pipeline's scheduler configuration, shifted by
     its ``flow_shift`` (SANA's DPM-Solver) or its own ``shift`` (a flow-matching sampler)."""
@@ -119,12 +115,6 @@ class DeterministicVAE(torch.nn.Module):
 def image_vae(pipe):
     """The VAE that encodes the training images: the pipeline's DC-AE, its latents given as a distribution."""
     return DeterministicVAE(pipe.vae)
-
-
-def normalized_latents(pipe, latents):
-    """DC-AE latents as the transformer reads them: times the VAE's ``scaling_factor`` (the pipeline divides by it
-    before decoding)."""
-    return latents * pipe.vae.config.scaling_factor
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text):

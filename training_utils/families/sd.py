@@ -7,23 +7,23 @@ length (`encode_prompts`). It predicts the noise or the velocity as the schedule
 latents' layout (`prediction`). Its LoRA files for the UI tools are kohya's (``lora_unet_…``, ``lora_te_…``).
 """
 
-from ..data.datasets import tokenize
-from ..data.prompts import stacked
+from . import base
+from .base import stacked, tokenize
 from .layout import Family
 
 FAMILY = Family("sd", "SD 1.x", ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline",
                                  "StableDiffusionInpaintPipeline", "StableDiffusionControlNetPipeline"),
                 "unet", {"text_encoder": "lora_te"})
+# The UNet reads the VAE's latents scaled, and its output is the noise or the velocity in their own layout.
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
+normalized_latents = base.scaled_latents
+prediction = base.output_as_is
 
 
 def prompt_settings(pipe, args):
     """How prompts are encoded: as the pipeline does, with nothing to set."""
     return {}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline besides the prompt: nothing."""
-    return dict(settings)
 
 
 def prompt_dependencies(pipe, settings):
@@ -44,21 +44,6 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0)}
 
 
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents as the UNet reads them: scaled by the VAE's ``scaling_factor``."""
-    return latents * pipe.vae.config.scaling_factor
-
-
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """The UNet's inputs: the noisy latents, the timesteps and the `text_inputs` ``text``."""
     return {"sample": noisy_latents, "timestep": timesteps, **text}
-
-
-def prediction(pipe, output, latents):
-    """The UNet's output: the noise or the velocity, in the latents' own layout."""
-    return output

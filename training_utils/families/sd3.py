@@ -18,9 +18,8 @@ sequence length (the flow-matching flags and timesteps are `flow_matching`'s).
 import torch
 import torch.nn.functional as F
 
-from ..data.datasets import tokenize
-from ..data.prompts import stacked
-from ..errors import require
+from . import base
+from .base import stacked, tokenize
 from .layout import BLOCK, CLIP_PAIR, Family, Rename, always, fused, two_chunk_modulation
 
 # The original release's module tree (ComfyUI's MMDiT): comfy/utils.py mmdit_to_diffusers, read backwards.
@@ -50,27 +49,26 @@ COMFYUI_LAYOUT = (
 FAMILY = Family("sd3", "SD3", ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline"), "transformer",
                 CLIP_PAIR, COMFYUI_LAYOUT)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
+normalized_latents = base.shifted_and_scaled_latents
+prediction = base.output_as_is  # the velocity, in the latents' own layout
 
 
 def add_args(parser):
     """The prompt-length flag of the diffusers SD3 scripts, with its name, meaning and default."""
-    group = parser.add_argument_group("SD3")
-    group.add_argument("--max_sequence_length", type=int, default=77, help="T5 tokens per prompt")
+    base.add_max_sequence_length(parser.add_argument_group("SD3"), "T5 tokens per prompt (default: 77)")
+    parser.set_defaults(max_sequence_length=77)
 
 
 def check_args(args):
-    require(args.max_sequence_length > 0, "--max_sequence_length", args.max_sequence_length, "a positive integer")
+    base.check_max_sequence_length(args)
 
 
 def prompt_settings(pipe, args):
     """How prompts are encoded, in training, validation and class images alike: ``--max_sequence_length`` T5
     tokens."""
     return {"max_sequence_length": args.max_sequence_length}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
-    return dict(settings)
 
 
 def prompt_dependencies(pipe, settings):
@@ -102,22 +100,6 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0), "pooled_projections": stacked(rows, 1)}
 
 
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents as the transformer reads them: shifted and scaled by the VAE's config, the inverse of what the
-    pipeline does before decoding."""
-    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
-
-
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs: the noisy latents as they are, the scheduler's timesteps and ``text``."""
     return {"hidden_states": noisy_latents, "timestep": timesteps, **text}
-
-
-def prediction(pipe, output, latents):
-    """The transformer's output: the velocity, in the latents' own layout."""
-    return output

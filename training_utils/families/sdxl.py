@@ -22,17 +22,22 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL
 
-from ..data.datasets import tokenize
-from ..data.prompts import stacked
+from . import sd
 from ..errors import require
 from ..pipeline import is_hub_id
+from .base import stacked, tokenize
 from .layout import CLIP_PAIR, Family
-# What SDXL does as SD 1.x does: the protocol's functions for its latents, UNet inputs and prompt settings.
-from .sd import call_kwargs, image_vae, model_inputs, normalized_latents, prediction, prompt_settings
 
 FAMILY = Family("sdxl", "SDXL", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                                  "StableDiffusionXLInpaintPipeline", "StableDiffusionXLControlNetPipeline"),
                 "unet", CLIP_PAIR)
+# What SDXL does as SD 1.x does: its prompt settings, latents and UNet inputs.
+prompt_settings = sd.prompt_settings
+call_kwargs = sd.call_kwargs
+image_vae = sd.image_vae
+normalized_latents = sd.normalized_latents
+model_inputs = sd.model_inputs
+prediction = sd.prediction
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
 

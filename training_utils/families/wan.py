@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from ..data.prompts import check_max_sequence_length, max_sequence_length, stacked
+from . import base
 from ..errors import require
 from ..flow_matching import sample_flow_matching_timesteps
+from .base import stacked
 from .layout import Family, Rename
 
 BLOCKS = r"blocks\.(\d+)\."
@@ -49,12 +50,15 @@ COMFYUI_LAYOUT = (
 )
 FAMILY = Family("wan", "Wan", ("WanPipeline", "WanImageToVideoPipeline"), "transformer", {}, COMFYUI_LAYOUT)
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
+normalized_latents = base.standardised_latents  # the video's latents (B, C, frames, H, W)
+prediction = base.output_as_is  # the velocity, in the latents' layout
 
 
 def add_args(parser):
     group = parser.add_argument_group("Wan")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="tokens per prompt (default: the pipeline's, 512)")
+    base.add_max_sequence_length(group, "tokens per prompt (default: the pipeline's, 512)")
     group.add_argument("--train_expert", choices=["high", "low", "both"], default=None,
                        help="Wan 2.2 A14B: the expert that trains, high-noise (transformer), low-noise "
                             "(transformer_2) or both (default: both where the pipeline has two)")
@@ -63,7 +67,7 @@ def add_args(parser):
 def check_args(args):
     """Fail in one line on a bad setting, before any weights load: ``--train_expert`` against the pipeline's
     ``model_index.json`` (a local folder's)."""
-    check_max_sequence_length(args)
+    base.check_max_sequence_length(args)
     index = Path(args.pretrained_model_name_or_path) / "model_index.json"
     if index.is_file():
         experts = json.loads(index.read_text()).get("transformer_2", [None])[0] is not None
@@ -74,11 +78,7 @@ def check_args(args):
 def prompt_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with everywhere: the ``max_sequence_length`` the pipeline's ``__call__``
     passes it (512), or ``--max_sequence_length``."""
-    return {"max_sequence_length": max_sequence_length(pipe, args, "__call__")}
-
-
-def call_kwargs(pipe, settings):
-    return dict(settings)
+    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__")}
 
 
 def prompt_dependencies(pipe, settings):
@@ -95,24 +95,6 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0)}
 
 
-def image_vae(pipe):
-    return pipe.vae
-
-
-def _latent_statistics(pipe, latents):
-    shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(pipe.vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    std = torch.tensor(pipe.vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-    return mean, std
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents ``(B, C, frames, H, W)`` standardised as the pipelines standardise them (and undo it before
-    decoding)."""
-    mean, std = _latent_statistics(pipe, latents)
-    return (latents - mean) / std
-
-
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs at ``timesteps`` as the sampling loop passes them: the latents, and the
     timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents."""
@@ -122,11 +104,6 @@ def model_inputs(pipe, noisy_latents, timesteps, text):
     tokens = torch.ones(frames, height, width, device=noisy_latents.device)[:, ::2, ::2].flatten()
     per_token = tokens[None] * timesteps.to(tokens.dtype)[:, None]
     return {"hidden_states": noisy_latents, "timestep": per_token, **text}
-
-
-def prediction(pipe, output, latents):
-    """The transformer's output, the velocity, already in the latents' layout."""
-    return output
 
 
 def training_noise_scheduler(pipe):

@@ -25,7 +25,7 @@ level.
 
 import torch
 
-from ..data.prompts import check_max_sequence_length, max_sequence_length
+from . import base
 from .layout import Family, Rename, fused
 
 # The original release's module tree (ComfyUI's Z-Image model): comfy/utils.py z_image_to_diffusers, read backwards.
@@ -39,28 +39,17 @@ COMFYUI_LAYOUT = (
     Rename(r"(t_embedder\.mlp\.[02]|cap_embedder\.1)", r"\1"),
 )
 FAMILY = Family("z_image", "Z-Image", ("ZImagePipeline",), "transformer", {}, COMFYUI_LAYOUT)
+check_args = base.check_max_sequence_length
+prompt_settings = base.prompt_length_settings
+call_kwargs = base.call_kwargs
+image_vae = base.image_vae
+normalized_latents = base.shifted_and_scaled_latents
 
 
 def add_args(parser):
     """The prompt-encoding flag of the diffusers Z-Image script; unset, the pipeline's own default applies."""
-    group = parser.add_argument_group("Z-Image")
-    group.add_argument("--max_sequence_length", type=int, default=None,
-                       help="tokens per prompt, its chat template included (default: the pipeline's, 512)")
-
-
-def check_args(args):
-    check_max_sequence_length(args)
-
-
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike:
-    ``--max_sequence_length``, or where unset the method's own default."""
-    return {"max_sequence_length": max_sequence_length(pipe, args)}
-
-
-def call_kwargs(pipe, settings):
-    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
-    return dict(settings)
+    base.add_max_sequence_length(parser.add_argument_group("Z-Image"),
+                                 "tokens per prompt, its chat template included (default: the pipeline's, 512)")
 
 
 def prompt_dependencies(pipe, settings):
@@ -83,17 +72,6 @@ def text_inputs(rows):
     """The transformer's text inputs for a batch whose samples have the `encode_prompts` rows ``rows``: each
     prompt's embedding cut back to its own length, exactly what ``pipe.encode_prompt`` returned."""
     return {"cap_feats": [embedding[: int(length)] for embedding, length in rows]}
-
-
-def image_vae(pipe):
-    """The VAE that encodes the training images: the pipeline's."""
-    return pipe.vae
-
-
-def normalized_latents(pipe, latents):
-    """VAE latents ``(B, C, H, W)`` as the transformer reads them: shifted and scaled by the VAE's config, the
-    inverse of what the pipeline does before decoding."""
-    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text):

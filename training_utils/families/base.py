@@ -1,0 +1,142 @@
+"""What several families do alike, written once: the protocol's functions that are the same in several families
+(`protocol`), the shared flags (each declared here only, with one default), and the small text helpers the
+families' encodings use. A family whose protocol function is one of these binds its name to it
+(``image_vae = base.image_vae``). It imports torch and `training_utils.errors` only, so that importing a family
+pulls in nothing else of the package.
+"""
+
+import inspect
+
+import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+from ..errors import UsageError, require
+
+
+def add_max_sequence_length(group, help):
+    """``--max_sequence_length``, the prompt's length in tokens; unset (None), the pipeline's own default applies
+    (`max_sequence_length`). A family with a default of its own sets it with ``parser.set_defaults``."""
+    group.add_argument("--max_sequence_length", type=int, default=None, help=help)
+
+
+def check_max_sequence_length(args, limit=None, pipeline=None):
+    """A positive ``--max_sequence_length``, or none (the pipeline's default); with ``limit``, at most the one that
+    ``pipeline`` (a class name) refuses to exceed."""
+    value = args.max_sequence_length
+    if limit is None:
+        require(value is None or value > 0, "--max_sequence_length", value, "a positive integer")
+    else:
+        require(value is None or 0 < value <= limit, "--max_sequence_length", value,
+                f"a positive integer of at most {limit} ({pipeline}'s limit)")
+
+
+def max_sequence_length(pipe, args, method="encode_prompt"):
+    """``--max_sequence_length``, or where unset the default of the pipeline's ``method`` (``"__call__"`` where the
+    pipeline passes its own to ``encode_prompt``)."""
+    default = inspect.signature(getattr(pipe, method)).parameters["max_sequence_length"].default
+    return args.max_sequence_length or default
+
+
+def prompt_length_settings(pipe, args):
+    """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike, where the prompt's
+    length is all there is to set: ``--max_sequence_length``, or where unset the method's own default."""
+    return {"max_sequence_length": max_sequence_length(pipe, args)}
+
+
+def add_guidance_scale(group, help):
+    """``--guidance_scale``: the guidance a guidance-distilled transformer embeds, in training and every render
+    (3.5, upstream's default)."""
+    group.add_argument("--guidance_scale", type=float, default=3.5, help=help)
+
+
+def tokenize(tokenizer, texts):
+    """Token ids padded to the tokenizer's maximum length, as the text encoders were trained."""
+    return tokenizer(
+        texts, max_length=tokenizer.model_max_length, padding="max_length", truncation=True, return_tensors="pt"
+    ).input_ids
+
+
+def stacked(rows, part):
+    """Part ``part`` of every row, stacked into a batch."""
+    return torch.stack([row[part] for row in rows])
+
+
+def masked_text_inputs(rows):
+    """The transformer's text inputs for a batch whose rows are ``(embeddings, attention mask)``."""
+    return {"encoder_hidden_states": stacked(rows, 0), "encoder_attention_mask": stacked(rows, 1)}
+
+
+def call_kwargs(pipe, settings):
+    """What every render (validation, class images) passes to the pipeline: the prompt settings."""
+    return dict(settings)
+
+
+def image_vae(pipe):
+    """The VAE that encodes the training images: the pipeline's."""
+    return pipe.vae
+
+
+def scaled_latents(pipe, latents):
+    """VAE latents as the model reads them: times the VAE's ``scaling_factor`` (the pipeline divides by it before
+    decoding)."""
+    return latents * pipe.vae.config.scaling_factor
+
+
+def shifted_and_scaled_latents(pipe, latents):
+    """VAE latents as the transformer reads them: shifted and scaled by the VAE's ``shift_factor`` and
+    ``scaling_factor``, the inverse of what the pipeline does before decoding."""
+    return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+
+
+def standardised_latents(pipe, latents):
+    """Video-VAE latents ``(B, C, frames, h, w)`` as the transformer reads them: standardised per channel with the
+    VAE configuration's ``latents_mean`` and ``latents_std``, as the pipelines standardise them (sampling undoes it
+    before decoding)."""
+    config = pipe.vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean, std = (torch.tensor(values).view(shape).to(latents.device, latents.dtype)
+                 for values in (config.latents_mean, config.latents_std))
+    return (latents - mean) / std
+
+
+def batch_norm_standardised(pipe, patches):
+    """Latent patches ``(B, C, h, w)`` standardised with the VAE's batch-norm running statistics (FLUX.2's VAE), as
+    the pipelines encode images (and undo before decoding)."""
+    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
+    mean = bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(patches.device, patches.dtype)
+    return (patches - mean) / std
+
+
+def normalized_modes(pipe, parameters, normalized_latents):
+    """A batch's references as the edit pipelines encode them, from their VAE latent distributions' ``parameters``
+    (a list, one tensor per reference): the mode (the pipelines' ``sample_mode="argmax"``), then the family's
+    ``normalized_latents``, as the target's."""
+    return [normalized_latents(pipe, DiagonalGaussianDistribution(batch).mode()) for batch in parameters]
+
+
+def output_as_is(pipe, output, latents):
+    """The model's output, which is already what the loss compares, in the latents' own layout."""
+    return output
+
+
+def unpacked_prediction(pipe, output, latents):
+    """The transformer's output tokens (2×2 patches, FLUX.1's packing) in the layout of the latents ``latents``:
+    the velocity it predicts."""
+    height, width = latents.shape[-2:]
+    scale = pipe.vae_scale_factor  # the unpacking takes the image's size in pixels
+    return pipe._unpack_latents(output, height * scale, width * scale, scale)
+
+
+def check_packed_resolution(args, vae_class, scale_of, expected):
+    """Fail in one line on a ``--resolution`` that the latents cannot pack into 2×2 patches: the VAE's scale is
+    ``scale_of`` its configuration (``vae_class``'s, read from ``--pretrained_model_name_or_path`` without weights),
+    which must load and be ``expected`` (what the flag names, in words)."""
+    path, options = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
+    try:
+        scale = scale_of(vae_class.load_config(path, subfolder="vae", **options))
+    except (OSError, ValueError, KeyError):
+        raise UsageError("--pretrained_model_name_or_path", path, expected) from None
+    require(args.resolution % (2 * scale) == 0, "--resolution", args.resolution,
+            f"a multiple of {2 * scale}: the VAE divides the size by {scale}, and the latents are packed in 2×2 "
+            "patches")

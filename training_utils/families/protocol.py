@@ -1,0 +1,81 @@
+"""The family protocol: what every family module offers a training script, as ``typing.Protocol`` classes whose
+static methods are the module-level functions, with their signatures (`ImageFamily`; an edit model's, which takes
+reference images, `EditFamily`). The package's docstring maps what each function is for; `tests/test_families.py`
+checks every family module against these.
+
+A function may take parameters besides the protocol's where `OPTIONAL` names them, with those defaults; an edit
+family's reference functions may add parameters with defaults (FLUX.1 Kontext's layout: the targets' area).
+Families with flags of their own offer both ``add_args(parser)`` and ``check_args(args)``.
+"""
+
+from typing import Protocol, runtime_checkable
+
+from .layout import Family
+
+# What a protocol function may take besides its parameters, and their defaults: the wrapped text encoders of a
+# family whose text encoders can train.
+OPTIONAL = {"encode_prompts": {"text_encoders": None}}
+
+
+@runtime_checkable
+class ImageFamily(Protocol):
+    """A family that trains a model to make images (or videos) from text."""
+
+    FAMILY: Family  # its pipeline classes and LoRA layouts
+
+    @staticmethod
+    def prompt_settings(pipe, args):
+        """How prompts are encoded: in training, validation and class images alike."""
+
+    @staticmethod
+    def call_kwargs(pipe, settings):
+        """What every render passes to the pipeline."""
+
+    @staticmethod
+    def prompt_dependencies(pipe, settings):
+        """What the prompts' rows depend on besides the text encoders' weights (the disk cache's key)."""
+
+    @staticmethod
+    def encode_prompts(pipe, prompts, device, settings):
+        """Batch-first parts, a row per prompt."""
+
+    @staticmethod
+    def text_inputs(rows):
+        """A batch's text inputs, from its samples' rows."""
+
+    @staticmethod
+    def image_vae(pipe):
+        """The VAE as `data.frozen_encoders.FrozenEncoders` drives it (images in)."""
+
+    @staticmethod
+    def normalized_latents(pipe, latents):
+        """The VAE's latents as the model reads them."""
+
+    @staticmethod
+    def model_inputs(pipe, noisy_latents, timesteps, text):
+        """All the model's keyword inputs."""
+
+    @staticmethod
+    def prediction(pipe, output, latents):
+        """The model's output in the latents' layout, with the loss target's sign."""
+
+
+@runtime_checkable
+class EditFamily(ImageFamily, Protocol):
+    """A family whose pipeline also takes reference images: the model reads their latents after the target's."""
+
+    @staticmethod
+    def model_inputs(pipe, noisy_latents, timesteps, text, references=()):
+        """All the model's keyword inputs, the `reference_latents` ``references`` among them."""
+
+    @staticmethod
+    def reference_layout(pipe):
+        """``(lay_out, depends_on)`` for `data.edit_samples.References`."""
+
+    @staticmethod
+    def check_reference_size(width, height):
+        """Raise ValueError for a reference size the pipeline refuses."""
+
+    @staticmethod
+    def reference_latents(pipe, parameters):
+        """A batch's references as the pipeline encodes them, from their VAE latent distributions' parameters."""
