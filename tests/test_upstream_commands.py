@@ -86,8 +86,7 @@ class Upstream(NamedTuple):
     test: str  # upstream's test file (under examples/) and test name
     script: str  # ours, under examples/
     runs: tuple
-    # The one line our script stops with, for a flag it refuses on purpose (README, "Coming from the diffusers
-    # scripts").
+    # The one line our script stops with, for a flag it refuses on purpose (docs/from-diffusers.md).
     refused: str = None
 
 
@@ -172,7 +171,7 @@ def unprompted_family(test_file, family_name, script, model, layer, extra="", fi
                           checkpoints=checkpoints(4, 6)),)),
     ]
     # SANA's and Lumina 2's first run has 166 tokens (upstream's typo), its resume 16: a change of the trained
-    # prompts' padding, which a resume here refuses (README, "Stopping and resuming").
+    # prompts' padding, which a resume here refuses (docs/reliability.md).
     refused = None if first_length == 16 else (
         f"the flags the checkpoint was trained with (--max_sequence_length was {first_length}, now 16), or "
         "--resume_with_changed_args to go on anyway")
@@ -248,8 +247,7 @@ UPSTREAM = [
                  t2i("--max_train_steps 4 --checkpointing_steps=2 --use_ema --seed=0", checkpoints=checkpoints(2, 4),
                      files=("checkpoint-2/" + UNET,)),
                  # Resumes step 4 with --max_train_steps 2: upstream trains one step past its limit and expects a
-                 # checkpoint-5; here a resume past --max_train_steps trains nothing (README, "Coming from the
-                 # diffusers scripts") and rewrites the outputs from checkpoint-4.
+                 # checkpoint-5; here a resume past --max_train_steps trains nothing (docs/from-diffusers.md) and rewrites the outputs from checkpoint-4.
                  t2i("--max_train_steps 2 --checkpointing_steps=1 --resume_from_checkpoint=checkpoint-4 --use_ema "
                      "--seed=0", remove_first=("checkpoint-2",), checkpoints=checkpoints(4), files=(UNET,)))),
     Upstream("text_to_image/test_text_to_image.py::test_text_to_image_checkpointing_checkpoints_total_limit",

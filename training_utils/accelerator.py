@@ -66,7 +66,7 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     the step calls (so that gradients sync) and ``accelerator.accumulate`` takes, the optimizer and the schedule.
     ``trained`` keeps the unwrapped modules, whose parameter names key the EMA, checkpoints and exports. Sharded
     (FSDP2), accelerate prepares one model per call: several trained modules are prepared as one
-    (`sharding.one_model_of`), each sharded as a unit of its own, and called directly by the step.
+    (`sharding.fsdp2.one_model_of`), each sharded as a unit of its own, and called directly by the step.
 
     DDP leaves the frozen weights alone: every process loaded the same ones, and broadcasting them when it wraps a
     module would fail on a quantised base (torchao's int8 tensors cannot be viewed as a flat buffer)."""

@@ -135,7 +135,7 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
 
 
 def add_lora_args(parser, pipeline_class, train_text_encoder=False):
-    """The adapter's flags (`adapters.add_adapter_args`: LoRA by default), and those of a quantised base
+    """The adapter's flags (`adapters.config.add_adapter_args`: LoRA by default), and those of a quantised base
     (`quantization.add_quantization_args`): an adapter trains beside a frozen base, which may be quantised. The file
     layouts offered are those that apply to ``pipeline_class``'s family (`families.registry.formats_for`). With
     ``train_text_encoder``, the text encoders may train too, with an optimizer setting of their own (upstream's flags;

@@ -106,7 +106,7 @@ class EMA:
     def rebind(self, parameters: Mapping[str, torch.nn.Parameter]):
         """Track ``parameters`` (the same names and shapes) in place of the live parameters given so far: those
         accelerate's ``prepare`` put in their place (sharded by FSDP2: each shadow is cut to this process's part),
-        or whole ones put back after sharded training (`sharding.unshard_trained`: the shadows are gathered whole,
+        or whole ones put back after sharded training (`sharding.fsdp2.unshard_trained`: the shadows are gathered whole,
         and every process must call this then). Nothing changes for the same unsharded parameters."""
         parameters = dict(parameters)
         if parameters.keys() != self.parameters.keys():

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from safetensors import SafetensorError
 
-# What a run exits with, by how it ended (the README's table; `run_status.json` records it too).
+# What a run exits with, by how it ended (the table in docs/reliability.md; `run_status.json` records it too).
 USAGE_EXIT_CODE = 2
 NON_FINITE_EXIT_CODE = 3
 UNREADABLE_EXIT_CODE = 65  # EX_DATAERR: the input data was incorrect

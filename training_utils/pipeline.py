@@ -54,7 +54,7 @@ def modules_of(pipe):
 
 def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
     """Freeze every module of ``pipe`` and move it to ``device``: frozen tensors in ``weight_dtype``, trained
-    tensors in fp32. The frozen ``encoders`` (VAE, text encoders) stay on the CPU: `cache.FrozenEncoders` takes
+    tensors in fp32. The frozen ``encoders`` (VAE, text encoders) stay on the CPU: `frozen_encoders.FrozenEncoders` takes
     them to the device only while they run, and not at all when their outputs are on disk already.
 
     ``trained`` maps component names to modules whose ``requires_grad`` parameters are trained (call after

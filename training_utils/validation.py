@@ -74,11 +74,11 @@ class Validator:
     first row of each step's grid (labelled ``conditioning_label``), logged to the trackers with every validation,
     and put into the model card by `card_records`. The log records keep their schema.
 
-    ``encoders_on_device`` (a context manager factory, e.g. `cache.FrozenEncoders.on_device`) is entered
+    ``encoders_on_device`` (a context manager factory, e.g. `frozen_encoders.FrozenEncoders.on_device`) is entered
     around each validation's rendering: it brings the encoders a script keeps off the accelerator back.
 
     With ``video_fps`` the pipeline renders videos (``num_videos_per_prompt``, ``.frames``): each is written as
-    an mp4 at that frame rate with a PNG frame strip (`video.RenderedVideo`); the strips stand for the videos in
+    an mp4 at that frame rate with a PNG frame strip (`rendered_video.RenderedVideo`); the strips stand for the videos in
     the log's ``images``, the grids and the model card, and the log lists the mp4s in ``videos``.
     """
 

@@ -1,4 +1,4 @@
-"""How far ComfyUI's rendering of a trained DoRA is from peft's: the figures the README gives.
+"""How far ComfyUI's rendering of a trained DoRA is from peft's: the figures docs/ui-files.md gives.
 
     python -m tests.benchmarks.dora_comfyui                          # trains a DoRA on the tiny SD 1.x, then measures
     python -m tests.benchmarks.dora_comfyui --model wide --resolution 64 --learning_rate 1e-4

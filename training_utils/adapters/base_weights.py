@@ -1,5 +1,5 @@
 """The frozen base weights under an adapter, where a layout needs them: an OFT's weight difference is its rotation
-applied to the base weight (`adapter_layouts.peft_delta`).
+applied to the base weight (`adapters.layouts.peft_delta`).
 
 During a run they are the live modules' (`live_base_weights`, dequantised where the base is quantised: the weights
 the adapter trained on); afterwards (the post-hoc EMA synthesis, ``convert_lora``) the ones on disk, in the component

@@ -7,7 +7,7 @@ path>.lora_A.weight``, ``.lora_B.weight`` (and DoRA's ``.lora_magnitude_vector``
 ``text_encoder``, ``text_encoder_2``), and the safetensors metadata ``lora_adapter_metadata`` (diffusers'
 ``LORA_ADAPTER_METADATA_KEY``): a JSON object of each component's peft ``LoraConfig``, its fields keyed
 ``<component>.<field>`` (diffusers' ``_pack_dict_with_prefix``). Or SRC is a folder of adapters in peft's own format
-(LoKr, LoHa, OFT; `adapter_export.PeftExport`): a subfolder per component holding ``adapter_config.json`` and
+(LoKr, LoHa, OFT; `adapters.export.PeftExport`): a subfolder per component holding ``adapter_config.json`` and
 ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes them. Each module's tensors are written as the
 tools apply its adapter kind (`adapter_layouts`); an OFT's weight difference needs the base weights, read from the
 component folder its ``adapter_config.json`` names (``base_model_name_or_path``).
@@ -127,7 +127,7 @@ def convert_adapter(tensors, configs, to, lora_alpha=None, family=None, base_wei
 
 def split_keys(tensors):
     """``{(component, module path): {peft's tensor name: key}}``, each module's tensors those of one adapter kind
-    (`adapter_layouts.TENSOR_NAMES`); any other key is refused."""
+    (`adapters.layouts.TENSOR_NAMES`); any other key is refused."""
     known = sorted({name for names in TENSOR_NAMES.values() for name in names}, key=len, reverse=True)
     modules, unknown = {}, []
     for key in tensors:
@@ -259,7 +259,7 @@ def pattern_value(patterns, path, default):
 
 
 def assemble(modules, targets):
-    """The output tensors: each target's, as the tools apply its adapter (`adapter_layouts.layout_tensors`), fusing
+    """The output tensors: each target's, as the tools apply its adapter (`adapters.layouts.layout_tensors`), fusing
     the modules that share a target."""
     grouped = {}
     for key, target in targets.items():

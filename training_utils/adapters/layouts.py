@@ -8,7 +8,7 @@ Forge's ``backend/patcher/lora.py``), the strength always from the file, never f
 - DoRA: the same and ``dora_scale``, peft's magnitude vector as a column (output rows, LyCORIS's ``wd_on_out``). The
   tools rescale each output row of ``W + delta`` to its magnitude: by the row's norm of ``W + delta`` in LyCORIS's
   own ``apply_weight_decompose`` (exactly peft's DoRA, but for an epsilon), by the base weight ``W``'s row norm in
-  ComfyUI and Forge (``weight_decompose``; the README gives how far apart the two are);
+  ComfyUI and Forge (``weight_decompose``; docs/ui-files.md gives how far apart the two are);
 - LoKr: ``lokr_w1`` (or ``lokr_w1_a``/``lokr_w1_b``), ``lokr_w2`` (or ``lokr_w2_a``/``lokr_w2_b``) and ``alpha``,
   applied as ``kron(w1, w2)`` times ``alpha / rank`` when a factor is low-rank, times 1 when neither is; peft scales
   by ``alpha / rank`` in both cases, so where neither factor is low-rank the scale goes into ``lokr_w1``;
@@ -83,7 +83,7 @@ class AdaptedModule:
 
 def layout_tensors(pieces):
     """The tensors of one module of the layout, by suffix (``lokr_w1``, ``alpha``, ...), from ``pieces``: its
-    ``(target, module)`` pairs, one, or the parts of a fused layer (`convert_lora.Target`)."""
+    ``(target, module)`` pairs, one, or the parts of a fused layer (`adapters.convert.Target`)."""
     target, module = pieces[0]
     require(all(piece.kind == module.kind for _, piece in pieces), None, None,
             f"{target.name} fuses parts of different adapter kinds")

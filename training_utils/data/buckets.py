@@ -145,7 +145,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     processes, accelerate deals whole batches round-robin). Then the batches of all buckets are shuffled
     together. The number of batches is the same every epoch.
 
-    ``dataset`` is a `data.TrainDataset` with ``shapes``; its ``epoch`` is the epoch drawn.
+    ``dataset`` is a `datasets.TrainDataset` with ``shapes``; its ``epoch`` is the epoch drawn.
     """
 
     def __init__(self, dataset, batch_size, seed):

@@ -280,7 +280,7 @@ def generate_class_images(pipe, prompt, class_dir, num_images, accelerator, seed
     that becomes the folder's i-th is drawn from a generator seeded ``seed + i``, so the same folder state gives the
     same images. Rendering has validation's protections: the global RNG is untouched, and ``pipe.scheduler``,
     ``schedulers`` (e.g. the training noise scheduler) and every module's train/eval mode are restored afterwards.
-    ``encoders_on_device`` (e.g. `cache.FrozenEncoders.on_device`) holds the encoders kept off the accelerator on it
+    ``encoders_on_device`` (e.g. `frozen_encoders.FrozenEncoders.on_device`) holds the encoders kept off the accelerator on it
     while rendering.
     """
     class_dir = Path(class_dir)

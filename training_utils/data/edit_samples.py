@@ -1,7 +1,7 @@
 """Edit samples: a target, its references and its instruction, laid out, cached and batched for training.
 
 The target is laid out as every training image is (buckets, crops, flips: the run's `ImageTransform`), and its
-latents cached as theirs are (`cache.FrozenEncoders`). Each reference is laid out by the family's own function
+latents cached as theirs are (`frozen_encoders.FrozenEncoders`). Each reference is laid out by the family's own function
 (``lay_out(image)``: CHW pixels in [-1, 1], resized as the pipeline resizes references; passed in by the script),
 mirrored when its target is, and encoded by the VAE to its latent distribution's parameters, cached with
 ``--cache_latents`` (in memory, or on disk with ``--feature_cache_dir``) and otherwise encoded in each step
@@ -126,7 +126,7 @@ def edit_prompts(rows, caption_dropout):
 
 
 def edit_dataset(rows, encoders, references, seed, repeats=1, caption_dropout=0.0):
-    """A `data.TrainDataset` of the `EditRows` ``rows``, each ``repeats`` times. A sample is ``{"image"``: the
+    """A `datasets.TrainDataset` of the `EditRows` ``rows``, each ``repeats`` times. A sample is ``{"image"``: the
     target as ``encoders.image_file`` gives it (pixels or cached latent parameters), ``"references"``: a list of
     what `References.sample` gives for each, mirrored with the target, ``"prompt"``: its instruction (one drawn
     from a list; the empty one with probability ``caption_dropout``), ``"row"``: its row's position, ``"flip"``:

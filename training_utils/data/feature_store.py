@@ -226,7 +226,7 @@ def encode_once(what, count, encode_chunk, bytes_per_item, on_device, batch_size
     chunks some shard already holds are not encoded again.
 
     With ``lockstep`` (encoders sharded with FSDP2, whose forwards are collective) every process makes as many
-    encoder calls as the one with the most chunks to encode (`text_encoder_sharding.in_lockstep`), ``bytes_per_item``
+    encoder calls as the one with the most chunks to encode (`sharding.text_encoders.in_lockstep`), ``bytes_per_item``
     included, even one with none left to encode.
     """
     state = PartialState()

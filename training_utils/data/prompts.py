@@ -2,7 +2,7 @@
 
 A family's ``encode_prompts`` turns prompts into a tuple of batch-first tensors, its parts (e.g. the hidden states
 and a pooled embedding); a prompt's row is its slice of each part. Frozen text encoders embed every prompt once,
-before training (`cache.FrozenEncoders.text_embeddings`, in the chunks of `text_chunk_encoder`); text encoders that
+before training (`frozen_encoders.FrozenEncoders.text_embeddings`, in the chunks of `text_chunk_encoder`); text encoders that
 train encode a step's prompts in the step. Either way the step gets each sample's row (`cached_rows`,
 `encoded_rows`), and the family's ``text_inputs`` batches the rows into the model's text inputs.
 """

@@ -4,7 +4,7 @@ clip (`cache_clip_latents`). Validation writes its videos with `rendered_video`.
 
 A clip trains at ``--num_frames`` frames, or, when it has fewer, at the longest count the VAE takes (``4k + 1``)
 that it has: its frame bucket. A clip is never padded or looped. A still image is a clip of one frame. Every batch
-holds clips of one (frames, height, width) shape (`data.TrainDataset`'s ``shapes``), so frame buckets and
+holds clips of one (frames, height, width) shape (`datasets.TrainDataset`'s ``shapes``), so frame buckets and
 resolution buckets batch alike. A clip's frames start at its first frame; its crop and flip are drawn once per
 sample for all its frames, as an image's are.
 """
@@ -329,7 +329,7 @@ def clip_sample_with_first_frame(clip, transform, generator, cached=None):
 
 
 def clip_latents(frozen, videos):
-    """A batch's VAE latents: drawn from cached parameters, or encoded now (`cache.FrozenEncoders.latents`)."""
+    """A batch's VAE latents: drawn from cached parameters, or encoded now (`frozen_encoders.FrozenEncoders.latents`)."""
     if frozen.cache_latents:
         return sample_latents(videos).contiguous()
     return frozen.latents(videos)

@@ -8,7 +8,7 @@ the transformer scripts' loops differ only in that name)::
     call_kwargs = flux2.call_kwargs(pipe, settings)   # what every render passes to the pipeline
     rows = flux2.encode_prompts(pipe, prompts, device, settings)  # batch-first parts, a row per prompt (cached)
     dependencies = flux2.prompt_dependencies(pipe, settings)      # what the rows depend on, for the disk cache
-    vae = flux2.image_vae(pipe)                       # the VAE as `cache.FrozenEncoders` drives it (images in)
+    vae = flux2.image_vae(pipe)                       # the VAE as `frozen_encoders.FrozenEncoders` drives it (images in)
     latents = flux2.normalized_latents(pipe, vae_latents)          # the latents as the model reads them
     text = flux2.text_inputs(rows_of_the_batch)      # a batch's text inputs, from its samples' rows
     output = transformer(**flux2.model_inputs(pipe, noisy_latents, timesteps, text))  # all the model's inputs

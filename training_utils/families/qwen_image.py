@@ -117,7 +117,7 @@ def text_inputs(rows):
 
 
 class OneFrameVAE(torch.nn.Module):
-    """The pipeline's video VAE as the image VAE that `cache.FrozenEncoders` drives: ``encode`` takes images
+    """The pipeline's video VAE as the image VAE that `frozen_encoders.FrozenEncoders` drives: ``encode`` takes images
     ``(B, 3, H, W)`` as one-frame videos, and the latents keep the frame axis, ``(B, C, 1, h, w)``, the layout
     that the pipeline packs and decodes. It holds the pipeline's VAE itself: moving this moves it."""
 

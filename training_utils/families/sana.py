@@ -97,7 +97,7 @@ def training_noise_scheduler(pipe):
 
 
 class DeterministicVAE(torch.nn.Module):
-    """The pipeline's DC-AE as the VAE that `cache.FrozenEncoders` drives: ``encode(images).latent_dist`` is the
+    """The pipeline's DC-AE as the VAE that `frozen_encoders.FrozenEncoders` drives: ``encode(images).latent_dist`` is the
     encoder's latents as a distribution of no spread (`NO_SPREAD`). It holds the DC-AE itself: moving this moves
     it."""
 

@@ -13,7 +13,7 @@ intact. Resuming checks the manifest before loading anything: ``latest`` skips a
 the newest whole one, and a named one that is damaged is an error.
 
 Sharded (FSDP2), accelerate writes the optimizer with ``torch.distributed.checkpoint``, each process its own shard
-(``optimizer_0/``), but not the model (`sharding.without_model_state`): the frozen base is the pretrained one, and
+(``optimizer_0/``), but not the model (`sharding.fsdp2.without_model_state`): the frozen base is the pretrained one, and
 the trained weights, the EMA and the post-hoc EMA are gathered whole, every process taking part, and written once by
 the main process in the final output's layout, so a checkpoint holds what trains only (a LoRA's is MBs) and still
 loads as a model. The manifest covers every process's files. A sharded checkpoint resumes

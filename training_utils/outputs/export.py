@@ -4,7 +4,7 @@ Adapters are written where their loaders read them (`adapter_export`: ``load_lor
 model folders are what ``from_pretrained`` loads. Every file is read back to check that it holds exactly what was
 meant.
 
-A run describes what it trains once, as an `adapter_export.LoraExport` or ``PeftExport``, a `ModelExport` or a
+A run describes what it trains once, as an `adapters.export.LoraExport` or ``PeftExport``, a `ModelExport` or a
 `PipelineExport`. With it the script saves its outputs (`save_with_ema`: the raw weights, then the EMA's, swapped
 into the live modules), and the post-hoc EMA synthesis writes its tensors in the same layout, from the description
 the run left in ``posthoc_ema/format.json`` (`posthoc_ema.synthesis.export_from_description`).

@@ -50,7 +50,7 @@ def run_outputs(folder):
 
 def adapter_folder(path):
     """Whether ``path`` is a component's adapter in a folder of its own: peft's format (LoKr, LoHa, OFT), or a LoRA
-    written as another component's beside that one's (Wan 2.2's low-noise expert, `adapter_export.SAVED_AS`)."""
+    written as another component's beside that one's (Wan 2.2's low-noise expert, `adapters.export.SAVED_AS`)."""
     return (path / PEFT_CONFIG_NAME).is_file() or (path.name in SAVED_AS and (path / LORA_WEIGHTS_NAME).is_file())
 
 

@@ -18,7 +18,7 @@ pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for th
 image = pipe("{prompt}").images[0]
 """
 # LoKr, LoHa and OFT, in peft's own format: PeftModel.from_pretrained adds each component's adapter to the pipeline's
-# module in place. The export fills in {components} (`adapter_export.PeftExport.loading_code`).
+# module in place. The export fills in {components} (`adapters.export.PeftExport.loading_code`).
 PEFT_HOW_TO_LOAD = """
 from diffusers import {imports}
 from peft import PeftModel

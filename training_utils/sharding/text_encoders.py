@@ -8,7 +8,7 @@ sharded encoder computes exactly what the whole one does: a forward gathers each
 tensors, runs the block, and frees them.
 
 A sharded forward is collective: every process must make the same forwards, in the same order. The prompts are
-embedded once (`cache.FrozenEncoders.text_embeddings`) in chunks shared out among the processes, and a process may
+embedded once (`frozen_encoders.FrozenEncoders.text_embeddings`) in chunks shared out among the processes, and a process may
 have fewer chunks to encode than another (fewer rows, or more of them found on disk): `in_lockstep` has all
 processes agree first on the most calls any makes, and a process with fewer repeats a real call and drops its output.
 Class images and validation images are rendered by every process, each making every pipeline call
