@@ -105,7 +105,8 @@ def _save_the_tokenizer_as_the_released_processor(path):
     imports ``PixtralProcessor`` only beside torchvision)."""
     from transformers import PixtralImageProcessorPil
 
-    PixtralImageProcessorPil(patch_size=VISION_PATCH_SIZE, size={"longest_edge": 32}).save_pretrained(path / "tokenizer")
+    image_processor = PixtralImageProcessorPil(patch_size=VISION_PATCH_SIZE, size={"longest_edge": 32})
+    image_processor.save_pretrained(path / "tokenizer")
     processor = {"processor_class": "PixtralProcessor", "patch_size": VISION_PATCH_SIZE, "spatial_merge_size": 1,
                  "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
     (path / "tokenizer" / "processor_config.json").write_text(json.dumps(processor, indent=2))
