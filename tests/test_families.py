@@ -16,6 +16,7 @@ from training_utils.families import (chroma, flux, flux2, flux2_dev, flux_kontex
                                      lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.layout import Family
 from training_utils.families.registry import FAMILIES
+from training_utils.pipeline import from_pretrained
 
 # The protocol: each function's leading parameters. A family whose text encoders can train may add
 # ``text_encoders=None`` to ``encode_prompts``; one whose pipeline takes reference images (an edit model) adds
@@ -79,7 +80,7 @@ def family(request, tiny):
     path = tiny[MODULES[request.param]]
     # Qwen-Image-Edit's processor loads without torchvision only as the family loads it.
     components = {"processor": qwen_image_edit.load_processor(path)} if request.param is qwen_image_edit else {}
-    pipe = DiffusionPipeline.from_pretrained(path, **components)
+    pipe = from_pretrained(DiffusionPipeline, path, **components)
     assert type(pipe).__name__ in request.param.FAMILY.pipelines
     return request.param, pipe
 
