@@ -231,3 +231,12 @@ def test_flux2_dev_is_laid_out_as_released_its_tokenizer_a_pixtral_processor(tin
     assert "[SYSTEM_PROMPT]" in tokenizer.chat_template
     assert all(tokenizer.convert_tokens_to_ids(processor[key]) != tokenizer.unk_token_id
                for key in ("image_token", "image_break_token", "image_end_token"))
+
+
+def test_wan_i2v_names_its_image_processor_as_released_and_loads_without_torchvision(tiny):
+    from diffusers import WanImageToVideoPipeline
+
+    index = json.loads((tiny["wan_i2v"] / "model_index.json").read_text())
+    assert index["image_processor"] == ["transformers", "CLIPImageProcessor"]
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny["wan_i2v"])
+    assert pipe.image_processor(Image.new("RGB", (40, 24)), return_tensors="pt").pixel_values.shape == (1, 3, 32, 32)
