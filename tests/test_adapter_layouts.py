@@ -25,6 +25,8 @@ from transformer_layouts import TRANSFORMERS
 
 ADAPTERS = ["dora", "lokr", "loha", "oft"]
 RANK, ALPHA = 4, 6.0
+# OFT's blocks: it goes on the layers whose input width they divide (another block size is refused).
+OFT_BLOCK_SIZE = 4
 # Per-module rank and alpha (fused q, k and v parts differ in both); LoKr's first factors low-rank where small enough.
 RANK_PATTERN, ALPHA_PATTERN = {"to_v": 2}, {"to_k": 2.0}
 # What ComfyUI's loader reads of a module of each kind (``comfy/weight_adapter``), besides the ".alpha".
@@ -38,7 +40,7 @@ def config(adapter, targets, patterns=True):
     return {"dora": lambda: LoraConfig(r=RANK, lora_alpha=ALPHA, use_dora=True, target_modules=targets, **patterns),
             "lokr": lambda: LoKrConfig(r=RANK, alpha=ALPHA, decompose_both=True, target_modules=targets, **patterns),
             "loha": lambda: LoHaConfig(r=RANK, alpha=ALPHA, target_modules=targets, **patterns),
-            "oft": lambda: OFTConfig(oft_block_size=4, target_modules=targets)}[adapter]()
+            "oft": lambda: OFTConfig(oft_block_size=OFT_BLOCK_SIZE, target_modules=targets)}[adapter]()
 
 
 def peft_weights(model):
@@ -89,12 +91,13 @@ def test_a_kohya_file_makes_the_weights_of_the_trained_adapter(tiny, family, ada
 @pytest.fixture(scope="module", params=[(family, adapter) for family in sorted(TRANSFORMERS) for adapter in ADAPTERS],
                 ids=lambda param: "-".join(param))
 def transformer_adapter(request, tmp_path_factory):
-    """``(family, adapter, transformer, folder)``: the adapter on every linear layer of a tiny transformer, with
-    per-module ranks and alphas, saved with its ComfyUI layout."""
+    """``(family, adapter, transformer, folder)``: the adapter on every linear layer of a tiny transformer (OFT on
+    those its blocks fit), with per-module ranks and alphas, saved with its ComfyUI layout."""
     family, adapter = request.param
     pipeline_class, build, _ = TRANSFORMERS[family]
     transformer = build()
-    targets = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    targets = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)
+               and (adapter != "oft" or module.in_features % OFT_BLOCK_SIZE == 0)]
     add_adapter(transformer, config(adapter, targets))
     perturb(trainable_parameters({"transformer": transformer}), scale=0.2)
     folder = tmp_path_factory.mktemp(f"{family}-{adapter}")

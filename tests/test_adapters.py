@@ -73,3 +73,19 @@ def test_a_setting_the_adapter_lacks_or_a_bad_value_is_one_line(flags, message):
     with pytest.raises(UsageError) as error:
         checked(*flags)
     assert str(error.value).startswith(message)
+
+
+def test_an_oft_block_size_that_does_not_divide_an_adapted_layer_is_one_line_before_the_adapter_is_added():
+    """peft would train a 24-wide layer with blocks of 8 (its nearest divisor) while adapter_config.json records 7."""
+    import torch
+
+    from training_utils.adapters.injection import add_adapter
+
+    model = torch.nn.ModuleDict({"to_q": torch.nn.Linear(24, 8), "to_k": torch.nn.Linear(36, 8),
+                                 "proj_out": torch.nn.Linear(5, 8)})  # not adapted: its width does not count
+    with pytest.raises(UsageError, match=r"^--oft_block_size=7: expected a divisor of every adapted layer's input "
+                                         r"width \(24, 36\): 2, 3, 4, 6, 12$"):
+        add_adapter(model, adapter_config(checked("--adapter", "oft", "--oft_block_size", 7), ["to_q", "to_k"]))
+    assert not any(name.startswith("oft") for name, _ in model.named_parameters())  # refused before adding
+    add_adapter(model, adapter_config(checked("--adapter", "oft", "--oft_block_size", 6), ["to_q", "to_k"]))
+    assert {module.oft_block_size["default"] for module in (model["to_q"], model["to_k"])} == {6}

@@ -602,3 +602,18 @@ def test_a_changed_rank_is_named_as_a_flag_before_any_shape_is_compared(tmp_path
     checkpointer = Checkpointer(acc, tmp_path, wider, ema=ema_of(wider), trajectory={"rank": 8})
     with pytest.raises(UsageError, match="\\(--rank was 4, now 8\\), or --resume_with_changed_args"):
         checkpointer.load(path)
+
+
+def test_resuming_a_lora_as_another_adapter_is_refused_in_the_scripts_terms_even_with_changed_args(tmp_path, acc):
+    """Before loading: the converter would otherwise say that a LoRA's folder is no peft adapter folder."""
+    run = Run(acc, tmp_path)
+    run.checkpointer.trajectory = {"adapter": "lora", "rank": 4, "oft_block_size": None, "seed": 3}
+    run.train(1)
+    path = run.checkpointer.save(1)
+    run.checkpointer.trajectory = {"adapter": "oft", "rank": None, "oft_block_size": 32, "seed": 3}
+    run.checkpointer.allow_changed_trajectory = True
+    with pytest.raises(UsageError, match=re.escape(
+            f"--adapter='oft': expected the adapter that {path} holds (--adapter was 'lora', now 'oft'; --rank was 4, "
+            f"now None; --oft_block_size was None, now 32): not even --resume_with_changed_args changes what trains; "
+            f"pass --adapter lora --rank 4 to go on with it, or start a new run without --resume_from_checkpoint")):
+        run.checkpointer.load(path)

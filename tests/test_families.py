@@ -16,6 +16,7 @@ from training_utils.families import (chroma, flux, flux2, flux2_dev, flux_kontex
                                      lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily
 from training_utils.families.registry import FAMILIES
+from training_utils.pipeline import from_pretrained
 
 # Each family module and the tiny fixture of one of its pipelines.
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
@@ -68,7 +69,7 @@ def family(request, tiny):
     path = tiny[MODULES[request.param]]
     # Qwen-Image-Edit's processor loads without torchvision only as the family loads it.
     components = {"processor": qwen_image_edit.load_processor(path)} if request.param is qwen_image_edit else {}
-    pipe = DiffusionPipeline.from_pretrained(path, **components)
+    pipe = from_pretrained(DiffusionPipeline, path, **components)
     assert type(pipe).__name__ in request.param.FAMILY.pipelines
     return request.param, pipe
 

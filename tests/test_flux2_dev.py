@@ -17,13 +17,14 @@ from helpers import family_args
 from training_utils.errors import UsageError
 from training_utils.families import flux2_dev
 from training_utils.flow_matching import add_noise, velocity
+from training_utils.pipeline import from_pretrained
 
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background"]
 
 
 @pytest.fixture(scope="module")
 def pipe(tiny):
-    pipe = Flux2Pipeline.from_pretrained(tiny["flux2_dev"])
+    pipe = from_pretrained(Flux2Pipeline, tiny["flux2_dev"])  # its tokenizer, a PixtralProcessor as released
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

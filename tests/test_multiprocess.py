@@ -3,6 +3,7 @@ writer, a consistent EMA, exact resume, the encoding shared; and an adapter in p
 FSDP2, its EMA consistent."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -161,3 +162,19 @@ def test_each_process_encodes_its_own_share_of_the_captions(two_process_run):
     held = [sorted(index for name, tensor in load_file(shard).items() if name.endswith("/indices")
                    for index in tensor.tolist()) for shard in shards]
     assert held == [[*range(16), *range(32, 36)], list(range(16, 32))]
+
+
+@pytest.mark.slow
+def test_sdxl_trains_its_text_encoders_on_two_processes_with_an_adapter_only_where_the_loss_reads(tiny, tmp_path):
+    """DDP stops a run whose parameters get no gradient: the first CLIP's last layer feeds nothing (SDXL reads its
+    penultimate hidden states), so it has no adapter; every layer of the second feeds its pooled output."""
+    def args_for(output_dir):
+        return ["--pretrained_model_name_or_path", tiny["sdxl"], "--instance_data_dir", tiny["instance"],
+                "--instance_prompt", "a photo of sks triangle", "--output_dir", output_dir, "--resolution", 32,
+                "--train_batch_size", 1, "--learning_rate", 1e-3, "--rank", 4, "--seed", 3, "--train_text_encoder",
+                "--max_train_steps", 2, "--checkpointing_steps", 1000, "--report_to", "none"]
+
+    output_dir, _ = launch_processes("dreambooth/train_dreambooth_lora_sdxl.py", lambda: tmp_path, args_for)
+    layers = {re.match(r"(text_encoder\w*)\..*layers\.(\d+)\.", key).groups() for key in load_file(output_dir / LORA)
+              if key.startswith("text_encoder")}
+    assert layers == {("text_encoder", "0"), ("text_encoder_2", "0"), ("text_encoder_2", "1")}

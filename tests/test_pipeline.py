@@ -70,6 +70,19 @@ class DeviceArrivals(TorchDispatchMode):
         return result
 
 
+def test_a_folder_naming_a_processor_as_its_tokenizer_loads_that_tokenizer_alone(tiny):
+    """FLUX.2 [dev]'s folder names Mistral's PixtralProcessor as its tokenizer, which transformers 5 imports only
+    beside torchvision: the pipeline loads with the processor's tokenizer, which is all its encode_prompt uses."""
+    from diffusers import Flux2Pipeline
+
+    assert Flux2Pipeline.load_config(tiny["flux2_dev"])["tokenizer"] == ["transformers", "PixtralProcessor"]
+    args = SimpleNamespace(pretrained_model_name_or_path=tiny["flux2_dev"], revision=None, variant=None)
+    pipe = load_pipeline(Flux2Pipeline, args)
+    with torch.no_grad():
+        embeddings, _ = pipe.encode_prompt(["a photo of sks triangle"], max_sequence_length=48)
+    assert embeddings.shape == (1, 48, pipe.transformer.config.joint_attention_dim)
+
+
 def test_a_bf16_lora_run_moves_nothing_to_the_device_in_fp32_but_the_adapter(tiny):
     """The meta device stands in for the accelerator: every float tensor reaches it in the dtype it keeps, the
     frozen weights (the LoRA's base included) in bf16 as they were loaded, the adapter in fp32."""

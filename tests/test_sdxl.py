@@ -153,3 +153,24 @@ def test_rejects_what_is_not_a_vae(tiny, tmp_path, case):
     assert message.startswith(f"--pretrained_vae_model_name_or_path={str(paths[case])!r}: expected an AutoencoderKL")
     if case == "unet":
         assert json.loads((paths[case] / "config.json").read_text())["_class_name"] in message
+
+
+def test_every_text_encoder_adapter_gets_a_gradient_from_the_prompt_embeddings(tiny):
+    """DDP stops a run in which a trained parameter gets no gradient: the adapters go only on layers that the
+    embeddings read (not the first encoder's last layer), and every one of them gets a gradient."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from training_utils.adapters.injection import add_lora
+    from training_utils.families.sdxl import TEXT_ENCODERS, text_encoder_adapter_layers
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
+    for name in TEXT_ENCODERS:
+        add_lora(getattr(pipe, name), 4, text_encoder_adapter_layers(pipe, name))
+    embeddings, pooled = encode_prompts(pipe, PROMPTS, "cpu", {})
+    (embeddings.sum() + pooled.sum()).backward()
+    trained = {f"{name}.{key}": parameter for name in TEXT_ENCODERS
+               for key, parameter in getattr(pipe, name).named_parameters() if parameter.requires_grad}
+    layers = pipe.text_encoder.config.num_hidden_layers
+    assert not any(f"layers.{layers - 1}." in key for key in trained if key.startswith("text_encoder."))
+    assert [key for key, parameter in trained.items() if parameter.grad is None] == []
+    assert any(f"layers.{layers - 1}." in key for key in trained if key.startswith("text_encoder_2."))

@@ -214,3 +214,29 @@ def test_flux2_klein_pipeline_renders_32x32(tiny_flux2_klein_pipe):
     assert images.shape == (1, 32, 32, 3) and np.isfinite(images).all() and images.std() > 0
     assert np.array_equal(render(0), images)
     assert not np.array_equal(render(1), images) and not np.array_equal(render(0, "a blue square"), images)
+
+
+def test_flux2_dev_is_laid_out_as_released_its_tokenizer_a_pixtral_processor(tiny):
+    """As diffusers' conversion saves FLUX.2-dev: ``tokenizer`` is Mistral's processor (tokenizer, Pixtral's image
+    processor and the processor's settings, in one folder), whose tokenizer with its chat template loads alone."""
+    from transformers import AutoTokenizer
+
+    folder = tiny["flux2_dev"]
+    assert json.loads((folder / "model_index.json").read_text())["tokenizer"] == ["transformers", "PixtralProcessor"]
+    processor = json.loads((folder / "tokenizer" / "processor_config.json").read_text())
+    assert processor["processor_class"] == "PixtralProcessor"
+    image_processor = json.loads((folder / "tokenizer" / "preprocessor_config.json").read_text())
+    assert image_processor["image_processor_type"] == "PixtralImageProcessor"
+    tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
+    assert "[SYSTEM_PROMPT]" in tokenizer.chat_template
+    assert all(tokenizer.convert_tokens_to_ids(processor[key]) != tokenizer.unk_token_id
+               for key in ("image_token", "image_break_token", "image_end_token"))
+
+
+def test_wan_i2v_names_its_image_processor_as_released_and_loads_without_torchvision(tiny):
+    from diffusers import WanImageToVideoPipeline
+
+    index = json.loads((tiny["wan_i2v"] / "model_index.json").read_text())
+    assert index["image_processor"] == ["transformers", "CLIPImageProcessor"]
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny["wan_i2v"])
+    assert pipe.image_processor(Image.new("RGB", (40, 24)), return_tensors="pt").pixel_values.shape == (1, 3, 32, 32)

@@ -35,6 +35,7 @@ from helpers import import_script, launch, launch_together, launched_usage_error
 from training_utils.adapters.export import converted_name
 from training_utils.families import (chroma, flux, flux2, flux2_dev, hidream, ideogram4, krea2, lumina2, qwen_image,
                                      sana, sd3, z_image)
+from training_utils.pipeline import from_pretrained
 from training_utils.testing import (assert_latents_cached_per_bucket, assert_lora_changes_pipeline_output,
                                     assert_same_files, assert_validated_at, checkpoint_names, most_common_bucket,
                                     reported_buckets)
@@ -413,7 +414,7 @@ def test_cached_latents_train_like_encoding_every_step_and_prompts_embed_as_the_
         for key in cached:  # the VAE ran on other batch sizes: equal up to float rounding
             torch.testing.assert_close(cached[key], encoded[key], rtol=1e-4, atol=1e-5)
     features = cached_dir.parent / "features"
-    pipe = family.pipeline.from_pretrained(tiny[family.name])
+    pipe = from_pretrained(family.pipeline, tiny[family.name])
     assert_latents_cached_per_bucket(features, result.stderr, pipe.vae_scale_factor)
     # What the run trained on, each caption file's caption, the instance prompt (for the two pictures without one)
     # and (for the dropped samples) the empty one, each once, is bitwise what the family's encoding gives for them

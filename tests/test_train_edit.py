@@ -45,8 +45,8 @@ from helpers import FSDP2, launch, launch_processes, launching, together, usage_
 from training_utils.adapters.export import converted_name
 from training_utils.data.images import read_image
 from training_utils.families import flux2, flux2_dev, flux_kontext, qwen_image_edit
-from training_utils.grids import step_grid
-from training_utils.grids import read_log
+from training_utils.grids import read_log, step_grid
+from training_utils.pipeline import from_pretrained
 from training_utils.testing import assert_lora_changes_pipeline_output, assert_same_files, checkpoint_names
 
 LORA = "pytorch_lora_weights.safetensors"
@@ -264,7 +264,7 @@ def test_the_lora_changes_an_edit_and_comfyui_applies_it_at_the_trained_strength
     prompt_settings = {key.removeprefix("--"): value for key, value in zip(family.flags[::2], family.flags[1::2])
                        if key == "--max_sequence_length"}  # the runs' prompt length, where the pipeline cuts prompts
     components = family.components(tiny[family.fixture]) if family.components else {}
-    pipe = family.pipeline.from_pretrained(tiny[family.fixture], **components)
+    pipe = from_pretrained(family.pipeline, tiny[family.fixture], **components)
     with family.render_context():
         assert_lora_changes_pipeline_output(tiny[family.fixture], output_dir, output_dir / "ema", prompt=PROMPT,
                                             components=components, **prompt_settings,

@@ -27,6 +27,7 @@ import pytest
 from helpers import EXAMPLES, import_script, launch
 from training_utils.errors import UsageError
 from training_utils.parser import RefusedFlag
+from training_utils.pipeline import from_pretrained
 from training_utils.testing import checkpoint_names
 
 # Upstream's hub models and data, and the tiny fixture (`training_utils.testing.tiny`) each stands for here.
@@ -389,7 +390,7 @@ def flux2_reading_one_layer(pipeline, directory):
     --text_encoder_out_layers 1)."""
     from diffusers import DiffusionPipeline, Flux2Transformer2DModel
 
-    pipe = DiffusionPipeline.from_pretrained(pipeline)
+    pipe = from_pretrained(DiffusionPipeline, pipeline)  # [dev]'s tokenizer is a PixtralProcessor, as released
     text_encoder = getattr(pipe.text_encoder.config, "text_config", pipe.text_encoder.config)  # [dev]'s: Mistral 3's
     config = dict(pipe.transformer.config, joint_attention_dim=text_encoder.hidden_size)
     pipe.transformer = Flux2Transformer2DModel.from_config(config)

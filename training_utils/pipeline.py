@@ -11,11 +11,16 @@ import re
 
 import torch
 from diffusers import DDPMScheduler
+from transformers import AutoTokenizer
 
 from .quantization import follow_autocast, is_quantized
 
 # A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Processors that released pipelines name as a component whose text alone the pipeline tokenizes (FLUX.2 [dev]'s
+# ``tokenizer`` is Mistral's PixtralProcessor; its encode_prompt calls apply_chat_template). Transformers 5 imports
+# them only beside torchvision, which training does not need: their tokenizer loads alone, from the same folder.
+TEXT_ONLY_PROCESSORS = {"PixtralProcessor"}
 
 
 def is_hub_id(value):
@@ -40,10 +45,24 @@ def load_pipeline(pipeline_class, args, weight_dtype=torch.float32, trained_in_f
     dtype = {"default": weight_dtype, **dict.fromkeys(trained_in_fp32, torch.float32)}
     if quantization is not None:
         components["quantization_config"] = quantization
-    pipe = pipeline_class.from_pretrained(
-        args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=dtype, **components
-    )
+    pipe = from_pretrained(pipeline_class, args.pretrained_model_name_or_path, revision=args.revision,
+                           variant=args.variant, dtype=dtype, **components)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def from_pretrained(pipeline_class, path, revision=None, **components):
+    """``pipeline_class.from_pretrained(path, revision=revision, **components)``, where each component that the
+    folder's ``model_index.json`` names by one of `TEXT_ONLY_PROCESSORS` (and ``components`` does not give) loads as
+    its tokenizer: the pipeline then loads, and tokenizes prompts the same, with or without torchvision."""
+    index = pipeline_class.load_config(path, revision=revision)
+    tokenizers = {name: AutoTokenizer.from_pretrained(path, subfolder=name, revision=revision)
+                  for name, value in index.items()
+                  if name not in components and isinstance(value, list) and value[-1] in TEXT_ONLY_PROCESSORS}
+    # Passed as None, a component is not loaded (diffusers cannot type-check a tokenizer against a class it
+    # cannot import); the tokenizer takes its place once the pipeline is built.
+    pipe = pipeline_class.from_pretrained(path, revision=revision, **dict.fromkeys(tokenizers), **components)
+    pipe.register_modules(**tokenizers)
     return pipe
 
 

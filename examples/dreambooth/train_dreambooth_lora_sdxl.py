@@ -26,7 +26,7 @@ from diffusers import StableDiffusionXLPipeline
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.adapters.config import adapter_config
 from training_utils.adapters.export import adapter_export
-from training_utils.adapters.injection import ATTENTION_PROJECTIONS, CLIP_ATTENTION_PROJECTIONS, add_adapter
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_adapter
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
@@ -94,13 +94,14 @@ def main(args, run):
     settings = sdxl.prompt_settings(pipe, args)
     call_kwargs = sdxl.call_kwargs(pipe, settings)
 
-    # 3. Adapters (--adapter) on the UNet's (and maybe both text encoders') attention; the EMA tracks them all.
+    # 3. Adapters (--adapter) on the UNet's (and maybe both text encoders') attention, in the layers the loss reads;
+    #    the EMA tracks them all.
     add_adapter(unet, adapter_config(args, ATTENTION_PROJECTIONS))
     trained = {"unet": unet}
     if args.train_text_encoder:
         for name in ("text_encoder", "text_encoder_2"):
             trained[name] = getattr(pipe, name)
-            add_adapter(trained[name], adapter_config(args, CLIP_ATTENTION_PROJECTIONS))
+            add_adapter(trained[name], adapter_config(args, sdxl.text_encoder_adapter_layers(pipe, name)))
     # Unless they train, the text encoders run once, to cache the prompts' embeddings, and stay off the accelerator;
     # if they do, they run in every step, on the accelerator.
     if args.train_text_encoder:

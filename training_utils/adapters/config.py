@@ -19,7 +19,9 @@ rank (LyCORIS: from 1 to half the rank); OFT blocks of 32 (peft's).
 
 import math
 
+import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, OFTConfig
+from peft.tuners.tuners_utils import check_target_module_exists
 
 from ..errors import require
 
@@ -106,6 +108,29 @@ def adapter_config(args, target_modules):
     if args.adapter == "loha":
         return LoHaConfig(r=args.rank, alpha=alpha(args), target_modules=target_modules)
     return OFTConfig(oft_block_size=args.oft_block_size, target_modules=target_modules)
+
+
+def check_oft_block_size(model, config):
+    """Stop in one line, before the adapter is added, where an OFT ``config``'s block size does not divide the input
+    width of a layer of ``model`` that it adapts: peft would train that layer with another block size (with a
+    warning), while the adapter's files record the one asked for. Names the block sizes that fit every layer."""
+    if not isinstance(config, OFTConfig):
+        return
+    widths = sorted({oft_input_width(module) for name, module in model.named_modules()
+                     if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))
+                     and check_target_module_exists(config, name)})
+    block_size = config.oft_block_size
+    fitting = [size for size in range(2, min(widths, default=0) + 1) if all(width % size == 0 for width in widths)]
+    require(all(width % block_size == 0 for width in widths), "--oft_block_size", block_size,
+            f"a divisor of every adapted layer's input width ({', '.join(map(str, widths))}): "
+            f"{', '.join(map(str, fitting)) or 'none above 1; adapt other layers'}")
+
+
+def oft_input_width(module):
+    """The width that OFT splits into blocks: a linear layer's inputs, a convolution's inputs times its kernel."""
+    if isinstance(module, torch.nn.Conv2d):
+        return module.in_channels * math.prod(module.kernel_size)
+    return module.in_features
 
 
 def alpha(args):

@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 
 from ..errors import require
+from .config import check_oft_block_size
 
 # The query, key, value and output projections of diffusers' `Attention`, in UNets and transformers alike.
 ATTENTION_PROJECTIONS = ["to_k", "to_q", "to_v", "to_out.0"]
@@ -21,6 +22,7 @@ def add_adapter(model, config):
     Diffusers models take it through their own ``add_adapter``; text encoders through peft directly (transformers 5
     refuses ``add_adapter`` with the peft releases available here).
     """
+    check_oft_block_size(model, config)
     model.requires_grad_(False)
     if hasattr(model, "add_adapter") and hasattr(model, "set_adapters"):
         model.add_adapter(config)

@@ -17,12 +17,14 @@ replaces the pipeline's when the pipeline loads (e.g. an fp16-safe VAE for ``--m
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL
 
 from . import sd
+from ..adapters.injection import CLIP_ATTENTION_PROJECTIONS
 from ..errors import require
 from ..pipeline import is_hub_id
 from .base import stacked, tokenize
@@ -39,6 +41,18 @@ normalized_latents = sd.normalized_latents
 model_inputs = sd.model_inputs
 prediction = sd.prediction
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def text_encoder_adapter_layers(pipe, name):
+    """The attention projections of the text encoder ``name`` that a text-encoder adapter goes on: those of the
+    layers the prompt's embeddings depend on. The first encoder's last layer feeds nothing (its penultimate hidden
+    states are read); every layer of the second feeds its pooled output. An adapter on a layer that feeds nothing
+    would train nothing, and DDP stops a run whose parameters get no gradient."""
+    text_encoder = getattr(pipe, name)
+    read = text_encoder.config.num_hidden_layers - (name == "text_encoder")
+    return [module_name for module_name, _ in text_encoder.named_modules()
+            if module_name.rsplit(".", 1)[-1] in CLIP_ATTENTION_PROJECTIONS
+            and int(re.search(r"layers\.(\d+)\.", module_name).group(1)) < read]
 
 
 def add_args(parser):

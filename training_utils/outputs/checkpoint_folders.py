@@ -34,11 +34,31 @@ TRAJECTORY_FREE_FLAGS = {
     "class_inference_steps", "fsdp_text_encoder",
 }
 
+# The flags that decide which tensors train (the adapter's kind and shape): a checkpoint of other values holds other
+# tensors, which no run can load, --resume_with_changed_args or not.
+TRAINED_TENSOR_FLAGS = ("adapter", "rank", "lokr_factor", "lokr_decompose_both", "oft_block_size")
+
 
 def trajectory_flags(args):
     """The run's flags that decide its training trajectory, as JSON values by flag name."""
     return {name: json.loads(json.dumps(value, default=str)) for name, value in sorted(vars(args).items())
             if name not in TRAJECTORY_FREE_FLAGS}
+
+
+def check_same_trained_tensors(path, saved, trajectory, spellings):
+    """Refuse in one line, before anything loads, a checkpoint ``path`` whose run (its trajectory flags ``saved``)
+    trained other tensors than this one's (`TRAINED_TENSOR_FLAGS`), naming the flags that resume it."""
+    changed = [name for name in TRAINED_TENSOR_FLAGS if name in saved and saved[name] != trajectory.get(name)]
+    if not changed:
+        return
+    spelled = {name: spellings.get(name, f"--{name}") for name in TRAINED_TENSOR_FLAGS}
+    described = "; ".join(f"{spelled[name]} was {saved[name]!r}, now {trajectory.get(name)!r}" for name in changed)
+    resuming = " ".join(spelled[name] if saved[name] is True else f"{spelled[name]} {saved[name]}"
+                        for name in TRAINED_TENSOR_FLAGS if saved.get(name) not in (None, False))
+    raise UsageError(spelled[changed[0]], trajectory.get(changed[0]),
+                     f"the adapter that {path} holds ({described}): not even --resume_with_changed_args changes "
+                     f"what trains; pass {resuming} to go on with it, or start a new run without "
+                     f"--resume_from_checkpoint")
 
 
 def complete_checkpoints(output_dir):

@@ -37,7 +37,8 @@ from ..errors import WRITE_ERRORS, WRITE_FAILED_EXIT_CODE, RunStopped, UsageErro
 from ..names import EMA_FOLDER, STAGING_PREFIX, STATE_FILE
 from ..pipeline import trainable_parameters
 from ..sharding.fsdp2 import any_sharded, local_part, local_tensor, whole_tensors, without_model_state
-from .checkpoint_folders import CHECKPOINT_FORMAT, choose_checkpoint, complete_checkpoints, recorded_trajectory
+from .checkpoint_folders import (CHECKPOINT_FORMAT, check_same_trained_tensors, choose_checkpoint, complete_checkpoints,
+                                 recorded_trajectory)
 from .manifest import write_manifest
 from .stop_signals import SIGNALS
 from .writing import failure_cause, give_normal_permissions
@@ -201,6 +202,7 @@ class Checkpointer:
             raise UsageError("--resume_from_checkpoint", str(path),
                              f"the flags the checkpoint was trained with ({described}), or --resume_with_changed_args "
                              f"to go on anyway")
+        check_same_trained_tensors(path, saved, self.trajectory, self.spellings)
         later = [other.name for step, other in complete_checkpoints(self.output_dir)
                  if step > self.loaded_state["global_step"] and recorded_trajectory(other) != self.trajectory]
         if later:

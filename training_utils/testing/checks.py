@@ -86,8 +86,10 @@ def assert_lora_changes_pipeline_output(base_model, *lora_dirs, prompt="a photo"
     from diffusers import DiffusionPipeline
     from peft import PeftModel
 
+    from ..pipeline import from_pretrained
+
     def load():
-        pipe = DiffusionPipeline.from_pretrained(base_model, **(components or {}))
+        pipe = from_pretrained(DiffusionPipeline, base_model, **(components or {}))
         pipe.set_progress_bar_config(disable=True)
         if prepare is not None:
             prepare(pipe)

@@ -1,7 +1,12 @@
 """Tiny FLUX.2 [dev]: a FLUX.2 transformer with its guidance embedding, FLUX.2's VAE and a Mistral 3 text encoder
-with a real Mistral tokenizer and chat template."""
+with a real Mistral tokenizer and chat template, in the released folder's layout: its ``tokenizer`` is Mistral's
+processor (``PixtralProcessor``: the tokenizer and Pixtral's image processor), as diffusers'
+``scripts/convert_flux2_to_diffusers.py`` saves black-forest-labs/FLUX.2-dev's (``AutoProcessor`` of
+Mistral-Small-3.1-24B-Instruct-2503)."""
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -21,7 +26,9 @@ MISTRAL_CHAT_TEMPLATE = (
     "{%- else %}{{ text + eos_token }}{%- endif %}{%- endfor %}"
 )
 MISTRAL_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-                          "[IMG]"]
+                          "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+# The Pixtral vision tower's patches, as the tiny text encoder's (its processor lays images out in them).
+VISION_PATCH_SIZE = 8
 
 
 def tiny_mistral_tokenizer(words=None):
@@ -61,7 +68,7 @@ def tiny_mistral3_text_encoder(tokenizer, num_hidden_layers=30, hidden_size=16, 
                          num_key_value_heads=1, head_dim=8, max_position_embeddings=1024, sliding_window=None,
                          **ids),
         vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=32, image_size=32, patch_size=8, num_channels=3),
+                           intermediate_size=32, image_size=32, patch_size=VISION_PATCH_SIZE, num_channels=3),
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), vision_feature_layer=-1, **ids)
     return Mistral3ForConditionalGeneration(config).eval()
 
@@ -89,6 +96,23 @@ def build_flux2_dev(path):
     )
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                   transformer=transformer).save_pretrained(path)
+    _save_the_tokenizer_as_the_released_processor(Path(path))
+
+
+def _save_the_tokenizer_as_the_released_processor(path):
+    """The folder's ``tokenizer`` as the released one: Mistral's ``PixtralProcessor`` (beside the tokenizer's files,
+    Pixtral's image processor and the processor's settings), so that it loads as FLUX.2-dev's does (transformers 5
+    imports ``PixtralProcessor`` only beside torchvision)."""
+    from transformers import PixtralImageProcessorPil
+
+    image_processor = PixtralImageProcessorPil(patch_size=VISION_PATCH_SIZE, size={"longest_edge": 32})
+    image_processor.save_pretrained(path / "tokenizer")
+    processor = {"processor_class": "PixtralProcessor", "patch_size": VISION_PATCH_SIZE, "spatial_merge_size": 1,
+                 "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+    (path / "tokenizer" / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    index = json.loads((path / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
 
 
 FIXTURES = {"flux2_dev": build_flux2_dev}

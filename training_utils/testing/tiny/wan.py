@@ -2,6 +2,9 @@
 ``boundary_ratio``, and Wan 2.1-style image-to-video with a CLIP image encoder; a UMT5 text encoder with an offline
 T5 tokenizer, and the Wan VAE (4× in time, 8× in space) of diffusers' own tests."""
 
+import json
+from pathlib import Path
+
 import torch
 
 from .parts import SEED, tiny_t5_tokenizer
@@ -82,7 +85,13 @@ def wan_i2v_pipeline():
 
 
 def build_wan_i2v(path):
+    """Saved as the released Wan 2.1 I2V folders name their image processor, ``CLIPImageProcessor`` (which
+    transformers 5 loads as its PIL implementation without torchvision; saved, it names that one)."""
     wan_i2v_pipeline().save_pretrained(path)
+    index_file = Path(path) / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    index_file.write_text(json.dumps(index, indent=2))
 
 
 FIXTURES = {"wan21": build_wan21, "wan22": build_wan22, "wan_i2v": build_wan_i2v}
