@@ -27,7 +27,7 @@ demo: install
 	  --checkpointing_steps 100 --checkpoints_total_limit 1 \
 	  --validation_prompt "a sks star on a white background" --num_validation_images 4 \
 	  --validation_inference_steps 20 --validation_steps 25
-	@echo "the star appearing, raw and EMA side by side, step by step: $(DEMO_DIR)/validation/progress-p00.png"
+	@echo "the star appearing, raw and EMA side by side after the base model's picture, step by step: $(DEMO_DIR)/validation/progress-p00.png"
 	@echo "the model card, which shows it: $(DEMO_DIR)/README.md"
 
 test: install
