@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -202,26 +202,34 @@ def test_cached_run_validates_with_the_offloaded_encoders_back(runs):
 @pytest.fixture(scope="module")
 @launching
 def sdxl_run(tiny, tmp_path_factory):
-    """``(output_dir, result)`` of the SDXL script's one launch: 4 `common` steps on the tiny SDXL, the EMA kept on
-    the CPU, validating every 3 steps (and at the final step 4)."""
-    output_dir = tmp_path_factory.mktemp("sdxl") / "out"
-    return output_dir, launch(SDXL_SCRIPT, *common(
-        tiny, output_dir, "--max_train_steps", 4, "--ema_device", "cpu", "--validation_prompt", *PROMPTS,
-        "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 3, model="sdxl"))
+    """``(output_dir, result)`` of the SDXL script's one launch: 4 `common` steps on the tiny SDXL with a replacement
+    VAE (the tiny one, its decoder shifted, in ``<root>/vae``), the EMA kept on the CPU, validating every 3 steps (and
+    at the final step 4)."""
+    root = tmp_path_factory.mktemp("sdxl")
+    vae = AutoencoderKL.from_pretrained(tiny["sdxl"] / "vae")
+    with torch.no_grad():
+        vae.decoder.conv_out.bias += 0.5
+    vae.save_pretrained(root / "vae")
+    return root / "out", launch(SDXL_SCRIPT, *common(
+        tiny, root / "out", "--max_train_steps", 4, "--pretrained_vae_model_name_or_path", root / "vae",
+        "--ema_device", "cpu", "--validation_prompt", *PROMPTS, "--num_validation_images", 1,
+        "--validation_inference_steps", 2, "--validation_steps", 3, model="sdxl"))
 
 
-def test_sdxl_writes_a_loadable_pipeline_with_only_its_unet_trained(tiny, sdxl_run):
+def test_sdxl_writes_a_loadable_pipeline_with_the_trained_unet_and_the_vae_it_trained_with(tiny, sdxl_run):
     output_dir, result = sdxl_run
     final = load_file(output_dir / UNET)
     pipe = StableDiffusionXLPipeline.from_pretrained(output_dir)
     assert_same(pipe.unet.state_dict(), final)
     assert all(tensor.dtype == torch.float32 for tensor in final.values())
     assert_differ(load_file(Path(tiny["sdxl"]) / UNET), final)
-    frozen = [path.relative_to(tiny["sdxl"]) for folder in ("vae", "text_encoder", "text_encoder_2")
+    frozen = [path.relative_to(tiny["sdxl"]) for folder in ("text_encoder", "text_encoder_2")
               for path in (Path(tiny["sdxl"]) / folder).glob("*.safetensors")]
-    assert len(frozen) == 3
+    assert len(frozen) == 2
     for name in frozen:
         assert_same_files(Path(tiny["sdxl"]) / name, output_dir / name)
+    assert_same_files(output_dir.parent / "vae/diffusion_pytorch_model.safetensors", output_dir / "vae" /
+                      "diffusion_pytorch_model.safetensors")
     assert f"raw UNet: {output_dir / 'unet'}" in result.stdout
 
 
