@@ -1,4 +1,5 @@
-"""Smoke tests: the full UNet fine-tune script end to end on the tiny fixtures, through ``accelerate launch``."""
+"""Smoke tests: the full UNet fine-tune scripts (SD 1.x and SDXL) end to end on the tiny fixtures, through
+``accelerate launch``."""
 
 import functools
 import json
@@ -6,16 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import FSDP2, launch, launching, together, usage_error
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_close_files, assert_close_validations,
-                                    assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
-                                    checkpoint_names, most_common_bucket, rendered_images, reported_buckets)
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
+                                    assert_validated_at, checkpoint_names, most_common_bucket, rendered_images,
+                                    reported_buckets)
 
 SCRIPT = "text_to_image/train_text_to_image.py"
+SDXL_SCRIPT = "text_to_image/train_text_to_image_sdxl.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
 EMA_UNET = "ema/" + UNET
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
@@ -25,8 +28,8 @@ BUCKETED = ["--use_aspect_ratio_buckets", "--repeats", 2, "--caption_dropout", 0
 MIXED_IMAGES = 12
 
 
-def common(tiny, output_dir, *extra, data_dir=None):
-    return ["--pretrained_model_name_or_path", tiny["sd"], "--train_data_dir", data_dir or tiny["shapes"],
+def common(tiny, output_dir, *extra, data_dir=None, model="sd"):
+    return ["--pretrained_model_name_or_path", tiny[model], "--train_data_dir", data_dir or tiny["shapes"],
             "--output_dir", output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3,
             "--random_flip", "--use_ema", "--ema_decay", 0.9, "--seed", 3, *extra]
 
@@ -194,3 +197,52 @@ def test_cached_run_validates_with_the_offloaded_encoders_back(runs):
     (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
     assert {Image.open(path).size for path in rendered_images(cached)} == {(40, 16)}  # --validation_width/_height
+
+
+@pytest.fixture(scope="module")
+@launching
+def sdxl_run(tiny, tmp_path_factory):
+    """``(output_dir, result)`` of the SDXL script's one launch: 4 `common` steps on the tiny SDXL with a replacement
+    VAE (the tiny one, its decoder shifted, in ``<root>/vae``), the EMA kept on the CPU, validating every 3 steps (and
+    at the final step 4)."""
+    root = tmp_path_factory.mktemp("sdxl")
+    vae = AutoencoderKL.from_pretrained(tiny["sdxl"] / "vae")
+    with torch.no_grad():
+        vae.decoder.conv_out.bias += 0.5
+    vae.save_pretrained(root / "vae")
+    return root / "out", launch(SDXL_SCRIPT, *common(
+        tiny, root / "out", "--max_train_steps", 4, "--pretrained_vae_model_name_or_path", root / "vae",
+        "--ema_device", "cpu", "--validation_prompt", *PROMPTS, "--num_validation_images", 1,
+        "--validation_inference_steps", 2, "--validation_steps", 3, model="sdxl"))
+
+
+def test_sdxl_writes_a_loadable_pipeline_with_the_trained_unet_and_the_vae_it_trained_with(tiny, sdxl_run):
+    output_dir, result = sdxl_run
+    final = load_file(output_dir / UNET)
+    pipe = StableDiffusionXLPipeline.from_pretrained(output_dir)
+    assert_same(pipe.unet.state_dict(), final)
+    assert all(tensor.dtype == torch.float32 for tensor in final.values())
+    assert_differ(load_file(Path(tiny["sdxl"]) / UNET), final)
+    frozen = [path.relative_to(tiny["sdxl"]) for folder in ("text_encoder", "text_encoder_2")
+              for path in (Path(tiny["sdxl"]) / folder).glob("*.safetensors")]
+    assert len(frozen) == 2
+    for name in frozen:
+        assert_same_files(Path(tiny["sdxl"]) / name, output_dir / name)
+    assert_same_files(output_dir.parent / "vae/diffusion_pytorch_model.safetensors", output_dir / "vae" /
+                      "diffusion_pytorch_model.safetensors")
+    assert f"raw UNet: {output_dir / 'unet'}" in result.stdout
+
+
+def test_sdxl_writes_the_ema_unet(tiny, sdxl_run):
+    output_dir, _ = sdxl_run
+    ema_unet = assert_model_folder_loads(UNet2DConditionModel, output_dir / "ema" / "unet",
+                                         initial=Path(tiny["sdxl"]) / "unet").state_dict()
+    assert_differ(ema_unet, load_file(output_dir / UNET))
+    card = (output_dir / "README.md").read_text()
+    assert f'StableDiffusionXLPipeline.from_pretrained("{output_dir}")' in card
+    assert f'UNet2DConditionModel.from_pretrained("{output_dir}/ema/unet")' in card
+
+
+def test_sdxl_validates_raw_and_ema_at_the_due_steps_and_the_final_step(sdxl_run):
+    output_dir, _ = sdxl_run
+    assert_validated_at(output_dir, [3, 4], ("raw", "ema"), PROMPTS, num_images=1)

@@ -3,7 +3,7 @@
 `UPSTREAM` holds, for every upstream test of a script we have, its runs' flags as upstream wrote them (their
 ``test_args``), and what we expect of each run. The hub models and datasets they name are replaced by our tiny
 fixtures (`SUBSTITUTES`), ``{tmpdir}`` by the run's folder; every other flag stays as upstream wrote it,
-``--resolution 64`` included. Upstream tests of scripts we do not have (``train_text_to_image_sdxl.py``, ...) are
+``--resolution 64`` included. Upstream tests of scripts we do not have (``train_text_to_image_flax.py``, ...) are
 left out; upstream has no test for its Z-Image and Krea 2 scripts, and no Chroma script (ours takes its FLUX.1
 script's flags).
 
@@ -91,9 +91,10 @@ class Upstream(NamedTuple):
     refused: str = None
 
 
-def t2i(flags, **expected):
-    """A run of upstream's text_to_image tests: tiny SD on their image-text data, center-cropped and flipped."""
-    return Run("--pretrained_model_name_or_path hf-internal-testing/tiny-stable-diffusion-pipe "
+def t2i(flags, model="hf-internal-testing/tiny-stable-diffusion-pipe", **expected):
+    """A run of upstream's text_to_image tests: tiny SD (or ``model``) on their image-text data, center-cropped and
+    flipped."""
+    return Run(f"--pretrained_model_name_or_path {model} "
                "--dataset_name hf-internal-testing/dummy_image_text_data --resolution 64 --center_crop --random_flip "
                "--train_batch_size 1 --gradient_accumulation_steps 1 --learning_rate 5.0e-04 --scale_lr "
                "--lr_scheduler constant --lr_warmup_steps 0 --output_dir {tmpdir} " + flags, **expected)
@@ -234,7 +235,7 @@ def dreambooth_family(test_file, family_name, script, model, prompt, extra="", l
 
 
 UPSTREAM = [
-    # examples/text_to_image/test_text_to_image.py, class TextToImage (TextToImageSDXL is for a script we lack).
+    # examples/text_to_image/test_text_to_image.py, classes TextToImage and TextToImageSDXL.
     Upstream("text_to_image/test_text_to_image.py::test_text_to_image", "text_to_image/train_text_to_image.py",
              (t2i("--max_train_steps 2", files=(UNET, SCHEDULER)),)),
     Upstream("text_to_image/test_text_to_image.py::test_text_to_image_checkpointing",
@@ -260,6 +261,10 @@ UPSTREAM = [
                  t2i("--max_train_steps 9 --checkpointing_steps=2 --seed=0", checkpoints=checkpoints(2, 4, 6, 8)),
                  t2i("--max_train_steps 11 --checkpointing_steps=2 --resume_from_checkpoint=checkpoint-8 "
                      "--checkpoints_total_limit=3 --seed=0", checkpoints=checkpoints(6, 8, 10), files=(UNET,)))),
+    Upstream("text_to_image/test_text_to_image.py::test_text_to_image_sdxl",
+             "text_to_image/train_text_to_image_sdxl.py",
+             (t2i("--max_train_steps 2", model="hf-internal-testing/tiny-stable-diffusion-xl-pipe",
+                  files=(UNET, SCHEDULER)),)),
 
     # examples/text_to_image/test_text_to_image_lora.py, classes TextToImageLoRA and TextToImageLoRASDXL.
     Upstream("text_to_image/test_text_to_image_lora.py::test_text_to_image_lora_checkpointing_checkpoints_total_limit",
