@@ -39,7 +39,7 @@ from training_utils.families import sdxl
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.outputs.export import PipelineExport, save_with_ema
-from training_utils.outputs.hub import finish_run, how_to_load
+from training_utils.outputs.hub import fine_tuned_unet_how_to_load, finish_run
 from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
@@ -47,15 +47,6 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.validation import make_validator
 
-HOW_TO_LOAD = """
-from diffusers import {pipeline_class}, UNet2DConditionModel
-
-pipe = {pipeline_class}.from_pretrained("{output_dir}")
-{swap_in_ema}image = pipe("{prompt}").images[0]
-"""
-SWAP_IN_EMA = """# the EMA UNet instead of the raw one:
-pipe.unet = UNet2DConditionModel.from_pretrained("{output_dir}/ema/unet")
-"""
 # The flags of upstream's script that this one does not carry, besides those no script here carries.
 REFUSED = dict.fromkeys(["--timestep_bias_strategy", "--timestep_bias_multiplier", "--timestep_bias_begin",
                          "--timestep_bias_end", "--timestep_bias_portion"],
@@ -170,9 +161,8 @@ def main(args, run):
     #    files, write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        swap_in_ema = SWAP_IN_EMA.format(output_dir=args.output_dir) if ema is not None else ""
         finish_run(args, "Text-to-image fine-tune for SDXL",
-                   how_to_load(HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema), loop.records, saved, "UNet")
+                   fine_tuned_unet_how_to_load(args, pipe, ema), loop.records, saved, "UNet")
     end_training(accelerator)
 
 

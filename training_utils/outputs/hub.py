@@ -29,6 +29,16 @@ for component in {components}:  # or "{output_dir}/ema/" + component for the EMA
 image = pipe("{prompt}").images[0]
 """
 
+# A full fine-tune's pipeline folder, and where it has an EMA, the EMA UNet swapped in.
+UNET_FINE_TUNE_HOW_TO_LOAD = """
+from diffusers import {pipeline_class}, UNet2DConditionModel
+
+pipe = {pipeline_class}.from_pretrained("{output_dir}")
+{swap_in_ema}image = pipe("{prompt}").images[0]
+"""
+EMA_UNET_SWAP = """# the EMA UNet instead of the raw one:
+pipe.unet = UNet2DConditionModel.from_pretrained("{output_dir}/ema/unet")
+"""
 VIDEO_LORA_HOW_TO_LOAD = """
 from diffusers import {imports}
 from diffusers.utils import export_to_video
@@ -106,6 +116,13 @@ def how_to_load(template, args, pipe, **fields):
                 "base_model": args.pretrained_model_name_or_path, "output_dir": args.output_dir,
                 "prompt": args.validation_prompt[0] if args.validation_prompt else "a photo"}
     return template.format(**{**defaults, **fields})
+
+
+def fine_tuned_unet_how_to_load(args, pipe, ema):
+    """The model card's loading code of a full UNet fine-tune: the pipeline folder, and the EMA UNet swapped in where
+    the run kept an EMA (``ema``, or None)."""
+    swap_in_ema = EMA_UNET_SWAP.format(output_dir=args.output_dir) if ema is not None else ""
+    return how_to_load(UNET_FINE_TUNE_HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema)
 
 
 def finish_run(args, title, how_to_load, records, saved, what, captions=()):
