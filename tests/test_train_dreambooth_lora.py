@@ -386,7 +386,8 @@ def full_fine_tune(tiny, tmp_path_factory):
 
 
 def test_full_fine_tune_writes_a_pipeline_folder_with_what_trained_and_its_ema(tiny, full_fine_tune):
-    output_dir, _ = full_fine_tune
+    output_dir, result = full_fine_tune
+    assert f"ema UNet and text encoder: {output_dir / 'ema'}" in result.stdout
     pipe = StableDiffusionPipeline.from_pretrained(output_dir)
     assert isinstance(pipe, StableDiffusionPipeline)
     for name, model_class in (("unet", UNet2DConditionModel), ("text_encoder", CLIPTextModel)):

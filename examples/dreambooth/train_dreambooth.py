@@ -190,7 +190,8 @@ def main(args, run):
         swap_in_ema = SWAP_IN_EMA.format(output_dir=args.output_dir) if ema is not None else ""
         how_to_load_text = how_to_load(HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema,
                                        prompt=(args.validation_prompt or [args.instance_prompt])[0])
-        finish_run(args, "DreamBooth fine-tune", how_to_load_text, loop.records, saved, "UNet",
+        finish_run(args, "DreamBooth fine-tune", how_to_load_text, loop.records, saved,
+                   "UNet and text encoder" if args.train_text_encoder else "UNet",
                    captions=training_captions(instance_images))
     end_training(accelerator)
 
