@@ -102,7 +102,7 @@ class TensorsExport(Export):
 
 
 class ModelExport(Export):
-    """Whole trained diffusers models, each written by ``save_pretrained``: into the folder itself for one
+    """Whole trained diffusers (or transformers) models, each written by ``save_pretrained``: into the folder for one
     component, into a subfolder per component for several; ``from_pretrained`` loads them.
 
     ``configs`` holds each component's class and config, so that `write` can rebuild the model around
