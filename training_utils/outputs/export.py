@@ -106,7 +106,7 @@ class ModelExport(Export):
     component, into a subfolder per component for several; ``from_pretrained`` loads them.
 
     ``configs`` holds each component's class and config, so that `write` can rebuild the model around
-    synthesized tensors with ``from_config``. `of` makes one from the live modules.
+    synthesized tensors (`model_from_config`). `of` makes one from the live modules.
     """
 
     kind = "module"
