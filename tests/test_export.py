@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import ControlNetModel, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
+from transformers import CLIPTextModel
 
 from training_utils.ema import EMA
 from training_utils.outputs.export import (TENSORS_NAME, ModelExport, PipelineExport, TensorsExport, as_json,
@@ -61,6 +62,18 @@ def test_model_export_writes_tensors_into_a_folder_per_component_when_there_are_
     del tensors["unet.conv_in.weight"]
     with pytest.raises(ValueError, match="missing conv_in.weight"):
         export.write(tensors, tmp_path / "incomplete")
+
+
+def test_model_export_writes_a_transformers_text_encoder_beside_the_unet_from_its_description(tiny, tmp_path):
+    pipe = fresh_pipe(tiny)
+    trained = {"unet": pipe.unet, "text_encoder": pipe.text_encoder.requires_grad_(True)}
+    tensors = {name: parameter.detach() + 1 for name, parameter in trainable_parameters(trained).items()}
+    export = export_from_description(json.loads(json.dumps(ModelExport.of(trained).description())))
+    export.write(tensors, tmp_path)
+    text_encoder = CLIPTextModel.from_pretrained(tmp_path / "text_encoder")
+    for name, parameter in text_encoder.named_parameters():
+        assert torch.equal(parameter, tensors[f"text_encoder.{name}"])
+    assert (tmp_path / "unet" / "config.json").is_file()
 
 
 def test_pipeline_export_saves_the_whole_pipeline_raw_and_the_trained_unet_alone_as_ema(tiny, tmp_path):

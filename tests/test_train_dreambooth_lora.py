@@ -5,19 +5,22 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launching, usage_error
 from training_utils.families import sd
 from training_utils.testing import (assert_close_files, assert_close_validations, assert_lora_changes_pipeline_output,
-                                    assert_resumes_exactly, assert_same_files, assert_validated_at, checkpoint_names,
-                                    most_common_bucket, rendered_images, reported_buckets)
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
+                                    assert_validated_at, checkpoint_names, most_common_bucket, rendered_images,
+                                    reported_buckets)
+from transformers import CLIPTextModel
 from training_utils.testing.tiny.data import CAPTION_FILES, INSTANCE_CAPTIONS
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 SDXL_SCRIPT = "dreambooth/train_dreambooth_lora_sdxl.py"
+FULL_SCRIPT = "dreambooth/train_dreambooth.py"  # the full fine-tune: its one launch is `full_fine_tune`
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
 CLASS_PROMPT = "a photo of a triangle"
@@ -365,3 +368,37 @@ def test_sdxl_on_an_int8_unet_embeds_each_caption_once_as_the_pipeline_does_and_
     torch.testing.assert_close(text["0/0"], expected[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(text["0/1"], expected[2], rtol=1e-5, atol=1e-6)
     assert_lora_changes_pipeline_output(tiny["sdxl"], output_dir, prompt=INSTANCE_PROMPT)
+
+
+@pytest.fixture(scope="module")
+@launching
+def full_fine_tune(tiny, tmp_path_factory):
+    """``(output_dir, result)`` of the full fine-tune script: the whole UNet and text encoder trained for 3 steps with
+    prior preservation (3 class images it generates) and an EMA, validating every 2 steps and at the end."""
+    root = tmp_path_factory.mktemp("full_fine_tune")
+    result = launch(FULL_SCRIPT, "--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir",
+                    tiny["instance"], "--instance_prompt", INSTANCE_PROMPT, "--output_dir", root / "out",
+                    "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3, "--seed", 3,
+                    *prior_flags(root / "class"), "--use_ema", "--ema_decay", 0.9,
+                    "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
+                    "--validation_inference_steps", 2, "--validation_steps", 2)
+    return root / "out", result
+
+
+def test_full_fine_tune_writes_a_pipeline_folder_with_what_trained_and_its_ema(tiny, full_fine_tune):
+    output_dir, result = full_fine_tune
+    assert f"ema UNet and text encoder: {output_dir / 'ema'}" in result.stdout
+    pipe = StableDiffusionPipeline.from_pretrained(output_dir)
+    assert isinstance(pipe, StableDiffusionPipeline)
+    for name, model_class in (("unet", UNet2DConditionModel), ("text_encoder", CLIPTextModel)):
+        raw = assert_model_folder_loads(model_class, output_dir / name, initial=tiny["sd"] / name).state_dict()
+        ema = assert_model_folder_loads(model_class, output_dir / "ema" / name, initial=tiny["sd"] / name)
+        assert any(not torch.equal(tensor, ema.state_dict()[key]) for key, tensor in raw.items()), \
+            f"ema/{name} holds the raw weights"
+
+
+def test_full_fine_tune_with_prior_preservation_validates_at_the_due_steps_and_the_last(full_fine_tune):
+    output_dir, _ = full_fine_tune
+    assert len(list((output_dir.parent / "class").glob("*.png"))) == 3
+    assert_validated_at(output_dir, [2, 3], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    assert "StableDiffusionPipeline.from_pretrained" in (output_dir / "README.md").read_text()

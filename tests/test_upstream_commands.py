@@ -33,6 +33,7 @@ from training_utils.testing import checkpoint_names
 # Upstream's hub models and data, and the tiny fixture (`training_utils.testing.tiny`) each stands for here.
 SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-pipe": "sd",
+    "hf-internal-testing/tiny-stable-diffusion-torch": "sd",
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
     "hf-internal-testing/tiny-sd3-pipe": "sd3",
     "hf-internal-testing/tiny-flux-pipe": "flux",
@@ -115,13 +116,14 @@ def controlnet(flags, **expected):
 
 
 def dreambooth(model, prompt, flags, **expected):
-    """A smoke run of upstream's DreamBooth LoRA tests: ``model`` on their docs images, ``--instance_prompt prompt``."""
+    """A smoke run of upstream's DreamBooth (LoRA) tests: ``model`` on their docs images, ``--instance_prompt
+    prompt``."""
     return Run(f"--pretrained_model_name_or_path {model} --instance_data_dir docs/source/en/imgs "
                f"--instance_prompt {prompt} " + SMOKE + flags, **expected)
 
 
 def dreambooth_checkpointing(model, prompt, flags, **expected):
-    """A run of upstream's DreamBooth LoRA checkpointing tests (their ``--flag=value`` form, default lr)."""
+    """A run of upstream's DreamBooth (LoRA) checkpointing tests (their ``--flag=value`` form, default lr)."""
     return Run(f"--pretrained_model_name_or_path={model} --instance_data_dir=docs/source/en/imgs "
                f"--output_dir={{tmpdir}} --instance_prompt={prompt} --resolution=64 --train_batch_size=1 "
                "--gradient_accumulation_steps=1 "
@@ -138,6 +140,7 @@ def sdxl_dreambooth(source, flags, **expected):
 
 
 DOCS_IMAGES = "--instance_data_dir docs/source/en/imgs"
+SD_TORCH = "hf-internal-testing/tiny-stable-diffusion-torch"  # upstream's DreamBooth tests' tiny SD
 CAPTIONED_DATA = "--dataset_name hf-internal-testing/dummy_image_text_data --caption_column text"
 
 
@@ -306,6 +309,35 @@ UPSTREAM = [
             "--dataset_name=hf-internal-testing/fill10 --output_dir={tmpdir} --resolution=64 --train_batch_size=1 "
             "--gradient_accumulation_steps=1 --controlnet_model_name_or_path=hf-internal-testing/tiny-controlnet-sdxl "
             "--max_train_steps=4 --checkpointing_steps=2", files=(CONTROLNET,)),)),
+
+    # examples/dreambooth/test_dreambooth.py, class DreamBooth: the full fine-tune.
+    Upstream("dreambooth/test_dreambooth.py::test_dreambooth", "dreambooth/train_dreambooth.py", (
+        dreambooth(SD_TORCH, "photo", "", files=(UNET, SCHEDULER)),)),
+    Upstream("dreambooth/test_dreambooth.py::test_dreambooth_if", "dreambooth/train_dreambooth.py", (
+        dreambooth("hf-internal-testing/tiny-if-pipe", "photo",
+                   "--pre_compute_text_embeddings --tokenizer_max_length=77 --text_encoder_use_attention_mask",
+                   files=(UNET, SCHEDULER)),),
+             refused="--tokenizer_max_length is not supported here: DeepFloyd IF's T5 prompt options; Stable "
+                     "Diffusion's prompts are tokenized as its pipeline's encode_prompt does (CLIP, the tokenizer's "
+                     "length, no attention mask)"),
+    Upstream("dreambooth/test_dreambooth.py::test_dreambooth_checkpointing", "dreambooth/train_dreambooth.py", (
+        dreambooth(SD_TORCH, "photo", "--max_train_steps 4 --checkpointing_steps=2 --seed=0",
+                   checkpoints=checkpoints(2, 4), files=(UNET, "checkpoint-2/" + UNET)),
+        dreambooth(SD_TORCH, "photo", "--max_train_steps 6 --checkpointing_steps=2 "
+                   "--resume_from_checkpoint=checkpoint-4 --seed=0", remove_first=("checkpoint-2",),
+                   checkpoints=checkpoints(4, 6), files=(UNET,)))),
+    Upstream("dreambooth/test_dreambooth.py::test_dreambooth_checkpointing_checkpoints_total_limit",
+             "dreambooth/train_dreambooth.py", (
+                 dreambooth_checkpointing(SD_TORCH, "prompt",
+                                          "--max_train_steps=6 --checkpoints_total_limit=2 --checkpointing_steps=2",
+                                          checkpoints=checkpoints(4, 6)),)),
+    Upstream("dreambooth/test_dreambooth.py::test_dreambooth_checkpointing_checkpoints_total_limit_removes_multiple_"
+             "checkpoints", "dreambooth/train_dreambooth.py", (
+                 dreambooth_checkpointing(SD_TORCH, "prompt", "--max_train_steps=4 --checkpointing_steps=2",
+                                          checkpoints=checkpoints(2, 4)),
+                 dreambooth_checkpointing(SD_TORCH, "prompt", "--max_train_steps=8 --checkpointing_steps=2 "
+                                          "--resume_from_checkpoint=checkpoint-4 --checkpoints_total_limit=2",
+                                          checkpoints=checkpoints(6, 8)))),
 
     # examples/dreambooth/test_dreambooth_lora.py, classes DreamBoothLoRA and DreamBoothLoRASDXL.
     Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora", "dreambooth/train_dreambooth_lora.py", (

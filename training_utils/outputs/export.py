@@ -102,11 +102,11 @@ class TensorsExport(Export):
 
 
 class ModelExport(Export):
-    """Whole trained diffusers models, each written by ``save_pretrained``: into the folder itself for one
+    """Whole trained diffusers (or transformers) models, each written by ``save_pretrained``: into the folder for one
     component, into a subfolder per component for several; ``from_pretrained`` loads them.
 
     ``configs`` holds each component's class and config, so that `write` can rebuild the model around
-    synthesized tensors with ``from_config``. `of` makes one from the live modules.
+    synthesized tensors (`model_from_config`). `of` makes one from the live modules.
     """
 
     kind = "module"
@@ -119,10 +119,13 @@ class ModelExport(Export):
     def of(cls, trained):
         configs = {}
         for component, module in trained.items():
-            if not all(hasattr(module, name) for name in ("from_config", "save_pretrained", "config")):
-                raise TypeError(f"{type(module).__name__} is not a diffusers model (from_config/save_pretrained)")
+            if not (hasattr(module, "save_pretrained") and hasattr(module, "config")
+                    and (hasattr(module, "from_config") or hasattr(module, "config_class"))):
+                raise TypeError(f"{type(module).__name__} is not a diffusers or transformers model "
+                                "(from_config or config_class, save_pretrained)")
+            config = dict(module.config) if hasattr(module, "from_config") else module.config.to_dict()
             configs[component] = {"class_module": importable_module(type(module)),
-                                  "class_name": type(module).__name__, "config": as_json(dict(module.config))}
+                                  "class_name": type(module).__name__, "config": as_json(config)}
         return cls(configs, trained)
 
     def description(self):
@@ -149,7 +152,7 @@ class ModelExport(Export):
             # Made on the meta device: no weights initialised only to be replaced, and no random numbers drawn (a
             # sharded run's checkpoint is written so mid-run, and the run must go on with the RNG as it was).
             with torch.device("meta"):
-                module = import_class(spec["class_module"], spec["class_name"]).from_config(spec["config"])
+                module = model_from_config(import_class(spec["class_module"], spec["class_name"]), spec["config"])
             expected = module.state_dict()
             missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
             if missing or unexpected:
@@ -243,6 +246,13 @@ def importable_module(cls):
     except ImportError:
         pass
     return cls.__module__
+
+
+def model_from_config(model_class, config):
+    """A diffusers model (``from_config``) or a transformers one (its ``config_class``) made from its config dict."""
+    if hasattr(model_class, "from_config"):
+        return model_class.from_config(config)
+    return model_class(model_class.config_class.from_dict(config))
 
 
 def import_class(module_name, class_name):

@@ -118,11 +118,11 @@ def how_to_load(template, args, pipe, **fields):
     return template.format(**{**defaults, **fields})
 
 
-def fine_tuned_unet_how_to_load(args, pipe, ema):
+def fine_tuned_unet_how_to_load(args, pipe, ema, **fields):
     """The model card's loading code of a full UNet fine-tune: the pipeline folder, and the EMA UNet swapped in where
-    the run kept an EMA (``ema``, or None)."""
+    the run kept an EMA (``ema``, or None); ``fields`` as `how_to_load`'s (a DreamBooth run's prompt)."""
     swap_in_ema = EMA_UNET_SWAP.format(output_dir=args.output_dir) if ema is not None else ""
-    return how_to_load(UNET_FINE_TUNE_HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema)
+    return how_to_load(UNET_FINE_TUNE_HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema, **fields)
 
 
 def finish_run(args, title, how_to_load, records, saved, what, captions=()):
