@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, StableDiffusionPipeline
 
-from helpers import EXAMPLES, import_script
+from helpers import SCRIPTS, import_script
 from training_utils.adapters.config import fill_adapter_settings
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lora_args, check_args, export_formats,
                                  fill_dependent_defaults, training_parser)
@@ -408,8 +408,7 @@ class Parsing(Exception):
     """Raised where a script's parser starts parsing: everything it declares has been declared."""
 
 
-@pytest.mark.parametrize("script", sorted(path.relative_to(EXAMPLES).as_posix()
-                                          for path in EXAMPLES.glob("*/train_*.py")))
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_scripts_parser_declares_each_flag_once(script):
     """Two declarations of a flag would be two defaults, the one added last winning. The one replacement allowed is a
     shared flag refused by a script that does not read it (DreamBooth's --train_data_dir)."""

@@ -24,7 +24,7 @@ from unittest import mock
 
 import pytest
 
-from helpers import EXAMPLES, import_script, launch
+from helpers import SCRIPTS, import_script, launch
 from training_utils.errors import UsageError
 from training_utils.parser import RefusedFlag
 from training_utils.pipeline import from_pretrained
@@ -35,6 +35,7 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-stable-diffusion-pipe": "sd",
     "hf-internal-testing/tiny-stable-diffusion-torch": "sd",
     "hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl",
+    "hf-internal-testing/tiny-sdxl-pipe": "sdxl",
     "hf-internal-testing/tiny-sd3-pipe": "sd3",
     "hf-internal-testing/tiny-flux-pipe": "flux",
     "hf-internal-testing/tiny-flux-kontext-pipe": "flux_kontext",
@@ -62,6 +63,7 @@ LORA = "pytorch_lora_weights.safetensors"
 UNET = "unet/diffusion_pytorch_model.safetensors"
 SCHEDULER = "scheduler/scheduler_config.json"
 CONTROLNET = "diffusion_pytorch_model.safetensors"
+EMBEDS = "learned_embeds.safetensors"
 
 # The flags most of upstream's tests share ("a 2-step smoke run"), as they write them.
 SMOKE = """
@@ -137,6 +139,35 @@ def sdxl_dreambooth(source, flags, **expected):
                + " --instance_prompt photo --resolution 64 --train_batch_size 1 --gradient_accumulation_steps 1 "
                + flags + " --learning_rate 5.0e-04 --scale_lr --lr_scheduler constant --lr_warmup_steps 0 "
                "--output_dir {tmpdir}", **expected)
+
+
+def textual_inversion(model, flags, **expected):
+    """A run of upstream's textual inversion tests: ``model`` on their docs images, a 2-vector <cat-toy> from "a",
+    the embedding written every step."""
+    return Run(f"--pretrained_model_name_or_path {model} --train_data_dir docs/source/en/imgs --learnable_property "
+               "object --placeholder_token <cat-toy> --initializer_token a --save_steps 1 --num_vectors 2 "
+               "--resolution 64 --train_batch_size 1 --gradient_accumulation_steps 1 --learning_rate 5.0e-04 "
+               "--scale_lr --lr_scheduler constant --lr_warmup_steps 0 --output_dir {tmpdir} " + flags, **expected)
+
+
+def textual_inversion_family(test_file, script, model, name):
+    """The three tests upstream's textual inversion files share: a smoke run, the total limit, and the limit
+    with a resume. That resume asks for no more steps than the checkpoint has: upstream trains one past its limit
+    and expects a checkpoint-3; here it trains nothing (docs/from-diffusers.md) and rewrites the outputs."""
+    def test(suffix):
+        return f"textual_inversion/{test_file}::test_{name}{suffix}"
+
+    return [
+        Upstream(test(""), script, (textual_inversion(model, "--max_train_steps 2", files=(EMBEDS,)),)),
+        Upstream(test("_checkpointing"), script, (textual_inversion(
+            model, "--max_train_steps 3 --checkpointing_steps=1 --checkpoints_total_limit=2",
+            checkpoints=checkpoints(2, 3)),)),
+        Upstream(test("_checkpointing_checkpoints_total_limit_removes_multiple_checkpoints"), script, (
+            textual_inversion(model, "--max_train_steps 2 --checkpointing_steps=1", checkpoints=checkpoints(1, 2)),
+            textual_inversion(model, "--max_train_steps 2 --checkpointing_steps=1 "
+                              "--resume_from_checkpoint=checkpoint-2 --checkpoints_total_limit=2",
+                              checkpoints=checkpoints(1, 2), files=(EMBEDS,)))),
+    ]
 
 
 DOCS_IMAGES = "--instance_data_dir docs/source/en/imgs"
@@ -418,6 +449,10 @@ UPSTREAM = [
                        "hf-internal-testing/tiny-hidream-i1-pipe", "double_stream_blocks.0.block.attn1.to_k",
                        extra=" ".join(f"--pretrained_{part}_4_name_or_path hf-internal-testing/tiny-random-"
                                       "LlamaForCausalLM" for part in ("text_encoder", "tokenizer"))),
+    *textual_inversion_family("test_textual_inversion.py", "textual_inversion/textual_inversion.py", SD_TORCH,
+                              "textual_inversion"),
+    *textual_inversion_family("test_textual_inversion_sdxl.py", "textual_inversion/textual_inversion_sdxl.py",
+                              "hf-internal-testing/tiny-sdxl-pipe", "textual_inversion_sdxl"),
 ]
 
 
@@ -505,7 +540,6 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                               "upstream has no Qwen-Image-Edit script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
-SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/train_*.py"))
 
 
 def test_the_table_holds_every_script_heres_upstream_tests_once():
