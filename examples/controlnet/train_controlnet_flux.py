@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-# Copied from examples/controlnet/train_controlnet_flux.py; tests/test_drift.py keeps what they share alike.
+# Copied from examples/controlnet/train_controlnet_sd3.py; tests/test_drift.py keeps what they share alike.
 """Train a ControlNet for FLUX.1 [dev] or [schnell] from (image, conditioning image, caption) triples, by flow matching.
 
     accelerate launch train_controlnet_flux.py \\
