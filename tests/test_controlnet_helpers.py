@@ -1,5 +1,6 @@
 """training_utils.controlnet: flags, validation pairs, captions, the ControlNet pipeline built once, the residual
-cast, the validator and the end of the run, for any base model (tiny SD 1.x and SDXL here)."""
+cast, the validator and the end of the run, for any base model and denoiser (tiny SD 1.x and SDXL's UNets, SD3's
+transformer here)."""
 
 import json
 import shutil
@@ -8,16 +9,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from diffusers import (ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline,
+from diffusers import (ControlNetModel, FluxControlNetPipeline, SD3ControlNetModel, StableDiffusion3ControlNetPipeline,
+                       StableDiffusion3Pipeline, StableDiffusionControlNetPipeline, StableDiffusionPipeline,
                        StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
 from PIL import Image
 from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
 from training_utils.args import training_parser
-from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
-                                       controlnet_from_unet, controlnet_how_to_load, dataset_columns,
-                                       load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator)
+from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_denoiser_dtype, check_controlnet_args,
+                                       conditioning_argument, controlnet_from_unet, controlnet_how_to_load,
+                                       dataset_columns, denoiser_name, load_controlnet_pipeline, load_validation_pairs,
+                                       make_controlnet_validator)
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import drop_caption, pick_caption
 from training_utils.errors import UsageError
@@ -51,6 +54,20 @@ def test_a_folder_that_is_not_a_controlnet_is_a_usage_error(tiny, tmp_path):
     with pytest.raises(UsageError) as error:
         parse(tiny, tmp_path, "--controlnet_model_name_or_path", tiny["sd"])
     assert "expected a ControlNetModel folder (with config.json)" in str(error.value)
+    args = parse(tiny, tmp_path)
+    args.controlnet_model_name_or_path = str(tiny["sd3"])
+    with pytest.raises(UsageError) as error:
+        check_controlnet_args(args, SD3ControlNetModel)
+    assert "expected a SD3ControlNetModel folder (with config.json)" in str(error.value)
+
+
+def test_the_denoiser_and_the_conditioning_argument_are_the_pipelines_own():
+    assert denoiser_name(StableDiffusionXLPipeline) == denoiser_name(StableDiffusionControlNetPipeline) == "unet"
+    assert denoiser_name(StableDiffusion3Pipeline) == denoiser_name(FluxControlNetPipeline) == "transformer"
+    for pipeline_class, argument in ((StableDiffusionXLControlNetPipeline, "image"),
+                                     (StableDiffusion3ControlNetPipeline, "control_image"),
+                                     (FluxControlNetPipeline, "control_image")):
+        assert conditioning_argument(pipeline_class.__new__(pipeline_class)) == argument
 
 
 def test_validation_pairs_pair_one_to_one_or_share_one_side(tiny, tmp_path):
@@ -111,7 +128,7 @@ def sd_pipe(tiny):
 
 @pytest.mark.parametrize("vae_scale_factor, channels", [(2, [16, 32]), (8, [16, 32, 96, 256])])
 def test_controlnet_from_unet_copies_the_encoder_and_shrinks_like_the_vae(sd_pipe, vae_scale_factor, channels):
-    controlnet = controlnet_from_unet(sd_pipe.unet, vae_scale_factor)
+    controlnet = controlnet_from_unet(sd_pipe.unet, SimpleNamespace(vae_scale_factor=vae_scale_factor))
     assert list(controlnet.config.conditioning_embedding_out_channels) == channels
     unet = sd_pipe.unet.state_dict()
     copied = {key: value for key, value in controlnet.state_dict().items() if key in unet}
@@ -167,6 +184,31 @@ def test_pipeline_without_a_controlnet_path_is_built_on_one_load(tiny, tmp_path,
     assert pipe._progress_bar_config == {"disable": True}
 
 
+def test_a_transformer_pipeline_gets_the_controlnet_its_from_denoiser_makes(tiny, tmp_path, counted_loads):
+    made = []
+
+    def from_transformer(transformer, base):
+        made.append((transformer.dtype, base.vae_scale_factor))
+        return SD3ControlNetModel.from_transformer(transformer, num_layers=1, num_extra_conditioning_channels=0)
+
+    args = parse(tiny, tmp_path, base="sd3")
+    pipe = load_controlnet_pipeline(StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline, args, torch.bfloat16,
+                                    controlnet_class=SD3ControlNetModel, from_denoiser=from_transformer)
+    assert counted_loads == ["StableDiffusion3Pipeline"] and made == [(torch.float32, pipe.vae_scale_factor)]
+    assert isinstance(pipe, StableDiffusion3ControlNetPipeline) and isinstance(pipe.controlnet, SD3ControlNetModel)
+    assert pipe.controlnet.dtype == pipe.transformer.dtype == torch.float32 and pipe.vae.dtype == torch.bfloat16
+    block = pipe.transformer.transformer_blocks[0].state_dict()
+    copied = pipe.controlnet.transformer_blocks[0].state_dict()
+    assert block.keys() == copied.keys() and all(torch.equal(block[key], copied[key]) for key in block)
+    saved = tmp_path / "saved"
+    pipe.controlnet.save_pretrained(saved)
+    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3")
+    loaded = load_controlnet_pipeline(StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline, args,
+                                      torch.bfloat16, controlnet_class=SD3ControlNetModel, from_denoiser=None)
+    assert counted_loads[1:] == ["StableDiffusion3ControlNetPipeline"]
+    assert isinstance(loaded.controlnet, SD3ControlNetModel) and loaded.transformer.dtype == torch.bfloat16
+
+
 def test_pipeline_with_a_controlnet_path_loads_it_as_a_component(tiny, tmp_path, counted_loads):
     from diffusers import AutoencoderKL
 
@@ -202,13 +244,38 @@ class ResidualRecorder(torch.nn.Module):
 
 def test_residuals_reach_the_unet_in_its_dtype():
     unet = ResidualRecorder()
-    unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
+    unet.register_forward_pre_hook(cast_residuals_to_denoiser_dtype, with_kwargs=True)
     unet(torch.ones(2))
     assert unet.seen is None
     down = [torch.full((2,), 0.5), torch.ones(2)]
     unet(torch.ones(2), down_block_additional_residuals=down, mid_block_additional_residual=torch.ones(3))
     assert unet.seen == [torch.bfloat16] * 3
     assert [residual.dtype for residual in down] == [torch.float32] * 2  # the caller's tensors are untouched
+
+
+class BlockSampleRecorder(ResidualRecorder):
+    """Stands in for a half-precision transformer: records the dtypes of the block samples it is given."""
+
+    def forward(self, hidden_states, block_controlnet_hidden_states=None, controlnet_block_samples=None,
+                controlnet_single_block_samples=None):
+        self.seen = (block_controlnet_hidden_states, controlnet_block_samples, controlnet_single_block_samples)
+        return hidden_states
+
+
+def test_block_samples_reach_the_transformer_in_its_dtype():
+    transformer = BlockSampleRecorder()
+    transformer.register_forward_pre_hook(cast_residuals_to_denoiser_dtype, with_kwargs=True)
+    samples = [torch.ones(2), torch.ones(2)]
+    transformer(torch.ones(2), block_controlnet_hidden_states=samples)  # SD3's
+    assert [sample.dtype for sample in transformer.seen[0]] == [torch.bfloat16] * 2
+    assert transformer.seen[1:] == (None, None)
+    transformer(torch.ones(2), controlnet_block_samples=samples, controlnet_single_block_samples=samples)  # FLUX.1's
+    assert transformer.seen[0] is None
+    assert [sample.dtype for sample in transformer.seen[1] + transformer.seen[2]] == [torch.bfloat16] * 4
+    transformer(torch.ones(2), controlnet_block_samples={0: torch.ones(2), 2: torch.ones(2)})  # Z-Image's, by block
+    assert {index: sample.dtype for index, sample in transformer.seen[1].items()} == {0: torch.bfloat16,
+                                                                                      2: torch.bfloat16}
+    assert [sample.dtype for sample in samples] == [torch.float32] * 2
 
 
 def run_args(tiny, output_dir, *flags):
@@ -244,10 +311,20 @@ def test_validator_renders_each_prompt_with_its_conditioning_image(tiny, tmp_pat
 
 def test_how_to_load_names_the_pipeline_and_the_first_conditioning_image(tiny, tmp_path):
     args = run_args(tiny, tmp_path, "--validation_prompt", "a red circle", "--validation_image", "hint.png", "b.png")
-    pipe = SimpleNamespace()
+    pipe = StableDiffusionXLControlNetPipeline.__new__(StableDiffusionXLControlNetPipeline)
+    pipe.__dict__["controlnet"] = ControlNetModel.__new__(ControlNetModel)
     text = controlnet_how_to_load(args, pipe, load_options=", vae=vae")
+    assert "from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline\n" in text
     assert 'ControlNetModel.from_pretrained("' + str(tmp_path) + '")' in text
-    assert f'SimpleNamespace.from_pretrained("{tiny["sdxl"]}", controlnet=controlnet, vae=vae)' in text
+    assert (f'StableDiffusionXLControlNetPipeline.from_pretrained("{tiny["sdxl"]}", controlnet=controlnet, vae=vae)'
+            in text)
     assert 'pipe("a red circle", image=load_image("hint.png"))' in text
     without_images = controlnet_how_to_load(run_args(tiny, tmp_path), pipe)
     assert 'pipe("a photo", image=load_image("conditioning.png"))' in without_images
+    # A transformer family's pipeline takes the conditioning image as control_image.
+    pipe = StableDiffusion3ControlNetPipeline.__new__(StableDiffusion3ControlNetPipeline)
+    pipe.__dict__["controlnet"] = SD3ControlNetModel.__new__(SD3ControlNetModel)
+    text = controlnet_how_to_load(args, pipe)
+    assert "from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline\n" in text
+    assert "controlnet = SD3ControlNetModel.from_pretrained(" in text
+    assert 'pipe("a red circle", control_image=load_image("hint.png"))' in text

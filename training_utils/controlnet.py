@@ -1,15 +1,19 @@
-"""What every ControlNet script shares, whatever the base model (SD 1.x, SDXL).
+"""What every ControlNet script shares, whatever the base model and its denoiser (a UNet: SD 1.x, SDXL; a
+transformer: SD3, FLUX.1, ...).
 
-Its flags, the validation (prompt, conditioning image) pairs, the ControlNet pipeline built once, the
-residual cast, and how to load what it trained.
+Its flags, the validation (prompt, conditioning image) pairs, the ControlNet pipeline built once (with a ControlNet
+made from the loaded denoiser by the family's ``from_denoiser``), the residual cast, the validator showing each
+conditioning image beside the samples, and how to load what it trained.
 
-The base model's own conditioning (text encoders, time ids, ...) stays in each script.
+The base model's own conditioning (text encoders, time ids, the conditioning image's latents, ...) stays in each
+script.
 """
 
 import inspect
 import math
 from pathlib import Path
 
+import torch
 from diffusers import ControlNetModel
 
 from .data.images import UNREADABLE_IMAGE_ERRORS, read_image
@@ -20,22 +24,27 @@ from .quantization import add_quantization_args
 from .validation import make_validator
 
 HOW_TO_LOAD = """
-from diffusers import {imports}
+from diffusers import {controlnet_class}, {imports}
 from diffusers.utils import load_image
 
-controlnet = ControlNetModel.from_pretrained("{output_dir}")  # or "{output_dir}/ema" for the EMA weights
+controlnet = {controlnet_class}.from_pretrained("{output_dir}")  # or "{output_dir}/ema" for the EMA weights
 pipe = {pipeline_class}.from_pretrained("{base_model}", controlnet=controlnet{load_options})
-image = pipe("{prompt}", image=load_image("{conditioning_image}")).images[0]
+image = pipe("{prompt}", {conditioning_argument}=load_image("{conditioning_image}")).images[0]
 """
+
+# What a ControlNet returns and its denoiser reads, by the denoiser's argument names: the UNet's residuals, SD3's,
+# FLUX.1's and Qwen-Image's block samples (a list), Z-Image's (a dict by block index).
+RESIDUAL_ARGUMENTS = ("down_block_additional_residuals", "mid_block_additional_residual",
+                      "block_controlnet_hidden_states", "controlnet_block_samples", "controlnet_single_block_samples")
 
 # Channels of the conditioning embedding's blocks; each block after the first halves the resolution.
 CONDITIONING_EMBEDDING_CHANNELS = (16, 32, 96, 256)
 
 
-def add_controlnet_args(parser):
+def add_controlnet_args(parser, denoiser="UNet"):
     controlnet = parser.add_argument_group("ControlNet")
     controlnet.add_argument("--controlnet_model_name_or_path", default=None,
-                            help="ControlNet to start from (default: a copy of the UNet's encoder)")
+                            help=f"ControlNet to start from (default: one made from the {denoiser}'s first layers)")
     controlnet.add_argument("--conditioning_image_column", default="conditioning_image")
     controlnet.add_argument("--validation_image", nargs="+", default=None,
                             help="conditioning images: one per --validation_prompt, one for all prompts, "
@@ -43,14 +52,14 @@ def add_controlnet_args(parser):
     controlnet.add_argument("--set_grads_to_none", action="store_true",
                             help="accepted for upstream's commands: the gradients are always freed (set to None) "
                                  "between steps")
-    add_quantization_args(parser, base="the frozen UNet")
+    add_quantization_args(parser, base=f"the frozen {denoiser}")
 
 
-def check_controlnet_args(args):
+def check_controlnet_args(args, controlnet_class=ControlNetModel):
     path = args.controlnet_model_name_or_path
     if path and Path(path).exists():
         require((Path(path) / "config.json").is_file(), "--controlnet_model_name_or_path", path,
-                "a ControlNetModel folder (with config.json) or a hub id")
+                f"a {controlnet_class.__name__} folder (with config.json) or a hub id")
 
 
 def dataset_columns(args):
@@ -76,33 +85,48 @@ def load_validation_pairs(args):
     return [(prompts[i % len(prompts)], images[paths[i % len(paths)]]) for i in range(count)]
 
 
-def controlnet_from_unet(unet, vae_scale_factor):
+def controlnet_from_unet(unet, base):
     """A ControlNet copying ``unet``'s encoder, whose conditioning embedding shrinks the conditioning image
-    as much as the VAE shrinks the image (8x for SD and SDXL: four blocks; 2x for the tiny test VAE: two)."""
-    blocks = int(math.log2(vae_scale_factor)) + 1
+    as much as the ``base`` pipeline's VAE shrinks the image (8x for SD and SDXL: four blocks; 2x for the tiny test
+    VAE: two). `load_controlnet_pipeline`'s ``from_denoiser`` for the UNet families."""
+    blocks = int(math.log2(base.vae_scale_factor)) + 1
     return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=CONDITIONING_EMBEDDING_CHANNELS[:blocks])
 
 
+def denoiser_name(pipeline_class):
+    """The component of ``pipeline_class``'s pipelines that a ControlNet copies and steers: ``unet`` or
+    ``transformer``."""
+    return "unet" if "unet" in inspect.signature(pipeline_class.__init__).parameters else "transformer"
+
+
+def conditioning_argument(pipe):
+    """The name under which ``pipe`` takes the conditioning image: ``control_image`` (SD3, FLUX.1, ...) or
+    ``image`` (SD 1.x, SDXL)."""
+    return "control_image" if "control_image" in inspect.signature(pipe.__call__).parameters else "image"
+
+
 def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, weight_dtype, quantization=None,
-                             **components):
+                             controlnet_class=ControlNetModel, from_denoiser=controlnet_from_unet, **components):
     """The ControlNet pipeline, loaded once, its frozen components in ``weight_dtype`` (``quantization``, if any,
     quantises them as they load) and the ControlNet in fp32: with ``--controlnet_model_name_or_path`` that
-    ControlNet is a component of the one load; without it, the base pipeline loads and a ControlNet made from
-    its UNet joins its components. ``components`` replace loaded ones (e.g. a VAE)."""
+    ``controlnet_class`` is a component of the one load; without it, the base pipeline loads and the ControlNet that
+    ``from_denoiser(denoiser, base pipeline)`` makes from its denoiser (UNet or transformer) joins its components.
+    ``components`` replace loaded ones (e.g. a VAE)."""
     if args.controlnet_model_name_or_path:
-        controlnet = ControlNetModel.from_pretrained(args.controlnet_model_name_or_path)
+        controlnet = controlnet_class.from_pretrained(args.controlnet_model_name_or_path)
         return load_pipeline(pipeline_class, args, weight_dtype, quantization=quantization, controlnet=controlnet,
                              **components)
-    # The ControlNet copies the UNet's encoder exactly, so from an fp32 UNet: the pipeline's own, which
+    # The ControlNet copies the denoiser's weights exactly, so from an fp32 denoiser: the pipeline's own, which
     # `prepare_components` casts to the weight dtype before it moves; or, when the pipeline's is quantised,
     # one read from the same folder for the copy alone.
-    trained_in_fp32 = [] if quantization else ["unet"]
+    name = denoiser_name(base_pipeline_class)
+    trained_in_fp32 = [] if quantization else [name]
     base = load_pipeline(base_pipeline_class, args, weight_dtype, trained_in_fp32, quantization, **components)
-    unet = base.unet
+    denoiser = getattr(base, name)
     if quantization:
-        unet = type(base.unet).from_pretrained(args.pretrained_model_name_or_path, subfolder="unet",
-                                               revision=args.revision, variant=args.variant)
-    controlnet = controlnet_from_unet(unet, base.vae_scale_factor)
+        denoiser = type(denoiser).from_pretrained(args.pretrained_model_name_or_path, subfolder=name,
+                                                  revision=args.revision, variant=args.variant)
+    controlnet = from_denoiser(denoiser, base)
     # The base pipeline's options that the ControlNet pipeline shares (requires_safety_checker,
     # force_zeros_for_empty_prompt, ...) carry over with its components.
     accepted = inspect.signature(pipeline_class.__init__).parameters
@@ -112,28 +136,41 @@ def load_controlnet_pipeline(pipeline_class, base_pipeline_class, args, weight_d
     return pipe
 
 
-def cast_residuals_to_unet_dtype(unet, args, kwargs):
-    """A UNet forward pre-hook: the ControlNet's residuals in the frozen UNet's dtype, in training and validation alike.
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cast(item, dtype) for item in value]
+    return value
+
+
+def cast_residuals_to_denoiser_dtype(denoiser, args, kwargs):
+    """A denoiser forward pre-hook: the ControlNet's residuals (`RESIDUAL_ARGUMENTS`) in the frozen denoiser's dtype,
+    in training and validation alike.
 
     Under mixed precision the prepared ControlNet returns fp32 (accelerate's output wrapper); CUDA's
-    autocast copes with fp32 residuals in a half-precision UNet, the CPU's does not.
+    autocast copes with fp32 residuals in a half-precision denoiser, the CPU's does not.
     """
-    if kwargs.get("mid_block_additional_residual") is not None:
-        kwargs["mid_block_additional_residual"] = kwargs["mid_block_additional_residual"].to(unet.dtype)
-        kwargs["down_block_additional_residuals"] = [
-            residual.to(unet.dtype) for residual in kwargs["down_block_additional_residuals"]]
+    for name in RESIDUAL_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = _cast(kwargs[name], denoiser.dtype)
     return args, kwargs
 
 
 def make_controlnet_validator(args, pipe, accelerator, validation_pairs, **kwargs):
     """`make_validator` rendering each prompt with its conditioning image, which is shown beside the samples."""
     prompts, conditioning_images = zip(*validation_pairs) if validation_pairs else ([], [])
-    prompt_kwargs = [{"image": image} for image in conditioning_images]
+    prompt_kwargs = [{conditioning_argument(pipe): image} for image in conditioning_images]
     return make_validator(args, pipe, accelerator, prompts, prompt_kwargs=prompt_kwargs,
                           conditioning_images=conditioning_images, **kwargs)
 
 
 def controlnet_how_to_load(args, pipe, **fields):
-    """The model card's loading code for the trained ControlNet, with the first ``--validation_image``."""
+    """The model card's loading code for the trained ControlNet (``pipe.controlnet``'s class) in ``pipe``'s class,
+    with the first ``--validation_image``."""
     conditioning_image = args.validation_image[0] if args.validation_image else "conditioning.png"
-    return how_to_load(HOW_TO_LOAD, args, pipe, conditioning_image=conditioning_image, **fields)
+    return how_to_load(HOW_TO_LOAD, args, pipe, conditioning_image=conditioning_image,
+                       controlnet_class=type(pipe.controlnet).__name__,
+                       conditioning_argument=conditioning_argument(pipe), **fields)

@@ -29,7 +29,7 @@ from training_utils.accelerator import end_training, make_accelerator, prepare_t
 from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_args, fill_dependent_defaults,
                                  training_parser)
 from training_utils.compile import compile_repeated_blocks
-from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_unet_dtype, check_controlnet_args,
+from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_denoiser_dtype, check_controlnet_args,
                                        controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
                                        load_validation_pairs, make_controlnet_validator)
 from training_utils.data.buckets import validation_size
@@ -99,7 +99,7 @@ def main(args, run):
     if args.gradient_checkpointing:
         controlnet.enable_gradient_checkpointing()
     compile_repeated_blocks(controlnet, args.torch_compile)
-    unet.register_forward_pre_hook(cast_residuals_to_unet_dtype, with_kwargs=True)
+    unet.register_forward_pre_hook(cast_residuals_to_denoiser_dtype, with_kwargs=True)
     parameters = trainable_parameters(trained)
     export = ModelExport.of(trained)
     ema = make_ema(args, parameters, accelerator)
