@@ -283,8 +283,14 @@ class FrozenEncoders:
         channels-last, and noise drawn ``randn_like`` them follows their layout."""
         if self.latent_cache is not None:
             return sample_latents(images).contiguous()
+        return self.encode(images)
+
+    def encode(self, pixels):
+        """A batch of ``pixels`` through the VAE now, whatever is cached: its latent sample, before the VAE's
+        scaling, contiguous (`latents`). A conditioning image that a ControlNet reads as latents (SD3's, FLUX.1's)
+        is encoded so in every step; with cached latents the VAE comes to the accelerator for it."""
         with encoders_on(self.device, [self.vae]) if self.vae in self.off_device else contextlib.nullcontext():
-            return self.vae.encode(images.to(self.dtype)).latent_dist.sample().contiguous()
+            return self.vae.encode(pixels.to(self.dtype)).latent_dist.sample().contiguous()
 
     @contextlib.contextmanager
     def on_device(self):

@@ -16,7 +16,8 @@ The FLUX.1 transformer reads:
 
 Its output tokens are unpacked into the latents' layout (`prediction`), where the loss compares them with the
 velocity. Every piece is the pipeline's own (its static helpers, its ``encode_prompt`` and that method's defaults),
-so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level.
+so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise level; and a
+ControlNet what ``FluxControlNetPipeline`` feeds it (`controlnet_inputs`).
 """
 
 import torch
@@ -122,3 +123,16 @@ def model_inputs(pipe, noisy_latents, timesteps, text):
             "img_ids": pipe._prepare_latent_image_ids(batch, height // 2, width // 2, noisy_latents.device,
                                                       noisy_latents.dtype),
             "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
+
+
+def controlnet_inputs(pipe, inputs, conditioning_latents, settings):
+    """The inputs of ``pipe.controlnet`` (an InstantX-style FluxControlNetModel) beside the transformer's ``inputs``
+    (`model_inputs`), as ``FluxControlNetPipeline`` gives them: the conditioning image's VAE latents
+    (``conditioning_latents``, as the VAE samples them) shifted, scaled and packed as the latents are, and the
+    guidance scale of ``settings`` where the ControlNet embeds it (whether or not the transformer does)."""
+    batch, channels, height, width = conditioning_latents.shape
+    conditioning = pipe._pack_latents(normalized_latents(pipe, conditioning_latents), batch, channels, height, width)
+    guidance = None
+    if pipe.controlnet.config.guidance_embeds:
+        guidance = torch.full((batch,), settings["guidance_scale"], device=conditioning.device)
+    return {**inputs, "controlnet_cond": conditioning, "guidance": guidance}

@@ -12,7 +12,8 @@ The encoders can be given (``text_encoders``), so that a script passes the modul
 wrapped and gradients reach trained encoders (the pipeline's method would call the unwrapped ones). The latents are
 the VAE's, shifted and scaled by its ``shift_factor`` and ``scaling_factor`` (`normalized_latents`), in the
 transformer's own layout: it predicts the velocity as it is (`prediction`). Also the SD3 scripts' own flag, the T5
-sequence length (the flow-matching flags and timesteps are `flow_matching`'s).
+sequence length (the flow-matching flags and timesteps are `flow_matching`'s), and a ControlNet's inputs as
+``StableDiffusion3ControlNetPipeline`` gives them (`controlnet_inputs`).
 """
 
 import torch
@@ -103,3 +104,19 @@ def text_inputs(rows):
 def model_inputs(pipe, noisy_latents, timesteps, text):
     """All the transformer's inputs: the noisy latents as they are, the scheduler's timesteps and ``text``."""
     return {"hidden_states": noisy_latents, "timestep": timesteps, **text}
+
+
+def controlnet_inputs(pipe, inputs, conditioning_latents):
+    """The inputs of ``pipe.controlnet`` (an SD3ControlNetModel) beside the transformer's ``inputs`` (`model_inputs`),
+    as ``StableDiffusion3ControlNetPipeline`` gives them: the conditioning image's VAE latents
+    (``conditioning_latents``, as the VAE samples them) scaled, and shifted too unless the ControlNet takes zero
+    pooled projections (InstantX's, and those ``from_transformer`` makes), which it then gets; the prompt's hidden
+    states unless it has no context embedder (SD3.5's official ControlNets)."""
+    config, vae_config = pipe.controlnet.config, pipe.vae.config
+    zero_pooled = config.force_zeros_for_pooled_projection
+    shift = 0 if zero_pooled else vae_config.shift_factor
+    pooled = inputs["pooled_projections"]
+    return {"hidden_states": inputs["hidden_states"], "timestep": inputs["timestep"],
+            "encoder_hidden_states": inputs["encoder_hidden_states"] if config.joint_attention_dim is not None else None,
+            "pooled_projections": torch.zeros_like(pooled) if zero_pooled else pooled,
+            "controlnet_cond": (conditioning_latents - shift) * vae_config.scaling_factor}

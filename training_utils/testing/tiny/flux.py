@@ -1,6 +1,6 @@
 """Tiny FLUX.1 [dev] and FLUX.1 Kontext: a FLUX.1 transformer with a guidance embedding, CLIP and T5 (Kontext is
-FLUX.1's transformer and encoders, conditioned on a reference image's tokens); and Kontext's edit dataset, one
-reference a row at most."""
+FLUX.1's transformer and encoders, conditioned on a reference image's tokens); an InstantX-style ControlNet made
+from the transformer; and Kontext's edit dataset, one reference a row at most."""
 
 import json
 from pathlib import Path
@@ -48,6 +48,18 @@ def build_flux_kontext(path):
     FluxKontextPipeline(**flux_components()).save_pretrained(path)
 
 
+def build_flux_controlnet(path):
+    """A FluxControlNetModel made from the tiny transformer's first double-stream and first single-stream blocks,
+    as upstream's FLUX.1 ControlNet script makes one (InstantX's layout: the conditioning image's latents, no hint
+    block; the guidance embedding)."""
+    from diffusers import FluxControlNetModel
+
+    transformer = flux_components()["transformer"]
+    FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=1, attention_head_dim=transformer.config.attention_head_dim,
+        num_attention_heads=transformer.config.num_attention_heads).save_pretrained(path)
+
+
 def build_shapes_edit_one_reference(path):
     """The edit dataset (`data.build_shapes_edit`) with at most one reference a row, each row's first: Kontext takes
     one. Rows with none stay so (text-to-image rows)."""
@@ -58,5 +70,5 @@ def build_shapes_edit_one_reference(path):
                                 for row in rows))
 
 
-FIXTURES = {"flux": build_flux, "flux_kontext": build_flux_kontext,
+FIXTURES = {"flux": build_flux, "flux_kontext": build_flux_kontext, "flux_controlnet": build_flux_controlnet,
             "shapes_edit_one_reference": build_shapes_edit_one_reference}
