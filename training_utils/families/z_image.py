@@ -31,8 +31,9 @@ copies from the transformer and `unshare_transformer_modules` keeps apart from t
 """
 
 import torch
-from diffusers import ZImageControlNetModel
+from diffusers import ZImageControlNetModel, ZImageTransformer2DModel
 
+from ..errors import UsageError, require
 from . import base
 from .layout import Family, Rename, fused
 
@@ -100,10 +101,39 @@ SHARED_WITH_THE_TRANSFORMER = ("t_embedder", "all_x_embedder", "cap_embedder", "
                                "x_pad_token", "cap_pad_token")
 
 
-def control_layers_every(transformer, step=5):
-    """The main layers that a ControlNet guides by default: every ``step``-th from the first, as the released Z-Image
-    ControlNet (Union) guides every fifth of its transformer's 30."""
-    return list(range(0, transformer.config.n_layers, step))
+def add_controlnet_args(parser):
+    """The flag that shapes a new ControlNet: which of the transformer's main layers it guides."""
+    parser.add_argument("--control_layers_places", default=None,
+                        help="comma-separated indices of the transformer's main layers that a new ControlNet guides, "
+                             "0 among them (default: every fifth, 0,5,10,..., as the released Z-Image ControlNet); "
+                             "a --controlnet_model_name_or_path has its own")
+
+
+def check_controlnet_args(args):
+    """Fail in one line, before any weights load, on ``--control_layers_places`` that are not distinct layers of the
+    transformer (its configuration, read without weights) including the first; set them to their default."""
+    if args.controlnet_model_name_or_path:
+        require(args.control_layers_places is None, "--control_layers_places", args.control_layers_places,
+                "unset with --controlnet_model_name_or_path, whose ControlNet has its own")
+        return
+    path = args.pretrained_model_name_or_path
+    try:
+        layers = ZImageTransformer2DModel.load_config(path, subfolder="transformer", revision=args.revision,
+                                                      cache_dir=args.cache_dir)["n_layers"]
+    except (OSError, ValueError, KeyError):
+        raise UsageError("--pretrained_model_name_or_path", path, "a Z-Image pipeline") from None
+    if args.control_layers_places is None:
+        args.control_layers_places = list(range(0, layers, 5))
+        return
+    value = args.control_layers_places
+    try:
+        places = [int(place) for place in value.split(",")]
+    except ValueError:
+        raise UsageError("--control_layers_places", value, "comma-separated layer indices") from None
+    require(0 in places and len(set(places)) == len(places) and all(0 <= place < layers for place in places),
+            "--control_layers_places", value, f"distinct indices of the transformer's {layers} main layers, 0 among "
+            "them")
+    args.control_layers_places = places
 
 
 def controlnet_from_transformer(transformer, control_layers_places):
@@ -129,7 +159,10 @@ def unshare_transformer_modules(controlnet):
     """Keep the transformer's modules that ``ZImageControlNetModel.from_transformer`` (called by the pipeline) gave
     ``controlnet`` as plain attributes rather than its submodules: it still runs them, but its parameters, state dict
     and saved files are its own (what ``ZImageControlNetModel.from_pretrained`` loads), and training it leaves the
-    transformer frozen."""
+    transformer frozen. Also sets the ``gradient_checkpointing`` flag that the class leaves unset until
+    ``enable_gradient_checkpointing`` (diffusers 0.42) while its forward reads it wherever gradients are enabled."""
+    if not hasattr(controlnet, "gradient_checkpointing"):
+        controlnet.gradient_checkpointing = False
     for name in SHARED_WITH_THE_TRANSFORMER:
         shared = getattr(controlnet, name)
         if name in controlnet._modules:
