@@ -69,6 +69,9 @@ def parse_args(argv=None):
                              tracker_project_name="train_controlnet")
     qwen_image.add_args(parser)
     add_controlnet_args(parser, denoiser="transformer")
+    parser.add_argument("--num_extra_conditioning_channels", type=int, default=0,
+                        help="upstream's flag; only 0: the pipeline gives a ControlNet the conditioning image's VAE "
+                             "latents alone")
     parser.add_argument("--num_double_layers", type=int, default=5,
                         help="blocks of a new ControlNet (Qwen-Image's are all double-stream), copies of the "
                              "transformer's first ones (default: 5, QwenImageControlNetModel.from_transformer's)")
@@ -80,6 +83,9 @@ def parse_args(argv=None):
     qwen_image.check_args(args)
     check_flow_matching_args(args)
     check_controlnet_args(args, QwenImageControlNetModel)
+    require(args.num_extra_conditioning_channels == 0, "--num_extra_conditioning_channels",
+            args.num_extra_conditioning_channels,
+            "0: QwenImageControlNetPipeline gives the ControlNet the conditioning image's latents alone")
     require(args.num_double_layers > 0, "--num_double_layers", args.num_double_layers, "a positive integer")
     fill_dependent_defaults(args)
     return args

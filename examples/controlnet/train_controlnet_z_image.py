@@ -40,6 +40,7 @@ from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageWithConditioningTransform
 from training_utils.data.prompts import cached_rows
 from training_utils.ema import make_ema
+from training_utils.errors import require
 from training_utils.families import z_image
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss, sample_flow_matching_timesteps)
@@ -67,6 +68,9 @@ def parse_args(argv=None):
                              tracker_project_name="train_controlnet")
     z_image.add_args(parser)
     add_controlnet_args(parser, denoiser="transformer")
+    parser.add_argument("--num_extra_conditioning_channels", type=int, default=0,
+                        help="upstream's flag; only 0: the pipeline gives a ControlNet the conditioning image's VAE "
+                             "latents alone")
     z_image.add_controlnet_args(parser)
     add_flow_matching_args(parser, weighting_scheme="none")
     add_cache_args(parser)
@@ -76,6 +80,9 @@ def parse_args(argv=None):
     z_image.check_args(args)
     check_flow_matching_args(args)
     check_controlnet_args(args, ZImageControlNetModel)
+    require(args.num_extra_conditioning_channels == 0, "--num_extra_conditioning_channels",
+            args.num_extra_conditioning_channels,
+            "0: ZImageControlNetPipeline gives the ControlNet the conditioning image's latents alone")
     z_image.check_controlnet_args(args)
     fill_dependent_defaults(args)
     return args
