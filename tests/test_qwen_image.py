@@ -9,8 +9,10 @@ import functools
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers import (FlowMatchEulerDiscreteScheduler, QwenImageControlNetModel, QwenImageControlNetPipeline,
+                       QwenImagePipeline)
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from PIL import Image
 
 from helpers import family_args
 from training_utils.args import training_parser
@@ -181,3 +183,64 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, pa
     expected_schedule.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=mu)
     assert torch.equal(pipe.scheduler.sigmas, expected_schedule.sigmas) and config.use_dynamic_shifting
     assert pipe.scheduler.sigmas[0] == 1 and pipe.scheduler.sigmas[-2] == pytest.approx(config.shift_terminal)
+
+
+# The ControlNet (QwenImageControlNetPipeline's): made from the transformer, and fed what that pipeline feeds it.
+
+def conditioning_image(seed=0, size=32):
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def as_pixels(image):
+    """An image as a conditioning image's pixels from `ImageWithConditioningTransform`: (1, 3, H, W) in [0, 1]."""
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float() / 255
+
+
+def render(pipe, **kwargs):
+    return pipe(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=2, true_cfg_scale=1.0, output_type="pt",
+                generator=torch.Generator().manual_seed(0), max_sequence_length=32, **kwargs).images
+
+
+def test_a_controlnet_from_the_transformer_copies_its_blocks_and_changes_nothing_until_it_trains(pipe):
+    controlnet = qwen_image.controlnet_from_transformer(pipe.transformer, 3)
+    # The transformer's width, not the class's defaults (the released model's); a block past its two starts random.
+    assert (controlnet.config.num_layers, controlnet.inner_dim) == (3, 32)
+    for index in range(2):
+        for name, tensor in pipe.transformer.transformer_blocks[index].state_dict().items():
+            assert torch.equal(controlnet.transformer_blocks[index].state_dict()[name], tensor), name
+    assert not controlnet.controlnet_x_embedder.weight.any()
+    assert not any(block.weight.any() for block in controlnet.controlnet_blocks)
+    controlnet_pipe = QwenImageControlNetPipeline(**pipe.components, controlnet=controlnet)
+    controlnet_pipe.set_progress_bar_config(disable=True)
+    # The same starting noise (the ControlNet pipeline draws the control image's latents from the generator first).
+    noise = torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(render(controlnet_pipe, control_image=conditioning_image(), latents=noise),
+                       render(pipe, latents=noise))
+
+
+def test_the_controlnet_cond_is_what_the_pipeline_feeds_the_controlnet(tiny, pipe, monkeypatch):
+    controlnet = QwenImageControlNetModel.from_pretrained(tiny["qwen_image_controlnet"])
+    controlnet_pipe = QwenImageControlNetPipeline(**pipe.components, controlnet=controlnet)
+    controlnet_pipe.set_progress_bar_config(disable=True)
+    calls = []
+    forward = controlnet.forward
+
+    def recording(**inputs):
+        calls.append(inputs)
+        return forward(**inputs)
+
+    monkeypatch.setattr(controlnet, "forward", recording)
+    image = conditioning_image(seed=1)
+    # The pipeline samples the control image's latents from its generator before it draws the initial noise.
+    render(controlnet_pipe, control_image=image)
+    expected = qwen_image.controlnet_cond(controlnet_pipe, as_pixels(image), torch.Generator().manual_seed(0))
+    assert expected.shape == (1, 64, 16)
+    assert all(torch.equal(call["controlnet_cond"], expected) for call in calls) and len(calls) == 2
+    # Its other inputs are the transformer's: the latents packed as `model_inputs` packs them, the timestep over 1000.
+    latents = controlnet_pipe._unpack_latents(calls[0]["hidden_states"], 32, 32, controlnet_pipe.vae_scale_factor)
+    inputs = qwen_image.model_inputs(controlnet_pipe, latents, torch.tensor([1000.0]), {})
+    assert torch.equal(calls[0]["hidden_states"], inputs["hidden_states"])
+    assert torch.equal(calls[0]["timestep"], inputs["timestep"])
+    # The ControlNet pipeline gives each image its shape, QwenImagePipeline (and training) a list of one shape: the
+    # rotary embedding reads each image's first shape either way.
+    assert calls[0]["img_shapes"] == [shapes[0] for shapes in inputs["img_shapes"]]

@@ -563,7 +563,9 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                           "video/train_text_to_video_lora_wan.py": "upstream has no Wan training script",
                           "video/train_image_to_video_lora_wan.py": "upstream has no Wan training script",
                           "dreambooth/train_dreambooth_lora_qwen_image_edit.py":
-                              "upstream has no Qwen-Image-Edit script"}
+                              "upstream has no Qwen-Image-Edit script",
+                          "controlnet/train_controlnet_z_image.py": "upstream has no Z-Image ControlNet script",
+                          "controlnet/train_controlnet_qwen_image.py": "upstream has no Qwen-Image ControlNet script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

@@ -5,9 +5,11 @@ The central check: sampling with a transformer that predicts exactly the trainin
 path step by step and ends on the clean latents, so the training inputs, target and timestep conditioning are
 what the pipeline's sampling loop gives the transformer at each noise level."""
 
+import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImageControlNetModel, ZImageControlNetPipeline, ZImagePipeline
+from PIL import Image
 
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
@@ -126,3 +128,95 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     assert torch.equal(calls[0]["x"][0], noise[0].unsqueeze(1)) and calls[0]["t"].tolist() == [0.0]
     assert pipe.scheduler.config.shift == 3 and not pipe.scheduler.config.use_dynamic_shifting
     assert pipe.scheduler.sigmas[1] > 0.75  # unshifted, the second of 4 steps would be at 0.75
+
+
+# The ControlNet (ZImageControlNetPipeline's): made from the transformer, and fed what that pipeline feeds it.
+
+@pytest.fixture(scope="module")
+def controlnet_pipe(tiny, pipe):
+    controlnet = ZImageControlNetModel.from_pretrained(tiny["z_image_controlnet"])
+    controlnet_pipe = ZImageControlNetPipeline(**pipe.components, controlnet=controlnet)
+    controlnet_pipe.set_progress_bar_config(disable=True)
+    return controlnet_pipe
+
+
+def conditioning_image(seed=0, size=32):
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def as_pixels(image):
+    """An image as a conditioning image's pixels from `ImageWithConditioningTransform`: (1, 3, H, W) in [0, 1]."""
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float() / 255
+
+
+def render(pipe, **kwargs):
+    return pipe(prompt=PROMPTS[0], height=32, width=32, num_inference_steps=2, guidance_scale=0.0, output_type="pt",
+                generator=torch.Generator().manual_seed(0), max_sequence_length=32, **kwargs).images
+
+
+def test_a_controlnet_from_the_transformer_copies_its_layers_and_changes_nothing_until_it_trains(pipe):
+    controlnet = z_image.controlnet_from_transformer(pipe.transformer, [0, 1])
+    assert controlnet.config.control_layers_places == [0, 1] and controlnet.config.control_in_dim == 16
+    for layer, place in zip(controlnet.control_layers, [0, 1]):
+        for name, tensor in pipe.transformer.layers[place].state_dict().items():
+            assert torch.equal(layer.state_dict()[name], tensor), name
+        assert not layer.after_proj.weight.any() and not layer.after_proj.bias.any()
+    assert not controlnet.control_layers[0].before_proj.weight.any()
+    assert all(torch.equal(controlnet.control_noise_refiner.state_dict()[name], tensor)
+               for name, tensor in pipe.transformer.noise_refiner.state_dict().items())
+    controlnet_pipe = ZImageControlNetPipeline(**pipe.components, controlnet=controlnet)
+    controlnet_pipe.set_progress_bar_config(disable=True)
+    assert torch.equal(render(controlnet_pipe, control_image=conditioning_image()), render(pipe))
+
+
+def test_the_unshared_controlnet_holds_and_saves_only_its_own_modules(tiny, pipe, tmp_path):
+    controlnet = ZImageControlNetModel.from_pretrained(tiny["z_image_controlnet"])
+    controlnet_pipe = ZImageControlNetPipeline(**pipe.components, controlnet=controlnet)
+    shared = {name for name in controlnet.state_dict() if not name.startswith("control_")}
+    assert shared  # the pipeline made the transformer's modules the ControlNet's own
+    z_image.unshare_transformer_modules(controlnet)
+    assert {name.split(".")[0] for name in controlnet.state_dict()} == {
+        "control_layers", "control_noise_refiner", "control_all_x_embedder"}
+    assert controlnet.t_embedder is pipe.transformer.t_embedder and controlnet.x_pad_token is pipe.transformer.x_pad_token
+    # It still renders as before, and what it saves loads back into the pipeline to render the same.
+    image = render(controlnet_pipe, control_image=conditioning_image())
+    with torch.no_grad():
+        for layer in controlnet.control_layers:
+            layer.after_proj.bias.fill_(0.1)
+    changed = render(controlnet_pipe, control_image=conditioning_image())
+    assert not torch.equal(changed, image)
+    controlnet.save_pretrained(tmp_path)
+    loaded = ZImageControlNetPipeline(**pipe.components, controlnet=ZImageControlNetModel.from_pretrained(tmp_path))
+    loaded.set_progress_bar_config(disable=True)
+    assert torch.equal(render(loaded, control_image=conditioning_image()), changed)
+
+
+def test_the_control_context_and_inputs_are_what_the_pipeline_feeds_the_controlnet(controlnet_pipe, monkeypatch):
+    calls = []
+    forward = controlnet_pipe.controlnet.forward
+
+    def recording(x, t, cap_feats, control_context, conditioning_scale=1.0, **options):
+        calls.append({"x": x, "t": t, "cap_feats": cap_feats, "control_context": control_context})
+        return forward(x, t, cap_feats, control_context, conditioning_scale, **options)
+
+    monkeypatch.setattr(controlnet_pipe.controlnet, "forward", recording)
+    image = conditioning_image(seed=1)
+    noise = torch.randn(1, 16, 16, 16, generator=torch.Generator().manual_seed(0))
+    render(controlnet_pipe, control_image=image, latents=noise)
+    context = z_image.control_context(controlnet_pipe, controlnet_pipe.controlnet, as_pixels(image))
+    assert context.shape == (1, 16, 1, 16, 16)
+    assert all(torch.equal(call["control_context"], context) for call in calls)
+    # The first step's other inputs are the transformer's training inputs at the first noise level (pure noise).
+    settings = {"max_sequence_length": 32}
+    expected = z_image.model_inputs(controlnet_pipe, noise, torch.tensor([1000.0]),
+                                    {"cap_feats": encoded_as_the_pipeline_does(controlnet_pipe, PROMPTS[:1], settings)})
+    assert torch.equal(calls[0]["x"][0], expected["x"][0]) and torch.equal(calls[0]["t"], expected["t"])
+    assert torch.equal(calls[0]["cap_feats"][0], expected["cap_feats"][0])
+
+
+def test_inpainting_channels_of_the_control_context_are_zero(controlnet_pipe):
+    wider = ZImageControlNetModel.from_config({**controlnet_pipe.controlnet.config, "control_in_dim": 20})
+    context = z_image.control_context(controlnet_pipe, wider, as_pixels(conditioning_image()))
+    narrow = z_image.control_context(controlnet_pipe, controlnet_pipe.controlnet, as_pixels(conditioning_image()))
+    assert context.shape == (1, 20, 1, 16, 16) and not context[:, 16:].any()
+    assert torch.equal(context[:, :16], narrow)

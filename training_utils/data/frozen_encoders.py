@@ -292,6 +292,11 @@ class FrozenEncoders:
         with encoders_on(self.device, [self.vae]) if self.vae in self.off_device else contextlib.nullcontext():
             return self.vae.encode(pixels.to(self.dtype)).latent_dist.sample().contiguous()
 
+    def vae_on_device(self):
+        """The VAE on the accelerator while the block runs where it is kept off it between steps, a no-op where it
+        stays: a family that encodes a ControlNet's conditioning image as its pipeline does runs the VAE itself."""
+        return encoders_on(self.device, [self.vae]) if self.vae in self.off_device else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def on_device(self):
         """The encoders kept off the accelerator back on it while the block runs (validation renders with them)."""

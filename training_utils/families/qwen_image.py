@@ -27,10 +27,16 @@ end at ``shift_terminal``): the levels it visits are points of the same path. Ev
 static helpers, its ``encode_prompt`` and its call's defaults, the VAE's configuration), so training feeds the
 transformer what the pipeline's sampling loop feeds it at the same noise level; its output tokens are unpacked into
 the latents' layout (`prediction`), where the loss compares them with the velocity.
+
+A ControlNet (``QwenImageControlNetModel``, for ``QwenImageControlNetPipeline``) takes the transformer's inputs and
+``controlnet_cond``, the conditioning image's latents packed as the image latents are (`controlnet_cond`), and
+returns one residual per ControlNet block, which the transformer spreads evenly over its own blocks.
+`controlnet_from_transformer` makes one as ``QwenImageControlNetModel.from_transformer`` allows: its first blocks
+copies of the transformer's, with the transformer's width.
 """
 
 import torch
-from diffusers import AutoencoderKLQwenImage
+from diffusers import AutoencoderKLQwenImage, QwenImageControlNetModel
 
 from . import base
 from .layout import BLOCK, Family, Rename
@@ -143,3 +149,32 @@ def model_inputs(pipe, noisy_latents, timesteps, text):
     return {"hidden_states": pipe._pack_latents(noisy_latents, batch_size, channels, height, width),
             "img_shapes": [[(frames, height // 2, width // 2)]] * batch_size,
             "timestep": timesteps.to(noisy_latents.dtype) / 1000, **text}
+
+
+def controlnet_from_transformer(transformer, num_layers):
+    """A ``QwenImageControlNetModel`` of ``num_layers`` blocks made by its ``from_transformer``: the transformer's
+    embedders and first blocks copied (blocks past the transformer's last start random), its input projection for
+    the conditioning and its output projections zero, so it changes nothing until it trains. The class's own
+    defaults for the width are the released model's; here they are the transformer's, whatever its size."""
+    config = transformer.config
+    return QwenImageControlNetModel.from_transformer(
+        transformer, num_layers=num_layers, attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads)
+
+
+@torch.no_grad()
+def controlnet_cond(pipe, conditioning_pixels, generator=None):
+    """The ControlNet's ``controlnet_cond`` for conditioning images ``(B, 3, H, W)`` in [0, 1], as
+    ``QwenImageControlNetPipeline`` prepares its control image: in [-1, 1], a one-frame video, encoded to a sample of
+    the VAE's latent distribution (from ``generator``, or the global RNG), standardised as the image latents, and
+    packed into tokens of 2×2 patches as `model_inputs` packs them. The standardisation multiplies by the reciprocal
+    of ``latents_std`` as that pipeline does (`normalized_latents` divides), so the tokens are exactly its own."""
+    vae = pipe.vae
+    images = (conditioning_pixels * 2 - 1).unsqueeze(2).to(vae.device, vae.dtype)
+    latents = vae.encode(images).latent_dist.sample(generator)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device)
+    reciprocal_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device)
+    latents = (latents - mean) * reciprocal_std
+    batch_size, channels, _, height, width = latents.shape
+    return pipe._pack_latents(latents, batch_size, channels, height, width)

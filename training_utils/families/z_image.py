@@ -21,10 +21,19 @@ Z-Image's; the pipeline's resolution-dependent ``mu`` only applies with ``use_dy
 Every piece is the pipeline's own (its ``encode_prompt`` and that method's defaults, its VAE's config, its sampling
 loop's conventions), so training feeds the transformer what the pipeline's sampling loop feeds it at the same noise
 level.
+
+A ControlNet (``ZImageControlNetModel``, for ``ZImageControlNetPipeline``) takes the transformer's inputs and
+``control_context``, the conditioning image as the pipeline prepares it (`control_context`), and returns residuals
+keyed by the index of the main layer they are added to. It runs the transformer's own embedders and refiners
+(``ZImageControlNetModel.from_transformer`` shares them, as the pipeline does when it is built); its own modules
+are its control layers, its control noise refiner and its patch embedder, which `controlnet_from_transformer`
+copies from the transformer and `unshare_transformer_modules` keeps apart from the shared ones.
 """
 
 import torch
+from diffusers import ZImageControlNetModel, ZImageTransformer2DModel
 
+from ..errors import UsageError, require
 from . import base
 from .layout import Family, Rename, fused
 
@@ -85,3 +94,93 @@ def prediction(pipe, output, latents):
     """The transformer's outputs (one ``(C, 1, H, W)`` tensor per image) as the velocity the pipeline steps the
     scheduler with, ``(B, C, H, W)``: stacked, and negated as the pipeline negates them."""
     return -torch.stack(output).squeeze(2)
+
+
+# The modules of the transformer that ZImageControlNetModel.from_transformer hands to the ControlNet (and t_scale).
+SHARED_WITH_THE_TRANSFORMER = ("t_embedder", "all_x_embedder", "cap_embedder", "noise_refiner", "context_refiner",
+                               "x_pad_token", "cap_pad_token")
+
+
+def add_controlnet_args(parser):
+    """The flag that shapes a new ControlNet: which of the transformer's main layers it guides."""
+    parser.add_argument("--control_layers_places", default=None,
+                        help="comma-separated indices of the transformer's main layers that a new ControlNet guides, "
+                             "0 among them (default: every fifth, 0,5,10,..., as the released Z-Image ControlNet); "
+                             "a --controlnet_model_name_or_path has its own")
+
+
+def check_controlnet_args(args):
+    """Fail in one line, before any weights load, on ``--control_layers_places`` that are not distinct layers of the
+    transformer (its configuration, read without weights) including the first; set them to their default."""
+    if args.controlnet_model_name_or_path:
+        require(args.control_layers_places is None, "--control_layers_places", args.control_layers_places,
+                "unset with --controlnet_model_name_or_path, whose ControlNet has its own")
+        return
+    path = args.pretrained_model_name_or_path
+    try:
+        layers = ZImageTransformer2DModel.load_config(path, subfolder="transformer", revision=args.revision,
+                                                      cache_dir=args.cache_dir)["n_layers"]
+    except (OSError, ValueError, KeyError):
+        raise UsageError("--pretrained_model_name_or_path", path, "a Z-Image pipeline") from None
+    if args.control_layers_places is None:
+        args.control_layers_places = list(range(0, layers, 5))
+        return
+    value = args.control_layers_places
+    try:
+        places = [int(place) for place in value.split(",")]
+    except ValueError:
+        raise UsageError("--control_layers_places", value, "comma-separated layer indices") from None
+    require(0 in places and len(set(places)) == len(places) and all(0 <= place < layers for place in places),
+            "--control_layers_places", value, f"distinct indices of the transformer's {layers} main layers, 0 among "
+            "them")
+    args.control_layers_places = places
+
+
+def controlnet_from_transformer(transformer, control_layers_places):
+    """A ``ZImageControlNetModel`` guiding the main layers ``control_layers_places`` of ``transformer``, its own
+    modules copies of the transformer's: each control layer the layer it guides, its control noise refiner the
+    noise refiner, its control patch embedder the image patch embedder (the control image's latents have the image
+    latents' channels). Its output projections start at zero (the class makes them so), so it changes nothing
+    until it trains."""
+    config = transformer.config
+    controlnet = ZImageControlNetModel(
+        control_layers_places=list(control_layers_places), control_in_dim=config.in_channels,
+        all_patch_size=config.all_patch_size, all_f_patch_size=config.all_f_patch_size, dim=config.dim,
+        n_refiner_layers=config.n_refiner_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+        norm_eps=config.norm_eps, qk_norm=config.qk_norm)
+    for layer, place in zip(controlnet.control_layers, control_layers_places, strict=True):
+        layer.load_state_dict(transformer.layers[place].state_dict(), strict=False)  # all but the projections
+    controlnet.control_noise_refiner.load_state_dict(transformer.noise_refiner.state_dict())
+    controlnet.control_all_x_embedder.load_state_dict(transformer.all_x_embedder.state_dict())
+    return controlnet
+
+
+def unshare_transformer_modules(controlnet):
+    """Keep the transformer's modules that ``ZImageControlNetModel.from_transformer`` (called by the pipeline) gave
+    ``controlnet`` as plain attributes rather than its submodules: it still runs them, but its parameters, state dict
+    and saved files are its own (what ``ZImageControlNetModel.from_pretrained`` loads), and training it leaves the
+    transformer frozen. Also sets the ``gradient_checkpointing`` flag that the class leaves unset until
+    ``enable_gradient_checkpointing`` (diffusers 0.42) while its forward reads it wherever gradients are enabled."""
+    if not hasattr(controlnet, "gradient_checkpointing"):
+        controlnet.gradient_checkpointing = False
+    for name in SHARED_WITH_THE_TRANSFORMER:
+        shared = getattr(controlnet, name)
+        if name in controlnet._modules:
+            del controlnet._modules[name]
+        else:
+            del controlnet._parameters[name]
+        object.__setattr__(controlnet, name, shared)
+    return controlnet
+
+
+@torch.no_grad()
+def control_context(pipe, controlnet, conditioning_pixels):
+    """The ControlNet's ``control_context`` for conditioning images ``(B, 3, H, W)`` in [0, 1], as
+    ``ZImageControlNetPipeline`` prepares its control image: in [-1, 1], encoded to the mode of the VAE's latent
+    distribution, shifted and scaled as the image latents, a frame axis ``(B, C, 1, h, w)``, and zero channels up
+    to the ControlNet's ``control_in_dim`` (a ControlNet that also reads inpainting channels)."""
+    vae = pipe.vae
+    latents = vae.encode((conditioning_pixels * 2 - 1).to(vae.device, vae.dtype)).latent_dist.mode()
+    latents = normalized_latents(pipe, latents).unsqueeze(2)
+    missing = controlnet.config.control_in_dim - latents.shape[1]
+    return torch.cat([latents, latents.new_zeros(latents.shape[0], missing, *latents.shape[2:])], dim=1)

@@ -1,4 +1,5 @@
-"""Tiny Qwen-Image: a Qwen-Image transformer, its video VAE and a Qwen2.5-VL text encoder."""
+"""Tiny Qwen-Image: a Qwen-Image transformer, its video VAE and a Qwen2.5-VL text encoder; and a ControlNet made from
+the transformer."""
 
 import torch
 
@@ -45,21 +46,28 @@ def tiny_qwen_image_vae(seed=SEED):
                                   latents_std=torch.empty(z_dim).uniform_(0.5, 2.0).tolist())
 
 
+def tiny_qwen_image_transformer(z_dim=4, text_hidden_size=32):
+    """A Qwen-Image transformer (two blocks, no guidance embedding) for the latents of a VAE of ``z_dim`` channels
+    (packed in 2×2 patches) and text features of ``text_hidden_size``."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(SEED)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=text_hidden_size, axes_dims_rope=(4, 6, 6), guidance_embeds=False,
+    )
+
+
 def build_qwen_image(path):
     """A Qwen-Image pipeline: a Qwen-Image transformer (two blocks, no guidance embedding), Qwen-Image's VAE, a
     Qwen2.5-VL text encoder whose last hidden states are the text features, a real Qwen tokenizer, and Qwen-Image's
     flow-matching scheduler (its configuration: a resolution-dependent shift, stretched to end at 0.02)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     tokenizer = tiny_qwen_tokenizer(vocabulary() + list(QWEN_IMAGE_TEMPLATE_WORDS))
     text_encoder = tiny_qwen2_5_vl_text_encoder(tokenizer)
     vae = tiny_qwen_image_vae()
-    torch.manual_seed(SEED)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=4 * vae.config.z_dim, out_channels=vae.config.z_dim, num_layers=2,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_encoder.config.text_config.hidden_size,
-        axes_dims_rope=(4, 6, 6), guidance_embeds=False,
-    )
+    transformer = tiny_qwen_image_transformer(vae.config.z_dim, text_encoder.config.text_config.hidden_size)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
@@ -68,4 +76,13 @@ def build_qwen_image(path):
                       transformer=transformer).save_pretrained(path)
 
 
-FIXTURES = {"qwen_image": build_qwen_image}
+def build_qwen_image_controlnet(path):
+    """A QwenImageControlNetModel of two blocks made from the tiny transformer
+    (`families.qwen_image.controlnet_from_transformer`), as ``QwenImageControlNetModel.from_pretrained`` loads a
+    released one."""
+    from ...families import qwen_image
+
+    qwen_image.controlnet_from_transformer(tiny_qwen_image_transformer(), 2).save_pretrained(path)
+
+
+FIXTURES = {"qwen_image": build_qwen_image, "qwen_image_controlnet": build_qwen_image_controlnet}
