@@ -4,7 +4,8 @@ to the UNet, upstream's cubic timestep sampling, and how to load what it trained
 
 A T2I-Adapter (``T2IAdapter``, SDXL's ``full_adapter_xl``) turns the conditioning image, in [0, 1] as the pipeline
 preprocesses it, into one feature per UNet down block (and one for SDXL's middle block); the pipeline multiplies them
-by ``adapter_conditioning_scale`` and the UNet adds them inside its down blocks (``down_intrablock_additional_residuals``).
+by ``adapter_conditioning_scale`` and the UNet adds them inside its down blocks
+(``down_intrablock_additional_residuals``).
 """
 
 import json
