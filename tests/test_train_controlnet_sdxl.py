@@ -1,4 +1,5 @@
-"""Smoke tests: the SDXL ControlNet script end to end on the tiny fixtures, through ``accelerate launch``."""
+"""Smoke tests: the SDXL ControlNet script end to end on the tiny fixtures, through ``accelerate launch``, and beside
+its runs the SDXL T2I-Adapter script's (which trains on the same data and shares its conditioning code)."""
 
 import importlib.util
 import shutil
@@ -6,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
+from diffusers import (ControlNetModel, StableDiffusionXLAdapterPipeline, StableDiffusionXLControlNetPipeline,
+                       StableDiffusionXLPipeline, T2IAdapter)
 from PIL import Image
 
 from helpers import EXAMPLES, controlnet_flags, deleting_after_load, launch, launch_together, launching, usage_error
@@ -17,6 +19,7 @@ from training_utils.testing import (assert_checkpoint_is_the_output, assert_clos
                                     most_common_bucket, read_log, rendered_images, reported_buckets)
 
 SCRIPT = "controlnet/train_controlnet_sdxl.py"
+T2I_ADAPTER_SCRIPT = "t2i_adapter/train_t2i_adapter_sdxl.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
@@ -33,6 +36,15 @@ def pretrained(tiny, output_dir, *extra):
     """From tiny/sdxl_controlnet on the mixed shapes in buckets, checkpoints every 2 steps, the newest 2 kept."""
     return common(tiny, output_dir, "--controlnet_model_name_or_path", tiny["sdxl_controlnet"],
                   "--checkpointing_steps", 2, "--checkpoints_total_limit", 2, *extra, mixed=True)
+
+
+def t2i_adapter_flags(tiny, output_dir, *extra):
+    """The T2I-Adapter script from tiny/sdxl_t2i_adapter on tiny/sdxl_adapter_base, on the mixed shapes in buckets:
+    4 steps, checkpoints every 2, the features scaled by 0.8."""
+    flags = controlnet_flags(tiny, "sdxl_adapter_base", output_dir, "--adapter_model_name_or_path",
+                             tiny["sdxl_t2i_adapter"], "--max_train_steps", 4, "--checkpointing_steps", 2,
+                             "--adapter_conditioning_scale", 0.8, *extra, mixed=True)
+    return flags
 
 
 def validation_flags(tiny, steps, images=(0, 1)):
@@ -59,7 +71,8 @@ def runs(tiny, tmp_path_factory):
     - from_unet: no --controlnet_model_name_or_path (the ControlNet is made from the UNet), a replacement VAE
       (``../vae``), EMA decay 0, one image for both prompts, validating at 16x32; the base model's folder
       (``../model``) and the VAE's are deleted as soon as the pipeline has loaded;
-    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached).
+    - uncached, cached: `cache_flags` without and with --cache_latents (text always cached);
+    - t2i_adapter: the T2I-Adapter script (`t2i_adapter_flags`), validating every 2 steps.
     """
     root = tmp_path_factory.mktemp("runs")
     model, vae = root / "model", root / "vae"
@@ -75,6 +88,7 @@ def runs(tiny, tmp_path_factory):
         "from_unet": (wrapper, *from_unet_args),
         "uncached": (SCRIPT, *cache_flags(tiny, root / "uncached")),
         "cached": (SCRIPT, *cache_flags(tiny, root / "cached", "--cache_latents")),
+        "t2i_adapter": (T2I_ADAPTER_SCRIPT, *t2i_adapter_flags(tiny, root / "t2i_adapter", *validation_flags(tiny, 2))),
     })
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -245,3 +259,53 @@ def test_cached_latents_train_as_the_uncached_run(tiny, runs):
 def test_validation_renders_with_the_offloaded_encoders_back(runs):
     (uncached, _), (cached, _) = runs["uncached"], runs["cached"]
     assert_close_validations(uncached, cached, [(2, "raw"), (2, "ema"), (4, "raw"), (4, "ema")])
+
+
+# The T2I-Adapter script.
+
+def test_t2i_adapter_writes_raw_and_ema_adapters_that_change_the_adapter_pipelines_output(tiny, runs):
+    output_dir, result = runs["t2i_adapter"]
+    raw, ema = (assert_model_folder_loads(T2IAdapter, folder, initial=tiny["sdxl_t2i_adapter"])
+                for folder in (output_dir, output_dir / "ema"))
+    assert raw.config.adapter_type == "full_adapter_xl"
+    assert differing_keys(raw.state_dict(), ema.state_dict())
+    assert f"raw T2I-Adapter: {output_dir}" in result.stdout
+    assert f"ema T2I-Adapter: {output_dir / 'ema'}" in result.stdout
+    sdxl_pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl_adapter_base"])
+    image = Image.open(conditioning(tiny, 0)).convert("RGB")
+
+    def render(folder):
+        pipe = StableDiffusionXLAdapterPipeline(**sdxl_pipe.components, adapter=T2IAdapter.from_pretrained(folder))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(PROMPTS[0], image=image, num_inference_steps=2, height=32, width=32, output_type="np",
+                    adapter_conditioning_scale=0.8, generator=torch.Generator().manual_seed(0)).images
+
+    trained = render(output_dir)
+    assert not np.allclose(render(tiny["sdxl_t2i_adapter"]), trained, atol=1e-4)
+    assert not np.allclose(render(output_dir / "ema"), trained, atol=1e-4)
+    # The final step's checkpoint holds the same adapters, raw and EMA.
+    assert_checkpoint_is_the_output(output_dir / "checkpoint-4", output_dir, {
+        f"adapter/{WEIGHTS}": WEIGHTS, f"ema/adapter/{WEIGHTS}": f"ema/{WEIGHTS}"})
+
+
+def test_t2i_adapter_validates_each_prompt_with_its_conditioning_beside_raw_and_ema(tiny, runs):
+    output_dir, _ = runs["t2i_adapter"]
+    log = assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS, num_images=1)
+    assert sorted(path.name for path in (output_dir / "validation").glob("conditioning-*.png")) == [
+        "conditioning-p00.png", "conditioning-p01.png"]
+    # Each prompt's grid: the conditioning row above the raw and EMA rows.
+    grid = Image.open(output_dir / log[-1]["grid"])
+    sample = Image.open(output_dir / log[-1]["images"][0])
+    assert grid.height > 3 * sample.height
+    card = (output_dir / "README.md").read_text()
+    assert "T2IAdapter.from_pretrained" in card and "StableDiffusionXLAdapterPipeline.from_pretrained" in card
+    assert "adapter_conditioning_scale=0.8" in card and "validation/conditioning-p01.png" in card
+    assert list((output_dir / "logs" / "sd_xl_train_t2iadapter").rglob("events.out.tfevents.*"))
+
+
+def test_t2i_adapter_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+    output_dir, _ = runs["t2i_adapter"]
+    # The uninterrupted run validated at steps 2 and 4, the resumed one never: both end bit for bit alike.
+    assert_resumes_exactly(T2I_ADAPTER_SCRIPT, lambda folder: t2i_adapter_flags(tiny, folder), output_dir, tmp_path,
+                           2, [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
+    assert not (tmp_path / "validation").exists()

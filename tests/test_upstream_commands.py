@@ -61,6 +61,7 @@ SUBSTITUTES = {
     "DavyMorgan/tiny-controlnet-sd35": "sd35_controlnet",
     "hf-internal-testing/dummy_image_text_data": "shapes",  # image + text, as an imagefolder
     "hf-internal-testing/fill10": "shapes_controlnet",  # image + conditioning_image + text
+    "hf-internal-testing/tiny-adapter": "sdxl_t2i_adapter",
     "docs/source/en/imgs": "instance",
 }
 LORA = "pytorch_lora_weights.safetensors"
@@ -68,6 +69,7 @@ UNET = "unet/diffusion_pytorch_model.safetensors"
 SCHEDULER = "scheduler/scheduler_config.json"
 CONTROLNET = "diffusion_pytorch_model.safetensors"
 EMBEDS = "learned_embeds.safetensors"
+ADAPTER = CONTROLNET  # a T2I-Adapter's weights file is named as a ControlNet's
 
 # The flags most of upstream's tests share ("a 2-step smoke run"), as they write them.
 SMOKE = """
@@ -96,6 +98,8 @@ class Upstream(NamedTuple):
     runs: tuple
     # The one line our script stops with, for a flag it refuses on purpose (docs/from-diffusers.md).
     refused: str = None
+    # Fixtures that stand for upstream's hub models in this test's runs instead of `SUBSTITUTES`' own.
+    substitutes: dict = None
 
 
 def t2i(flags, model="hf-internal-testing/tiny-stable-diffusion-pipe", **expected):
@@ -367,6 +371,15 @@ UPSTREAM = [
             "--gradient_accumulation_steps=1 --max_train_steps=4 --checkpointing_steps=2 --num_double_layers=1 "
             "--num_single_layers=1", files=(CONTROLNET,)),)),
 
+    # examples/t2i_adapter/test_t2i_adapter.py. The XL adapter adds its first two features after the UNet's first two
+    # blocks, at one size: the UNet's blocks must come in SDXL's order (as upstream's tiny SDXL has them), which
+    # sdxl_adapter_base's do and sdxl's do not.
+    Upstream("t2i_adapter/test_t2i_adapter.py::test_t2i_adapter_sdxl", "t2i_adapter/train_t2i_adapter_sdxl.py", (
+        Run("--pretrained_model_name_or_path=hf-internal-testing/tiny-stable-diffusion-xl-pipe "
+            "--adapter_model_name_or_path=hf-internal-testing/tiny-adapter --dataset_name=hf-internal-testing/fill10 "
+            "--output_dir={tmpdir} --resolution=64 --train_batch_size=1 --gradient_accumulation_steps=1 "
+            "--max_train_steps=9 --checkpointing_steps=2", files=(ADAPTER,)),),
+             substitutes={"hf-internal-testing/tiny-stable-diffusion-xl-pipe": "sdxl_adapter_base"}),
     # examples/dreambooth/test_dreambooth.py, class DreamBooth: the full fine-tune.
     Upstream("dreambooth/test_dreambooth.py::test_dreambooth", "dreambooth/train_dreambooth.py", (
         dreambooth(SD_TORCH, "photo", "", files=(UNET, SCHEDULER)),)),
@@ -512,12 +525,12 @@ def upstream_fixtures(tiny, directory):
             "hidream_llama": llama_folder(tiny["hidream"], Path(directory) / "hidream_llama")}
 
 
-def command(flags, fixtures, output_dir):
-    """``flags`` (upstream's text) as an argument list: each hub model or dataset of `SUBSTITUTES` (a value, or
+def command(flags, fixtures, output_dir, substitutes=SUBSTITUTES):
+    """``flags`` (upstream's text) as an argument list: each hub model or dataset of ``substitutes`` (a value, or
     the value of a ``--flag=value``) replaced by its fixture's path in ``fixtures``, ``{tmpdir}`` by ``output_dir``;
     the words split as a shell splits them (``""`` is an empty argument)."""
     def substitute(value):
-        return str(fixtures[SUBSTITUTES[value]]) if value in SUBSTITUTES else value
+        return str(fixtures[substitutes[value]]) if value in substitutes else value
 
     arguments = []
     for word in shlex.split(flags.replace("{tmpdir}", str(output_dir))):
@@ -535,7 +548,8 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
         for name in run.remove_first:
             shutil.rmtree(Path(output_dir) / name)
         refused = upstream.refused is not None or run.refused is not None
-        result = launch(upstream.script, *command(run.flags, fixtures, output_dir), check=not refused, quiet=True)
+        arguments = command(run.flags, fixtures, output_dir, {**SUBSTITUTES, **(upstream.substitutes or {})})
+        result = launch(upstream.script, *arguments, check=not refused, quiet=True)
         results.append(result)
         if upstream.refused is not None:
             assert result.returncode != 0 and f"error: {upstream.refused}" in result.stderr, result.stderr[-2000:]
@@ -646,7 +660,7 @@ def as_param(upstream):
 def test_every_upstream_command_parses_or_is_refused_in_one_line(upstream, fixtures, tmp_path):
     script = import_script(upstream.script)
     for run in upstream.runs:
-        arguments = command(run.flags, fixtures, tmp_path)
+        arguments = command(run.flags, fixtures, tmp_path, {**SUBSTITUTES, **(upstream.substitutes or {})})
         if upstream.refused is not None:
             with pytest.raises(UsageError) as error:
                 script.parse_args(arguments)

@@ -45,14 +45,20 @@ def add_controlnet_args(parser, denoiser="UNet"):
     controlnet = parser.add_argument_group("ControlNet")
     controlnet.add_argument("--controlnet_model_name_or_path", default=None,
                             help=f"ControlNet to start from (default: one made from the {denoiser}'s first layers)")
-    controlnet.add_argument("--conditioning_image_column", default="conditioning_image")
-    controlnet.add_argument("--validation_image", nargs="+", default=None,
-                            help="conditioning images: one per --validation_prompt, one for all prompts, "
-                                 "or several for one prompt")
-    controlnet.add_argument("--set_grads_to_none", action="store_true",
-                            help="accepted for upstream's commands: the gradients are always freed (set to None) "
-                                 "between steps")
+    add_conditioning_args(controlnet)
     add_quantization_args(parser, base=f"the frozen {denoiser}")
+
+
+def add_conditioning_args(group):
+    """The conditioning image's flags, which every script trained on (image, conditioning image, caption) triples
+    shares (the ControlNet and T2I-Adapter scripts)."""
+    group.add_argument("--conditioning_image_column", default="conditioning_image")
+    group.add_argument("--validation_image", nargs="+", default=None,
+                       help="conditioning images: one per --validation_prompt, one for all prompts, "
+                            "or several for one prompt")
+    group.add_argument("--set_grads_to_none", action="store_true",
+                       help="accepted for upstream's commands: the gradients are always freed (set to None) "
+                            "between steps")
 
 
 def check_controlnet_args(args, controlnet_class=ControlNetModel):
