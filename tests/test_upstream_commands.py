@@ -579,7 +579,10 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                           "dreambooth/train_dreambooth_lora_qwen_image_edit.py":
                               "upstream has no Qwen-Image-Edit script",
                           "controlnet/train_controlnet_z_image.py": "upstream has no Z-Image ControlNet script",
-                          "controlnet/train_controlnet_qwen_image.py": "upstream has no Qwen-Image ControlNet script"}
+                          "controlnet/train_controlnet_qwen_image.py": "upstream has no Qwen-Image ControlNet script",
+                          "flux-control/train_control_flux.py": "upstream has no test for its FLUX.1 Control scripts",
+                          "flux-control/train_control_lora_flux.py":
+                              "upstream has no test for its FLUX.1 Control scripts"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

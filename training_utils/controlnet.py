@@ -49,13 +49,18 @@ def add_controlnet_args(parser, denoiser="UNet"):
     add_quantization_args(parser, base=f"the frozen {denoiser}")
 
 
-def add_conditioning_args(group):
-    """The conditioning image's flags, which every script trained on (image, conditioning image, caption) triples
-    shares (the ControlNet and T2I-Adapter scripts)."""
+def add_conditioning_image_args(group):
+    """The conditioning images' flags, shared by every script that trains on (image, conditioning image, caption)
+    triples (the ControlNet, T2I-Adapter and Control scripts): the dataset's column and the validation images."""
     group.add_argument("--conditioning_image_column", default="conditioning_image")
     group.add_argument("--validation_image", nargs="+", default=None,
                        help="conditioning images: one per --validation_prompt, one for all prompts, "
                             "or several for one prompt")
+
+
+def add_conditioning_args(group):
+    """`add_conditioning_image_args`, and upstream's --set_grads_to_none of the ControlNet and T2I-Adapter scripts."""
+    add_conditioning_image_args(group)
     group.add_argument("--set_grads_to_none", action="store_true",
                        help="accepted for upstream's commands: the gradients are always freed (set to None) "
                             "between steps")
