@@ -36,14 +36,20 @@ def add_controlnet_args(parser):
     controlnet = parser.add_argument_group("ControlNet")
     controlnet.add_argument("--controlnet_model_name_or_path", default=None,
                             help="ControlNet to start from (default: a copy of the UNet's encoder)")
-    controlnet.add_argument("--conditioning_image_column", default="conditioning_image")
-    controlnet.add_argument("--validation_image", nargs="+", default=None,
-                            help="conditioning images: one per --validation_prompt, one for all prompts, "
-                                 "or several for one prompt")
+    add_conditioning_image_args(controlnet)
     controlnet.add_argument("--set_grads_to_none", action="store_true",
                             help="accepted for upstream's commands: the gradients are always freed (set to None) "
                                  "between steps")
     add_quantization_args(parser, base="the frozen UNet")
+
+
+def add_conditioning_image_args(group):
+    """The conditioning images' flags, shared with the Control scripts (`control`): the dataset's column and the
+    validation images."""
+    group.add_argument("--conditioning_image_column", default="conditioning_image")
+    group.add_argument("--validation_image", nargs="+", default=None,
+                       help="conditioning images: one per --validation_prompt, one for all prompts, "
+                            "or several for one prompt")
 
 
 def check_controlnet_args(args):
@@ -125,10 +131,11 @@ def cast_residuals_to_unet_dtype(unet, args, kwargs):
     return args, kwargs
 
 
-def make_controlnet_validator(args, pipe, accelerator, validation_pairs, **kwargs):
-    """`make_validator` rendering each prompt with its conditioning image, which is shown beside the samples."""
+def make_controlnet_validator(args, pipe, accelerator, validation_pairs, image_argument="image", **kwargs):
+    """`make_validator` rendering each prompt with its conditioning image (the pipeline's ``image_argument``), which
+    is shown beside the samples."""
     prompts, conditioning_images = zip(*validation_pairs) if validation_pairs else ([], [])
-    prompt_kwargs = [{"image": image} for image in conditioning_images]
+    prompt_kwargs = [{image_argument: image} for image in conditioning_images]
     return make_validator(args, pipe, accelerator, prompts, prompt_kwargs=prompt_kwargs,
                           conditioning_images=conditioning_images, **kwargs)
 

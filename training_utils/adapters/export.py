@@ -88,7 +88,7 @@ class AdapterExport(Export):
             cls.check_component(pipeline_class, component)
             keys = {remove_adapter_name(name, adapter_name)
                     for name, parameter in module.named_parameters() if parameter.requires_grad}
-            saved_by_peft = peft_saved_keys(module, adapter_name)
+            saved_by_peft = cls.saved_keys(module, adapter_name)
             if keys != saved_by_peft:
                 raise ValueError(f"{component}: the trained parameters are not what peft saves (only trained: "
                                  f"{few(sorted(keys - saved_by_peft))}; only saved: "
@@ -101,6 +101,11 @@ class AdapterExport(Export):
     @classmethod
     def check_component(cls, pipeline_class, component):
         """Raise if ``component`` cannot be written (a pipeline's LoRA loader knows only some)."""
+
+    @classmethod
+    def saved_keys(cls, module, adapter_name="default"):
+        """The keys written of ``module``'s trained parameters: peft's (`peft_saved_keys`)."""
+        return peft_saved_keys(module, adapter_name)
 
     @classmethod
     def config_of(cls, config, module):

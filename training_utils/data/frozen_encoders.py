@@ -283,8 +283,14 @@ class FrozenEncoders:
         channels-last, and noise drawn ``randn_like`` them follows their layout."""
         if self.latent_cache is not None:
             return sample_latents(images).contiguous()
+        return self.encoded(images)
+
+    def encoded(self, pixels):
+        """Latents of ``pixels`` (in [-1, 1]) encoded now, whatever is cached: a sample of the VAE's distribution,
+        drawn as `latents` draws it, before the VAE's scaling (a Control model's conditioning images, which are not
+        cached, go through here)."""
         with encoders_on(self.device, [self.vae]) if self.vae in self.off_device else contextlib.nullcontext():
-            return self.vae.encode(images.to(self.dtype)).latent_dist.sample().contiguous()
+            return self.vae.encode(pixels.to(self.dtype)).latent_dist.sample().contiguous()
 
     @contextlib.contextmanager
     def on_device(self):

@@ -1,0 +1,124 @@
+"""What every Control script shares, whatever the family (FLUX.1 Control, CogView4 Control).
+
+A Control model reads its conditioning image as more input channels: the image goes through the VAE as a target
+image does (`conditioning_latents`), and its latents are concatenated with the noisy latents along the channels
+(`with_conditioning`), as ``FluxControlPipeline`` and ``CogView4ControlPipeline`` concatenate them. The transformer's
+input layer (FLUX.1's ``x_embedder``, CogView4's ``patch_embed.proj``) takes twice the features: `widen_input_layer`
+adds the new columns as zeros, so the widened model starts as the base model, whatever the conditioning.
+
+Here too: the flags (the conditioning column and validation images are the ControlNet scripts',
+`controlnet.add_conditioning_image_args`; `controlnet.dataset_columns` and `controlnet.load_validation_pairs` read
+them), the validation that renders each prompt with its conditioning image and shows it beside the raw and EMA
+samples (`make_control_validator`), the export of a Control LoRA with the norm layers that train whole beside it
+(`ControlLoraExport`), and the model card's loading code (`control_how_to_load`).
+
+The family's own conditioning (its latent layout, its text inputs) stays in the family modules and the scripts.
+"""
+
+import torch
+
+from .adapters.export import LoraExport, peft_saved_keys
+from .controlnet import add_conditioning_image_args, make_controlnet_validator
+from .outputs.hub import how_to_load
+
+# The norm layers that FluxControlPipeline.load_lora_weights reads whole beside a LoRA (its loader's
+# ``_control_lora_supported_norm_keys``), which upstream's --train_norm_layers trains.
+NORM_LAYERS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+# The model card's loading code: the trained transformer (a full fine-tune) or the Control LoRA, which widens the
+# base transformer's input layer as it loads.
+TRANSFORMER_HOW_TO_LOAD = """
+from diffusers import {imports}
+from diffusers.utils import load_image
+
+transformer = {model_class}.from_pretrained("{output_dir}")  # or "{output_dir}/ema" for the EMA weights
+pipe = {pipeline_class}.from_pretrained("{base_model}", transformer=transformer{load_options})
+image = pipe("{prompt}", control_image=load_image("{conditioning_image}")).images[0]
+"""
+LORA_HOW_TO_LOAD = """
+from diffusers import {imports}
+from diffusers.utils import load_image
+
+pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
+pipe.load_lora_weights("{output_dir}")  # or "{output_dir}/ema"; widens the transformer's input layer as it loads
+image = pipe("{prompt}", control_image=load_image("{conditioning_image}")).images[0]
+"""
+
+
+def add_control_args(parser):
+    """The conditioning images' flags: the dataset's column and the validation images (the ControlNet scripts')."""
+    add_conditioning_image_args(parser.add_argument_group("control"))
+
+
+def widen_input_layer(model, layer_name):
+    """Give ``model``'s linear input layer ``layer_name`` twice its input features, for the conditioning latents
+    concatenated after the latents: the old weight's columns first, zeros after them, the bias as it was, in the
+    layer's dtype and on its device. The model's config says so (``in_channels`` doubled, ``out_channels`` kept), so
+    that ``from_pretrained`` rebuilds the widened model from a saved one. Returns the new layer."""
+    old = model.get_submodule(layer_name)
+    new = torch.nn.Linear(old.in_features * 2, old.out_features, bias=old.bias is not None,
+                          dtype=old.weight.dtype, device=old.weight.device)
+    with torch.no_grad():
+        new.weight.zero_()
+        new.weight[:, :old.in_features].copy_(old.weight)
+        if old.bias is not None:
+            new.bias.copy_(old.bias)
+    new.requires_grad_(old.weight.requires_grad)
+    model.set_submodule(layer_name, new)
+    in_channels = model.config.in_channels
+    model.register_to_config(in_channels=in_channels * 2, out_channels=model.config.out_channels or in_channels)
+    # The config remembers which values were defaults, and ``from_config`` would put their defaults back.
+    defaults = model.config.get("_use_default_values")
+    if defaults is not None:
+        model.register_to_config(_use_default_values=[key for key in defaults
+                                                      if key not in ("in_channels", "out_channels")])
+    return new
+
+
+def with_conditioning(noisy_latents, conditioning_latents):
+    """The Control model's input: the noisy latents, then the conditioning image's latents (in the noisy latents'
+    dtype), along the channels (dimension 1), as the Control pipelines concatenate them."""
+    return torch.cat([noisy_latents, conditioning_latents.to(noisy_latents.dtype)], dim=1)
+
+
+def conditioning_latents(frozen, conditioning_pixels):
+    """The VAE's latents of a batch of conditioning images (``conditioning_pixels`` in [0, 1], the ControlNet
+    convention of `data.images.ImageWithConditioningTransform`), before the VAE's scaling: encoded now by
+    ``frozen`` (a `data.frozen_encoders.FrozenEncoders`) from [-1, 1], as the pipeline's image processor hands
+    them to the VAE, and sampled as the pipeline samples them."""
+    return frozen.encoded(conditioning_pixels * 2 - 1)
+
+
+def make_control_validator(args, pipe, accelerator, validation_pairs, **kwargs):
+    """`validation.make_validator` rendering each prompt with its conditioning image (the pipeline's
+    ``control_image``), shown in each step's grid beside the raw and EMA samples."""
+    return make_controlnet_validator(args, pipe, accelerator, validation_pairs, image_argument="control_image",
+                                     **kwargs)
+
+
+def norm_layer_names(model):
+    """The names of ``model``'s parameters in the norm layers that a Control LoRA may train whole (`NORM_LAYERS`)."""
+    return [name for name, _ in model.named_parameters()
+            if any(f".{layer}." in f".{name}" for layer in NORM_LAYERS)]
+
+
+class ControlLoraExport(LoraExport):
+    """A Control LoRA: the LoRA (the widened input layer's among its layers) and, trained whole beside it
+    (``--train_norm_layers``), the norm layers' scales, in one ``pytorch_lora_weights.safetensors`` that
+    ``pipe.load_lora_weights`` loads: it widens the base model's input layer to the LoRA's and sets the norm layers.
+    Written as any LoRA; only the check that the trained parameters are what is saved knows the norm layers."""
+
+    @classmethod
+    def saved_keys(cls, module, adapter_name="default"):
+        return peft_saved_keys(module, adapter_name) | {
+            name for name in norm_layer_names(module) if module.get_parameter(name).requires_grad}
+
+
+def control_how_to_load(args, pipe, lora=False, **fields):
+    """The model card's loading code: the Control LoRA (``lora``) or the trained transformer into the base model's
+    Control pipeline, rendering the first validation prompt with the first ``--validation_image``."""
+    conditioning_image = args.validation_image[0] if args.validation_image else "conditioning.png"
+    template = LORA_HOW_TO_LOAD if lora else TRANSFORMER_HOW_TO_LOAD
+    model_class = type(pipe.transformer).__name__
+    fields = {"imports": f"{type(pipe).__name__}" if lora else f"{type(pipe).__name__}, {model_class}", **fields}
+    return how_to_load(template, args, pipe, conditioning_image=conditioning_image, model_class=model_class, **fields)
