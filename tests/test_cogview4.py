@@ -7,7 +7,8 @@ pipeline's sampling loop gives the transformer at each noise level."""
 
 import pytest
 import torch
-from diffusers import CogView4Pipeline, FlowMatchEulerDiscreteScheduler
+from diffusers import CogView4ControlPipeline, CogView4Pipeline, FlowMatchEulerDiscreteScheduler
+from PIL import Image
 
 from training_utils.args import training_parser
 from training_utils.errors import UsageError
@@ -145,3 +146,32 @@ def test_sampling_towards_the_training_target_follows_the_training_path(pipe, mo
     # (mu = 0.25 + 0.75 * sqrt(patches / 256) < 1 here: the tiny images shift towards the image, not the noise).
     assert torch.equal(calls[0]["hidden_states"], noise) and calls[0]["timestep"].tolist() == [1000.0]
     assert calls[1]["timestep"].tolist() == [667.0] and pipe.scheduler.sigmas[1] < 0.667
+
+
+def test_the_control_pipeline_reads_the_conditioning_latents_after_the_noisy_ones(tiny, monkeypatch):
+    """CogView4ControlPipeline gives its transformer the noisy latents, then the conditioning image's VAE latents
+    (sampled, from [-1, 1]) as `normalized_latents` lays them out: what the Control script concatenates."""
+    pipe = CogView4ControlPipeline.from_pretrained(tiny["cogview4_control"])
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    levels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8)
+    image = Image.fromarray(levels.numpy())
+    pixels = levels.permute(2, 0, 1)[None].float() / 255  # the image in [0, 1], channels first
+    noise = torch.randn(1, 16, 4, 4, generator=generator)
+    calls = []
+
+    def transformer(**inputs):
+        calls.append(inputs)
+        return (torch.zeros_like(noise),)
+
+    monkeypatch.setattr(pipe.transformer, "forward", transformer)
+    torch.manual_seed(1)
+    pipe(prompt=PROMPTS[0], control_image=image, height=32, width=32, num_inference_steps=2, guidance_scale=1.0,
+         latents=noise, output_type="latent")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        expected = cogview4.normalized_latents(pipe, pipe.vae.encode(pixels * 2 - 1).latent_dist.sample())
+    assert calls[0]["hidden_states"].shape == (1, 32, 4, 4)
+    assert torch.equal(calls[0]["hidden_states"][:, :16], noise)
+    torch.testing.assert_close(calls[0]["hidden_states"][:, 16:], expected, rtol=0, atol=1e-5)
+    assert torch.equal(calls[1]["hidden_states"][:, 16:], calls[0]["hidden_states"][:, 16:])
