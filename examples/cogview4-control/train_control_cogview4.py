@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 # Copied from examples/controlnet/train_controlnet_sdxl.py; tests/test_drift.py keeps what they share alike.
-"""Train CogView4 Control from (image, conditioning image, caption) triples: the whole transformer, with an optional EMA.
+"""Train CogView4 Control, the whole transformer, on (image, conditioning image, caption) triples, with an optional EMA.
 
     accelerate launch train_control_cogview4.py \\
       --pretrained_model_name_or_path=THUDM/CogView4-6B \\
