@@ -15,15 +15,29 @@ samples (`make_control_validator`), the export of a Control LoRA with the norm l
 The family's own conditioning (its latent layout, its text inputs) stays in the family modules and the scripts.
 """
 
+import dataclasses
+
 import torch
 
+from .adapters.config import adapter_config
 from .adapters.export import LoraExport, peft_saved_keys
+from .adapters.injection import linear_layers_named
+from .args import comma_separated
 from .controlnet import add_conditioning_image_args, make_controlnet_validator
+from .errors import require
 from .outputs.hub import how_to_load
 
 # The norm layers that FluxControlPipeline.load_lora_weights reads whole beside a LoRA (its loader's
 # ``_control_lora_supported_norm_keys``), which upstream's --train_norm_layers trains.
 NORM_LAYERS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+# The flags of upstream's Control scripts that these do not carry, and why.
+REFUSED = {
+    "--jsonl_for_train": "put the JSON Lines file in a folder of its own and pass the folder as --dataset_name (its "
+                         "image paths absolute, or relative to that folder)",
+    "--log_dataset_samples": "the validation grids show each conditioning image beside its samples; training samples "
+                             "are not logged",
+}
 
 # The model card's loading code: the trained transformer (a full fine-tune) or the Control LoRA, which widens the
 # base transformer's input layer as it loads.
@@ -48,6 +62,46 @@ image = pipe("{prompt}", control_image=load_image("{conditioning_image}")).image
 def add_control_args(parser):
     """The conditioning images' flags: the dataset's column and the validation images (the ControlNet scripts')."""
     add_conditioning_image_args(parser.add_argument_group("control"))
+
+
+def add_control_lora_args(parser):
+    """Upstream's Control LoRA flags: the LoRA's bias and initialisation, and the norm layers trained whole."""
+    group = parser.add_argument_group("Control LoRA")
+    group.add_argument("--use_lora_bias", action="store_true",
+                       help="give each LoRA's second matrix (lora_B) a bias that trains (its first matrix then "
+                            "starts as peft's default, Kaiming-uniform)")
+    group.add_argument("--gaussian_init_lora", action="store_true",
+                       help="start the LoRA's first matrix Gaussian: always, here, unless --use_lora_bias")
+    group.add_argument("--train_norm_layers", action="store_true",
+                       help="also train the attention's norm layers' scales whole (saved in the LoRA's file, which "
+                            "load_lora_weights reads)")
+
+
+def check_control_lora_args(args):
+    """Stop in one line on what a Control LoRA cannot be, before anything loads."""
+    require(args.adapter in (None, "lora") and not args.use_dora, "--adapter", args.adapter or "dora",
+            "lora: load_lora_weights widens the input layer to a LoRA's shapes, and reads no other adapter")
+    require(args.quantize_base is None and args.bnb_quantization_config_path is None, "--quantize_base",
+            args.quantize_base or args.bnb_quantization_config_path,
+            "none: the transformer's input layer is widened, which a quantised layer cannot be")
+    require(not (args.use_lora_bias and args.gaussian_init_lora), "--gaussian_init_lora", True,
+            "not with --use_lora_bias (peft starts a LoRA with a bias as Kaiming-uniform)")
+
+
+def control_lora_config(args, target_modules):
+    """peft's LoRA config the flags describe (`adapters.config.adapter_config`), with upstream's ``--use_lora_bias``."""
+    config = adapter_config(args, target_modules)
+    if args.use_lora_bias:
+        config = dataclasses.replace(config, lora_bias=True, init_lora_weights=True)
+    return config
+
+
+def control_lora_layers(model, lora_layers, input_layer):
+    """The full names of ``model``'s linear layers that ``--lora_layers`` names (upstream's "all-linear": every one),
+    the widened ``input_layer`` always among them: its LoRA is what makes load_lora_weights widen the base's."""
+    if lora_layers == "all-linear":
+        return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    return linear_layers_named(model, list(dict.fromkeys([input_layer, *comma_separated(lora_layers)])))
 
 
 def widen_input_layer(model, layer_name):
@@ -100,6 +154,12 @@ def norm_layer_names(model):
     """The names of ``model``'s parameters in the norm layers that a Control LoRA may train whole (`NORM_LAYERS`)."""
     return [name for name, _ in model.named_parameters()
             if any(f".{layer}." in f".{name}" for layer in NORM_LAYERS)]
+
+
+def train_norm_layers(model):
+    """Make the norm layers' scales of `norm_layer_names` train (upstream's ``--train_norm_layers``)."""
+    for name in norm_layer_names(model):
+        model.get_parameter(name).requires_grad_(True)
 
 
 class ControlLoraExport(LoraExport):
