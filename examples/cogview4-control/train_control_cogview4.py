@@ -28,6 +28,7 @@ from diffusers import CogView4ControlPipeline, FlowMatchEulerDiscreteScheduler
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, check_args, fill_dependent_defaults, training_parser
 from training_utils.compile import compile_repeated_blocks
+from training_utils.control import REFUSED as CONTROL_REFUSED
 from training_utils.control import (add_control_args, conditioning_latents, control_how_to_load,
                                     make_control_validator, widen_input_layer, with_conditioning)
 from training_utils.controlnet import dataset_columns, load_validation_pairs
@@ -52,11 +53,7 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
 from training_utils.posthoc_ema import make_posthoc_ema
 
 # The flags of upstream's script that this one does not carry, besides those no script here carries.
-REFUSED = {
-    "--upcast_before_saving": "the transformer trains in fp32 and is always saved in fp32",
-    "--log_dataset_samples": "dataset samples are not logged to the trackers: each validation grid shows the "
-                             "conditioning image beside the raw and EMA samples",
-}
+REFUSED = {**CONTROL_REFUSED, "--upcast_before_saving": "the transformer trains in fp32 and is always saved in fp32"}
 
 
 def parse_args(argv=None):
