@@ -6,11 +6,12 @@ import torch
 from diffusers import CogView4ControlPipeline, CogView4Pipeline, CogView4Transformer2DModel
 from PIL import Image
 
-from helpers import controlnet_flags, import_script, launch_together, launching, usage_error
+from helpers import controlnet_flags, import_script, launch, launch_together, launching, usage_error
 from training_utils.control import widen_input_layer
-from training_utils.testing import assert_validated_at, differing_keys
+from training_utils.testing import assert_resumes_exactly, assert_validated_at, differing_keys
 
 SCRIPT = "cogview4-control/train_control_cogview4.py"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
 
@@ -29,16 +30,22 @@ def runs(tiny, tmp_path_factory):
       patch embedding only (--only_target_transformer_blocks), EMA decay 0, cached latents, no validation.
     """
     root = tmp_path_factory.mktemp("runs")
-    validation = ["--validation_prompt", *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1),
-                  "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2]
     launch_together({
-        "full": (SCRIPT, *controlnet_flags(tiny, "cogview4", root / "full", "--max_train_steps", 4,
-                                           "--checkpointing_steps", 2, *validation)),
+        "full": (SCRIPT, *full_flags(tiny, root / "full", *validation_flags(tiny))),
         "control": (SCRIPT, *controlnet_flags(tiny, "cogview4_control", root / "control", "--max_train_steps", 2,
                                               "--only_target_transformer_blocks", "--ema_decay", 0,
                                               "--cache_latents")),
     })
     return {name: root / name for name in ("full", "control")}
+
+
+def full_flags(tiny, output_dir, *extra):
+    return controlnet_flags(tiny, "cogview4", output_dir, "--max_train_steps", 4, "--checkpointing_steps", 2, *extra)
+
+
+def validation_flags(tiny):
+    return ["--validation_prompt", *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1), *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1),
+            "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2]
 
 
 def render(tiny, transformer, image):
@@ -79,6 +86,13 @@ def test_validates_each_prompt_with_its_conditioning_image_at_the_due_steps(tiny
     card = (output_dir / "README.md").read_text()
     assert "CogView4ControlPipeline" in card and "CogView4Transformer2DModel.from_pretrained" in card
     assert (output_dir / "checkpoint-2").is_dir() and (output_dir / "checkpoint-4").is_dir()
+
+
+def test_resumes_to_the_uninterrupted_weights(tiny, runs, tmp_path):
+    # The uninterrupted run validated at steps 2 and 4, the resumed one never: resuming mid-epoch with random
+    # crops, flips and empty prompts, and validating, both leave the weights bit for bit as they would be.
+    assert_resumes_exactly(SCRIPT, lambda output_dir: full_flags(tiny, output_dir), runs["full"], tmp_path, 2,
+                           [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
 
 
 def test_a_control_model_trains_on_without_widening_and_only_its_blocks_and_patch_embedding(tiny, runs):
