@@ -7,10 +7,12 @@ The CogView4 transformer reads:
   for the prompt's tokens (``[gMASK]<sop>`` and the prompt), padded at the front with the tokenizer's pad token to a
   multiple of 16, all of them run through the encoder (the pipeline passes it no mask). The pipeline renders one
   prompt at a time, so each prompt is encoded alone (`encode_prompts`): its row is what every render gives the
-  transformer, whatever it was encoded with. A batch of prompts of different lengths is laid out as
-  ``encode_prompt`` lays out a batch, at the front, with zeros there and the transformer's ``attention_mask`` of the
-  real positions (upstream's script passes a mask too); a batch of equal lengths is stacked as it is, no mask
-  (`text_inputs`). The prompt's length is the pipeline's default unless ``--max_sequence_length`` says otherwise;
+  transformer, whatever it was encoded with. A batch of equal lengths is stacked as it is, no mask: the pipeline's
+  own inputs. A batch of prompts of different lengths is padded at the front, where ``encode_prompt`` pads, with
+  zeros, and the transformer's ``attention_mask`` marks the real positions (upstream's script passes a mask too);
+  diffusers' CogView4 attention adds that 0/1 mask to the attention scores, so the padding is damped, not excluded:
+  only such batches differ from what the pipeline renders each prompt with (`text_inputs`). The prompt's length is
+  the pipeline's default unless ``--max_sequence_length`` says otherwise;
 - ``hidden_states``: the VAE latents times the VAE's ``scaling_factor`` (no shift: the pipelines divide by the
   factor alone before decoding, and the control pipeline encodes the conditioning image so), ``(B, 16, h, w)``;
 - ``original_size``, ``target_size`` and ``crop_coords``: the image's height and width in pixels twice and
