@@ -504,7 +504,10 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                           "dreambooth/train_dreambooth_lora_qwen_image_edit.py":
                               "upstream has no Qwen-Image-Edit script",
                           "cogview4-control/train_control_cogview4.py":
-                              "upstream has no test for its CogView4 Control script"}
+                              "upstream has no test for its CogView4 Control script",
+                          "flux-control/train_control_flux.py": "upstream has no test for its FLUX.1 Control scripts",
+                          "flux-control/train_control_lora_flux.py":
+                              "upstream has no test for its FLUX.1 Control scripts"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/train_*.py"))

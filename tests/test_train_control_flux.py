@@ -1,0 +1,138 @@
+"""Smoke tests: the FLUX.1 Control scripts (full fine-tune and LoRA) end to end on the tiny FLUX.1 fixture."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxControlPipeline, FluxTransformer2DModel
+from PIL import Image
+from safetensors.torch import load_file
+
+from helpers import controlnet_flags, launch, launch_together, launching, usage_error
+from training_utils.control import widen_input_layer
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_model_folder_loads, assert_resumes_exactly,
+                                    assert_validated_at, differing_keys, read_log)
+
+FULL, LORA = "flux-control/train_control_flux.py", "flux-control/train_control_lora_flux.py"
+LORA_WEIGHTS, WEIGHTS = "pytorch_lora_weights.safetensors", "diffusion_pytorch_model.safetensors"
+PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
+
+
+def conditioning(tiny, index):
+    return tiny["shapes_controlnet"] / "conditioning" / f"{index:04d}.png"
+
+
+def validation_flags(tiny, prompts, steps):
+    return ["--validation_prompt", *prompts, "--validation_image", *[conditioning(tiny, i) for i in range(len(prompts))],
+            "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", steps]
+
+
+def lora_flags(tiny, output_dir, *extra):
+    """4 steps of a rank-2 Control LoRA with biases and the norm layers, on 32px crops with flips and 30% empty
+    prompts, checkpointing every 2 steps."""
+    return controlnet_flags(tiny, "flux", output_dir, "--max_train_steps", 4, "--rank", 2, "--use_lora_bias",
+                            "--train_norm_layers", "--checkpointing_steps", 2, *extra)
+
+
+@pytest.fixture(scope="module")
+@launching
+def runs(tiny, tmp_path_factory):
+    """``{name: output_dir}`` of the runs here, launched together:
+
+    - lora: `lora_flags`, validating both prompts, each with its conditioning image, every 2 steps (2 and 4);
+    - full: 3 steps of the whole transformer, latents cached (the conditioning images still encoded in every step),
+      the EMA on the CPU and updated every 2 steps, validating one prompt every 2 steps (2 and the final 3).
+    """
+    root = tmp_path_factory.mktemp("runs")
+    launch_together({
+        "lora": (LORA, *lora_flags(tiny, root / "lora", *validation_flags(tiny, PROMPTS, 2))),
+        "full": (FULL, *controlnet_flags(tiny, "flux", root / "full", "--max_train_steps", 3, "--cache_latents",
+                                         "--ema_device", "cpu", "--ema_update_every", 2, "--checkpointing_steps", 3,
+                                         *validation_flags(tiny, PROMPTS[:1], 2))),
+    })
+    return {name: root / name for name in ("lora", "full")}
+
+
+def render(pipe, tiny):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(PROMPTS[0], control_image=Image.open(conditioning(tiny, 0)).convert("RGB"), num_inference_steps=2,
+                height=32, width=32, output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+
+def widened_base(tiny):
+    """The base model in FluxControlPipeline with its input widened by zeros: the untrained Control model."""
+    pipe = FluxControlPipeline.from_pretrained(tiny["flux"])
+    widen_input_layer(pipe.transformer, "x_embedder")
+    return pipe
+
+
+def test_the_lora_holds_the_widened_input_layer_the_norm_layers_and_biases_raw_and_ema(runs):
+    raw, ema = (load_file(runs["lora"] / folder / LORA_WEIGHTS) for folder in ("", "ema"))
+    assert raw.keys() == ema.keys() and differing_keys(raw, ema)
+    assert raw["transformer.x_embedder.lora_A.weight"].shape == (2, 32)  # the tiny latents' 16 features, twice
+    assert "transformer.x_embedder.lora_B.bias" in raw and "transformer.transformer_blocks.0.ff.net.2.lora_B.bias" in raw
+    norms = [key for key in raw if ".norm_" in key]
+    assert {key.split(".")[-2] for key in norms} == {"norm_q", "norm_k", "norm_added_q", "norm_added_k"}
+    assert all(raw[key].dtype == torch.float32 for key in raw)
+
+
+def test_load_lora_weights_widens_a_fresh_pipeline_and_the_lora_changes_its_output(tiny, runs):
+    untrained = render(widened_base(tiny), tiny)
+    outputs = []
+    for folder in (runs["lora"], runs["lora"] / "ema"):
+        pipe = FluxControlPipeline.from_pretrained(tiny["flux"])
+        pipe.load_lora_weights(folder)
+        assert pipe.transformer.config.in_channels == 32 and pipe.transformer.x_embedder.in_features == 32
+        outputs.append(render(pipe, tiny))
+        assert not np.allclose(outputs[-1], untrained, atol=1e-4)
+    assert not np.array_equal(*outputs)
+    checkpoint = runs["lora"] / "checkpoint-4"
+    assert_checkpoint_is_the_output(checkpoint, runs["lora"], [LORA_WEIGHTS, f"ema/{LORA_WEIGHTS}"])
+
+
+def test_the_full_fine_tune_saves_the_widened_transformer_raw_and_ema_which_change_the_output(tiny, runs):
+    output_dir = runs["full"]
+    raw, ema = (assert_model_folder_loads(FluxTransformer2DModel, folder) for folder in (output_dir, output_dir / "ema"))
+    assert raw.config.in_channels == 32 and raw.config.out_channels == 16 and raw.x_embedder.in_features == 32
+    assert differing_keys(raw.state_dict(), ema.state_dict())
+    base = widened_base(tiny)
+    untrained = base.transformer.state_dict()
+    assert len(differing_keys(raw.state_dict(), untrained)) == len(untrained)  # every tensor trained
+    renders = [render(FluxControlPipeline.from_pretrained(tiny["flux"], transformer=model), tiny) for model in (raw, ema)]
+    assert not np.allclose(renders[0], render(base, tiny), atol=1e-4) and not np.array_equal(*renders)
+    assert_checkpoint_is_the_output(output_dir / "checkpoint-3", output_dir,
+                                    {f"transformer/{WEIGHTS}": WEIGHTS, f"ema/transformer/{WEIGHTS}": f"ema/{WEIGHTS}"})
+
+
+@pytest.mark.parametrize("name, prompts, steps", [("lora", PROMPTS, [2, 4]), ("full", PROMPTS[:1], [2, 3])])
+def test_validation_renders_each_prompt_with_its_conditioning_beside_raw_and_ema(tiny, runs, name, prompts, steps):
+    output_dir = runs[name]
+    log = assert_validated_at(output_dir, steps, ("raw", "ema"), prompts, num_images=1)
+    assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(32, 32)}
+    assert {record["guidance_scale"] for record in log} == {30.0}  # upstream's default for Control
+    for index in range(len(prompts)):
+        saved = output_dir / "validation" / f"conditioning-p{index:02d}.png"
+        given = Image.open(conditioning(tiny, index)).convert("RGB")
+        assert np.array_equal(np.asarray(Image.open(saved)), np.asarray(given))
+    card = (output_dir / "README.md").read_text()
+    assert "FluxControlPipeline.from_pretrained" in card and f'control_image=load_image("{conditioning(tiny, 0)}")' in card
+    assert ("load_lora_weights" in card) == (name == "lora")
+    assert "validation/conditioning-p00.png" in card and read_log(output_dir)[-1]["progress"] in card
+
+
+def test_the_lora_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+    # The uninterrupted run validated at steps 2 and 4, the resumed one never.
+    assert_resumes_exactly(LORA, lambda output_dir: lora_flags(tiny, output_dir), runs["lora"], tmp_path, 2,
+                           [LORA_WEIGHTS, f"ema/{LORA_WEIGHTS}"], launch=launch)
+
+
+@pytest.mark.parametrize("script, flags, expected", [
+    (LORA, ["--use_lora_bias", "--gaussian_init_lora"], "error: --gaussian_init_lora=True: expected not with"),
+    (LORA, ["--adapter", "lokr"], "error: --adapter='lokr': expected lora"),
+    (LORA, ["--jsonl_for_train", "train.jsonl"], "error: --jsonl_for_train is not supported here: put the JSON"),
+    (FULL, ["--upcast_before_saving"], "error: --upcast_before_saving is not supported here: the transformer"),
+    (FULL, ["--conditioning_image_column", "hint"], "error: --conditioning_image_column='hint': expected a column"),
+])
+def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, script, flags, expected):
+    error = usage_error(script, *controlnet_flags(tiny, "flux", tmp_path / "out", *flags))
+    assert error.startswith(expected), error
+    assert not (tmp_path / "out").exists()
