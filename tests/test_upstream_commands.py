@@ -580,6 +580,8 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                               "upstream has no Qwen-Image-Edit script",
                           "controlnet/train_controlnet_z_image.py": "upstream has no Z-Image ControlNet script",
                           "controlnet/train_controlnet_qwen_image.py": "upstream has no Qwen-Image ControlNet script",
+                          "cogview4-control/train_control_cogview4.py":
+                              "upstream has no test for its CogView4 Control script",
                           "flux-control/train_control_flux.py": "upstream has no test for its FLUX.1 Control scripts",
                           "flux-control/train_control_lora_flux.py":
                               "upstream has no test for its FLUX.1 Control scripts"}

@@ -167,6 +167,38 @@ def tiny_llama3_tokenizer(words=None):
                                    model_max_length=131072)
 
 
+def tiny_glm_tokenizer(words=None):
+    """A real byte-level BPE tokenizer as GLM-4's (a ``PreTrainedTokenizerFast`` writing ``[gMASK]<sop>`` before
+    the text, padding at the front with ``<|endoftext|>``), whose vocabulary holds ``words`` as whole tokens, with
+    and without a leading space; every byte has a token, so any text tokenizes."""
+    from tokenizers import pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
+
+    words = sorted(set(words if words is not None else vocabulary()))
+    end_of_text, mask, start = "<|endoftext|>", "[gMASK]", "<sop>"
+    backend = Qwen2Tokenizer().backend_tokenizer  # byte-level BPE with GPT-2's splitting, as GLM-4's
+    trainer = trainers.BpeTrainer(vocab_size=4096, show_progress=False, special_tokens=[end_of_text, mask, start],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([form for word in words for form in (word, " " + word)], trainer=trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{mask} {start} $A", pair=f"{mask} {start} $A $B",
+        special_tokens=[(token, backend.token_to_id(token)) for token in (mask, start)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=end_of_text, pad_token=end_of_text,
+                                   padding_side="left", model_max_length=128000)
+
+
+def tiny_glm_text_encoder(tokenizer, num_hidden_layers=2, hidden_size=16, seed=SEED):
+    """A GLM model (CogView4's text encoder class, GLM-4's), without the language-model head."""
+    from transformers import GlmConfig, GlmModel
+
+    torch.manual_seed(seed)
+    config = GlmConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=32, head_dim=8,
+                       num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, attn_implementation="eager")
+    return GlmModel(config).eval()
+
+
 def tiny_llama_text_encoder(tokenizer, num_hidden_layers=2, hidden_size=16, seed=SEED):
     """A Llama causal LM (HiDream's fourth text encoder class, Llama 3.1 Instruct's)."""
     from transformers import LlamaConfig, LlamaForCausalLM

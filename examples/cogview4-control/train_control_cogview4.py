@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+# Copied from examples/controlnet/train_controlnet_sdxl.py; tests/test_drift.py keeps what they share alike.
+"""Train CogView4 Control, the whole transformer, on (image, conditioning image, caption) triples, with an optional EMA.
+
+    accelerate launch train_control_cogview4.py \\
+      --pretrained_model_name_or_path=THUDM/CogView4-6B \\
+      --dataset_name=raulc0399/open_pose_controlnet --conditioning_image_column=conditioning_image \\
+      --output_dir=out --resolution=1024 --use_ema --mixed_precision=bf16 --gradient_checkpointing \\
+      --validation_prompt "a woman dancing" --validation_image ./pose.png
+
+The conditioning image goes through the VAE as the image does, and its latents are concatenated with the noisy
+latents along the channels, as ``CogView4ControlPipeline`` concatenates them: the transformer's patch embedding is
+widened to read them, its new columns zero, so that training starts from the base model (a CogView4 Control model
+given as the base trains on as it is). The frozen text encoder runs once per distinct caption before training, and
+with ``--cache_latents`` the VAE runs once per target image (both flips); the conditioning images are encoded in
+each step. The noise levels and timesteps are the pipeline's sampling loop's (`families.cogview4`).
+
+Writes the transformer to ``output_dir`` (and the EMA's to ``output_dir/ema``), which
+``CogView4Transformer2DModel.from_pretrained`` loads into ``CogView4ControlPipeline``, validation images of each
+prompt with its conditioning image in ``validation/log.jsonl``, checkpoints to resume from, and a model card.
+"""
+
+import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
+
+import torch
+from diffusers import CogView4ControlPipeline, FlowMatchEulerDiscreteScheduler
+
+from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
+from training_utils.args import add_cache_args, check_args, fill_dependent_defaults, training_parser
+from training_utils.compile import compile_repeated_blocks
+from training_utils.control import REFUSED as CONTROL_REFUSED
+from training_utils.control import (add_control_args, conditioning_latents, control_how_to_load,
+                                    make_control_validator, widen_input_layer, with_conditioning)
+from training_utils.controlnet import dataset_columns, load_validation_pairs
+from training_utils.data.buckets import validation_size
+from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
+                                          load_train_dataset, make_dataloader, pick_caption, stack_collate)
+from training_utils.data.frozen_encoders import FrozenEncoders
+from training_utils.data.images import ImageWithConditioningTransform
+from training_utils.data.prompts import cached_rows
+from training_utils.ema import make_ema
+from training_utils.families import cogview4
+from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
+                                          flow_matching_loss)
+from training_utils.loop import TrainingLoop
+from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
+from training_utils.outputs.export import ModelExport, save_with_ema
+from training_utils.outputs.hub import finish_run
+from training_utils.outputs.run_status import run_script
+from training_utils.parser import add_refused_args
+from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
+                                     weight_dtype_for)
+from training_utils.posthoc_ema import make_posthoc_ema
+
+# The flags of upstream's script that this one does not carry, besides those no script here carries.
+REFUSED = {**CONTROL_REFUSED, "--upcast_before_saving": "the transformer trains in fp32 and is always saved in fp32"}
+
+
+def parse_args(argv=None):
+    parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50, resolution=1024,
+                             tracker_project_name="cogview4_train_control")
+    parser.set_defaults(learning_rate=5e-6)  # upstream's: the whole transformer trains
+    cogview4.add_args(parser)
+    add_control_args(parser)
+    add_flow_matching_args(parser, weighting_scheme="none")
+    add_cache_args(parser)
+    group = parser.add_argument_group("CogView4 Control")
+    group.add_argument("--only_target_transformer_blocks", action="store_true",
+                       help="train the transformer blocks and the widened patch embedding only (upstream's flag)")
+    group.add_argument("--guidance_scale", type=float, default=3.5,
+                       help="the classifier-free guidance validation renders at (upstream's; "
+                            "--validation_guidance_scale overrides it)")
+    add_refused_args(parser, REFUSED)
+    args = parser.parse_args(argv)
+    check_args(args)
+    cogview4.check_args(args)
+    check_flow_matching_args(args)
+    fill_dependent_defaults(args)
+    return args
+
+
+def main(args, run):
+    # 1. Everything that can be wrong with the input fails here, before any weights load.
+    dataset = load_train_dataset(args, dataset_columns(args))
+    validation_pairs = load_validation_pairs(args)
+    accelerator = make_accelerator(args, run)
+
+    # 2. The pipeline, once: the base CogView4 model's components in the control pipeline, the transformer in fp32.
+    #    Prompts are encoded as its own encode_prompt does, with the same settings in training and validation.
+    weight_dtype = weight_dtype_for(accelerator.mixed_precision)
+    pipe = load_pipeline(CogView4ControlPipeline, args, weight_dtype, trained_in_fp32=["transformer"])
+    transformer, text_encoders = pipe.transformer, [pipe.text_encoder]
+    noise_scheduler = training_noise_scheduler(pipe, FlowMatchEulerDiscreteScheduler)
+    settings = cogview4.prompt_settings(pipe, args)
+    call_kwargs = {**cogview4.call_kwargs(pipe, settings), "guidance_scale": args.guidance_scale}
+
+    # 3. The patch embedding reads the conditioning latents after the latents: widened with zero columns (unless the
+    #    base is a Control model already). The whole transformer trains (or its blocks and the patch embedding, with
+    #    --only_target_transformer_blocks); the EMA tracks what trains.
+    if transformer.config.in_channels == pipe.vae.config.latent_channels:
+        widen_input_layer(transformer, "patch_embed.proj")
+    transformer.requires_grad_(not args.only_target_transformer_blocks)
+    if args.only_target_transformer_blocks:
+        transformer.transformer_blocks.requires_grad_(True)
+        transformer.patch_embed.proj.requires_grad_(True)
+    trained = {"transformer": transformer}
+    prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    compile_repeated_blocks(transformer, args.torch_compile)
+    parameters = trainable_parameters(trained)
+    export = ModelExport.of(trained)
+    ema = make_ema(args, parameters, accelerator)
+    posthoc = make_posthoc_ema(args, parameters, accelerator, export)
+
+    # 4. Data: the frozen encoders run once, here, not in every step (the text encoder on each distinct caption and
+    #    on the empty prompt that --caption_dropout draws; with --cache_latents, the VAE on each target image), then
+    #    leave the accelerator until validation. A conditioning image is resized and cropped as its image is.
+    #    Optimizer, schedule, accelerate; the loop resumes if asked.
+    transform = ImageWithConditioningTransform.from_args(args, pipe)
+    frozen = FrozenEncoders(cogview4.image_vae(pipe), text_encoders, transform, accelerator.device,
+                            weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
+                            offload=args.offload, seed=args.seed)
+
+    def encode_prompts(prompts):
+        return cogview4.encode_prompts(pipe, prompts, accelerator.device, settings)
+
+    embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
+                                        encode_prompts, cogview4.prompt_dependencies(pipe, settings))
+    shapes = dataset_shapes(transform, dataset, args.image_column)
+    examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
+
+    def preprocess(example, generator):
+        laid_out = frozen.dataset_image_with_conditioning(example, example[args.conditioning_image_column],
+                                                          generator)
+        # An empty prompt now and then teaches the model to follow the conditioning image alone.
+        prompt = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
+        return {"image": laid_out.pixels, "conditioning_pixel_values": laid_out.conditioning_pixels, "prompt": prompt}
+
+    dataloader = accelerator.prepare(make_dataloader(
+        TrainDataset(examples, preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
+        args.dataloader_num_workers, stack_collate, args.seed))
+    max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    prompt_rows = cached_rows(embeddings, accelerator.device)
+
+    # The pipeline resizes each --validation_image to the validation size (with buckets, the most common one).
+    validator = make_control_validator(
+        args, pipe, accelerator, validation_pairs, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
+        weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+        call_kwargs={**validation_size(args, shapes), **call_kwargs})
+    loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
+                        steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
+    accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
+
+    # 5. The loop: flow matching in the transformer's own layout and conventions (`cogview4`: the noise level shifted
+    #    for the image's size, the timestep not), the conditioning latents after the noisy ones along the channels;
+    #    the transformer predicts the velocity, noise - latents. After each optimizer step the loop updates the EMA,
+    #    checkpoints and validates when due (the final step included, once).
+    for model in models.values():
+        model.train()
+    for batch in loop:
+        with accelerator.accumulate(*models.values()):
+            latents = cogview4.normalized_latents(pipe, frozen.latents(batch["image"]))
+            control = cogview4.normalized_latents(pipe, conditioning_latents(frozen,
+                                                                              batch["conditioning_pixel_values"]))
+            noise = torch.randn_like(latents)
+            timesteps, sigmas = cogview4.sample_timesteps(pipe, noise_scheduler, args, latents)
+            text = cogview4.text_inputs(prompt_rows(batch["prompt"]))
+            noisy = with_conditioning(add_noise(latents, noise, sigmas), control)
+            output = models["transformer"](**cogview4.model_inputs(pipe, noisy, timesteps, text), return_dict=False)[0]
+            loss = flow_matching_loss(cogview4.prediction(pipe, output, latents), latents, noise, sigmas, args)
+            loop.backward_and_step(loss)
+
+    # 6. Save the raw and EMA transformer from memory, check the files against it, and write the model card.
+    if accelerator.is_main_process:
+        saved = save_with_ema(export, args.output_dir, ema)
+        finish_run(args, "CogView4 Control", control_how_to_load(args, pipe), loop.records, saved, "transformer")
+    end_training(accelerator)
+
+
+if __name__ == "__main__":
+    run_script(main, parse_args)
