@@ -90,6 +90,13 @@ def test_timesteps_are_drawn_cubic_as_upstream_draws_them(tiny):
     assert 0.77 < (timesteps >= 500).float().mean() < 0.82
 
 
+def test_flags_default_as_upstreams(tiny):
+    args = import_script(SCRIPT).parse_args(["--pretrained_model_name_or_path", str(tiny["sdxl_adapter_base"])])
+    assert args.resolution == 1024 and args.tracker_project_name == "sd_xl_train_t2iadapter"
+    assert args.adapter_model_name_or_path is None and args.adapter_conditioning_scale == 1.0
+    assert args.conditioning_image_column == "conditioning_image" and args.validation_image is None
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
