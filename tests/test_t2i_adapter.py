@@ -2,6 +2,8 @@
 SDXL adapter pipeline feeds its UNet, a new adapter is upstream's for SDXL and fits the tiny UNet, the timesteps are
 drawn as upstream draws them, and bad flags stop in one line. The script's runs are in test_train_controlnet_sdxl."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from diffusers import StableDiffusionXLAdapterPipeline, StableDiffusionXLPipeline, T2IAdapter
@@ -10,7 +12,8 @@ from PIL import Image
 from helpers import import_script, usage_error
 from training_utils.data.images import ImageWithConditioningTransform
 from training_utils.pipeline import training_noise_scheduler
-from training_utils.t2i_adapter import adapter_features, cubic_timesteps, load_adapter_pipeline, new_adapter
+from training_utils.t2i_adapter import (adapter_features, cast_features_to_unet_dtype, cubic_timesteps,
+                                        load_adapter_pipeline, new_adapter)
 
 SCRIPT = "t2i_adapter/train_t2i_adapter_sdxl.py"
 
@@ -77,6 +80,16 @@ def test_a_new_adapter_is_upstreams_for_sdxl_and_fits_the_tiny_unet(tiny, tmp_pa
     assert not torch.allclose(plain, guided)
 
 
+def test_the_features_reach_a_half_precision_unet_in_its_dtype_in_a_list_of_their_own():
+    unet = SimpleNamespace(dtype=torch.bfloat16)
+    features = [torch.randn(1, 2, 4, 4), torch.randn(1, 3, 2, 2)]
+    _, kwargs = cast_features_to_unet_dtype(unet, (), {"down_intrablock_additional_residuals": features, "other": 1})
+    cast = kwargs["down_intrablock_additional_residuals"]
+    assert cast is not features and [feature.dtype for feature in cast] == [torch.bfloat16] * 2
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(features, cast)) and kwargs["other"] == 1
+    assert cast_features_to_unet_dtype(unet, (), {"sample": 0}) == ((), {"sample": 0})
+
+
 def test_timesteps_are_drawn_cubic_as_upstream_draws_them(tiny):
     scheduler = training_noise_scheduler(StableDiffusionXLPipeline.from_pretrained(tiny["sdxl_adapter_base"]))
     torch.manual_seed(0)
@@ -88,6 +101,13 @@ def test_timesteps_are_drawn_cubic_as_upstream_draws_them(tiny):
     assert timesteps.min() >= 0 and timesteps.max() <= 999
     # Three in four above the middle (1 - u³ > 1/2 for u < 0.79), where uniform timesteps put half.
     assert 0.77 < (timesteps >= 500).float().mean() < 0.82
+
+
+def test_flags_default_as_upstreams(tiny):
+    args = import_script(SCRIPT).parse_args(["--pretrained_model_name_or_path", str(tiny["sdxl_adapter_base"])])
+    assert args.resolution == 1024 and args.tracker_project_name == "sd_xl_train_t2iadapter"
+    assert args.adapter_model_name_or_path is None and args.adapter_conditioning_scale == 1.0
+    assert args.conditioning_image_column == "conditioning_image" and args.validation_image is None
 
 
 @pytest.mark.parametrize(

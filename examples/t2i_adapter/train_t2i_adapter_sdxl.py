@@ -9,7 +9,8 @@
       --validation_prompt "red circle with blue background" --validation_image ./conditioning_image_1.png
 
 Without ``--adapter_model_name_or_path`` the adapter starts new (upstream's ``full_adapter_xl`` for SDXL).
-Only the adapter trains. The frozen text encoders run once per distinct caption before training, and
+``--adapter_conditioning_scale`` scales its features in training and validation alike, as the pipeline's argument of
+that name does. Only the adapter trains. The frozen text encoders run once per distinct caption before training, and
 with ``--cache_latents`` the VAE runs once per image (both flips); the
 conditioning images are not cached, since the adapter reads them.
 
@@ -60,7 +61,7 @@ REFUSED = {**dict.fromkeys(["--crops_coords_top_left_h", "--crops_coords_top_lef
 
 
 def parse_args(argv=None):
-    parser = training_parser(__doc__.splitlines()[0], interpolation="lanczos",
+    parser = training_parser(__doc__.splitlines()[0], resolution=1024, interpolation="lanczos",
                              tracker_project_name="sd_xl_train_t2iadapter")
     sdxl.add_args(parser)
     add_t2i_adapter_args(parser)
