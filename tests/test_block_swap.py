@@ -3,6 +3,7 @@ bitwise that without, and that no more than the window of blocks is ever materia
 
 import pytest
 import torch
+from accelerate import init_empty_weights
 from diffusers import FluxTransformer2DModel
 from peft import LoraConfig
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -10,12 +11,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from training_utils.block_swap import WINDOW, BlockSwap, repeated_blocks
 
 
-def tiny_flux():
+def tiny_flux(int8=False):
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=3, attention_head_dim=8,
                                    num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
                                    guidance_embeds=False, axes_dims_rope=(2, 2, 4))
     model.requires_grad_(False)
+    if int8:  # what --quantize_base int8 loads: torchao's int8 weight-only linear layers
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig())
     model.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian",
                                  target_modules=["to_q", "to_k", "to_v", "proj_out", "ff.net.2"]))
     return model
@@ -30,9 +35,9 @@ def batch(step):
                 return_dict=False)
 
 
-def train(blocks_to_swap, checkpointing, steps=3, on_step=None):
+def train(blocks_to_swap, checkpointing, steps=3, on_step=None, int8=False):
     """The adapter's tensors after ``steps`` AdamW steps of the tiny FLUX.1 transformer, and its no-grad output."""
-    model = tiny_flux()
+    model = tiny_flux(int8)
     swap = BlockSwap(model, blocks_to_swap, "cpu") if blocks_to_swap else None
     model.to("cpu")  # what prepare_components and accelerate do: the placeholders stay, the rest moves
     if checkpointing:
@@ -57,6 +62,13 @@ def test_repeated_blocks():
     assert names == ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
                      "single_transformer_blocks.1", "single_transformer_blocks.2"]
 
+    with init_empty_weights():  # a declared class counts in a list of one
+        one_double = FluxTransformer2DModel(num_layers=1, num_single_layers=2, attention_head_dim=8,
+                                            num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
+                                            axes_dims_rope=(2, 2, 4))
+    assert [name for name, _ in repeated_blocks(one_double)] == [
+        "transformer_blocks.0", "single_transformer_blocks.0", "single_transformer_blocks.1"]
+
     class Undeclared(torch.nn.Module):  # no _repeated_blocks: the longest lists of one class, not those inside them
         def __init__(self):
             super().__init__()
@@ -69,10 +81,11 @@ def test_repeated_blocks():
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == []
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_swapping_trains_bitwise_the_same(checkpointing):
-    expected, expected_render, _ = train(0, checkpointing)
-    swapped, render, swap = train(4, checkpointing)
+@pytest.mark.parametrize("checkpointing, int8", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "checkpointing", "int8"])
+def test_swapping_trains_bitwise_the_same(checkpointing, int8):
+    expected, expected_render, _ = train(0, checkpointing, int8=int8)
+    swapped, render, swap = train(4, checkpointing, int8=int8)
     assert swapped.keys() == expected.keys() and len(expected) > 0
     for name in expected:
         assert torch.equal(swapped[name], expected[name]), name

@@ -1,8 +1,8 @@
 """``--blocks_to_swap N``: N of the transformer's repeated blocks keep their frozen weights in CPU memory.
 
-Which blocks. `repeated_blocks` lists a model's repeated blocks in the order they run: the modules of its
-``ModuleList``\\ s whose entries are all of one class, that class one the model declares repeated (diffusers'
-``_repeated_blocks``, or `compile.REPEATED_BLOCKS`), else the longest such lists. FLUX.1's 19
+Which blocks. `repeated_blocks` lists a model's repeated blocks in the order they run: the entries of its
+``ModuleList``\\ s of a class that the model declares repeated (diffusers' ``_repeated_blocks``, or
+`compile.REPEATED_BLOCKS`), else those of its longest ``ModuleList``\\ s of one class. FLUX.1's 19
 ``transformer_blocks`` then its 38 ``single_transformer_blocks``; Wan's ``blocks``; Lumina 2's refiners then its
 ``layers``. The first N of them swap (`BlockSwap`).
 
@@ -58,19 +58,25 @@ def add_block_swap_args(parser):
 def repeated_blocks(model):
     """``[(qualified name, block)]``: ``model``'s repeated blocks, in the order they run (that of its module tree).
 
-    The entries of every ``ModuleList`` of two or more modules of one class, not inside another such list: those of
-    a class that the model declares repeated (`compile.repeated_block_classes`) if it declares any, else those of the
-    longest such lists. Empty for a model with no such list."""
-    lists = []
-    for name, module in model.named_modules():
-        if (isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and len({type(entry) for entry in module}) == 1
-                and not any(name.startswith(f"{outer}.") for outer, _ in lists)):
-            lists.append((name, module))
+    The entries of the ``ModuleList``\\ s whose entries are of a class the model declares repeated
+    (`compile.repeated_block_classes`), if it declares any; else those of its longest ``ModuleList``\\ s of two or
+    more modules of one class. A list inside another's entries does not count. Empty for a model with no such
+    list."""
     declared = repeated_block_classes(model)
-    chosen = [(name, blocks) for name, blocks in lists if type(blocks[0]).__name__ in declared]
-    if not chosen and lists:
-        longest = max(len(blocks) for _, blocks in lists)
-        chosen = [(name, blocks) for name, blocks in lists if len(blocks) == longest]
+
+    def lists(keep):
+        found = []
+        for name, module in model.named_modules():
+            if (isinstance(module, torch.nn.ModuleList) and len(module) and keep(module)
+                    and not any(name.startswith(f"{outer}.") for outer, _ in found)):
+                found.append((name, module))
+        return found
+
+    chosen = lists(lambda blocks: all(type(block).__name__ in declared for block in blocks))
+    if not chosen:
+        chosen = lists(lambda blocks: len(blocks) >= 2 and len({type(block) for block in blocks}) == 1)
+        longest = max((len(blocks) for _, blocks in chosen), default=0)
+        chosen = [(name, blocks) for name, blocks in chosen if len(blocks) == longest]
     return [(f"{name}.{index}", block) for name, blocks in chosen for index, block in enumerate(blocks)]
 
 
