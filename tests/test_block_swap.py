@@ -148,3 +148,72 @@ def test_no_more_than_the_window_is_materialised(checkpointing):
     assert samples and max(samples) <= WINDOW < 5
     assert ran_without_weights == []
     assert backward_blocks == set(range(5))
+
+
+# Every transformer family's tiny pipeline: (fixture, its render's keyword arguments, what prepares it to render).
+def families():
+    from test_train_dreambooth_transformers import FAMILIES
+
+    rows = []
+    for family in FAMILIES:
+        length = dict(zip(family.flags[::2], family.flags[1::2])).get("--max_sequence_length")
+        rows.append(pytest.param(family.name, {**family.render_kwargs,
+                                               **({"max_sequence_length": length} if length else {})},
+                                 family.prepare_render, id=family.name))
+    video = {"num_frames": 5, "max_sequence_length": 16, "guidance_scale": 1.0}
+    return [*rows, pytest.param("wan21", video, None, id="wan21"), pytest.param("wan22", video, None, id="wan22")]
+
+
+@pytest.mark.parametrize("fixture, render_kwargs, prepare", families())
+def test_every_transformer_family_swaps_bitwise_neutrally(tiny, fixture, render_kwargs, prepare):
+    """Each family's tiny transformer(s), an adapter on every linear layer of their blocks, all blocks swapped: the
+    gradients of a step on what the pipeline's sampling loop feeds the transformer, and the render, are bitwise
+    those without swapping."""
+    from diffusers import DiffusionPipeline
+
+    from training_utils.block_swap import SWAPPED_COMPONENTS
+    from training_utils.pipeline import from_pretrained
+
+    pipe = from_pretrained(DiffusionPipeline, tiny[fixture])
+    pipe.set_progress_bar_config(disable=True)
+    if prepare is not None:
+        prepare(pipe)
+    transformers = [getattr(pipe, name) for name in SWAPPED_COMPONENTS if getattr(pipe, name, None) is not None]
+    calls = []
+    for transformer in transformers:
+        transformer.requires_grad_(False)
+        blocks = repeated_blocks(transformer)
+        assert blocks, type(transformer).__name__
+        layers = [f"{name}.{layer}" for name, block in blocks for layer, module in block.named_modules()
+                  if isinstance(module, torch.nn.Linear)]
+        torch.manual_seed(0)
+        transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=layers))
+        transformer.register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append((module, args, kwargs)) if len(calls) < len(transformers) else
+            None, with_kwargs=True)
+
+    def render():
+        output = pipe(prompt="a photo of sks triangle", num_inference_steps=2, height=32, width=32,
+                      output_type="np", generator=torch.Generator().manual_seed(0), **render_kwargs)
+        return torch.from_numpy(output.frames if hasattr(output, "frames") else output.images)
+
+    def gradients():
+        for transformer, args, kwargs in calls:
+            output = transformer(*args, **kwargs)
+            sample = output[0] if isinstance(output, tuple) else output.sample
+            torch.stack([part.float().square().mean() for part in sample]).sum().backward()  # Z-Image's: a list
+        grads = {(id(transformer), name): parameter.grad.clone() for transformer in transformers
+                 for name, parameter in transformer.named_parameters() if parameter.grad is not None}
+        for transformer in transformers:
+            transformer.zero_grad(set_to_none=True)
+        return grads
+
+    expected_render = render()
+    expected = gradients()
+    for transformer in transformers:
+        BlockSwap(transformer, len(repeated_blocks(transformer)), "cpu")
+    assert torch.equal(render(), expected_render)
+    swapped = gradients()
+    assert swapped.keys() == expected.keys()
+    assert all(torch.equal(swapped[key], expected[key]) for key in expected)
+    assert any(grad.abs().sum() > 0 for grad in expected.values())

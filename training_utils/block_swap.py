@@ -59,9 +59,9 @@ def repeated_blocks(model):
     """``[(qualified name, block)]``: ``model``'s repeated blocks, in the order they run (that of its module tree).
 
     The entries of the ``ModuleList``\\ s whose entries are of a class the model declares repeated
-    (`compile.repeated_block_classes`), if it declares any; else those of its longest ``ModuleList``\\ s of two or
-    more modules of one class. A list inside another's entries does not count. Empty for a model with no such
-    list."""
+    (`compile.repeated_block_classes`), if it declares any; else those of its longest ``ModuleList``\\ s of
+    modules of one class (HiDream's wrapped double- and single-stream blocks, SANA's, Lumina 2's ``layers``). A list
+    inside another's entries does not count. Empty for a model with no such list."""
     declared = repeated_block_classes(model)
 
     def lists(keep):
@@ -74,7 +74,7 @@ def repeated_blocks(model):
 
     chosen = lists(lambda blocks: all(type(block).__name__ in declared for block in blocks))
     if not chosen:
-        chosen = lists(lambda blocks: len(blocks) >= 2 and len({type(block) for block in blocks}) == 1)
+        chosen = lists(lambda blocks: len({type(block) for block in blocks}) == 1)
         longest = max((len(blocks) for _, blocks in chosen), default=0)
         chosen = [(name, blocks) for name, blocks in chosen if len(blocks) == longest]
     return [(f"{name}.{index}", block) for name, blocks in chosen for index, block in enumerate(blocks)]
