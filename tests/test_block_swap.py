@@ -1,6 +1,9 @@
 """`training_utils.block_swap` (``--blocks_to_swap``): which blocks are found, that training with swapped blocks is
 bitwise that without, and that no more than the window of blocks is ever materialised, forward and backward."""
 
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import init_empty_weights
@@ -8,7 +11,8 @@ from diffusers import FluxTransformer2DModel
 from peft import LoraConfig
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from training_utils.block_swap import WINDOW, BlockSwap, repeated_blocks
+from training_utils.block_swap import WINDOW, BlockSwap, check_block_swap_args, repeated_blocks
+from training_utils.errors import UsageError
 
 
 def tiny_flux(int8=False):
@@ -217,3 +221,39 @@ def test_every_transformer_family_swaps_bitwise_neutrally(tiny, fixture, render_
     assert swapped.keys() == expected.keys()
     assert all(torch.equal(swapped[key], expected[key]) for key in expected)
     assert any(grad.abs().sum() > 0 for grad in expected.values())
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (["--blocks_to_swap", -1], {}, "--blocks_to_swap=-1: expected a non-negative number of blocks"),
+    (["--blocks_to_swap", 1, "--torch_compile", "aot_eager"], {},
+     "--blocks_to_swap=1: expected no --torch_compile: a compiled block would recompile whenever swapping replaces "
+     "its weights"),
+    (["--blocks_to_swap", 1], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+     "--blocks_to_swap=1: expected no FSDP2 launch (accelerate launch --use_fsdp --fsdp_version 2): FSDP2 shards the "
+     "weights already; use one or the other"),
+    (["--use_8bit_adam"], {}, "--use_8bit_adam=True: expected bitsandbytes installed (pip install bitsandbytes)"),
+], ids=["negative", "compiled", "fsdp2", "8bit_adam_without_bitsandbytes"])
+def test_refused_in_one_line_before_anything_loads(tiny, tmp_path, monkeypatch, flags, env, message):
+    """(FLUX.1's table row refuses more blocks than the model has.)"""
+    from helpers import usage_error
+    from test_train_dreambooth_transformers import FAMILIES, common
+
+    if flags[0] == "--use_8bit_adam" and importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    flux = next(family for family in FAMILIES if family.name == "flux")
+    assert usage_error(flux.script, *common(tiny, flux, tmp_path / "out", *flags)) == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_without_a_transformer_is_refused(tiny):
+    args = SimpleNamespace(pretrained_model_name_or_path=str(tiny["sd"]), revision=None, torch_compile=None,
+                           blocks_to_swap=1)
+    with pytest.raises(UsageError, match=r"^--blocks_to_swap=1: expected a pipeline with a transformer$"):
+        check_block_swap_args(args)
+    args.pretrained_model_name_or_path = str(tiny["flux"])
+    check_block_swap_args(args)
+    args.blocks_to_swap = 4
+    with pytest.raises(UsageError, match=r"expected at most the 3 repeated blocks of FluxTransformer2DModel$"):
+        check_block_swap_args(args)

@@ -237,7 +237,7 @@ class BlockSwap:
         return swapped_forward
 
     def _pack(self, tensor):
-        if type(tensor) not in PLAIN or tensor.device != self.device:
+        if type(tensor) not in PLAIN or tensor.device.type != self.device.type:
             return tensor
         found = self.storages.get(_storage_key(tensor))
         if found is None:
@@ -251,7 +251,7 @@ class BlockSwap:
         self._use(index, -1)
         copy = self.copies[index][0][entry]
         source = copy if attribute is None else getattr(copy, attribute)
-        return torch.empty(0, dtype=dtype, device=self.device).set_(source.untyped_storage(), offset, size, stride)
+        return torch.empty(0, dtype=dtype, device=source.device).set_(source.untyped_storage(), offset, size, stride)
 
     def _apply_to_resident(self, index, block, fn, recurse=True):
         """A swapped block's ``_apply`` (what ``.to()`` calls): its placeholders stay as they are (the CPU copies
