@@ -120,7 +120,9 @@ def meta_model(cls, path, subfolder, revision=None):
         if hasattr(cls, "load_config"):  # diffusers' ModelMixin
             return cls.from_config(cls.load_config(path, subfolder=subfolder, revision=revision))
         config = cls.config_class.from_pretrained(path, subfolder=subfolder, revision=revision)
-        return cls._from_config(config)
+        model = cls._from_config(config)
+    model.tie_weights()  # as from_pretrained ties them once loaded: one tensor, counted once
+    return model
 
 
 def meta_modules(pipeline_class, path, revision=None, given=()):
@@ -161,12 +163,20 @@ def tensor_bytes(tensor):
 
 def parameter_bytes(module, quantized=False):
     """The bytes of ``module``'s parameters as they are (dtype given), or, with ``quantized``, as torchao's int8
-    weight-only scheme stores them: each linear layer's weight in int8 with a scale and zero point per row, the
-    rest as it is."""
-    total = 0
-    for layer in module.modules():
+    weight-only scheme loads them: each linear layer's weight in int8 with a scale and zero point per row, but in the
+    modules that the model keeps in fp32 (its ``_keep_in_fp32_modules``: fp32, not quantised), the rest as it is."""
+    keep_in_fp32 = set(getattr(module, "_keep_in_fp32_modules", None) or ()) if quantized else set()
+    total, seen = 0, set()
+    for layer_name, layer in module.named_modules():
         for name, parameter in layer.named_parameters(recurse=False):
-            if quantized and isinstance(layer, torch.nn.Linear) and name == "weight" and not parameter.requires_grad:
+            if id(parameter) in seen:  # tied: one tensor
+                continue
+            seen.add(id(parameter))
+            if parameter.requires_grad or not quantized:
+                total += tensor_bytes(parameter)
+            elif keep_in_fp32 & set(f"{layer_name}.{name}".split(".")):
+                total += 4 * parameter.numel()
+            elif isinstance(layer, torch.nn.Linear) and name == "weight":
                 rows, columns = parameter.shape
                 total += rows * (columns + INT8_ROW_BYTES)
             else:
@@ -324,7 +334,7 @@ def memory_plan(pipe, trained, encoders, repeated_blocks):
                 continue
             if component == name and blocks_to_swap:
                 swapped = [frozen_bytes(block, scheme, component) for block in blocks[:blocks_to_swap]]
-                held += -sum(swapped) + SWAP_WINDOW * max(swapped)
+                held += -sum(swapped) + min(SWAP_WINDOW, blocks_to_swap) * max(swapped)
             resident += held
         on_accelerator = trainable_bytes + (ema_bytes if args.ema_device != "cpu" else 0)
         training = (resident + on_accelerator + trainable_bytes + optimizer_bytes
