@@ -178,5 +178,6 @@ def test_the_smallest_fit_is_the_fewest_swapped_blocks_then_an_int8_base():
                                                        "accelerator_peak_bytes_estimate": 7 * GB}
     assert smallest_fit(estimate, None, 2, 4 * GB) == {"blocks_to_swap": 2, "quantize_base": "int8",
                                                        "accelerator_peak_bytes_estimate": 4 * GB}
-    assert smallest_fit(estimate, "int8", 2, 4 * GB) is None  # an int8 run's plan: "as run" is already int8
+    assert smallest_fit(estimate, "int8", 8, 7 * GB) == {"blocks_to_swap": 0, "quantize_base": "int8",
+                                                         "accelerator_peak_bytes_estimate": 5 * GB}
     assert smallest_fit(estimate, None, 2, 3 * GB) is None

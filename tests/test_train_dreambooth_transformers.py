@@ -103,6 +103,7 @@ class Family:
     fixture_flags: dict = field(default_factory=dict)  # {flag: folder of the fixture} that every run adds
     prepare_render: object = None  # what the script does to the pipeline it renders with, if anything
     render_kwargs: dict = field(default_factory=dict)  # what the script's renders pass besides the prompt length
+    full_flags: tuple = ()  # what the full run alone adds (the resumed run, without them, must end the same)
 
 
 FAMILIES = [
@@ -129,15 +130,21 @@ FAMILIES = [
            # The single-stream blocks' MLP input (fused with q, k and v in the original's linear1), another guidance,
            # and the CLIP encoder's adapter (it embeds the batch's prompts in every step, T5 beside it, frozen), also
            # in ComfyUI's layout.
+           # Every block of the int8 base swapped, with gradient checkpointing.
            (*INT8, "--lora_layers", "proj_mlp", "--guidance_scale", 2.0, "--gradient_checkpointing",
-            "--train_text_encoder", "--text_encoder_lr", 1e-3, "--export_formats", "comfyui"),
+            "--train_text_encoder", "--text_encoder_lr", 1e-3, "--export_formats", "comfyui", "--blocks_to_swap", 3),
            {f"single_transformer_blocks.{block}.proj_mlp" for block in (0, 1)} | {"text_encoder"},
            ("--max_sequence_length", 32),
            refused=[
                (["--max_sequence_length", 513], "--max_sequence_length=513: expected a positive integer of at most 512 "
                                                 "(FluxPipeline's limit)"),
                (["--text_encoder_lr", 0], "--text_encoder_lr=0.0: expected a positive number"),
-               NO_TEXT_ENCODER_TRAINING[1]]),
+               (["--blocks_to_swap", 4], "--blocks_to_swap=4: expected at most the 3 repeated blocks of "
+                                         "FluxTransformer2DModel"),
+               NO_TEXT_ENCODER_TRAINING[1]],
+           # The full run swaps its double-stream block and a single-stream one, validating with them swapped: the
+           # resumed run, without swapping, must end bitwise the same.
+           full_flags=("--blocks_to_swap", 2)),
     Family("z_image", "dreambooth/train_dreambooth_lora_z_image.py", ZImagePipeline, z_image,
            {f"{block}.attention.{layer}" for block in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")
             for layer in ("to_q", "to_k", "to_v", "to_out.0")},
@@ -319,7 +326,7 @@ def full_flags(tiny, family, output_dir):
         if family.validation_size else []
     return common(tiny, family, output_dir, "--max_train_steps", 8, "--validation_prompt", "a sks triangle",
                   "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 3, *size,
-                  "--checkpointing_steps", 4, "--offload")
+                  "--checkpointing_steps", 4, "--offload", *family.full_flags)
 
 
 def resumed_flags(tiny, family, output_dir):
@@ -463,6 +470,15 @@ def test_outputs_load_into_a_fresh_pipeline_and_change_its_output(tiny, runs, fa
 def test_bad_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, family, flags, message):
     assert usage_error(family.script, *common(tiny, family, tmp_path / "out", *flags)) == f"error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_flux_swaps_blocks_in_its_full_run_and_its_int8_checkpointed_prior_run(runs):
+    # Bitwise neutral: the resumed run, which does not swap, ends with the full run's weights (the resume test).
+    assert "--blocks_to_swap: the frozen weights of 2 of the 3 blocks of transformer stay in CPU memory" \
+        in runs["flux", "full"][1].stderr
+    assert "--blocks_to_swap: the frozen weights of 3 of the 3 blocks of transformer stay in CPU memory" \
+        in runs["flux", "prior"][1].stderr
+    assert "--blocks_to_swap" not in runs["flux", "resumed"][1].stderr
 
 
 def test_klein_compiles_its_double_and_single_stream_blocks(runs):

@@ -9,6 +9,8 @@ line on stderr naming the flag, the value and what was expected::
     error: --resolution=500: expected a positive multiple of 8
 """
 
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -20,6 +22,7 @@ from accelerate.utils import parse_flag_from_env
 
 from .adapters.config import add_adapter_args, check_adapter_args, fill_adapter_settings
 from .adapters.convert import DIFFUSERS, FORMAT_USERS
+from .block_swap import add_block_swap_args, check_block_swap_args
 from .compile import add_compile_args
 from .data.flags import add_data_args
 from .errors import require
@@ -161,6 +164,8 @@ def add_lora_args(parser, pipeline_class, train_text_encoder=False):
         adapter.add_argument("--output_kohya_format", action="store_true",
                              help="upstream's name for adding kohya to --export_formats")
     add_quantization_args(parser)
+    if "transformer" in inspect.signature(pipeline_class.__init__).parameters:  # the transformer families
+        add_block_swap_args(parser.add_argument_group("memory"))
     add_memory_plan_args(parser)
 
 
@@ -291,6 +296,8 @@ def check_args(args):
             text_encoder_lr, "a positive number")
     require(0 <= args.ema_decay < 1, "--ema_decay", args.ema_decay, "a number in [0, 1)")
     require(args.max_grad_norm > 0, "--max_grad_norm", args.max_grad_norm, "a positive number")
+    require(not args.use_8bit_adam or importlib.util.find_spec("bitsandbytes") is not None, "--use_8bit_adam", True,
+            "bitsandbytes installed (pip install bitsandbytes)")
     if hasattr(args, "adapter"):
         check_adapter_args(args)
     if getattr(args, "lora_layers", None) is not None:
@@ -315,6 +322,8 @@ def check_args(args):
     check_posthoc_args(args)
     if hasattr(args, "quantize_base"):
         check_quantization_args(args)
+    if hasattr(args, "blocks_to_swap"):
+        check_block_swap_args(args)
     if hasattr(args, "gpu_memory_gb"):
         check_memory_plan_args(args)
     if args.validation_prompt is not None:

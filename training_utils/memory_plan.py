@@ -27,6 +27,7 @@ import math
 import torch
 from accelerate import init_empty_weights
 
+from .block_swap import SWAPPED_COMPONENTS, WINDOW, repeated_blocks
 from .errors import UsageError, require
 from .quantization import scheme_of
 
@@ -35,8 +36,6 @@ from .quantization import scheme_of
 ACTIVATION_BYTES_PER_TOKEN_CHANNEL = 34
 # The prompt tokens a transformer family attends to beside the image's, where the script sets no length.
 TEXT_TOKENS = 512
-# Resident swapped blocks: the one running and the one being prefetched.
-SWAP_WINDOW = 2
 # Per int8 weight row (output channel): torchao's Int8Tensor keeps an fp32 scale and an int8 zero point.
 INT8_ROW_BYTES = 4 + 1
 GB = 1e9
@@ -161,24 +160,35 @@ def tensor_bytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
-def parameter_bytes(module, quantized=False):
-    """The bytes of ``module``'s parameters as they are (dtype given), or, with ``quantized``, as torchao's int8
-    weight-only scheme loads them: each linear layer's weight in int8 with a scale and zero point per row, but in the
-    modules that the model keeps in fp32 (its ``_keep_in_fp32_modules``: fp32, not quantised), the rest as it is."""
-    keep_in_fp32 = set(getattr(module, "_keep_in_fp32_modules", None) or ()) if quantized else set()
+def weight_bytes(scheme, rows, columns):
+    """The bytes of a ``rows`` x ``columns`` linear weight quantised by ``scheme``: torchao's int8 (an int8 per
+    weight, an fp32 scale and an int8 zero point per row: exact), its float8 (a byte per weight, an fp32 scale per
+    row) or bitsandbytes' NF4 (half a byte per weight, a byte per 64-weight block's double-quantised scale); the
+    last two estimated."""
+    if scheme == "int8":
+        return rows * (columns + INT8_ROW_BYTES)
+    if scheme == "fp8":
+        return rows * (columns + 4)
+    return math.ceil(rows * columns / 2) + math.ceil(rows * columns / 64)
+
+
+def parameter_bytes(module, scheme=None):
+    """The bytes of ``module``'s parameters as they are (dtype given), or, quantised by ``scheme`` as diffusers
+    loads a quantised model: each frozen linear weight quantised (`weight_bytes`), but in the modules that the model
+    keeps in fp32 (its ``_keep_in_fp32_modules``: fp32, not quantised); the rest as it is."""
+    keep_in_fp32 = set(getattr(module, "_keep_in_fp32_modules", None) or ()) if scheme else set()
     total, seen = 0, set()
     for layer_name, layer in module.named_modules():
         for name, parameter in layer.named_parameters(recurse=False):
             if id(parameter) in seen:  # tied: one tensor
                 continue
             seen.add(id(parameter))
-            if parameter.requires_grad or not quantized:
+            if parameter.requires_grad or not scheme:
                 total += tensor_bytes(parameter)
             elif keep_in_fp32 & set(f"{layer_name}.{name}".split(".")):
                 total += 4 * parameter.numel()
             elif isinstance(layer, torch.nn.Linear) and name == "weight":
-                rows, columns = parameter.shape
-                total += rows * (columns + INT8_ROW_BYTES)
+                total += weight_bytes(scheme, *parameter.shape)
             else:
                 total += tensor_bytes(parameter)
     return total
@@ -291,9 +301,9 @@ def denoiser_name(pipe, trained):
     return next(iter(trained))
 
 
-def memory_plan(pipe, trained, encoders, repeated_blocks):
+def memory_plan(pipe, trained, encoders):
     """The plan of a meta pipeline that `prepare_components` has just given the run's dtypes (see the module's
-    docstring). ``repeated_blocks(module)`` lists a model's repeated blocks (the blocks that swap)."""
+    docstring). The blocks that swap are `block_swap.repeated_blocks`' (the first N of each swapped component)."""
     kept = planned(pipe)
     args, weight_dtype, quantized = kept["args"], kept["weight_dtype"], kept["quantized"]
     modules = {name: module for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
@@ -305,36 +315,35 @@ def memory_plan(pipe, trained, encoders, repeated_blocks):
     ema_bytes = ema_state_bytes(args, parameters)
     name = denoiser_name(pipe, trained)
     denoiser = modules[name]
-    blocks = repeated_blocks(denoiser)
+    blocks = [block for _, block in repeated_blocks(denoiser)]
     height = width = args.resolution
     frames = getattr(args, "num_frames", None) or 1
     units = activation_units(pipe, denoiser, blocks, height, width, frames)
     activations = {checkpointing: activation_bytes(units, args.train_batch_size, weight_dtype, checkpointing)
                    for checkpointing in (False, True)}
 
-    def frozen_bytes(module, scheme, component):
-        """What stays frozen of ``module`` (trained tensors apart), quantised where ``scheme`` quantises it."""
-        with_quantization = scheme is not None and (component in quantized or (scheme != "as run" and component == name))
-        frozen = parameter_bytes(module, quantized=with_quantization and scheme_of_run(scheme) == "int8")
-        return frozen - sum(tensor_bytes(parameter) for parameter in module.parameters() if parameter.requires_grad)
-
     run_scheme = scheme_of(args)
 
-    def scheme_of_run(scheme):
-        return run_scheme if scheme == "as run" else scheme
+    def frozen_bytes(module, component, base_scheme):
+        """What stays frozen of ``module`` (trained tensors apart), quantised as the run quantises ``component``, or
+        the denoiser as ``base_scheme``."""
+        scheme = run_scheme if component in quantized else base_scheme if component == name else None
+        return parameter_bytes(module, scheme) - sum(
+            tensor_bytes(parameter) for parameter in module.parameters() if parameter.requires_grad)
 
-    def estimate(scheme, blocks_to_swap):
-        """The peak for the run quantised as ``scheme`` ("as run", or a `quantization.SCHEMES` name), with
-        ``blocks_to_swap`` of the denoiser's blocks off the accelerator."""
+    def estimate(base_scheme, blocks_to_swap):
+        """The peak of the run with its denoiser quantised as ``base_scheme`` and ``blocks_to_swap`` of the
+        repeated blocks of each swapped component off the accelerator."""
         resident = encoding = 0
         for component, module in modules.items():
-            held = frozen_bytes(module, scheme, component)
+            held = frozen_bytes(module, component, base_scheme)
             if id(module) in encoder_ids:
                 encoding += held
                 continue
-            if component == name and blocks_to_swap:
-                swapped = [frozen_bytes(block, scheme, component) for block in blocks[:blocks_to_swap]]
-                held += -sum(swapped) + min(SWAP_WINDOW, blocks_to_swap) * max(swapped)
+            if component in SWAPPED_COMPONENTS and blocks_to_swap:
+                swapped = [frozen_bytes(block, component, base_scheme)
+                           for _, block in repeated_blocks(module)[:blocks_to_swap]]
+                held += -sum(swapped) + min(WINDOW, len(swapped)) * max(swapped)
             resident += held
         on_accelerator = trainable_bytes + (ema_bytes if args.ema_device != "cpu" else 0)
         training = (resident + on_accelerator + trainable_bytes + optimizer_bytes
@@ -343,7 +352,7 @@ def memory_plan(pipe, trained, encoders, repeated_blocks):
 
     components = {}
     for component, module in modules.items():
-        as_run = frozen_bytes(module, "as run", component) + sum(
+        as_run = frozen_bytes(module, component, run_scheme) + sum(
             tensor_bytes(parameter) for parameter in module.parameters() if parameter.requires_grad)
         components[component] = {
             "class": type(module).__name__,
@@ -368,7 +377,7 @@ def memory_plan(pipe, trained, encoders, repeated_blocks):
         "gradient_checkpointing": bool(args.gradient_checkpointing),
         "repeated_blocks": len(blocks),
         "blocks_to_swap": blocks_to_swap,
-        "accelerator_peak_bytes_estimate": estimate("as run", blocks_to_swap),
+        "accelerator_peak_bytes_estimate": estimate(run_scheme, blocks_to_swap),
     }
     if args.gpu_memory_gb is not None:
         budget = args.gpu_memory_gb * GB
@@ -379,13 +388,13 @@ def memory_plan(pipe, trained, encoders, repeated_blocks):
 
 
 def smallest_fit(estimate, run_scheme, num_blocks, budget):
-    """The fewest blocks to swap that fit ``budget``, first as the run is quantised, then with an int8 base."""
-    schemes = [("as run", run_scheme)] + ([("int8", "int8")] if run_scheme is None else [])
-    for scheme, name in schemes:
+    """The fewest blocks to swap whose ``estimate(scheme, blocks)`` fits ``budget``: first with the run's
+    quantisation, then, for an unquantised run, with an int8 base; None where nothing fits."""
+    for scheme in [run_scheme] + (["int8"] if run_scheme is None else []):
         for blocks_to_swap in range(num_blocks + 1):
             peak = estimate(scheme, blocks_to_swap)
             if peak <= budget:
-                return {"blocks_to_swap": blocks_to_swap, "quantize_base": name,
+                return {"blocks_to_swap": blocks_to_swap, "quantize_base": scheme,
                         "accelerator_peak_bytes_estimate": peak}
     return None
 

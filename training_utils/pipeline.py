@@ -13,7 +13,7 @@ import torch
 from diffusers import DDPMScheduler
 from transformers import AutoTokenizer
 
-from .compile import repeated_block_classes
+from .block_swap import swap_blocks
 from .memory_plan import PlanReady, mark_planned, memory_plan, meta_modules, planned, planning
 from .quantization import follow_autocast, is_quantized
 
@@ -59,6 +59,7 @@ def load_pipeline(pipeline_class, args, weight_dtype=torch.float32, trained_in_f
     pipe = from_pretrained(pipeline_class, args.pretrained_model_name_or_path, revision=args.revision,
                            variant=args.variant, dtype=dtype, **components)
     pipe.set_progress_bar_config(disable=True)
+    pipe.blocks_to_swap = getattr(args, "blocks_to_swap", 0)  # for prepare_components (block_swap.swap_blocks)
     return pipe
 
 
@@ -91,7 +92,9 @@ def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
     adding adapters). Parameters that require grad are fp32 for the optimizer; everything else is frozen and in
     ``weight_dtype``, so mixed precision saves memory on the frozen parts only. Each module gets its dtypes
     before it moves, so no tensor reaches the accelerator in a dtype it will not keep. A quantised module
-    keeps the dtypes it loaded with (it loaded in ``weight_dtype``); only its trained tensors become fp32.
+    keeps the dtypes it loaded with (it loaded in ``weight_dtype``); only its trained tensors become fp32. With
+    ``--blocks_to_swap``, the transformer's swapped blocks keep their frozen weights on the CPU
+    (`block_swap.swap_blocks`).
 
     On a meta pipeline (a run that only plans its memory) the dtypes are given as they would be, nothing moves, and
     the run stops with its plan (`memory_plan.PlanReady`).
@@ -102,10 +105,10 @@ def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
             for parameter in module.parameters():
                 parameter.data = parameter.data.float() if trains and parameter.requires_grad else \
                     parameter.data.to(weight_dtype)
-        raise PlanReady(memory_plan(pipe, trained, encoders, swappable_blocks))
+        raise PlanReady(memory_plan(pipe, trained, encoders))
     trained_modules = {id(module) for module in trained.values()}
     left_on_cpu = {id(module) for module in encoders} - trained_modules
-    for module in modules_of(pipe).values():
+    for name, module in modules_of(pipe).items():
         if id(module) in trained_modules:
             # Tensor by tensor: trained weights never pass through half precision.
             for parameter in module.parameters():
@@ -121,6 +124,7 @@ def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
         if is_quantized(module):
             follow_autocast(module)
         if id(module) not in left_on_cpu:
+            swap_blocks(pipe, name, module, device)
             module.to(device)
 
 
@@ -166,8 +170,3 @@ def preserved_state(schedulers, modules):
         for submodule, training in saved_modes:
             submodule.training = training
 
-
-def swappable_blocks(model):
-    """``model``'s repeated blocks, in order."""
-    names = repeated_block_classes(model)
-    return [module for module in model.modules() if type(module).__name__ in names]

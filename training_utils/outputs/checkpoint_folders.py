@@ -31,7 +31,7 @@ TRAJECTORY_FREE_FLAGS = {
     "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
     "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
     "gradient_checkpointing", "torch_compile", "ema_posthoc_snapshot_steps", "sample_batch_size",
-    "class_inference_steps", "fsdp_text_encoder",
+    "class_inference_steps", "fsdp_text_encoder", "blocks_to_swap",
 }
 
 # The flags that decide which tensors train (the adapter's kind and shape): a checkpoint of other values holds other
