@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from .errors import UsageError
+from .memory_plan import planning
 from .outputs.folder import prepare_output_dir
 from .sharding.fsdp2 import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs, one_model_of
 
@@ -43,7 +44,7 @@ def make_accelerator(args, run):
     set_seed(args.seed)
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not planning(args):  # a memory plan writes nothing
         prepare_output_dir(args, run)
     accelerator.wait_for_everyone()
     return accelerator

@@ -32,6 +32,7 @@ from .outputs.folder import check_output_dir
 from .outputs.writing import write_problem
 from .parser import NOT_CARRIED, TrainingArgumentParser, flag_name
 from .pipeline import is_hub_id
+from .memory_plan import add_memory_plan_args, check_memory_plan_args
 from .quantization import add_quantization_args, check_quantization_args
 
 
@@ -139,7 +140,8 @@ def training_parser(description, validation_inference_steps=30, resolution=512, 
 
 def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     """The adapter's flags (`adapters.config.add_adapter_args`: LoRA by default), and those of a quantised base
-    (`quantization.add_quantization_args`): an adapter trains beside a frozen base, which may be quantised. The file
+    (`quantization.add_quantization_args`): an adapter trains beside a frozen base, which may be quantised; and the
+    memory plan's (`memory_plan.add_memory_plan_args`). The file
     layouts offered are those that apply to ``pipeline_class``'s family (`families.registry.formats_for`). With
     ``train_text_encoder``, the text encoders may train too, with an optimizer setting of their own (upstream's flags;
     SD3's script gives them upstream's defaults)."""
@@ -164,6 +166,7 @@ def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     add_quantization_args(parser)
     if "transformer" in inspect.signature(pipeline_class.__init__).parameters:  # the transformer families
         add_block_swap_args(parser.add_argument_group("memory"))
+    add_memory_plan_args(parser)
 
 
 def add_lora_layers_arg(parser, default, example):
@@ -207,12 +210,13 @@ def add_cache_args(parser):
                             "(the text encoders, and a VAE whose latents are cached, always are)")
 
 
-def check_pretrained_path(value, flag="--pretrained_model_name_or_path"):
+def check_pretrained_path(value, flag="--pretrained_model_name_or_path", read_weights=True):
+    """A pipeline folder (with ``read_weights``, its safetensors files whole) or a hub id."""
     path = Path(value).expanduser()
     if path.exists():
         require(path.is_dir() and (path / "model_index.json").is_file(), flag, value,
                 "a diffusers pipeline folder (with model_index.json) or a hub id")
-        for weights in sorted(path.rglob("*.safetensors")):
+        for weights in sorted(path.rglob("*.safetensors")) if read_weights else ():
             problem = safetensors_problem(weights)
             require(problem is None, flag, value, f"a pipeline whose weight files are whole: {weights} {problem}")
     else:
@@ -259,7 +263,8 @@ def check_args(args):
     """The checks every script shares. Call right after parsing, before anything loads; `fill_dependent_defaults`
     follows the checks."""
     check_output_dir(args)
-    check_pretrained_path(args.pretrained_model_name_or_path)
+    # A memory plan reads no weights file, not even a header.
+    check_pretrained_path(args.pretrained_model_name_or_path, read_weights=not getattr(args, "print_memory_plan", False))
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
             "a positive multiple of 8")
     for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",
@@ -319,6 +324,8 @@ def check_args(args):
         check_quantization_args(args)
     if hasattr(args, "blocks_to_swap"):
         check_block_swap_args(args)
+    if hasattr(args, "gpu_memory_gb"):
+        check_memory_plan_args(args)
     if args.validation_prompt is not None:
         require(all(prompt.strip() for prompt in args.validation_prompt), "--validation_prompt",
                 args.validation_prompt, "non-empty prompts")

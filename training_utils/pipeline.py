@@ -14,6 +14,7 @@ from diffusers import DDPMScheduler
 from transformers import AutoTokenizer
 
 from .block_swap import swap_blocks
+from .memory_plan import PlanReady, mark_planned, memory_plan, meta_modules, planned, planning
 from .quantization import follow_autocast, is_quantized
 
 # A hub id is "name" or "owner/name"; anything else that does not exist locally is a typo'd path.
@@ -42,7 +43,16 @@ def load_pipeline(pipeline_class, args, weight_dtype=torch.float32, trained_in_f
     named in ``trained_in_fp32`` (a fully trained UNet), which load in fp32: nothing frozen is ever held in fp32
     to be cast down later. `prepare_components` makes the trained tensors fp32 before anything moves.
     ``quantization`` (`quantization.quantization_config`) quantises frozen components as they load.
+
+    A run that only plans its memory (`memory_plan`) gets the pipeline with its models on the meta device, built
+    from their configs: no weights file is read.
     """
+    if planning(args):
+        modules = meta_modules(pipeline_class, args.pretrained_model_name_or_path, args.revision, given=components)
+        pipe = from_pretrained(pipeline_class, args.pretrained_model_name_or_path, revision=args.revision,
+                               **modules, **components)
+        mark_planned(pipe, args, weight_dtype, quantization)
+        return pipe
     dtype = {"default": weight_dtype, **dict.fromkeys(trained_in_fp32, torch.float32)}
     if quantization is not None:
         components["quantization_config"] = quantization
@@ -85,7 +95,17 @@ def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
     keeps the dtypes it loaded with (it loaded in ``weight_dtype``); only its trained tensors become fp32. With
     ``--blocks_to_swap``, the transformer's swapped blocks keep their frozen weights on the CPU
     (`block_swap.swap_blocks`).
+
+    On a meta pipeline (a run that only plans its memory) the dtypes are given as they would be, nothing moves, and
+    the run stops with its plan (`memory_plan.PlanReady`).
     """
+    if planned(pipe) is not None:
+        for module in modules_of(pipe).values():
+            trains = id(module) in {id(module) for module in trained.values()}
+            for parameter in module.parameters():
+                parameter.data = parameter.data.float() if trains and parameter.requires_grad else \
+                    parameter.data.to(weight_dtype)
+        raise PlanReady(memory_plan(pipe, trained, encoders))
     trained_modules = {id(module) for module in trained.values()}
     left_on_cpu = {id(module) for module in encoders} - trained_modules
     for name, module in modules_of(pipe).items():
@@ -149,3 +169,4 @@ def preserved_state(schedulers, modules):
             vars(scheduler).update(saved)
         for submodule, training in saved_modes:
             submodule.training = training
+

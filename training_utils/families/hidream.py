@@ -29,6 +29,7 @@ rendered at the size training sees (at 1024, the pipeline's own).
 
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
+from ..memory_plan import meta_model, planning
 from . import base
 from .base import stacked
 from .layout import Family, Rename
@@ -58,13 +59,16 @@ def add_args(parser):
 
 def llama(args, weight_dtype, quantization=None):
     """``{"text_encoder_4", "tokenizer_4"}``: the Llama model and tokenizer of the flags, for `pipeline.load_pipeline`
-    (the frozen model in ``weight_dtype``, quantised as ``quantization`` says of ``text_encoder_4``)."""
+    (the frozen model in ``weight_dtype``, quantised as ``quantization`` says of ``text_encoder_4``; on the meta device,
+    from its config, for a run that only plans its memory: `memory_plan`)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     config = quantization.quant_mapping.get("text_encoder_4") if quantization is not None else None
+    path = args.pretrained_text_encoder_4_name_or_path
+    model = (meta_model(LlamaForCausalLM, path, subfolder="") if planning(args) else
+             LlamaForCausalLM.from_pretrained(path, dtype=weight_dtype, quantization_config=config))
     return {"tokenizer_4": AutoTokenizer.from_pretrained(args.pretrained_tokenizer_4_name_or_path),
-            "text_encoder_4": LlamaForCausalLM.from_pretrained(args.pretrained_text_encoder_4_name_or_path,
-                                                               dtype=weight_dtype, quantization_config=config)}
+            "text_encoder_4": model}
 
 
 def render_at_resolution(pipe, resolution):

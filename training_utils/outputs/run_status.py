@@ -103,11 +103,21 @@ def run_script(main, parse_args):
     """Run ``main(parse_args(), run)`` as a training script, ``run`` being a new `RunRecord`, with SIGTERM and SIGINT
     handled from start to end (`stop_signals`), and end it as the table above says: one line saying why,
     ``run_status.json``, the exit status. An unexpected error also writes the status ("failed"), then its traceback
-    ends the process."""
+    ends the process. With ``--print_memory_plan`` the run only prints its memory plan; with ``--gpu_memory_gb``
+    it makes the plan first, and stops in one line if the plan does not fit (`memory_plan`)."""
+    from ..memory_plan import check_fits, make_plan, plan_first, print_plan  # here: the status command needs no torch
+
     run = RunRecord()
     try:
         with SIGNALS.handled():
-            main(parse_args(), run)
+            args = parse_args()
+            if plan_first(args):
+                plan = make_plan(main, args, run)
+                if args.print_memory_plan:
+                    print_plan(plan)
+                    return
+                check_fits(plan)
+            main(args, run)
     except (UsageError, RunStopped, Interrupted) as error:
         stop = interrupted_stop(error, run) if isinstance(error, Interrupted) else error
         if isinstance(stop, UsageError):
