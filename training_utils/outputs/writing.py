@@ -111,8 +111,11 @@ def saved_tensors(directory):
 
 
 def verify_saved_tensors(saved, expected, where):
-    """Fail loudly unless ``saved`` holds exactly ``expected``: the same keys and bitwise-equal values."""
-    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
+    """Fail loudly unless ``saved`` holds exactly ``expected``: the same keys and bitwise-equal values. A tied
+    weight (T5's ``encoder.embed_tokens.weight``, the same tensor as its ``shared.weight``) may be saved once, under
+    one of its names: ``from_pretrained`` ties it again."""
+    missing = {key for key in expected.keys() - saved.keys() if not tied_to_one_of(expected, key, saved.keys())}
+    unexpected = saved.keys() - expected.keys()
     different = [
         key for key in expected.keys() & saved.keys()
         if not torch.equal(saved[key], expected[key].detach().to("cpu", saved[key].dtype))
@@ -122,6 +125,15 @@ def verify_saved_tensors(saved, expected, where):
             f"{where} does not match the weights in memory: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}, different {sorted(different)[:3]}"
         )
+
+
+def tied_to_one_of(tensors, key, keys):
+    """Whether ``tensors[key]`` is the same tensor (the same memory, shape and strides) as ``tensors[k]`` for a ``k``
+    of ``keys``."""
+    def place(tensor):
+        return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride()
+
+    return any(place(tensors[key]) == place(tensors[other]) for other in keys if other != key and other in tensors)
 
 
 def save_model(module, directory):
