@@ -1,5 +1,6 @@
 """Smoke tests: the DreamBooth LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import os
 import shutil
 
 import numpy as np
@@ -473,8 +474,11 @@ def test_transformer_full_fine_tunes_write_a_pipeline_folder_with_what_trained_a
         ema = assert_model_folder_loads(model_class, output_dir / "ema" / name, initial=tiny[model] / name)
         assert differing_keys(raw, ema.state_dict()), f"ema/{name} holds the raw weights"
     for name, module in modules_of(base).items():  # the VAE and the frozen text encoders (T5's tied weights too)
-        if name not in trained:
+        if name not in trained:  # the files they were loaded from, linked
             assert_same_tensors(getattr(pipe, name).state_dict(), module.state_dict(), name)
+            weights = sorted((tiny[model] / name).glob("*.safetensors"))
+            assert weights and all(os.path.samefile(output_dir / name / path.name, path) for path in weights), name
+    assert (output_dir / TRANSFORMER).stat().st_nlink == 1
     assert sorted(path.name for path in (output_dir / "ema").iterdir()) == sorted(trained)
     what = "transformer and CLIP text encoders" if len(trained) > 1 else "transformer"
     assert f"ema {what}: {output_dir / 'ema'}" in result.stdout
