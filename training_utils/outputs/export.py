@@ -186,8 +186,9 @@ class ModelExport(Export):
 
 class PipelineExport(ModelExport):
     """A full fine-tune's outputs: the raw weights as the whole pipeline, which ``from_pretrained(output_dir)``
-    loads (the trained models written anew, the others' files linked: `pipeline_folder.save_pipeline`), and the EMA's as the trained models alone, each in its component's folder (``ema/unet``) as in the
-    pipeline. Post-hoc syntheses are written as by `ModelExport`."""
+    loads (the trained models written anew, the others' files linked: `pipeline_folder.save_pipeline`), and the
+    EMA's as the trained models alone, each in its component's folder (``ema/unet``) as in the pipeline. Post-hoc
+    syntheses are written as by `ModelExport`."""
 
     def __init__(self, pipe, trained):
         super().__init__(ModelExport.of(trained).configs, trained)
