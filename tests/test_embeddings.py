@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from training_utils.embeddings import (EMBEDDINGS_NAME, NewTokenEmbedding, TextualInversion, placeholder_tokens,
                                        write_progress)
 from training_utils.errors import UsageError
-from training_utils.outputs.writing import save_pipeline
+from training_utils.outputs.pipeline_folder import save_pipeline
 from training_utils.pipeline import trainable_parameters
 from training_utils.posthoc_ema.synthesis import export_from_description
 
@@ -114,7 +114,7 @@ def test_the_files_load_into_a_stock_pipeline_in_diffusers_and_ui_layouts_and_re
 def test_the_merged_pipeline_saves_whole_and_loads_with_the_token_and_the_live_one_trains_on(tiny, tmp_path):
     pipe, inversion = inverted(tiny)
     with inversion.merged():
-        save_pipeline(pipe, tmp_path)
+        assert save_pipeline(pipe, tmp_path, trained=inversion.text_encoders)["text_encoder"] == "written"
     assert isinstance(pipe.text_encoder.get_input_embeddings(), NewTokenEmbedding)
     assert pipe.text_encoder.config.vocab_size == inversion.embeddings["text_encoder"].frozen.num_embeddings
     saved = load(tiny | {"sd": tmp_path})

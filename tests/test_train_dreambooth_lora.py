@@ -1,11 +1,13 @@
 """Smoke tests: the DreamBooth LoRA script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import (FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
+                       StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -13,14 +15,17 @@ from helpers import import_script, launch, launch_together, launching, usage_err
 from training_utils.families import sd
 from training_utils.testing import (assert_close_files, assert_close_validations, assert_lora_changes_pipeline_output,
                                     assert_model_folder_loads, assert_resumes_exactly, assert_same_files,
-                                    assert_validated_at, checkpoint_names, most_common_bucket, rendered_images,
-                                    reported_buckets)
-from transformers import CLIPTextModel
+                                    assert_same_tensors, assert_validated_at, checkpoint_names, differing_keys,
+                                    most_common_bucket, rendered_images, reported_buckets)
+from training_utils.pipeline import modules_of
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
 from training_utils.testing.tiny.data import CAPTION_FILES, INSTANCE_CAPTIONS
 
 SCRIPT = "dreambooth/train_dreambooth_lora.py"
 SDXL_SCRIPT = "dreambooth/train_dreambooth_lora_sdxl.py"
-FULL_SCRIPT = "dreambooth/train_dreambooth.py"  # the full fine-tune: its one launch is `full_fine_tune`
+FULL_SCRIPT = "dreambooth/train_dreambooth.py"  # the full fine-tunes: their launches are `full_fine_tunes`
+SD3_FULL_SCRIPT = "dreambooth/train_dreambooth_sd3.py"
+FLUX_FULL_SCRIPT = "dreambooth/train_dreambooth_flux.py"
 LORA = "pytorch_lora_weights.safetensors"
 INSTANCE_PROMPT = "a photo of sks triangle"
 CLASS_PROMPT = "a photo of a triangle"
@@ -370,19 +375,63 @@ def test_sdxl_on_an_int8_unet_embeds_each_caption_once_as_the_pipeline_does_and_
     assert_lora_changes_pipeline_output(tiny["sdxl"], output_dir, prompt=INSTANCE_PROMPT)
 
 
+def transformer_full_fine_tune_flags(tiny, model, output_dir, *extra):
+    """A transformer family's full fine-tune (``model``: its fixture) for 4 steps, checkpointing at 2, with an EMA
+    of decay 0.9 on the CPU updated every 2 steps; ``extra`` adds validation (or anything else)."""
+    return ["--pretrained_model_name_or_path", tiny[model], "--instance_data_dir", tiny["instance"],
+            "--instance_prompt", INSTANCE_PROMPT, "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--seed", 3, "--max_train_steps", 4,
+            "--checkpointing_steps", 2, "--use_ema", "--ema_decay", 0.9, "--ema_device", "cpu",
+            "--ema_update_every", 2, "--max_sequence_length", 32, *extra]
+
+
+# The transformer families' full fine-tunes, by fixture.
+TRANSFORMER_FULL_FINE_TUNES = {"sd3": SD3_FULL_SCRIPT, "flux": FLUX_FULL_SCRIPT}
+VALIDATING = ("--validation_prompt", "a sks triangle", "--num_validation_images", 1, "--validation_inference_steps", 2,
+              "--validation_steps", 2)
+
+
+def transformer_run_flags(tiny, model, root, name, *extra):
+    """`transformer_full_fine_tune_flags` of ``model`` into ``root/name``, with the family's own: SD3 trains its two
+    CLIP encoders too, with prior preservation (class images in ``root/sd3_class``); FLUX.1 its transformer alone,
+    at another guidance."""
+    own = (("--train_text_encoder", "--with_prior_preservation", "--class_data_dir", root / "sd3_class",
+            "--class_prompt", CLASS_PROMPT, "--num_class_images", 2, "--sample_batch_size", 2,
+            "--class_inference_steps", 2) if model == "sd3" else ("--guidance_scale", 2.0))
+    return transformer_full_fine_tune_flags(tiny, model, root / name, *own, *extra)
+
+
 @pytest.fixture(scope="module")
 @launching
-def full_fine_tune(tiny, tmp_path_factory):
-    """``(output_dir, result)`` of the full fine-tune script: the whole UNet and text encoder trained for 3 steps with
-    prior preservation (3 class images it generates) and an EMA, validating every 2 steps and at the end."""
+def full_fine_tunes(tiny, tmp_path_factory):
+    """``{name: (output_dir, result)}`` of the full fine-tune scripts' runs:
+
+    - sd: the whole UNet and text encoder trained for 3 steps with prior preservation (3 class images it generates)
+      and an EMA, validating every 2 steps and at the end;
+    - sd3, flux: `TRANSFORMER_FULL_FINE_TUNES`' scripts (`transformer_run_flags`), validating every 2 steps;
+    - sd3_resumed, flux_resumed: those resumed from their checkpoint-2, without validating (launched next).
+    """
     root = tmp_path_factory.mktemp("full_fine_tune")
-    result = launch(FULL_SCRIPT, "--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir",
-                    tiny["instance"], "--instance_prompt", INSTANCE_PROMPT, "--output_dir", root / "out",
-                    "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3, "--seed", 3,
-                    *prior_flags(root / "class"), "--use_ema", "--ema_decay", 0.9,
-                    "--validation_prompt", "a sks triangle", "--num_validation_images", 1,
-                    "--validation_inference_steps", 2, "--validation_steps", 2)
-    return root / "out", result
+    results = launch_together({
+        "sd": (FULL_SCRIPT, "--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
+               "--instance_prompt", INSTANCE_PROMPT, "--output_dir", root / "sd", "--resolution", 32,
+               "--train_batch_size", 2, "--learning_rate", 1e-3, "--seed", 3, *prior_flags(root / "class"),
+               "--use_ema", "--ema_decay", 0.9, *VALIDATING),
+        **{model: (script, *transformer_run_flags(tiny, model, root, model, *VALIDATING))
+           for model, script in TRANSFORMER_FULL_FINE_TUNES.items()},
+    })
+    for model in TRANSFORMER_FULL_FINE_TUNES:
+        shutil.copytree(root / model / "checkpoint-2", root / f"{model}_resumed" / "checkpoint-2")
+    results |= launch_together({
+        f"{model}_resumed": (script, *transformer_run_flags(tiny, model, root, f"{model}_resumed",
+                                                            "--resume_from_checkpoint", "latest"))
+        for model, script in TRANSFORMER_FULL_FINE_TUNES.items()})
+    return {name: (root / name, result) for name, result in results.items()}
+
+
+@pytest.fixture(scope="module")
+def full_fine_tune(full_fine_tunes):
+    return full_fine_tunes["sd"]
 
 
 def test_full_fine_tune_writes_a_pipeline_folder_with_what_trained_and_its_ema(tiny, full_fine_tune):
@@ -402,3 +451,59 @@ def test_full_fine_tune_with_prior_preservation_validates_at_the_due_steps_and_t
     assert len(list((output_dir.parent / "class").glob("*.png"))) == 3
     assert_validated_at(output_dir, [2, 3], ("raw", "ema"), ["a sks triangle"], num_images=1)
     assert "StableDiffusionPipeline.from_pretrained" in (output_dir / "README.md").read_text()
+
+
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
+
+
+@pytest.mark.parametrize("model, pipeline_class, trained", [
+    ("sd3", StableDiffusion3Pipeline, {"transformer": SD3Transformer2DModel,
+                                       "text_encoder": CLIPTextModelWithProjection,
+                                       "text_encoder_2": CLIPTextModelWithProjection}),
+    ("flux", FluxPipeline, {"transformer": FluxTransformer2DModel}),
+])
+def test_transformer_full_fine_tunes_write_a_pipeline_folder_with_what_trained_and_its_ema(tiny, full_fine_tunes,
+                                                                                           model, pipeline_class,
+                                                                                           trained):
+    output_dir, result = full_fine_tunes[model]
+    pipe = pipeline_class.from_pretrained(output_dir)
+    base = pipeline_class.from_pretrained(tiny[model])
+    for name, model_class in trained.items():
+        raw = assert_model_folder_loads(model_class, output_dir / name, initial=tiny[model] / name).state_dict()
+        assert_same_tensors(raw, getattr(pipe, name).state_dict(), name)
+        ema = assert_model_folder_loads(model_class, output_dir / "ema" / name, initial=tiny[model] / name)
+        assert differing_keys(raw, ema.state_dict()), f"ema/{name} holds the raw weights"
+    for name, module in modules_of(base).items():  # the VAE and the frozen text encoders (T5's tied weights too)
+        if name not in trained:  # the files they were loaded from, linked
+            assert_same_tensors(getattr(pipe, name).state_dict(), module.state_dict(), name)
+            weights = sorted((tiny[model] / name).glob("*.safetensors"))
+            assert weights and all(os.path.samefile(output_dir / name / path.name, path) for path in weights), name
+    assert (output_dir / TRANSFORMER).stat().st_nlink == 1
+    assert sorted(path.name for path in (output_dir / "ema").iterdir()) == sorted(trained)
+    what = "transformer and CLIP text encoders" if len(trained) > 1 else "transformer"
+    assert f"ema {what}: {output_dir / 'ema'}" in result.stdout
+    card = (output_dir / "README.md").read_text()
+    assert f"{pipeline_class.__name__}.from_pretrained" in card
+    assert f'pipe.transformer = {trained["transformer"].__name__}.from_pretrained("{output_dir}/ema/transformer")' \
+        in card
+
+
+@pytest.mark.parametrize("model", TRANSFORMER_FULL_FINE_TUNES)
+def test_transformer_full_fine_tunes_validate_at_the_due_steps_and_the_last_and_resume_exactly(full_fine_tunes, model):
+    output_dir, _ = full_fine_tunes[model]
+    assert_validated_at(output_dir, [2, 4], ("raw", "ema"), ["a sks triangle"], num_images=1)
+    resumed, result = full_fine_tunes[f"{model}_resumed"]
+    assert f"resumed from {resumed / 'checkpoint-2'} at step 2" in result.stdout
+    trained = ["transformer", *(["text_encoder", "text_encoder_2"] if model == "sd3" else [])]
+    for name in trained:
+        file = TRANSFORMER if name == "transformer" else f"{name}/model.safetensors"
+        for variant in (file, f"ema/{file}"):
+            assert_same_files(resumed / variant, output_dir / variant)
+    assert checkpoint_names(resumed) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_sd3_full_fine_tune_generates_its_class_images_with_the_base_model(full_fine_tunes):
+    output_dir, result = full_fine_tunes["sd3"]
+    assert f"generated 2 class images into {output_dir.parent / 'sd3_class'}" in result.stdout
+    assert f"{output_dir.parent / 'sd3_class'} holds 2 class images; none generated" in \
+        full_fine_tunes["sd3_resumed"][1].stdout

@@ -87,6 +87,10 @@ def test_the_full_pipeline_holds_the_token_and_every_other_row_as_it_loaded(runs
     assert torch.equal(rows[:len(base)], base)
     assert torch.equal(rows[len(base):], load_file(runs / "sd" / EMBEDS)[TOKEN])
     assert saved.tokenizer.convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"]) == [len(base), len(base) + 1]
+    # Only the text encoder is written anew; the UNet's and the VAE's files are the base model's.
+    for weights in ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
+        assert (runs / "sd" / weights).samefile(tiny["sd"] / weights)
+    assert not (runs / "sd" / "text_encoder/model.safetensors").samefile(tiny["sd"] / "text_encoder/model.safetensors")
 
 
 def test_a_resumed_run_ends_with_the_same_embeddings(runs, tmp_path, tiny):

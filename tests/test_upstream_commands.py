@@ -66,6 +66,7 @@ SUBSTITUTES = {
 }
 LORA = "pytorch_lora_weights.safetensors"
 UNET = "unet/diffusion_pytorch_model.safetensors"
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 SCHEDULER = "scheduler/scheduler_config.json"
 CONTROLNET = "diffusion_pytorch_model.safetensors"
 EMBEDS = "learned_embeds.safetensors"
@@ -284,6 +285,32 @@ def dreambooth_family(test_file, family_name, script, model, prompt, extra="", l
     return family
 
 
+def full_fine_tune_family(test_file, script, model):
+    """The tests upstream's DreamBooth full fine-tune files for SD3 and FLUX.1 share, on ``model`` with
+    ``--instance_prompt photo``: a smoke run writing the pipeline folder, checkpointing and resuming (checkpoint-2
+    deleted in between), the total limit, and the limit removing two checkpoints on resume."""
+    def test(name):
+        return f"dreambooth/{test_file}::{name}"
+
+    smoke = functools.partial(dreambooth, model, "photo")
+    checkpointing = functools.partial(dreambooth_checkpointing, model, "photo")
+    return [
+        Upstream(test("test_dreambooth"), script, (smoke("", files=(TRANSFORMER, SCHEDULER)),)),
+        Upstream(test("test_dreambooth_checkpointing"), script, (
+            smoke("--max_train_steps 4 --checkpointing_steps=2 --seed=0", checkpoints=checkpoints(2, 4),
+                  files=(TRANSFORMER, "checkpoint-2/" + TRANSFORMER)),
+            smoke("--max_train_steps 6 --checkpointing_steps=2 --resume_from_checkpoint=checkpoint-4 --seed=0",
+                  remove_first=("checkpoint-2",), checkpoints=checkpoints(4, 6), files=(TRANSFORMER,)))),
+        Upstream(test("test_dreambooth_checkpointing_checkpoints_total_limit"), script, (
+            checkpointing("--max_train_steps=6 --checkpoints_total_limit=2 --checkpointing_steps=2",
+                          checkpoints=checkpoints(4, 6)),)),
+        Upstream(test("test_dreambooth_checkpointing_checkpoints_total_limit_removes_multiple_checkpoints"), script, (
+            checkpointing("--max_train_steps=4 --checkpointing_steps=2", checkpoints=checkpoints(2, 4)),
+            checkpointing("--max_train_steps=8 --checkpointing_steps=2 --resume_from_checkpoint=checkpoint-4 "
+                          "--checkpoints_total_limit=2", checkpoints=checkpoints(6, 8)))),
+    ]
+
+
 UPSTREAM = [
     # examples/text_to_image/test_text_to_image.py, classes TextToImage and TextToImageSDXL.
     Upstream("text_to_image/test_text_to_image.py::test_text_to_image", "text_to_image/train_text_to_image.py",
@@ -408,6 +435,12 @@ UPSTREAM = [
                  dreambooth_checkpointing(SD_TORCH, "prompt", "--max_train_steps=8 --checkpointing_steps=2 "
                                           "--resume_from_checkpoint=checkpoint-4 --checkpoints_total_limit=2",
                                           checkpoints=checkpoints(6, 8)))),
+
+    # examples/dreambooth/test_dreambooth_sd3.py and test_dreambooth_flux.py: the transformers' full fine-tunes.
+    *full_fine_tune_family("test_dreambooth_sd3.py", "dreambooth/train_dreambooth_sd3.py",
+                           "hf-internal-testing/tiny-sd3-pipe"),
+    *full_fine_tune_family("test_dreambooth_flux.py", "dreambooth/train_dreambooth_flux.py",
+                           "hf-internal-testing/tiny-flux-pipe"),
 
     # examples/dreambooth/test_dreambooth_lora.py, classes DreamBoothLoRA and DreamBoothLoRASDXL.
     Upstream("dreambooth/test_dreambooth_lora.py::test_dreambooth_lora", "dreambooth/train_dreambooth_lora.py", (

@@ -29,6 +29,16 @@ def test_verify_saved_tensors_catches_differences():
         verify_saved_tensors({"a": torch.tensor([1.0, 1.0 + 1e-7])}, {"a": torch.ones(2)}, "x")
 
 
+def test_verify_saved_tensors_takes_a_tied_weight_saved_once_under_another_of_its_names():
+    # T5's encoder.embed_tokens.weight is its shared.weight: save_pretrained writes it once.
+    shared = torch.arange(6.0).reshape(3, 2)
+    verify_saved_tensors({"shared": shared.clone()}, {"shared": shared, "embed": shared}, "x")
+    with pytest.raises(RuntimeError, match="missing \\['embed'\\]"):  # equal, but another tensor: not tied
+        verify_saved_tensors({"shared": shared.clone()}, {"shared": shared, "embed": shared.clone()}, "x")
+    with pytest.raises(RuntimeError, match="missing \\['embed'\\]"):  # a view of part of it: not the same tensor
+        verify_saved_tensors({"shared": shared.clone()}, {"shared": shared, "embed": shared[1:]}, "x")
+
+
 def test_write_atomically_moves_nested_files_and_leaves_no_staging(tmp_path):
     def write(staging):
         (tmp_path / "seen").write_text(staging)

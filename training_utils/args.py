@@ -148,12 +148,7 @@ def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     adapter = parser.add_argument_group("adapter")
     add_adapter_args(adapter)
     if train_text_encoder:
-        adapter.add_argument("--train_text_encoder", action="store_true",
-                             help="also train the adapter on the text encoder(s)")
-        adapter.add_argument("--text_encoder_lr", type=float, default=None,
-                             help="the text encoders' learning rate (default: --learning_rate)")
-        adapter.add_argument("--adam_weight_decay_text_encoder", type=float, default=None,
-                             help="the text encoders' weight decay (default: --adam_weight_decay)")
+        add_text_encoder_training_args(adapter, "also train the adapter on the text encoder(s)")
     formats = formats_for(pipeline_class.__name__)
     adapter.add_argument("--export_formats", nargs="+", choices=[DIFFUSERS, *formats], default=[DIFFUSERS],
                          help=f"the file layouts written beside each other, for every adapter written (raw, EMA, "
@@ -167,6 +162,16 @@ def add_lora_args(parser, pipeline_class, train_text_encoder=False):
     if "transformer" in inspect.signature(pipeline_class.__init__).parameters:  # the transformer families
         add_block_swap_args(parser.add_argument_group("memory"))
     add_memory_plan_args(parser)
+
+
+def add_text_encoder_training_args(group, train_help):
+    """``--train_text_encoder`` (``train_help`` says what trains), and the text encoders' optimizer settings of their
+    own, as upstream's transformer DreamBooth scripts have them (LoRA and full fine-tune alike)."""
+    group.add_argument("--train_text_encoder", action="store_true", help=train_help)
+    group.add_argument("--text_encoder_lr", type=float, default=None,
+                       help="the text encoders' learning rate (default: --learning_rate)")
+    group.add_argument("--adam_weight_decay_text_encoder", type=float, default=None,
+                       help="the text encoders' weight decay (default: --adam_weight_decay)")
 
 
 def add_lora_layers_arg(parser, default, example):

@@ -10,10 +10,10 @@
 Writes ``learned_embeds.safetensors``, which ``pipe.load_textual_inversion(output_dir)`` loads, and the same vectors as
 ``<token>.safetensors`` for AUTOMATIC1111's web UI and ComfyUI (with ``--use_ema`` the EMA's under ``ema/``);
 ``learned_embeds-steps-N.safetensors`` every ``--save_steps``; with ``--save_as_full_pipeline`` the whole pipeline,
-its tokenizer and text encoder holding the token; validation images with ``validation/log.jsonl``, checkpoints to
-resume from, and a model card. Every other row of the text encoder's embedding stays bitwise as it loaded. The
-frozen text encoder runs in every step (the gradient reaches the new rows through it), the frozen VAE once per image
-with ``--cache_latents``.
+its tokenizer and text encoder holding the token (the other models' files hard links to the base's); validation
+images with ``validation/log.jsonl``, checkpoints to resume from, and a model card. Every other row of the text
+encoder's embedding stays bitwise as it loaded. The frozen text encoder runs in every step (the gradient reaches the
+new rows through it), the frozen VAE once per image with ``--cache_latents``.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
@@ -40,7 +40,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.outputs.export import save_with_ema
 from training_utils.outputs.hub import finish_run
 from training_utils.outputs.run_status import run_script
-from training_utils.outputs.writing import save_pipeline
+from training_utils.outputs.pipeline_folder import save_pipeline
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
@@ -160,7 +160,7 @@ def main(args, run):
         saved = save_with_ema(export, args.output_dir, ema)
         if args.save_as_full_pipeline:
             with inversion.merged():
-                save_pipeline(pipe, args.output_dir)
+                save_pipeline(pipe, args.output_dir, trained=trained)
         finish_run(args, "Textual inversion", export.loading_code(args, pipe), loop.records, saved, "embedding")
     end_training(accelerator)
 

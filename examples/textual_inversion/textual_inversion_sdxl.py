@@ -12,10 +12,11 @@ Writes ``learned_embeds.safetensors`` and ``learned_embeds_2.safetensors`` (the 
 ``pipe.load_textual_inversion`` loads into each text encoder, and both as ``<token>.safetensors`` (``clip_l`` and
 ``clip_g``) for AUTOMATIC1111's web UI and ComfyUI (with ``--use_ema`` the EMA's under ``ema/``); both every
 ``--save_steps`` (``learned_embeds-steps-N.safetensors``, ``learned_embeds_2-steps-N.safetensors``); with
-``--save_as_full_pipeline`` the whole pipeline, its tokenizers and text encoders holding the token; validation
-images with ``validation/log.jsonl``, checkpoints to resume from, and a model card. Every other row of the text
-encoders' embeddings stays bitwise as it loaded. The frozen text encoders run in every step (the gradient reaches
-the new rows through them), the frozen VAE once per image with ``--cache_latents``.
+``--save_as_full_pipeline`` the whole pipeline, its tokenizers and text encoders holding the token (the other
+models' files hard links to the base's); validation images with ``validation/log.jsonl``, checkpoints to resume
+from, and a model card. Every other row of the text encoders' embeddings stays bitwise as it loaded. The frozen text
+encoders run in every step (the gradient reaches the new rows through them), the frozen VAE once per image with
+``--cache_latents``.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
@@ -42,7 +43,7 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.outputs.export import save_with_ema
 from training_utils.outputs.hub import finish_run
 from training_utils.outputs.run_status import run_script
-from training_utils.outputs.writing import save_pipeline
+from training_utils.outputs.pipeline_folder import save_pipeline
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
@@ -165,7 +166,7 @@ def main(args, run):
         saved = save_with_ema(export, args.output_dir, ema)
         if args.save_as_full_pipeline:
             with inversion.merged():
-                save_pipeline(pipe, args.output_dir)
+                save_pipeline(pipe, args.output_dir, trained=trained)
         finish_run(args, "Textual inversion", export.loading_code(args, pipe), loop.records, saved, "embedding")
     end_training(accelerator)
 

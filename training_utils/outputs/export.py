@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import few
 from ..pipeline import trainable_parameters
-from .writing import save_model, save_pipeline, saved_tensors, write_atomically
+from .pipeline_folder import save_pipeline
+from .writing import save_model, saved_tensors, write_atomically
 
 TENSORS_NAME = "posthoc_ema_weights.safetensors"
 
@@ -185,15 +186,16 @@ class ModelExport(Export):
 
 class PipelineExport(ModelExport):
     """A full fine-tune's outputs: the raw weights as the whole pipeline, which ``from_pretrained(output_dir)``
-    loads, and the EMA's as the trained models alone, each in its component's folder (``ema/unet``) as in the
-    pipeline. Post-hoc syntheses are written as by `ModelExport`."""
+    loads (the trained models written anew, the others' files linked: `pipeline_folder.save_pipeline`), and the
+    EMA's as the trained models alone, each in its component's folder (``ema/unet``) as in the pipeline. Post-hoc
+    syntheses are written as by `ModelExport`."""
 
     def __init__(self, pipe, trained):
         super().__init__(ModelExport.of(trained).configs, trained)
         self.pipe = pipe
 
     def save(self, directory):
-        save_pipeline(self.pipe, directory)
+        save_pipeline(self.pipe, directory, trained=self.trained)
         return self.component_folder(directory)
 
     def save_ema(self, directory):

@@ -29,15 +29,15 @@ for component in {components}:  # or "{output_dir}/ema/" + component for the EMA
 image = pipe("{prompt}").images[0]
 """
 
-# A full fine-tune's pipeline folder, and where it has an EMA, the EMA UNet swapped in.
-UNET_FINE_TUNE_HOW_TO_LOAD = """
-from diffusers import {pipeline_class}, UNet2DConditionModel
+# A full fine-tune's pipeline folder, and where it has an EMA, the EMA denoiser (UNet or transformer) swapped in.
+FINE_TUNE_HOW_TO_LOAD = """
+from diffusers import {pipeline_class}, {model_class}
 
 pipe = {pipeline_class}.from_pretrained("{output_dir}")
 {swap_in_ema}image = pipe("{prompt}").images[0]
 """
-EMA_UNET_SWAP = """# the EMA UNet instead of the raw one:
-pipe.unet = UNet2DConditionModel.from_pretrained("{output_dir}/ema/unet")
+EMA_SWAP = """# the EMA {model} instead of the raw one:
+pipe.{model} = {model_class}.from_pretrained("{output_dir}/ema/{model}")
 """
 VIDEO_LORA_HOW_TO_LOAD = """
 from diffusers import {imports}
@@ -119,10 +119,18 @@ def how_to_load(template, args, pipe, **fields):
 
 
 def fine_tuned_unet_how_to_load(args, pipe, ema, **fields):
-    """The model card's loading code of a full UNet fine-tune: the pipeline folder, and the EMA UNet swapped in where
-    the run kept an EMA (``ema``, or None); ``fields`` as `how_to_load`'s (a DreamBooth run's prompt)."""
-    swap_in_ema = EMA_UNET_SWAP.format(output_dir=args.output_dir) if ema is not None else ""
-    return how_to_load(UNET_FINE_TUNE_HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema, **fields)
+    """`fine_tuned_how_to_load` of a full UNet fine-tune."""
+    return fine_tuned_how_to_load(args, pipe, ema, "unet", **fields)
+
+
+def fine_tuned_how_to_load(args, pipe, ema, model, **fields):
+    """The model card's loading code of a full fine-tune of ``pipe``'s component ``model`` ("unet", "transformer"):
+    the pipeline folder, and the EMA model swapped in where the run kept an EMA (``ema``, or None); ``fields`` as
+    `how_to_load`'s (a DreamBooth run's prompt)."""
+    model_class = type(getattr(pipe, model)).__name__
+    swap_in_ema = (EMA_SWAP.format(output_dir=args.output_dir, model=model, model_class=model_class)
+                   if ema is not None else "")
+    return how_to_load(FINE_TUNE_HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema, model_class=model_class, **fields)
 
 
 def finish_run(args, title, how_to_load, records, saved, what, captions=()):

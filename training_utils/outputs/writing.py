@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from ..errors import WRITE_ERRORS, WriteFailed, write_failure
 from ..names import STAGING_PREFIX
-from ..pipeline import modules_of
 from .stop_signals import SIGNALS
 
 # How much a write probe writes: a disk with less room than this is full for our files.
@@ -69,10 +68,12 @@ def process_umask():
 
 def give_normal_permissions(root):
     """Give ``root`` and everything under it the permissions a new file or folder gets from the umask (0644 and
-    0755 under the usual 022), as a group-shared folder expects."""
+    0755 under the usual 022), as a group-shared folder expects; but for hard links to files outside it (a pipeline
+    folder's untrained models, `pipeline_folder`), which keep the permissions of the files they are."""
     umask = process_umask()
     for path in [Path(root), *Path(root).rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        if path.is_dir() or path.stat().st_nlink == 1:
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_problem(directory, size=0):
@@ -111,8 +112,11 @@ def saved_tensors(directory):
 
 
 def verify_saved_tensors(saved, expected, where):
-    """Fail loudly unless ``saved`` holds exactly ``expected``: the same keys and bitwise-equal values."""
-    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
+    """Fail loudly unless ``saved`` holds exactly ``expected``: the same keys and bitwise-equal values. A tied
+    weight (T5's ``encoder.embed_tokens.weight``, the same tensor as its ``shared.weight``) may be saved once, under
+    one of its names: ``from_pretrained`` ties it again."""
+    missing = {key for key in expected.keys() - saved.keys() if not tied_to_one_of(expected, key, saved.keys())}
+    unexpected = saved.keys() - expected.keys()
     different = [
         key for key in expected.keys() & saved.keys()
         if not torch.equal(saved[key], expected[key].detach().to("cpu", saved[key].dtype))
@@ -124,16 +128,17 @@ def verify_saved_tensors(saved, expected, where):
         )
 
 
+def tied_to_one_of(tensors, key, keys):
+    """Whether ``tensors[key]`` is the same tensor (the same memory, shape and strides) as ``tensors[k]`` for a ``k``
+    of ``keys``."""
+    def place(tensor):
+        return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride()
+
+    return any(place(tensors[key]) == place(tensors[other]) for other in keys if other != key and other in tensors)
+
+
 def save_model(module, directory):
     """``module.save_pretrained(directory)`` atomically, checked against ``module``'s state dict."""
     write_atomically(directory, module.save_pretrained)
     verify_saved_tensors(saved_tensors(directory), module.state_dict(), directory)
-    return Path(directory)
-
-
-def save_pipeline(pipe, directory):
-    """``pipe.save_pretrained(directory)`` atomically, each module's files checked against the module in memory."""
-    write_atomically(directory, pipe.save_pretrained)
-    for name, module in modules_of(pipe).items():
-        verify_saved_tensors(saved_tensors(Path(directory) / name), module.state_dict(), Path(directory) / name)
     return Path(directory)
