@@ -30,9 +30,11 @@ def z_image_flags(tiny, output_dir, *extra):
 
 
 def qwen_image_flags(tiny, output_dir, *extra):
-    """4 steps from tiny/qwen_image_controlnet, checkpoints every 2."""
+    """4 steps from tiny/qwen_image_controlnet with the training latents cached (the VAE then comes to the
+    accelerator for the conditioning images in every step), checkpoints every 2."""
     return controlnet_flags(tiny, "qwen_image", output_dir, "--controlnet_model_name_or_path",
-                            tiny["qwen_image_controlnet"], "--max_train_steps", 4, "--checkpointing_steps", 2, *extra)
+                            tiny["qwen_image_controlnet"], "--cache_latents", "--max_train_steps", 4,
+                            "--checkpointing_steps", 2, *extra)
 
 
 def validation_flags(tiny):
