@@ -328,3 +328,92 @@ def test_how_to_load_names_the_pipeline_and_the_first_conditioning_image(tiny, t
     assert "from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline\n" in text
     assert "controlnet = SD3ControlNetModel.from_pretrained(" in text
     assert 'pipe("a red circle", control_image=load_image("hint.png"))' in text
+
+
+class Recorder:
+    """A forward pre-hook keeping the keyword arguments of every call."""
+
+    def __init__(self, module):
+        self.calls = []
+        module.register_forward_pre_hook(lambda _, args, kwargs: self.calls.append(dict(kwargs)), with_kwargs=True)
+
+
+def assert_same_inputs(ours, recorded):
+    """The same tensors, exactly; the conditioning latents to the VAE's float noise (its CPU kernels' result varies
+    in the last bits between calls), far below the VAE's shift (0.06 or more) that would tell another layout."""
+    assert ours.keys() <= recorded.keys()
+    torch.testing.assert_close(ours["controlnet_cond"], recorded["controlnet_cond"], rtol=0, atol=1e-5)
+    for key, value in ours.items():
+        if key == "controlnet_cond":
+            continue
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, recorded[key]), key
+        else:
+            assert value is recorded[key] is None, key
+
+
+@pytest.fixture
+def vae_mean(monkeypatch):
+    """The VAE's latent mean for its sample, so that the pipeline's conditioning latents can be computed again."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mean)
+
+
+def test_sd3_controlnet_is_fed_what_its_pipeline_feeds_it(tiny, vae_mean):
+    from training_utils.families import sd3
+
+    pipe = StableDiffusion3ControlNetPipeline.from_pretrained(
+        tiny["sd3"], controlnet=SD3ControlNetModel.from_pretrained(tiny["sd3_controlnet"]))
+    pipe.set_progress_bar_config(disable=True)
+    controlnet = Recorder(pipe.controlnet)
+    image = Image.open(conditioning(tiny, 0)).convert("RGB")
+    settings = {"max_sequence_length": 77}
+    pipe("a red circle", control_image=image, height=32, width=32, num_inference_steps=1, guidance_scale=1.0,
+         generator=torch.Generator().manual_seed(0), **settings)
+    [recorded] = controlnet.calls
+    with torch.no_grad():
+        text = sd3.text_inputs([[part[0] for part in sd3.encode_prompts(pipe, ["a red circle"], "cpu", settings)]])
+        pixels = pipe.image_processor.preprocess(image, height=32, width=32)
+        latents = pipe.vae.encode(pixels).latent_dist.sample()
+    inputs = sd3.model_inputs(pipe, recorded["hidden_states"], recorded["timestep"], text)
+    ours = sd3.controlnet_inputs(pipe, inputs, latents)
+    assert_same_inputs(ours, recorded)
+    # A ControlNet made from the transformer takes zero pooled projections and unshifted latents (InstantX's).
+    assert pipe.controlnet.config.force_zeros_for_pooled_projection and not torch.any(ours["pooled_projections"])
+    assert torch.equal(ours["controlnet_cond"], latents * pipe.vae.config.scaling_factor)
+    # One that takes the pooled projections gets them, and shifted latents.
+    pipe.controlnet.register_to_config(force_zeros_for_pooled_projection=False)
+    ours = sd3.controlnet_inputs(pipe, inputs, latents)
+    assert torch.equal(ours["pooled_projections"], inputs["pooled_projections"])
+    shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
+    assert torch.equal(ours["controlnet_cond"], (latents - shift) * scale)
+
+
+def test_flux_controlnet_is_fed_what_its_pipeline_feeds_it(tiny, vae_mean):
+    from diffusers import FluxControlNetModel
+
+    from training_utils.families import flux
+
+    pipe = FluxControlNetPipeline.from_pretrained(
+        tiny["flux"], controlnet=FluxControlNetModel.from_pretrained(tiny["flux_controlnet"]))
+    pipe.set_progress_bar_config(disable=True)
+    controlnet = Recorder(pipe.controlnet)
+    image = Image.open(conditioning(tiny, 0)).convert("RGB")
+    settings = {"max_sequence_length": 32, "guidance_scale": 2.5}
+    pipe("a red circle", control_image=image, height=32, width=32, num_inference_steps=1,
+         generator=torch.Generator().manual_seed(0), **settings)
+    [recorded] = controlnet.calls
+    with torch.no_grad():
+        rows = [[part[0] for part in flux.encode_prompts(pipe, ["a red circle"], "cpu", settings)]]
+        pixels = pipe.image_processor.preprocess(image, height=32, width=32)
+        latents = pipe.vae.encode(pixels).latent_dist.sample()
+    inputs = {**flux.text_inputs(rows), "hidden_states": recorded["hidden_states"], "img_ids": recorded["img_ids"],
+              "timestep": recorded["timestep"]}
+    ours = flux.controlnet_inputs(pipe, inputs, latents, settings)
+    assert_same_inputs(ours, recorded)
+    assert ours["guidance"].tolist() == [2.5]
+    # The transformer's text ids and guidance come with the prompt's row, as the transformer's inputs have them.
+    assert torch.equal(ours["txt_ids"], recorded["txt_ids"])
+    pipe.controlnet.register_to_config(guidance_embeds=False)
+    assert flux.controlnet_inputs(pipe, inputs, latents, settings)["guidance"] is None

@@ -54,6 +54,10 @@ SUBSTITUTES = {
     "hf-internal-testing/tiny-if-pipe": "sd",
     "hf-internal-testing/tiny-controlnet": "controlnet",
     "hf-internal-testing/tiny-controlnet-sdxl": "sdxl_controlnet",
+    "hf-internal-testing/tiny-sd35-pipe": "sd35",
+    "DavyMorgan/tiny-sd3-pipe": "sd3",
+    "DavyMorgan/tiny-controlnet-sd3": "sd3_controlnet",
+    "DavyMorgan/tiny-controlnet-sd35": "sd35_controlnet",
     "hf-internal-testing/dummy_image_text_data": "shapes",  # image + text, as an imagefolder
     "hf-internal-testing/fill10": "shapes_controlnet",  # image + conditioning_image + text
     "docs/source/en/imgs": "instance",
@@ -113,6 +117,14 @@ def controlnet(flags, **expected):
                "--dataset_name=hf-internal-testing/fill10 --output_dir={tmpdir} --resolution=64 --train_batch_size=1 "
                "--gradient_accumulation_steps=1 --controlnet_model_name_or_path=hf-internal-testing/tiny-controlnet "
                + flags, **expected)
+
+
+def sd3_controlnet(model, controlnet):
+    """The run of upstream's SD3 and SD3.5 ControlNet tests: ``model`` on fill10, from the tiny ``controlnet``."""
+    return Run(f"--pretrained_model_name_or_path={model} --dataset_name=hf-internal-testing/fill10 "
+               "--output_dir={tmpdir} --resolution=64 --train_batch_size=1 --gradient_accumulation_steps=1 "
+               f"--controlnet_model_name_or_path={controlnet} --max_train_steps=4 --checkpointing_steps=2",
+               files=(CONTROLNET,))
 
 
 def dreambooth(model, prompt, flags, **expected):
@@ -309,6 +321,20 @@ UPSTREAM = [
             "--dataset_name=hf-internal-testing/fill10 --output_dir={tmpdir} --resolution=64 --train_batch_size=1 "
             "--gradient_accumulation_steps=1 --controlnet_model_name_or_path=hf-internal-testing/tiny-controlnet-sdxl "
             "--max_train_steps=4 --checkpointing_steps=2", files=(CONTROLNET,)),)),
+    # Classes TestControlNetSD3, TestControlNetSD35 (whose test has SD3's name: both named by class here) and
+    # TestControlNetflux.
+    Upstream("controlnet/test_controlnet.py::TestControlNetSD3::test_controlnet_sd3",
+             "controlnet/train_controlnet_sd3.py",
+             (sd3_controlnet("DavyMorgan/tiny-sd3-pipe", "DavyMorgan/tiny-controlnet-sd3"),)),
+    Upstream("controlnet/test_controlnet.py::TestControlNetSD35::test_controlnet_sd3",
+             "controlnet/train_controlnet_sd3.py",
+             (sd3_controlnet("hf-internal-testing/tiny-sd35-pipe", "DavyMorgan/tiny-controlnet-sd35"),)),
+    Upstream("controlnet/test_controlnet.py::test_controlnet_flux", "controlnet/train_controlnet_flux.py", (
+        Run("--pretrained_model_name_or_path=hf-internal-testing/tiny-flux-pipe --output_dir={tmpdir} "
+            "--dataset_name=hf-internal-testing/fill10 --conditioning_image_column=conditioning_image "
+            "--image_column=image --caption_column=text --resolution=64 --train_batch_size=1 "
+            "--gradient_accumulation_steps=1 --max_train_steps=4 --checkpointing_steps=2 --num_double_layers=1 "
+            "--num_single_layers=1", files=(CONTROLNET,)),)),
 
     # examples/dreambooth/test_dreambooth.py, class DreamBooth: the full fine-tune.
     Upstream("dreambooth/test_dreambooth.py::test_dreambooth", "dreambooth/train_dreambooth.py", (

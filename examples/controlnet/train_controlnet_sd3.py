@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 # Copied from examples/controlnet/train_controlnet_sdxl.py; tests/test_drift.py keeps what they share alike.
-"""Train a ControlNet for Stable Diffusion 3 or 3.5 from (image, conditioning image, caption) triples, by flow matching.
+"""Train a ControlNet for Stable Diffusion 3 or 3.5 from (image, conditioning image, caption) triples (flow matching).
 
     accelerate launch train_controlnet_sd3.py \\
       --pretrained_model_name_or_path=stabilityai/stable-diffusion-3.5-medium \\
@@ -8,11 +8,11 @@
       --validation_prompt "red circle with blue background" --validation_image ./conditioning_image_1.png
 
 Without ``--controlnet_model_name_or_path`` the ControlNet starts as a copy of the transformer's first 12 blocks
-(all of them, for a smaller transformer), its embeddings included, with zero-initialised outputs. Only the ControlNet
-trains. It is fed what ``StableDiffusion3ControlNetPipeline`` feeds it: the conditioning image through the VAE (in
-every step: it is not cached), scaled (and shifted, unless the ControlNet takes zero pooled projections, as one made
-here does), beside the noisy latents, the timestep and the prompt. The frozen text encoders run once per distinct
-caption before training, and with ``--cache_latents`` the VAE runs once per training image (both flips).
+(all but the last, for a smaller transformer), its embeddings included, with zero-initialised outputs. Only the
+ControlNet trains. It is fed what ``StableDiffusion3ControlNetPipeline`` feeds it: the conditioning image through the
+VAE (in every step: it is not cached), scaled (and shifted, unless the ControlNet takes zero pooled projections, as
+one made here does), beside the noisy latents, the timestep and the prompt. The frozen text encoders run once per
+distinct caption before training, and with ``--cache_latents`` the VAE runs once per training image (both flips).
 
 Writes the ControlNet to ``output_dir`` (and the EMA to ``output_dir/ema``), which
 ``SD3ControlNetModel.from_pretrained`` loads, validation images with ``validation/log.jsonl``,
@@ -86,9 +86,10 @@ def parse_args(argv=None):
 
 
 def controlnet_from_transformer(transformer, base):
-    """A ControlNet copying the transformer's first `CONTROLNET_BLOCKS` blocks (fewer if it has fewer)."""
+    """A ControlNet copying the transformer's first `CONTROLNET_BLOCKS` blocks; of a smaller transformer, all but its
+    last, which reads the prompt without passing it on (a ControlNet's blocks all pass it on)."""
     return SD3ControlNetModel.from_transformer(
-        transformer, num_layers=min(CONTROLNET_BLOCKS, transformer.config.num_layers),
+        transformer, num_layers=min(CONTROLNET_BLOCKS, transformer.config.num_layers - 1),
         num_extra_conditioning_channels=0)
 
 

@@ -117,6 +117,6 @@ def controlnet_inputs(pipe, inputs, conditioning_latents):
     shift = 0 if zero_pooled else vae_config.shift_factor
     pooled = inputs["pooled_projections"]
     return {"hidden_states": inputs["hidden_states"], "timestep": inputs["timestep"],
-            "encoder_hidden_states": inputs["encoder_hidden_states"] if config.joint_attention_dim is not None else None,
+            "encoder_hidden_states": None if config.joint_attention_dim is None else inputs["encoder_hidden_states"],
             "pooled_projections": torch.zeros_like(pooled) if zero_pooled else pooled,
             "controlnet_cond": (conditioning_latents - shift) * vae_config.scaling_factor}
