@@ -175,6 +175,10 @@ def test_frozen_encoders_are_on_the_accelerator_only_while_they_run(cache_latent
         moves.clear()
         frozen.latents(torch.zeros(1, 4, 4, 4))
         assert moves == ([("vae", "cuda:0"), ("vae", "cpu")] if offload else [])
+    moves.clear()
+    with frozen.vae_on_device():  # a family encoding a ControlNet's conditioning image itself
+        assert moves == ([("vae", "cuda:0")] if vae_off else [])
+    assert moves == ([("vae", "cuda:0"), ("vae", "cpu")] if vae_off else [])
 
 
 def test_unreadable_image_raises_its_error_when_drawn(tiny_sd_pipe):

@@ -30,9 +30,11 @@ def z_image_flags(tiny, output_dir, *extra):
 
 
 def qwen_image_flags(tiny, output_dir, *extra):
-    """4 steps from tiny/qwen_image_controlnet, checkpoints every 2."""
+    """4 steps from tiny/qwen_image_controlnet with the training latents cached (the VAE then comes to the
+    accelerator for the conditioning images in every step), checkpoints every 2."""
     return controlnet_flags(tiny, "qwen_image", output_dir, "--controlnet_model_name_or_path",
-                            tiny["qwen_image_controlnet"], "--max_train_steps", 4, "--checkpointing_steps", 2, *extra)
+                            tiny["qwen_image_controlnet"], "--cache_latents", "--max_train_steps", 4,
+                            "--checkpointing_steps", 2, *extra)
 
 
 def validation_flags(tiny):
@@ -118,12 +120,16 @@ def test_z_image_controlnet_resumes_to_the_uninterrupted_weights(tiny, tmp_path,
                                        "transformer's 2 main layers, 0 among them"),
     (["--control_layers_places", "0,a"], "error: --control_layers_places='0,a': expected comma-separated layer "
                                          "indices"),
+    (["--controlnet_model_name_or_path", "{z_image_controlnet}", "--control_layers_places", "0"],
+     "error: --control_layers_places='0': expected unset with --controlnet_model_name_or_path, whose ControlNet has "
+     "its own"),
     (["--num_extra_conditioning_channels", "1"], "error: --num_extra_conditioning_channels=1: expected 0: "
                                                  "ZImageControlNetPipeline gives the ControlNet the conditioning "
                                                  "image's latents alone"),
 ])
 def test_bad_z_image_controlnet_flags_fail_in_one_line_before_anything_loads(tiny, tmp_path, flags, message):
     output_dir = tmp_path / "out"
+    flags = [flag.format(**tiny) for flag in flags]
     assert usage_error(SCRIPTS["z_image"], *controlnet_flags(tiny, "z_image", output_dir, *flags)) == message
     assert not output_dir.exists()
 
