@@ -44,7 +44,7 @@ def full_flags(tiny, output_dir, *extra):
 
 
 def validation_flags(tiny):
-    return ["--validation_prompt", *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1), *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1),
+    return ["--validation_prompt", *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1),
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2]
 
 
@@ -116,6 +116,11 @@ def test_flags_follow_the_upstream_script(tiny, tmp_path):
     error = usage_error(SCRIPT, *controlnet_flags(tiny, "cogview4", tmp_path / "out", "--upcast_before_saving"))
     assert error == ("error: --upcast_before_saving is not supported here: the transformer trains in fp32 and is "
                      "always saved in fp32")
+    error = usage_error(SCRIPT, *controlnet_flags(tiny, "cogview4", tmp_path / "out",
+                                                  "--only_target_transformer_blocks", "--ema_posthoc_sigma_rels", 0.05,
+                                                  0.1))
+    assert error.startswith("error: --ema_posthoc_sigma_rels=[0.05, 0.1]: expected none with "
+                            "--only_target_transformer_blocks")
     error = usage_error(SCRIPT, *controlnet_flags(tiny, "cogview4", tmp_path / "out", "--resolution", 40))
     assert error.startswith("error: --resolution=40: expected a multiple of 16")
     assert not (tmp_path / "out").exists()
