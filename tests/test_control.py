@@ -10,10 +10,13 @@ from diffusers import CogView4Transformer2DModel, FluxControlPipeline, FluxTrans
 from peft import LoraConfig
 from PIL import Image
 
-from training_utils.args import training_parser
-from training_utils.control import (ControlLoraExport, add_control_args, conditioning_latents, control_how_to_load,
-                                    make_control_validator, norm_layer_names, widen_input_layer, with_conditioning)
+from training_utils.args import add_lora_args, fill_dependent_defaults, training_parser
+from training_utils.control import (ControlLoraExport, add_control_args, add_control_lora_args,
+                                    check_control_lora_args, conditioning_latents, control_how_to_load,
+                                    control_lora_config, control_lora_layers, make_control_validator, norm_layer_names,
+                                    widen_input_layer, with_conditioning)
 from training_utils.controlnet import dataset_columns, load_validation_pairs
+from training_utils.errors import UsageError
 from training_utils.testing.tiny.flux import flux_components
 
 
@@ -177,3 +180,27 @@ def test_a_control_lora_refuses_other_whole_layers(flux_pipe):
     transformer.proj_out.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="only trained: proj_out.weight"):
         ControlLoraExport.of(FluxControlPipeline, {"transformer": transformer})
+
+
+def test_the_lora_always_adapts_the_input_layer_and_takes_upstreams_bias_flag(tmp_path):
+    transformer = flux_components()["transformer"]
+    assert control_lora_layers(transformer, "to_q", "x_embedder") == [
+        "x_embedder", "transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_q",
+        "single_transformer_blocks.1.attn.to_q"]
+    linear = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert control_lora_layers(transformer, "all-linear", "x_embedder") == linear and "proj_out" in linear
+    parser = training_parser("test")
+    add_lora_args(parser, FluxControlPipeline)
+    add_control_lora_args(parser)
+
+    def config(*flags):
+        args = parser.parse_args(["--pretrained_model_name_or_path", str(tmp_path), *flags])
+        check_control_lora_args(args)
+        fill_dependent_defaults(args)
+        return control_lora_config(args, ["x_embedder"])
+
+    assert (config().lora_bias, config().init_lora_weights) == (False, "gaussian")
+    assert (config("--use_lora_bias").lora_bias, config("--use_lora_bias").init_lora_weights) == (True, True)
+    for flags in (["--use_lora_bias", "--gaussian_init_lora"], ["--adapter", "loha"], ["--use_dora"]):
+        with pytest.raises(UsageError):
+            config(*flags)

@@ -8,7 +8,7 @@ from PIL import Image
 
 from helpers import controlnet_flags, import_script, launch, launch_together, launching, usage_error
 from training_utils.control import widen_input_layer
-from training_utils.testing import assert_resumes_exactly, assert_validated_at, differing_keys
+from training_utils.testing import assert_resumes_exactly, assert_validated_at, differing_keys, reported_buckets
 
 SCRIPT = "cogview4-control/train_control_cogview4.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -22,21 +22,22 @@ def conditioning(tiny, index):
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
-    """``{name: output_dir}`` of the runs here, launched together:
+    """``{name: (output_dir, result)}`` of the runs here, launched together:
 
     - full: 4 steps from tiny/cogview4 (its patch embedding widened), EMA, validating both prompts with their
       conditioning images every 2 steps (2 denoising steps), a checkpoint at step 2;
     - control: 2 steps from tiny/cogview4_control (a Control model already: not widened again), the blocks and the
-      patch embedding only (--only_target_transformer_blocks), EMA decay 0, cached latents, no validation.
+      patch embedding only (--only_target_transformer_blocks), EMA decay 0, cached latents, pictures of mixed shapes
+      in aspect-ratio buckets, no validation.
     """
     root = tmp_path_factory.mktemp("runs")
-    launch_together({
+    results = launch_together({
         "full": (SCRIPT, *full_flags(tiny, root / "full", *validation_flags(tiny))),
         "control": (SCRIPT, *controlnet_flags(tiny, "cogview4_control", root / "control", "--max_train_steps", 2,
                                               "--only_target_transformer_blocks", "--ema_decay", 0,
-                                              "--cache_latents")),
+                                              "--cache_latents", mixed=True)),
     })
-    return {name: root / name for name in ("full", "control")}
+    return {name: (root / name, result) for name, result in results.items()}
 
 
 def full_flags(tiny, output_dir, *extra):
@@ -44,7 +45,7 @@ def full_flags(tiny, output_dir, *extra):
 
 
 def validation_flags(tiny):
-    return ["--validation_prompt", *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1), *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1),
+    return ["--validation_prompt", *PROMPTS, "--validation_image", conditioning(tiny, 0), conditioning(tiny, 1),
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2]
 
 
@@ -57,7 +58,7 @@ def render(tiny, transformer, image):
 
 
 def test_writes_a_widened_raw_and_ema_transformer_that_change_the_control_pipelines_output(tiny, runs):
-    output_dir = runs["full"]
+    output_dir, _ = runs["full"]
     raw, ema = (CogView4Transformer2DModel.from_pretrained(folder) for folder in (output_dir, output_dir / "ema"))
     base = CogView4Transformer2DModel.from_pretrained(tiny["cogview4"], subfolder="transformer")
     assert (raw.config.in_channels, raw.config.out_channels) == (32, 16)
@@ -79,7 +80,7 @@ def test_writes_a_widened_raw_and_ema_transformer_that_change_the_control_pipeli
 
 
 def test_validates_each_prompt_with_its_conditioning_image_at_the_due_steps(tiny, runs):
-    output_dir = runs["full"]
+    output_dir, _ = runs["full"]
     assert_validated_at(output_dir, [2, 4], ("raw", "ema"), PROMPTS, num_images=1)
     saved = sorted(path.name for path in (output_dir / "validation").glob("conditioning-*.png"))
     assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
@@ -91,12 +92,13 @@ def test_validates_each_prompt_with_its_conditioning_image_at_the_due_steps(tiny
 def test_resumes_to_the_uninterrupted_weights(tiny, runs, tmp_path):
     # The uninterrupted run validated at steps 2 and 4, the resumed one never: resuming mid-epoch with random
     # crops, flips and empty prompts, and validating, both leave the weights bit for bit as they would be.
-    assert_resumes_exactly(SCRIPT, lambda output_dir: full_flags(tiny, output_dir), runs["full"], tmp_path, 2,
+    assert_resumes_exactly(SCRIPT, lambda output_dir: full_flags(tiny, output_dir), runs["full"][0], tmp_path, 2,
                            [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
 
 
 def test_a_control_model_trains_on_without_widening_and_only_its_blocks_and_patch_embedding(tiny, runs):
-    output_dir = runs["control"]
+    output_dir, result = runs["control"]
+    assert len(reported_buckets(result.stderr)) >= 2, result.stderr[-3000:]
     raw = CogView4Transformer2DModel.from_pretrained(output_dir)
     ema = CogView4Transformer2DModel.from_pretrained(output_dir / "ema")
     initial = CogView4Transformer2DModel.from_pretrained(tiny["cogview4_control"], subfolder="transformer")
@@ -116,6 +118,11 @@ def test_flags_follow_the_upstream_script(tiny, tmp_path):
     error = usage_error(SCRIPT, *controlnet_flags(tiny, "cogview4", tmp_path / "out", "--upcast_before_saving"))
     assert error == ("error: --upcast_before_saving is not supported here: the transformer trains in fp32 and is "
                      "always saved in fp32")
+    error = usage_error(SCRIPT, *controlnet_flags(tiny, "cogview4", tmp_path / "out",
+                                                  "--only_target_transformer_blocks", "--ema_posthoc_sigma_rels", 0.05,
+                                                  0.1))
+    assert error.startswith("error: --ema_posthoc_sigma_rels=[0.05, 0.1]: expected none with "
+                            "--only_target_transformer_blocks")
     error = usage_error(SCRIPT, *controlnet_flags(tiny, "cogview4", tmp_path / "out", "--resolution", 40))
     assert error.startswith("error: --resolution=40: expected a multiple of 16")
     assert not (tmp_path / "out").exists()

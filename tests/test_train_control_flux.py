@@ -130,6 +130,8 @@ def test_the_lora_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
     (LORA, ["--adapter", "lokr"], "error: --adapter='lokr': expected lora"),
     (LORA, ["--jsonl_for_train", "train.jsonl"], "error: --jsonl_for_train is not supported here: put the JSON"),
     (FULL, ["--upcast_before_saving"], "error: --upcast_before_saving is not supported here: the transformer"),
+    (FULL, ["--only_target_transformer_blocks", "--ema_posthoc_sigma_rels", 0.05, 0.1],
+     "error: --ema_posthoc_sigma_rels=[0.05, 0.1]: expected none with --only_target_transformer_blocks"),
     (FULL, ["--conditioning_image_column", "hint"], "error: --conditioning_image_column='hint': expected a column"),
 ])
 def test_bad_input_fails_with_one_line_before_anything_loads(tiny, tmp_path, script, flags, expected):

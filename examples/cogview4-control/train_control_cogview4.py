@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-# Copied from examples/controlnet/train_controlnet_sdxl.py; tests/test_drift.py keeps what they share alike.
+# Copied from examples/flux-control/train_control_flux.py; tests/test_drift.py keeps what they share alike.
 """Train CogView4 Control, the whole transformer, on (image, conditioning image, caption) triples, with an optional EMA.
 
     accelerate launch train_control_cogview4.py \\
@@ -11,13 +11,16 @@
 The conditioning image goes through the VAE as the image does, and its latents are concatenated with the noisy
 latents along the channels, as ``CogView4ControlPipeline`` concatenates them: the transformer's patch embedding is
 widened to read them, its new columns zero, so that training starts from the base model (a CogView4 Control model
-given as the base trains on as it is). The frozen text encoder runs once per distinct caption before training, and
-with ``--cache_latents`` the VAE runs once per target image (both flips); the conditioning images are encoded in
-each step. The noise levels and timesteps are the pipeline's sampling loop's (`families.cogview4`).
+given as the base trains on as it is). The whole transformer trains, in fp32 (with
+``--only_target_transformer_blocks``, the patch embedding's projection and the blocks only). The frozen text encoder
+runs once per distinct caption before training, and with ``--cache_latents`` the VAE runs once per target image (both
+flips); the conditioning images are encoded in each step. The noise levels and timesteps are the pipeline's sampling
+loop's (`families.cogview4`).
 
 Writes the transformer to ``output_dir`` (and the EMA's to ``output_dir/ema``), which
 ``CogView4Transformer2DModel.from_pretrained`` loads into ``CogView4ControlPipeline``, validation images of each
-prompt with its conditioning image in ``validation/log.jsonl``, checkpoints to resume from, and a model card.
+prompt with its conditioning image in ``validation/log.jsonl``, checkpoints to resume from, and a model card. Flags
+of the upstream script that this one does not carry stop the run with one line saying why.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
@@ -28,8 +31,7 @@ from diffusers import CogView4ControlPipeline, FlowMatchEulerDiscreteScheduler
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, check_args, fill_dependent_defaults, training_parser
 from training_utils.compile import compile_repeated_blocks
-from training_utils.control import REFUSED as CONTROL_REFUSED
-from training_utils.control import (add_control_args, conditioning_latents, control_how_to_load,
+from training_utils.control import (REFUSED, add_control_args, conditioning_latents, control_how_to_load,
                                     make_control_validator, widen_input_layer, with_conditioning)
 from training_utils.controlnet import dataset_columns, load_validation_pairs
 from training_utils.data.buckets import validation_size
@@ -39,6 +41,7 @@ from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageWithConditioningTransform
 from training_utils.data.prompts import cached_rows
 from training_utils.ema import make_ema
+from training_utils.errors import require
 from training_utils.families import cogview4
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
                                           flow_matching_loss)
@@ -53,28 +56,31 @@ from training_utils.pipeline import (load_pipeline, prepare_components, trainabl
 from training_utils.posthoc_ema import make_posthoc_ema
 
 # The flags of upstream's script that this one does not carry, besides those no script here carries.
-REFUSED = {**CONTROL_REFUSED, "--upcast_before_saving": "the transformer trains in fp32 and is always saved in fp32"}
+REFUSED = {**REFUSED, "--upcast_before_saving": "the transformer trains in fp32 and is always saved in fp32"}
 
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50, resolution=1024,
                              tracker_project_name="cogview4_train_control")
-    parser.set_defaults(learning_rate=5e-6)  # upstream's: the whole transformer trains
-    cogview4.add_args(parser)
     add_control_args(parser)
+    parser.add_argument("--only_target_transformer_blocks", action="store_true",
+                        help="train the input layer (the patch embedding's projection) and the transformer blocks "
+                             "only, not the embedders and the output layers")
+    cogview4.add_args(parser)
+    parser.add_argument("--guidance_scale", type=float, default=3.5,
+                        help="the classifier-free guidance validation renders at (upstream's; "
+                             "--validation_guidance_scale overrides it)")
+    parser.set_defaults(learning_rate=5e-6)  # upstream's: the whole transformer trains
     add_flow_matching_args(parser, weighting_scheme="none")
     add_cache_args(parser)
-    group = parser.add_argument_group("CogView4 Control")
-    group.add_argument("--only_target_transformer_blocks", action="store_true",
-                       help="train the transformer blocks and the widened patch embedding only (upstream's flag)")
-    group.add_argument("--guidance_scale", type=float, default=3.5,
-                       help="the classifier-free guidance validation renders at (upstream's; "
-                            "--validation_guidance_scale overrides it)")
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
-    cogview4.check_args(args)
+    require(not (args.only_target_transformer_blocks and args.ema_posthoc_sigma_rels), "--ema_posthoc_sigma_rels",
+            args.ema_posthoc_sigma_rels, "none with --only_target_transformer_blocks (a post-hoc synthesis writes the "
+                                         "whole transformer, from the tensors that trained)")
     check_flow_matching_args(args)
+    cogview4.check_args(args)
     fill_dependent_defaults(args)
     return args
 
@@ -101,8 +107,8 @@ def main(args, run):
         widen_input_layer(transformer, "patch_embed.proj")
     transformer.requires_grad_(not args.only_target_transformer_blocks)
     if args.only_target_transformer_blocks:
-        transformer.transformer_blocks.requires_grad_(True)
-        transformer.patch_embed.proj.requires_grad_(True)
+        for module in (transformer.patch_embed.proj, transformer.transformer_blocks):
+            module.requires_grad_(True)
     trained = {"transformer": transformer}
     prepare_components(pipe, trained, accelerator.device, weight_dtype, encoders=[pipe.vae, *text_encoders])
     if args.gradient_checkpointing:
@@ -169,8 +175,9 @@ def main(args, run):
             noise = torch.randn_like(latents)
             timesteps, sigmas = cogview4.sample_timesteps(pipe, noise_scheduler, args, latents)
             text = cogview4.text_inputs(prompt_rows(batch["prompt"]))
-            noisy = with_conditioning(add_noise(latents, noise, sigmas), control)
-            output = models["transformer"](**cogview4.model_inputs(pipe, noisy, timesteps, text), return_dict=False)[0]
+            inputs = cogview4.model_inputs(pipe, with_conditioning(add_noise(latents, noise, sigmas), control),
+                                           timesteps, text)
+            output = models["transformer"](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(cogview4.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 

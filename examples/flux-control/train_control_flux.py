@@ -39,6 +39,7 @@ from training_utils.data.datasets import (TrainDataset, captions_with_empty, dat
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageWithConditioningTransform
 from training_utils.data.prompts import cached_rows
+from training_utils.errors import require
 from training_utils.ema import make_ema
 from training_utils.families import flux
 from training_utils.flow_matching import (add_flow_matching_args, add_noise, check_flow_matching_args,
@@ -71,6 +72,9 @@ def parse_args(argv=None):
     add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
+    require(not (args.only_target_transformer_blocks and args.ema_posthoc_sigma_rels), "--ema_posthoc_sigma_rels",
+            args.ema_posthoc_sigma_rels, "none with --only_target_transformer_blocks (a post-hoc synthesis writes the "
+                                         "whole transformer, from the tensors that trained)")
     check_flow_matching_args(args)
     flux.check_args(args)
     fill_dependent_defaults(args)
