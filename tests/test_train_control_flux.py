@@ -7,7 +7,7 @@ from diffusers import FluxControlPipeline, FluxTransformer2DModel
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import controlnet_flags, launch, launch_together, launching, usage_error
+from helpers import controlnet_flags, launch, launch_together, launching, together, usage_error
 from training_utils.control import widen_input_layer
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_model_folder_loads, assert_resumes_exactly,
                                     assert_validated_at, differing_keys, read_log)
@@ -33,21 +33,25 @@ def lora_flags(tiny, output_dir, *extra):
                             "--train_norm_layers", "--checkpointing_steps", 2, *extra)
 
 
+def full_flags(tiny, output_dir, *extra):
+    """3 steps of the whole transformer, latents cached (the conditioning images still encoded in every step), the EMA
+    on the CPU and updated every 2 steps (and at the final step), checkpointing every step, the newest 2 kept."""
+    return controlnet_flags(tiny, "flux", output_dir, "--max_train_steps", 3, "--cache_latents", "--ema_device", "cpu",
+                            "--ema_update_every", 2, "--checkpointing_steps", 1, "--checkpoints_total_limit", 2, *extra)
+
+
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
     """``{name: output_dir}`` of the runs here, launched together:
 
     - lora: `lora_flags`, validating both prompts, each with its conditioning image, every 2 steps (2 and 4);
-    - full: 3 steps of the whole transformer, latents cached (the conditioning images still encoded in every step),
-      the EMA on the CPU and updated every 2 steps, validating one prompt every 2 steps (2 and the final 3).
+    - full: `full_flags`, validating one prompt every 2 steps (2 and the final 3).
     """
     root = tmp_path_factory.mktemp("runs")
     launch_together({
         "lora": (LORA, *lora_flags(tiny, root / "lora", *validation_flags(tiny, PROMPTS, 2))),
-        "full": (FULL, *controlnet_flags(tiny, "flux", root / "full", "--max_train_steps", 3, "--cache_latents",
-                                         "--ema_device", "cpu", "--ema_update_every", 2, "--checkpointing_steps", 3,
-                                         *validation_flags(tiny, PROMPTS[:1], 2))),
+        "full": (FULL, *full_flags(tiny, root / "full", *validation_flags(tiny, PROMPTS[:1], 2))),
     })
     return {name: root / name for name in ("lora", "full")}
 
@@ -119,10 +123,16 @@ def test_validation_renders_each_prompt_with_its_conditioning_beside_raw_and_ema
     assert "validation/conditioning-p00.png" in card and read_log(output_dir)[-1]["progress"] in card
 
 
-def test_the_lora_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
-    # The uninterrupted run validated at steps 2 and 4, the resumed one never.
-    assert_resumes_exactly(LORA, lambda output_dir: lora_flags(tiny, output_dir), runs["lora"], tmp_path, 2,
-                           [LORA_WEIGHTS, f"ema/{LORA_WEIGHTS}"], launch=launch)
+def test_both_resume_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+    # The uninterrupted runs validated (the LoRA at steps 2 and 4, the full fine-tune at 2 and 3), the resumed ones
+    # never; the full fine-tune's CPU EMA resumes between its updates (at 2 and the final step).
+    together({
+        "lora": lambda: assert_resumes_exactly(LORA, lambda output_dir: lora_flags(tiny, output_dir), runs["lora"],
+                                               tmp_path / "lora", 2, [LORA_WEIGHTS, f"ema/{LORA_WEIGHTS}"],
+                                               launch=launch),
+        "full": lambda: assert_resumes_exactly(FULL, lambda output_dir: full_flags(tiny, output_dir), runs["full"],
+                                               tmp_path / "full", 2, [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch),
+    })
 
 
 @pytest.mark.parametrize("script, flags, expected", [
