@@ -276,5 +276,4 @@ def swap_blocks(pipe, name, module, device):
     swap = BlockSwap(module, count, device)
     logger.info(f"--blocks_to_swap: the frozen weights of {count} of the {len(repeated_blocks(module))} blocks of "
                 f"{name} stay in CPU memory")
-    module.block_swap = swap
     return swap
