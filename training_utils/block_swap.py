@@ -173,7 +173,9 @@ class BlockSwap:
         if index in self.copies:
             return
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            copies = [master.to(self.device, non_blocking=self.stream is not None, copy=True)
+            # On the CPU (the tests' accelerator), a copy all the same: torchao's .to(copy=True) shares the storage.
+            copies = [master.clone() if master.device == self.device else
+                      master.to(self.device, non_blocking=self.stream is not None)
                       for _, _, master, _ in self.frozen[index]]
         self.copies[index] = (copies, self.stream.record_event() if self.stream is not None else None)
 
@@ -276,5 +278,4 @@ def swap_blocks(pipe, name, module, device):
     swap = BlockSwap(module, count, device)
     logger.info(f"--blocks_to_swap: the frozen weights of {count} of the {len(repeated_blocks(module))} blocks of "
                 f"{name} stay in CPU memory")
-    module.block_swap = swap
     return swap
