@@ -2,6 +2,7 @@
 Control pipelines concatenate it, the conditioning latents, the Control LoRA's file (the widened input and the norm
 layers) as load_lora_weights loads it, the validator and the model card's loading code."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -204,3 +205,34 @@ def test_the_lora_always_adapts_the_input_layer_and_takes_upstreams_bias_flag(tm
     for flags in (["--use_lora_bias", "--gaussian_init_lora"], ["--adapter", "loha"], ["--use_dora"]):
         with pytest.raises(UsageError):
             config(*flags)
+
+
+def test_a_json_lines_file_is_a_dataset_its_paths_relative_to_the_working_directory(tmp_path, monkeypatch):
+    from training_utils.controlnet import dataset_columns
+    from training_utils.data.datasets import load_train_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "images").mkdir()
+    for name, color in (("a", "red"), ("b", "blue")):
+        Image.new("RGB", (8, 8), color).save(tmp_path / "images" / f"{name}.png")
+    rows = [{"image": "images/a.png", "conditioning_image": str(tmp_path / "images" / "b.png"), "text": "a red square"},
+            {"image": "images/b.png", "conditioning_image": "images/a.png", "text": "a blue square"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def load(path, *flags):
+        args = parse(tmp_path, "--jsonl_for_train", path, *flags)
+        return load_train_dataset(args, dataset_columns(args))
+
+    dataset = load("train.jsonl")
+    assert dataset["text"] == ["a red square", "a blue square"]
+    assert [image.getpixel((0, 0)) for image in dataset["conditioning_image"]] == [(0, 0, 255), (255, 0, 0)]
+    rows[1]["conditioning_image"] = "images/missing.png"
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UsageError, match="row 1 has 'images/missing.png'"):
+        load("bad.jsonl")
+    (tmp_path / "not.jsonl").write_text("not json\n")
+    for path, flags, expected in (("not.jsonl", [], "expected a JSON Lines file"),
+                                  ("absent.jsonl", [], "expected an existing JSON Lines file"),
+                                  ("train.jsonl", ["--train_data_dir", tmp_path], "expected no --dataset_name")):
+        with pytest.raises(UsageError, match=expected):
+            load(path, *flags)

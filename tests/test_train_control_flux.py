@@ -138,7 +138,7 @@ def test_both_resume_to_the_uninterrupted_weights(tiny, tmp_path, runs):
 @pytest.mark.parametrize("script, flags, expected", [
     (LORA, ["--use_lora_bias", "--gaussian_init_lora"], "error: --gaussian_init_lora=True: expected not with"),
     (LORA, ["--adapter", "lokr"], "error: --adapter='lokr': expected lora"),
-    (LORA, ["--jsonl_for_train", "train.jsonl"], "error: --jsonl_for_train is not supported here: put the JSON"),
+    (LORA, ["--jsonl_for_train", "train.jsonl"], "error: --jsonl_for_train='train.jsonl': expected no --dataset_name"),
     (FULL, ["--upcast_before_saving"], "error: --upcast_before_saving is not supported here: the transformer"),
     (FULL, ["--only_target_transformer_blocks", "--ema_posthoc_sigma_rels", 0.05, 0.1],
      "error: --ema_posthoc_sigma_rels=[0.05, 0.1]: expected none with --only_target_transformer_blocks"),

@@ -33,8 +33,6 @@ NORM_LAYERS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 # The flags of upstream's Control scripts that these do not carry, and why.
 REFUSED = {
-    "--jsonl_for_train": "put the JSON Lines file in a folder of its own and pass the folder as --dataset_name (its "
-                         "image paths absolute, or relative to that folder)",
     "--log_dataset_samples": "the validation grids show each conditioning image beside its samples; training samples "
                              "are not logged",
 }
@@ -60,8 +58,13 @@ image = pipe("{prompt}", control_image=load_image("{conditioning_image}")).image
 
 
 def add_control_args(parser):
-    """The conditioning images' flags: the dataset's column and the validation images (the ControlNet scripts')."""
-    add_conditioning_image_args(parser.add_argument_group("control"))
+    """The conditioning images' flags: the dataset's column and the validation images (the ControlNet scripts'); and
+    upstream's ``--jsonl_for_train``, a dataset of one JSON Lines file (`data.datasets.load_train_dataset` reads it)."""
+    group = parser.add_argument_group("control")
+    add_conditioning_image_args(group)
+    group.add_argument("--jsonl_for_train", default=None,
+                       help="the training rows as a JSON Lines file (instead of --dataset_name or --train_data_dir), "
+                            "its image paths absolute or relative to the working directory")
 
 
 def add_control_lora_args(parser):

@@ -44,6 +44,9 @@ def load_train_dataset(args, columns):
     """
     from datasets import load_dataset
 
+    jsonl = getattr(args, "jsonl_for_train", None)
+    if jsonl is not None:
+        return checked_dataset(args, columns, "--jsonl_for_train", jsonl, jsonl_dataset(args, jsonl))
     if (args.dataset_name is None) == (args.train_data_dir is None):
         raise UsageError("--dataset_name/--train_data_dir", args.dataset_name or args.train_data_dir,
                          "exactly one of the two")
@@ -67,16 +70,37 @@ def load_train_dataset(args, columns):
             raise UsageError("--dataset_name", args.dataset_name, f"a loadable dataset ({error})") from None
     if "train" not in dataset:
         raise UsageError("--dataset_name", args.dataset_name, f"a dataset with a train split, not {list(dataset)}")
-    dataset = dataset["train"]
-    for flag, column in columns.items():
+    return checked_dataset(args, columns, flag, value, dataset["train"])
+
+
+def jsonl_dataset(args, path):
+    """The rows of a JSON Lines file (``--jsonl_for_train``, upstream's flag for a dataset of one file, its image
+    paths absolute or relative to the working directory), alone among the data sources."""
+    from datasets import load_dataset
+
+    if args.dataset_name is not None or args.train_data_dir is not None:
+        raise UsageError("--jsonl_for_train", path, "no --dataset_name or --train_data_dir beside it")
+    if not Path(path).is_file():
+        raise UsageError("--jsonl_for_train", path, "an existing JSON Lines file")
+    try:
+        return load_dataset("json", data_files={"train": str(path)}, cache_dir=args.cache_dir)["train"]
+    except Exception as error:  # datasets wraps the JSON reader's errors in its own
+        raise UsageError("--jsonl_for_train", path, f"a JSON Lines file, one JSON object a line ({error})") from None
+
+
+def checked_dataset(args, columns, flag, value, dataset):
+    """``dataset`` (read from ``flag``'s ``value``) checked to have ``columns``, at most ``--max_train_samples`` rows,
+    its image columns images and its captions captions."""
+    for flag_name, column in columns.items():
         if column not in dataset.column_names:
-            raise UsageError(flag, column, f"a column of the dataset: {', '.join(dataset.column_names)}")
+            raise UsageError(flag_name, column, f"a column of the dataset: {', '.join(dataset.column_names)}")
     if len(dataset) == 0:
-        raise UsageError("--train_data_dir", args.train_data_dir, "a dataset with at least one example")
+        raise UsageError(flag, value, "a dataset with at least one example")
     if args.max_train_samples is not None:
         dataset = dataset.select(range(min(args.max_train_samples, len(dataset))))
-    for flag in IMAGE_COLUMN_FLAGS.intersection(columns):
-        dataset = images_in_column(dataset, flag, columns[flag], Path(value) if Path(value).is_dir() else None)
+    for image_flag in IMAGE_COLUMN_FLAGS.intersection(columns):
+        dataset = images_in_column(dataset, image_flag, columns[image_flag],
+                                   Path(value) if Path(value).is_dir() else None)
     if "--caption_column" in columns:
         check_captions(dataset, columns["--caption_column"])
         dataset = captions_without_bom(dataset, columns["--caption_column"])
