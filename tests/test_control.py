@@ -126,15 +126,19 @@ def test_flags_are_the_controlnet_scripts_and_the_validator_renders_each_prompt_
     assert list(validator.conditioning_images) == [pairs[0][1], pairs[1][1]]
 
 
-def test_the_card_loads_the_transformer_or_the_lora_into_the_control_pipeline(tmp_path, flux_pipe):
+def test_the_card_loads_the_pipeline_folder_with_its_ema_or_the_lora_into_the_control_pipeline(tmp_path, flux_pipe):
     args = parse(tmp_path, "--validation_prompt", "a red circle", "--validation_image", "pose.png")
     output_dir = tmp_path / "out"
-    full = control_how_to_load(args, flux_pipe)
-    assert "from diffusers import FluxControlPipeline, FluxTransformer2DModel" in full
-    assert f'transformer = FluxTransformer2DModel.from_pretrained("{output_dir}")' in full
-    assert 'control_image=load_image("pose.png")' in full and "a red circle" in full
+    full, with_ema = (control_how_to_load(args, flux_pipe, ema) for ema in (None, object()))
+    for card in (full, with_ema):
+        assert "from diffusers import FluxControlPipeline, FluxTransformer2DModel" in card
+        assert f'pipe = FluxControlPipeline.from_pretrained("{output_dir}")' in card
+        assert 'image = pipe("a red circle", control_image=load_image("pose.png")).images[0]' in card
+    swap = f'pipe.transformer = FluxTransformer2DModel.from_pretrained("{output_dir}/ema/transformer")'
+    assert swap not in full and swap in with_ema
     lora = control_how_to_load(args, flux_pipe, lora=True)
     assert f'pipe.load_lora_weights("{output_dir}")' in lora and "FluxTransformer2DModel" not in lora
+    assert 'control_image=load_image("pose.png")' in lora
 
 
 def control_lora(transformer, train_norm_layers):

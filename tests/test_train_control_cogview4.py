@@ -1,9 +1,11 @@
 """Smoke tests: the CogView4 Control script end to end on the tiny fixtures, through ``accelerate launch``."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from diffusers import CogView4ControlPipeline, CogView4Pipeline, CogView4Transformer2DModel
+from diffusers import CogView4ControlPipeline, CogView4Transformer2DModel, DiffusionPipeline
 from PIL import Image
 
 from helpers import controlnet_flags, import_script, launch, launch_together, launching, usage_error
@@ -12,6 +14,7 @@ from training_utils.testing import assert_resumes_exactly, assert_validated_at, 
 
 SCRIPT = "cogview4-control/train_control_cogview4.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
+TRANSFORMER, EMA_TRANSFORMER = f"transformer/{WEIGHTS}", f"ema/transformer/{WEIGHTS}"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
 
@@ -49,34 +52,44 @@ def validation_flags(tiny):
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2]
 
 
-def render(tiny, transformer, image):
-    base = CogView4Pipeline.from_pretrained(tiny["cogview4"])
-    pipe = CogView4ControlPipeline(**{**base.components, "transformer": transformer})
+def render(pipe, image):
     pipe.set_progress_bar_config(disable=True)
     return pipe(PROMPTS[0], control_image=image, num_inference_steps=2, height=32, width=32, output_type="np",
                 generator=torch.Generator().manual_seed(0)).images
 
 
-def test_writes_a_widened_raw_and_ema_transformer_that_change_the_control_pipelines_output(tiny, runs):
+def test_writes_a_control_pipeline_with_the_widened_transformer_raw_and_ema_that_change_its_output(tiny, runs):
     output_dir, _ = runs["full"]
-    raw, ema = (CogView4Transformer2DModel.from_pretrained(folder) for folder in (output_dir, output_dir / "ema"))
-    base = CogView4Transformer2DModel.from_pretrained(tiny["cogview4"], subfolder="transformer")
+    # From a CogView4 text-to-image base, a CogView4ControlPipeline folder: whatever loads it gets that class.
+    assert json.loads((output_dir / "model_index.json").read_text())["_class_name"] == "CogView4ControlPipeline"
+    pipe = DiffusionPipeline.from_pretrained(output_dir)
+    assert type(pipe) is CogView4ControlPipeline
+    raw = pipe.transformer
+    ema = CogView4Transformer2DModel.from_pretrained(output_dir / "ema" / "transformer")
+    base = CogView4ControlPipeline.from_pretrained(tiny["cogview4"])
     assert (raw.config.in_channels, raw.config.out_channels) == (32, 16)
-    assert raw.patch_embed.proj.weight.shape == (base.patch_embed.proj.out_features, 32 * 4)
+    assert raw.patch_embed.proj.weight.shape == (base.transformer.patch_embed.proj.out_features, 32 * 4)
     # The conditioning's new columns started at zero and trained; every layer moved; the EMA lags behind.
     assert raw.patch_embed.proj.weight[:, 64:].abs().sum() > 0
-    changed = differing_keys(raw.state_dict(), base.state_dict())
+    changed = differing_keys(raw.state_dict(), base.transformer.state_dict())
     assert "proj_out.weight" in changed and "transformer_blocks.0.attn1.to_q.weight" in changed
     assert differing_keys(raw.state_dict(), ema.state_dict())
-    # Loaded into the stock control pipeline, the trained model renders differently from a merely widened base.
+    # Only the transformer is written anew; the VAE's and the text encoder's files are the base's, linked.
+    assert (output_dir / TRANSFORMER).stat().st_nlink == 1
+    for name in ("vae", "text_encoder"):
+        files = sorted((tiny["cogview4"] / name).glob("*.safetensors")) + [tiny["cogview4"] / name / "config.json"]
+        assert all((output_dir / name / path.name).samefile(path) for path in files), name
+    # The trained pipeline renders differently from a merely widened base, and with the EMA swapped in.
     image = Image.open(conditioning(tiny, 0)).convert("RGB")
-    trained, ema_image = (render(tiny, model, image) for model in (raw, ema))
-    widen_input_layer(base, "patch_embed.proj")
-    initial = render(tiny, base, image)
-    assert not np.allclose(trained, initial, atol=1e-4) and not np.allclose(trained, ema_image, atol=1e-4)
+    trained = render(pipe, image)
     # The conditioning image steers it: another one renders another picture.
     other = Image.open(conditioning(tiny, 1)).convert("RGB")
-    assert not np.allclose(render(tiny, raw, other), trained, atol=1e-4)
+    assert not np.allclose(render(pipe, other), trained, atol=1e-4)
+    pipe.transformer = ema
+    ema_image = render(pipe, image)
+    widen_input_layer(base.transformer, "patch_embed.proj")
+    initial = render(base, image)
+    assert not np.allclose(trained, initial, atol=1e-4) and not np.allclose(trained, ema_image, atol=1e-4)
 
 
 def test_validates_each_prompt_with_its_conditioning_image_at_the_due_steps(tiny, runs):
@@ -85,7 +98,8 @@ def test_validates_each_prompt_with_its_conditioning_image_at_the_due_steps(tiny
     saved = sorted(path.name for path in (output_dir / "validation").glob("conditioning-*.png"))
     assert saved == ["conditioning-p00.png", "conditioning-p01.png"]
     card = (output_dir / "README.md").read_text()
-    assert "CogView4ControlPipeline" in card and "CogView4Transformer2DModel.from_pretrained" in card
+    assert f'pipe = CogView4ControlPipeline.from_pretrained("{output_dir}")' in card
+    assert f'pipe.transformer = CogView4Transformer2DModel.from_pretrained("{output_dir}/ema/transformer")' in card
     assert (output_dir / "checkpoint-2").is_dir() and (output_dir / "checkpoint-4").is_dir()
 
 
@@ -93,14 +107,15 @@ def test_resumes_to_the_uninterrupted_weights(tiny, runs, tmp_path):
     # The uninterrupted run validated at steps 2 and 4, the resumed one never: resuming mid-epoch with random
     # crops, flips and empty prompts, and validating, both leave the weights bit for bit as they would be.
     assert_resumes_exactly(SCRIPT, lambda output_dir: full_flags(tiny, output_dir), runs["full"][0], tmp_path, 2,
-                           [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
+                           [TRANSFORMER, EMA_TRANSFORMER], launch=launch)
 
 
 def test_a_control_model_trains_on_without_widening_and_only_its_blocks_and_patch_embedding(tiny, runs):
     output_dir, result = runs["control"]
     assert len(reported_buckets(result.stderr)) >= 2, result.stderr[-3000:]
-    raw = CogView4Transformer2DModel.from_pretrained(output_dir)
-    ema = CogView4Transformer2DModel.from_pretrained(output_dir / "ema")
+    assert json.loads((output_dir / "model_index.json").read_text())["_class_name"] == "CogView4ControlPipeline"
+    raw, ema = (CogView4Transformer2DModel.from_pretrained(output_dir / folder)
+                for folder in ("transformer", "ema/transformer"))
     initial = CogView4Transformer2DModel.from_pretrained(tiny["cogview4_control"], subfolder="transformer")
     assert raw.config.in_channels == 32
     changed = differing_keys(raw.state_dict(), initial.state_dict())

@@ -1,19 +1,24 @@
 """Smoke tests: the FLUX.1 Control scripts (full fine-tune and LoRA) end to end on the tiny FLUX.1 fixture."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxControlPipeline, FluxTransformer2DModel
+from diffusers import DiffusionPipeline, FluxControlPipeline, FluxTransformer2DModel
 from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import controlnet_flags, launch, launch_together, launching, together, usage_error
 from training_utils.control import widen_input_layer
+from training_utils.posthoc_ema.__main__ import main as synthesize
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_model_folder_loads, assert_resumes_exactly,
-                                    assert_validated_at, differing_keys, read_log)
+                                    assert_same_files, assert_same_tensors, assert_validated_at,
+                                    checkpoint_weight_files, differing_keys, read_log)
 
 FULL, LORA = "flux-control/train_control_flux.py", "flux-control/train_control_lora_flux.py"
 LORA_WEIGHTS, WEIGHTS = "pytorch_lora_weights.safetensors", "diffusion_pytorch_model.safetensors"
+TRANSFORMER, EMA_TRANSFORMER = f"transformer/{WEIGHTS}", f"ema/transformer/{WEIGHTS}"
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
 
@@ -35,9 +40,11 @@ def lora_flags(tiny, output_dir, *extra):
 
 def full_flags(tiny, output_dir, *extra):
     """3 steps of the whole transformer, latents cached (the conditioning images still encoded in every step), the EMA
-    on the CPU and updated every 2 steps (and at the final step), checkpointing every step, the newest 2 kept."""
+    on the CPU and updated every 2 steps (and at the final step), post-hoc EMA snapshots, checkpointing every step,
+    the newest 2 kept."""
     return controlnet_flags(tiny, "flux", output_dir, "--max_train_steps", 3, "--cache_latents", "--ema_device", "cpu",
-                            "--ema_update_every", 2, "--checkpointing_steps", 1, "--checkpoints_total_limit", 2, *extra)
+                            "--ema_update_every", 2, "--ema_posthoc_sigma_rels", 0.05, 0.1, "--checkpointing_steps", 1,
+                            "--checkpoints_total_limit", 2, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +53,14 @@ def runs(tiny, tmp_path_factory):
     """``{name: output_dir}`` of the runs here, launched together:
 
     - lora: `lora_flags`, validating both prompts, each with its conditioning image, every 2 steps (2 and 4);
-    - full: `full_flags`, validating one prompt every 2 steps (2 and the final 3).
+    - full: `full_flags`, validating one prompt every 2 steps (2 and the final 3, there also the post-hoc EMA of
+      sigma_rel 0.08).
     """
     root = tmp_path_factory.mktemp("runs")
     launch_together({
         "lora": (LORA, *lora_flags(tiny, root / "lora", *validation_flags(tiny, PROMPTS, 2))),
-        "full": (FULL, *full_flags(tiny, root / "full", *validation_flags(tiny, PROMPTS[:1], 2))),
+        "full": (FULL, *full_flags(tiny, root / "full", *validation_flags(tiny, PROMPTS[:1], 2),
+                                   "--validation_sigma_rels", 0.08)),
     })
     return {name: root / name for name in ("lora", "full")}
 
@@ -93,24 +102,52 @@ def test_load_lora_weights_widens_a_fresh_pipeline_and_the_lora_changes_its_outp
     assert_checkpoint_is_the_output(checkpoint, runs["lora"], [LORA_WEIGHTS, f"ema/{LORA_WEIGHTS}"])
 
 
-def test_the_full_fine_tune_saves_the_widened_transformer_raw_and_ema_which_change_the_output(tiny, runs):
+def test_the_full_fine_tune_saves_a_control_pipeline_with_the_widened_transformer_raw_and_ema(tiny, runs):
     output_dir = runs["full"]
-    raw, ema = (assert_model_folder_loads(FluxTransformer2DModel, folder) for folder in (output_dir, output_dir / "ema"))
+    # From a FLUX.1 text-to-image base, a FluxControlPipeline folder: whatever loads it gets the Control pipeline.
+    assert json.loads((output_dir / "model_index.json").read_text())["_class_name"] == "FluxControlPipeline"
+    pipe = DiffusionPipeline.from_pretrained(output_dir)
+    assert type(pipe) is FluxControlPipeline
+    raw = assert_model_folder_loads(FluxTransformer2DModel, output_dir / "transformer")
+    ema = assert_model_folder_loads(FluxTransformer2DModel, output_dir / "ema" / "transformer")
     assert raw.config.in_channels == 32 and raw.config.out_channels == 16 and raw.x_embedder.in_features == 32
+    assert_same_tensors(raw.state_dict(), pipe.transformer.state_dict(), "transformer")
     assert differing_keys(raw.state_dict(), ema.state_dict())
+    assert sorted(path.name for path in (output_dir / "ema").iterdir()) == ["transformer"]
+    # Only the transformer is written anew; the other models' files are the base's, linked.
+    assert (output_dir / TRANSFORMER).stat().st_nlink == 1
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        files = sorted((tiny["flux"] / name).glob("*.safetensors")) + [tiny["flux"] / name / "config.json"]
+        assert all((output_dir / name / path.name).samefile(path) for path in files), name
     base = widened_base(tiny)
     untrained = base.transformer.state_dict()
     assert len(differing_keys(raw.state_dict(), untrained)) == len(untrained)  # every tensor trained
-    renders = [render(FluxControlPipeline.from_pretrained(tiny["flux"], transformer=model), tiny) for model in (raw, ema)]
-    assert not np.allclose(renders[0], render(base, tiny), atol=1e-4) and not np.array_equal(*renders)
-    assert_checkpoint_is_the_output(output_dir / "checkpoint-3", output_dir,
-                                    {f"transformer/{WEIGHTS}": WEIGHTS, f"ema/transformer/{WEIGHTS}": f"ema/{WEIGHTS}"})
+    trained = render(pipe, tiny)
+    pipe.transformer = ema
+    assert not np.allclose(trained, render(base, tiny), atol=1e-4) and not np.array_equal(trained, render(pipe, tiny))
+    # The final checkpoint holds the same transformers (and the post-hoc EMA's profiles, to resume them).
+    checkpoint = output_dir / "checkpoint-3"
+    assert checkpoint_weight_files(checkpoint) == {TRANSFORMER, EMA_TRANSFORMER, "posthoc_ema.safetensors"}
+    for name in (TRANSFORMER, EMA_TRANSFORMER):
+        assert_same_files(checkpoint / name, output_dir / name)
 
 
-@pytest.mark.parametrize("name, prompts, steps", [("lora", PROMPTS, [2, 4]), ("full", PROMPTS[:1], [2, 3])])
-def test_validation_renders_each_prompt_with_its_conditioning_beside_raw_and_ema(tiny, runs, name, prompts, steps):
+def test_a_posthoc_ema_synthesized_after_the_full_fine_tune_is_a_widened_transformer(runs):
+    output_dir = runs["full"]
+    synthesize(["--output_dir", str(output_dir), "--sigma_rel", "0.08"])
+    synthesized = assert_model_folder_loads(FluxTransformer2DModel, output_dir / "posthoc_ema" / "sigma_rel-0.08")
+    assert synthesized.config.in_channels == 32 and synthesized.x_embedder.in_features == 32
+    for folder in ("transformer", "ema/transformer"):
+        trained = FluxTransformer2DModel.from_pretrained(output_dir / folder).state_dict()
+        assert differing_keys(synthesized.state_dict(), trained), folder
+
+
+@pytest.mark.parametrize("name, prompts, steps, sweep", [("lora", PROMPTS, [2, 4], ()),
+                                                          ("full", PROMPTS[:1], [2, 3], ["ema_sigma_rel-0.08"])])
+def test_validation_renders_each_prompt_with_its_conditioning_beside_raw_and_ema(tiny, runs, name, prompts, steps,
+                                                                                 sweep):
     output_dir = runs[name]
-    log = assert_validated_at(output_dir, steps, ("raw", "ema"), prompts, num_images=1)
+    log = assert_validated_at(output_dir, steps, ("raw", "ema"), prompts, num_images=1, sweep=sweep)
     assert {Image.open(output_dir / record["images"][0]).size for record in log} == {(32, 32)}
     assert {record["guidance_scale"] for record in log} == {30.0}  # upstream's default for Control
     for index in range(len(prompts)):
@@ -120,6 +157,8 @@ def test_validation_renders_each_prompt_with_its_conditioning_beside_raw_and_ema
     card = (output_dir / "README.md").read_text()
     assert "FluxControlPipeline.from_pretrained" in card and f'control_image=load_image("{conditioning(tiny, 0)}")' in card
     assert ("load_lora_weights" in card) == (name == "lora")
+    assert (f'pipe = FluxControlPipeline.from_pretrained("{output_dir}")' in card) == (name == "full")
+    assert (f'FluxTransformer2DModel.from_pretrained("{output_dir}/ema/transformer")' in card) == (name == "full")
     assert "validation/conditioning-p00.png" in card and read_log(output_dir)[-1]["progress"] in card
 
 
@@ -131,7 +170,7 @@ def test_both_resume_to_the_uninterrupted_weights(tiny, tmp_path, runs):
                                                tmp_path / "lora", 2, [LORA_WEIGHTS, f"ema/{LORA_WEIGHTS}"],
                                                launch=launch),
         "full": lambda: assert_resumes_exactly(FULL, lambda output_dir: full_flags(tiny, output_dir), runs["full"],
-                                               tmp_path / "full", 2, [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch),
+                                               tmp_path / "full", 2, [TRANSFORMER, EMA_TRANSFORMER], launch=launch),
     })
 
 

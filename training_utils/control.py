@@ -25,7 +25,7 @@ from .adapters.injection import linear_layers_named
 from .args import comma_separated
 from .controlnet import add_conditioning_image_args, make_controlnet_validator
 from .errors import require
-from .outputs.hub import how_to_load
+from .outputs.hub import fine_tuned_how_to_load, how_to_load
 
 # The norm layers that FluxControlPipeline.load_lora_weights reads whole beside a LoRA (its loader's
 # ``_control_lora_supported_norm_keys``), which upstream's --train_norm_layers trains.
@@ -37,15 +37,14 @@ REFUSED = {
                              "are not logged",
 }
 
-# The model card's loading code: the trained transformer (a full fine-tune) or the Control LoRA, which widens the
-# base transformer's input layer as it loads.
-TRANSFORMER_HOW_TO_LOAD = """
-from diffusers import {imports}
+# The model card's loading code: the pipeline folder of a full fine-tune (`outputs.hub.fine_tuned_how_to_load` fills in
+# the EMA transformer's swap), or the Control LoRA, which widens the base transformer's input layer as it loads.
+FINE_TUNE_HOW_TO_LOAD = """
+from diffusers import {pipeline_class}, {model_class}
 from diffusers.utils import load_image
 
-transformer = {model_class}.from_pretrained("{output_dir}")  # or "{output_dir}/ema" for the EMA weights
-pipe = {pipeline_class}.from_pretrained("{base_model}", transformer=transformer{load_options})
-image = pipe("{prompt}", control_image=load_image("{conditioning_image}")).images[0]
+pipe = {pipeline_class}.from_pretrained("{output_dir}")
+{swap_in_ema}image = pipe("{prompt}", control_image=load_image("{conditioning_image}")).images[0]
 """
 LORA_HOW_TO_LOAD = """
 from diffusers import {imports}
@@ -176,11 +175,12 @@ class ControlLoraExport(LoraExport):
             name for name in norm_layer_names(module) if module.get_parameter(name).requires_grad}
 
 
-def control_how_to_load(args, pipe, lora=False, **fields):
-    """The model card's loading code: the Control LoRA (``lora``) or the trained transformer into the base model's
-    Control pipeline, rendering the first validation prompt with the first ``--validation_image``."""
+def control_how_to_load(args, pipe, ema=None, lora=False):
+    """The model card's loading code: the Control LoRA (``lora``) into the base model's Control pipeline, or the full
+    fine-tune's pipeline folder (the EMA transformer swapped in where the run kept an EMA, ``ema``), rendering the
+    first validation prompt with the first ``--validation_image``."""
     conditioning_image = args.validation_image[0] if args.validation_image else "conditioning.png"
-    template = LORA_HOW_TO_LOAD if lora else TRANSFORMER_HOW_TO_LOAD
-    model_class = type(pipe.transformer).__name__
-    fields = {"imports": f"{type(pipe).__name__}" if lora else f"{type(pipe).__name__}, {model_class}", **fields}
-    return how_to_load(template, args, pipe, conditioning_image=conditioning_image, model_class=model_class, **fields)
+    if lora:
+        return how_to_load(LORA_HOW_TO_LOAD, args, pipe, conditioning_image=conditioning_image)
+    return fine_tuned_how_to_load(args, pipe, ema, "transformer", template=FINE_TUNE_HOW_TO_LOAD,
+                                  conditioning_image=conditioning_image)

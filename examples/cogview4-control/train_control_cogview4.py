@@ -17,9 +17,10 @@ runs once per distinct caption before training, and with ``--cache_latents`` the
 flips); the conditioning images are encoded in each step. The noise levels and timesteps are the pipeline's sampling
 loop's (`families.cogview4`).
 
-Writes the transformer to ``output_dir`` (and the EMA's to ``output_dir/ema``), which
-``CogView4Transformer2DModel.from_pretrained`` loads into ``CogView4ControlPipeline``, validation images of each
-prompt with its conditioning image in ``validation/log.jsonl``, checkpoints to resume from, and a model card. Flags
+Writes a full pipeline holding the widened transformer to ``output_dir`` (``CogView4ControlPipeline.from_pretrained``
+loads it, even from a CogView4 text-to-image base; the VAE's and text encoder's files are hard links to the base's)
+and, with ``--use_ema``, the EMA transformer to ``output_dir/ema/transformer``; validation images of each prompt with
+its conditioning image in ``validation/log.jsonl``, checkpoints to resume from, and a model card. Flags
 of the upstream script that this one does not carry stop the run with one line saying why.
 """
 
@@ -47,7 +48,7 @@ from training_utils.flow_matching import (add_flow_matching_args, add_noise, che
                                           flow_matching_loss)
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
-from training_utils.outputs.export import ModelExport, save_with_ema
+from training_utils.outputs.export import PipelineExport, save_with_ema
 from training_utils.outputs.hub import finish_run
 from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
@@ -115,7 +116,7 @@ def main(args, run):
         transformer.enable_gradient_checkpointing()
     compile_repeated_blocks(transformer, args.torch_compile)
     parameters = trainable_parameters(trained)
-    export = ModelExport.of(trained)
+    export = PipelineExport(pipe, trained)
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -181,10 +182,11 @@ def main(args, run):
             loss = flow_matching_loss(cogview4.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 
-    # 6. Save the raw and EMA transformer from memory, check the files against it, and write the model card.
+    # 6. Save the pipeline with the trained transformer and the EMA's transformer from memory (the other models'
+    #    files linked), check the files, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        finish_run(args, "CogView4 Control", control_how_to_load(args, pipe), loop.records, saved, "transformer")
+        finish_run(args, "CogView4 Control", control_how_to_load(args, pipe, ema), loop.records, saved, "transformer")
     end_training(accelerator)
 
 

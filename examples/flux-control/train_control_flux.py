@@ -15,11 +15,11 @@ takes twice the features, the new input columns starting as zeros. The whole tra
 distinct caption once, before training; with ``--cache_latents`` the VAE encodes each image once (both flips), and
 the conditioning images in every step.
 
-Writes the trained transformer to ``output_dir`` (and the EMA's to ``output_dir/ema``), which
-``FluxTransformer2DModel.from_pretrained`` loads and ``FluxControlPipeline.from_pretrained(base,
-transformer=transformer)`` renders with; validation images with each conditioning image beside them,
-``validation/log.jsonl``, checkpoints to resume from, and a model card. Flags of the upstream script that this one
-does not carry stop the run with one line saying why.
+Writes a full pipeline holding the widened transformer to ``output_dir`` (``FluxControlPipeline.from_pretrained``
+loads it, even from a FLUX.1 text-to-image base; the VAE's and text encoders' files are hard links to the base's)
+and, with ``--use_ema``, the EMA transformer to ``output_dir/ema/transformer``; validation images with each
+conditioning image beside them, ``validation/log.jsonl``, checkpoints to resume from, and a model card. Flags of the
+upstream script that this one does not carry stop the run with one line saying why.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
@@ -46,7 +46,7 @@ from training_utils.flow_matching import (add_flow_matching_args, add_noise, che
                                           flow_matching_loss, sample_flow_matching_timesteps)
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
-from training_utils.outputs.export import ModelExport, save_with_ema
+from training_utils.outputs.export import PipelineExport, save_with_ema
 from training_utils.outputs.hub import finish_run
 from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
@@ -110,7 +110,7 @@ def main(args, run):
         transformer.enable_gradient_checkpointing()
     compile_repeated_blocks(transformer, args.torch_compile)
     parameters = trainable_parameters(trained)
-    export = ModelExport.of(trained)
+    export = PipelineExport(pipe, trained)
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
@@ -174,10 +174,11 @@ def main(args, run):
             loss = flow_matching_loss(flux.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 
-    # 6. Save the raw and EMA transformer from memory, check the files against it, and write the model card.
+    # 6. Save the pipeline with the trained transformer and the EMA's transformer from memory (the other models'
+    #    files linked), check the files, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        finish_run(args, "FLUX.1 Control", control_how_to_load(args, pipe), loop.records, saved, "transformer")
+        finish_run(args, "FLUX.1 Control", control_how_to_load(args, pipe, ema), loop.records, saved, "transformer")
     end_training(accelerator)
 
 

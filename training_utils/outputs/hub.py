@@ -123,14 +123,15 @@ def fine_tuned_unet_how_to_load(args, pipe, ema, **fields):
     return fine_tuned_how_to_load(args, pipe, ema, "unet", **fields)
 
 
-def fine_tuned_how_to_load(args, pipe, ema, model, **fields):
+def fine_tuned_how_to_load(args, pipe, ema, model, template=FINE_TUNE_HOW_TO_LOAD, **fields):
     """The model card's loading code of a full fine-tune of ``pipe``'s component ``model`` ("unet", "transformer"):
-    the pipeline folder, and the EMA model swapped in where the run kept an EMA (``ema``, or None); ``fields`` as
+    the pipeline folder, and the EMA model swapped in where the run kept an EMA (``ema``, or None); ``template``
+    with the fields of `FINE_TUNE_HOW_TO_LOAD` (a Control pipeline's adds its conditioning image) and ``fields`` as
     `how_to_load`'s (a DreamBooth run's prompt)."""
     model_class = type(getattr(pipe, model)).__name__
     swap_in_ema = (EMA_SWAP.format(output_dir=args.output_dir, model=model, model_class=model_class)
                    if ema is not None else "")
-    return how_to_load(FINE_TUNE_HOW_TO_LOAD, args, pipe, swap_in_ema=swap_in_ema, model_class=model_class, **fields)
+    return how_to_load(template, args, pipe, swap_in_ema=swap_in_ema, model_class=model_class, **fields)
 
 
 def finish_run(args, title, how_to_load, records, saved, what, captions=()):

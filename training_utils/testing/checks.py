@@ -18,10 +18,11 @@ from ..grids import BASE, read_log
 from .launch import launch_script
 
 
-def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_images=None):
+def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_images=None, sweep=()):
     """The run in ``output_dir`` drew the base model's pictures (step 0, variant "base", one record per prompt), then
     validated at ``steps`` (in order; the final step once) and nowhere else: each
-    step's records are one per variant (``variants``: "raw", and "ema" with ``--use_ema``) and prompt (``prompts``;
+    step's records are one per variant (``variants``: "raw", and "ema" with ``--use_ema``; at the last step, then
+    the post-hoc EMA's ``sweep``, e.g. "ema_sigma_rel-0.08") and prompt (``prompts``;
     by default those of the first step), and name images that exist (``num_images`` each, if given), the step's
     grid and the prompt's progress grid. Returns the records."""
     log = read_log(output_dir)
@@ -30,7 +31,8 @@ def assert_validated_at(output_dir, steps, variants=("raw",), prompts=None, num_
                    and record["variant"] == log[0]["variant"]] if log else []
     validated = [(record["step"], record["variant"], record["prompt"]) for record in log]
     expected = [(0, BASE, prompt) for prompt in prompts]
-    expected += [(step, variant, prompt) for step in steps for variant in variants for prompt in prompts]
+    expected += [(step, variant, prompt) for step in steps
+                 for variant in (*variants, *(sweep if step == steps[-1] else ())) for prompt in prompts]
     assert validated == expected, f"validated (step, variant, prompt): {validated}; expected {expected}"
     for record in log:
         assert record["images"] and all((Path(output_dir) / path).is_file() for path in record["images"]), record
