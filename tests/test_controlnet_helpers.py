@@ -59,6 +59,13 @@ def test_a_folder_that_is_not_a_controlnet_is_a_usage_error(tiny, tmp_path):
     with pytest.raises(UsageError) as error:
         check_controlnet_args(args, SD3ControlNetModel)
     assert "expected a SD3ControlNetModel folder (with config.json)" in str(error.value)
+    # Another family's ControlNet, named by its config.
+    args.controlnet_model_name_or_path = str(tiny["controlnet"])
+    with pytest.raises(UsageError) as error:
+        check_controlnet_args(args, SD3ControlNetModel)
+    assert str(error.value).endswith("or a hub id; its config.json names 'ControlNetModel'")
+    args.controlnet_model_name_or_path = str(tiny["sd3_controlnet"])
+    check_controlnet_args(args, SD3ControlNetModel)
 
 
 def test_the_denoiser_and_the_conditioning_argument_are_the_pipelines_own():

@@ -156,11 +156,13 @@ def test_controlnets_made_from_the_transformer_copy_its_first_blocks(tiny, runs)
     (SD3_SCRIPT, "sd3", ["--upcast_vae"], "--upcast_vae is not supported here: the VAE runs in"),
     (SD3_SCRIPT, "sd3", ["--controlnet_model_name_or_path", "MODEL"], "expected a SD3ControlNetModel folder"),
     (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "MODEL"], "expected a FluxControlNetModel folder"),
+    (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "SD3_CONTROLNET"],
+     "expected a FluxControlNetModel folder (with config.json) or a hub id; its config.json names 'SD3ControlNetModel'"),
     (FLUX_SCRIPT, "flux", ["--num_single_layers", -1], "--num_single_layers=-1: expected a count, 0 or more"),
     (FLUX_SCRIPT, "flux", ["--jsonl_for_train", "x.jsonl"], "--jsonl_for_train is not supported here: give the"),
 ])
 def test_bad_flags_are_usage_errors(tiny, tmp_path, script, model, flags, message):
-    flags = [str(tiny[model] if flag == "MODEL" else flag) for flag in flags]
+    flags = [str({"MODEL": tiny[model], "SD3_CONTROLNET": tiny["sd3_controlnet"]}.get(flag, flag)) for flag in flags]
     with pytest.raises(UsageError) as error:
         import_script(script).parse_args(list(map(str, controlnet_flags(tiny, model, tmp_path, *flags))))
     assert message in str(error.value)

@@ -10,6 +10,7 @@ script.
 """
 
 import inspect
+import json
 import math
 from pathlib import Path
 
@@ -56,10 +57,19 @@ def add_controlnet_args(parser, denoiser="UNet"):
 
 
 def check_controlnet_args(args, controlnet_class=ControlNetModel):
+    """A local ``--controlnet_model_name_or_path`` is a folder of the script's ``controlnet_class`` (its config.json
+    names it), before anything loads."""
     path = args.controlnet_model_name_or_path
     if path and Path(path).exists():
-        require((Path(path) / "config.json").is_file(), "--controlnet_model_name_or_path", path,
-                f"a {controlnet_class.__name__} folder (with config.json) or a hub id")
+        expected = f"a {controlnet_class.__name__} folder (with config.json) or a hub id"
+        config = Path(path) / "config.json"
+        require(config.is_file(), "--controlnet_model_name_or_path", path, expected)
+        try:
+            class_name = json.loads(config.read_text()).get("_class_name")
+        except (ValueError, AttributeError):
+            class_name = None
+        require(class_name == controlnet_class.__name__, "--controlnet_model_name_or_path", path,
+                f"{expected}; its config.json names {class_name!r}")
 
 
 def dataset_columns(args):
