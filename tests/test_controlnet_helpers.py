@@ -26,12 +26,12 @@ from training_utils.data.datasets import drop_caption, pick_caption
 from training_utils.errors import UsageError
 
 
-def parse(tiny, output_dir, *flags, base="sd"):
+def parse(tiny, output_dir, *flags, base="sd", controlnet_class=ControlNetModel):
     parser = training_parser("test", tracker_project_name="test_project")
     add_controlnet_args(parser)
     args = parser.parse_args(list(map(str, ["--pretrained_model_name_or_path", tiny[base], "--output_dir", output_dir,
                                             *flags])))
-    check_controlnet_args(args)
+    check_controlnet_args(args, controlnet_class)
     return args
 
 
@@ -209,7 +209,8 @@ def test_a_transformer_pipeline_gets_the_controlnet_its_from_denoiser_makes(tiny
     assert block.keys() == copied.keys() and all(torch.equal(block[key], copied[key]) for key in block)
     saved = tmp_path / "saved"
     pipe.controlnet.save_pretrained(saved)
-    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3")
+    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3",
+                 controlnet_class=SD3ControlNetModel)
     loaded = load_controlnet_pipeline(StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline, args,
                                       torch.bfloat16, controlnet_class=SD3ControlNetModel, from_denoiser=None)
     assert counted_loads[1:] == ["StableDiffusion3ControlNetPipeline"]
