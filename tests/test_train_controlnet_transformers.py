@@ -1,6 +1,8 @@
 """Smoke tests: the transformer families' ControlNet scripts (SD3 and SD3.5, FLUX.1) end to end on the tiny fixtures,
 through ``accelerate launch``, all their runs launched together."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -158,13 +160,21 @@ def test_controlnets_made_from_the_transformer_copy_its_first_blocks(tiny, runs)
     (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "MODEL"], "expected a FluxControlNetModel folder"),
     (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "SD3_CONTROLNET"],
      "or a hub id; its config.json names 'SD3ControlNetModel'"),
+    (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "XLABS"],
+     "expected an InstantX-style FluxControlNetModel, which reads the conditioning image's latents"),
     (FLUX_SCRIPT, "flux", ["--num_single_layers", -1], "--num_single_layers=-1: expected a count, 0 or more"),
     (FLUX_SCRIPT, "flux", ["--jsonl_for_train", "x.jsonl"], "--jsonl_for_train is not supported here: give the"),
 ])
 def test_bad_flags_are_usage_errors(tiny, tmp_path, script, model, flags, message):
-    flags = [str({"MODEL": tiny[model], "SD3_CONTROLNET": tiny["sd3_controlnet"]}.get(flag, flag)) for flag in flags]
+    # XLabs' layout: FLUX.1's ControlNet with a hint block (conditioning_embedding_channels) reading pixels.
+    xlabs = tmp_path / "xlabs"
+    xlabs.mkdir()
+    config = json.loads((tiny["flux_controlnet"] / "config.json").read_text())
+    (xlabs / "config.json").write_text(json.dumps({**config, "conditioning_embedding_channels": 16}))
+    replacements = {"MODEL": tiny[model], "SD3_CONTROLNET": tiny["sd3_controlnet"], "XLABS": xlabs}
+    flags = [str(replacements.get(flag, flag)) for flag in flags]
     with pytest.raises(UsageError) as error:
-        import_script(script).parse_args(list(map(str, controlnet_flags(tiny, model, tmp_path, *flags))))
+        import_script(script).parse_args(list(map(str, controlnet_flags(tiny, model, tmp_path / "out", *flags))))
     assert message in str(error.value)
 
 
