@@ -26,12 +26,12 @@ from training_utils.data.datasets import drop_caption, pick_caption
 from training_utils.errors import UsageError
 
 
-def parse(tiny, output_dir, *flags, base="sd"):
+def parse(tiny, output_dir, *flags, base="sd", controlnet_class=ControlNetModel):
     parser = training_parser("test", tracker_project_name="test_project")
     add_controlnet_args(parser)
     args = parser.parse_args(list(map(str, ["--pretrained_model_name_or_path", tiny[base], "--output_dir", output_dir,
                                             *flags])))
-    check_controlnet_args(args)
+    check_controlnet_args(args, controlnet_class)
     return args
 
 
@@ -59,6 +59,13 @@ def test_a_folder_that_is_not_a_controlnet_is_a_usage_error(tiny, tmp_path):
     with pytest.raises(UsageError) as error:
         check_controlnet_args(args, SD3ControlNetModel)
     assert "expected a SD3ControlNetModel folder (with config.json)" in str(error.value)
+    # Another family's ControlNet, named by its config.
+    args.controlnet_model_name_or_path = str(tiny["controlnet"])
+    with pytest.raises(UsageError) as error:
+        check_controlnet_args(args, SD3ControlNetModel)
+    assert str(error.value).endswith("or a hub id; its config.json names 'ControlNetModel'")
+    args.controlnet_model_name_or_path = str(tiny["sd3_controlnet"])
+    check_controlnet_args(args, SD3ControlNetModel)
 
 
 def test_the_denoiser_and_the_conditioning_argument_are_the_pipelines_own():
@@ -202,7 +209,8 @@ def test_a_transformer_pipeline_gets_the_controlnet_its_from_denoiser_makes(tiny
     assert block.keys() == copied.keys() and all(torch.equal(block[key], copied[key]) for key in block)
     saved = tmp_path / "saved"
     pipe.controlnet.save_pretrained(saved)
-    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3")
+    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3",
+                 controlnet_class=SD3ControlNetModel)
     loaded = load_controlnet_pipeline(StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline, args,
                                       torch.bfloat16, controlnet_class=SD3ControlNetModel, from_denoiser=None)
     assert counted_loads[1:] == ["StableDiffusion3ControlNetPipeline"]

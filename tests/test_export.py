@@ -135,3 +135,21 @@ def test_as_json_makes_configs_plain_and_deterministic():
 
     value = {"targets": {"to_v", "to_k"}, "kind": Kind.LORA, 1: (2, None), "path": torch.device("cpu")}
     assert as_json(value) == {"targets": ["to_k", "to_v"], "kind": "LORA", "1": [2, None], "path": "cpu"}
+
+
+def test_a_model_written_from_its_parameters_takes_its_persistent_buffers_from_the_live_model(tiny, tmp_path):
+    # SD3's ControlNet holds its fixed positional table as a buffer, which the trained tensors (a sharded run's
+    # parameters gathered whole) leave out.
+    from diffusers import SD3ControlNetModel
+
+    controlnet = SD3ControlNetModel.from_pretrained(tiny["sd3_controlnet"])
+    trained = {"controlnet": controlnet}
+    tensors = {name: tensor + 1 for name, tensor in trainable_parameters(trained).items()}
+    assert "controlnet.pos_embed.pos_embed" not in tensors
+    ModelExport.of(trained).write_checkpoint(tensors, tmp_path)
+    written = SD3ControlNetModel.from_pretrained(tmp_path / "controlnet")
+    assert torch.equal(written.pos_embed.pos_embed, controlnet.pos_embed.pos_embed)
+    assert torch.equal(written.controlnet_blocks[0].weight, controlnet.controlnet_blocks[0].weight + 1)
+    # Without the live model (a description's export) the buffer is missing, and said so.
+    with pytest.raises(ValueError, match=r"missing pos_embed\.pos_embed"):
+        ModelExport(ModelExport.of(trained).configs).write_checkpoint(tensors, tmp_path / "again")

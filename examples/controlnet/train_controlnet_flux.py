@@ -86,7 +86,10 @@ def parse_args(argv=None):
     check_args(args)
     flux.check_args(args)
     check_flow_matching_args(args)
-    check_controlnet_args(args, FluxControlNetModel)
+    controlnet_config = check_controlnet_args(args, FluxControlNetModel) or {}
+    require(controlnet_config.get("conditioning_embedding_channels") is None, "--controlnet_model_name_or_path",
+            args.controlnet_model_name_or_path, "an InstantX-style FluxControlNetModel, which reads the conditioning "
+            "image's latents (XLabs' reads its pixels through a hint block, which this script does not train)")
     require(args.num_double_layers >= 0, "--num_double_layers", args.num_double_layers, "a count, 0 or more")
     require(args.num_single_layers >= 0, "--num_single_layers", args.num_single_layers, "a count, 0 or more")
     fill_dependent_defaults(args)

@@ -150,6 +150,7 @@ class ModelExport(Export):
     def _write(self, tensors, folder_of, directory):
         for component, state in by_component(tensors, self.configs).items():
             spec = self.configs[component]
+            state = {**self._buffers(component), **state}
             # Made on the meta device: no weights initialised only to be replaced, and no random numbers drawn (a
             # sharded run's checkpoint is written so mid-run, and the run must go on with the RNG as it was).
             with torch.device("meta"):
@@ -163,6 +164,15 @@ class ModelExport(Export):
                                    assign=True)
             save_model(module, folder_of(component))
         return Path(directory)
+
+    def _buffers(self, component):
+        """The persistent buffers of the live ``component`` (none without live modules), which the trained tensors
+        (parameters) leave out: fixed tables such as SD3's positional embedding. FSDP2 leaves buffers whole."""
+        module = (self.trained or {}).get(component)
+        if module is None:
+            return {}
+        persistent = module.state_dict().keys()
+        return {name: buffer.detach() for name, buffer in module.named_buffers() if name in persistent}
 
     def save(self, directory):
         for component, module in self.trained.items():
