@@ -12,15 +12,16 @@ import torch
 from diffusers import (ControlNetModel, FluxControlNetPipeline, SD3ControlNetModel, StableDiffusion3ControlNetPipeline,
                        StableDiffusion3Pipeline, StableDiffusionControlNetPipeline, StableDiffusionPipeline,
                        StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
+from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
 from training_utils.args import training_parser
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_denoiser_dtype, check_controlnet_args,
-                                       conditioning_argument, controlnet_from_unet, controlnet_how_to_load,
-                                       dataset_columns, denoiser_name, load_controlnet_pipeline, load_validation_pairs,
-                                       make_controlnet_validator)
+                                       conditioning_argument, conditioning_latents, controlnet_from_unet,
+                                       controlnet_how_to_load, dataset_columns, denoiser_name, load_controlnet_pipeline,
+                                       load_validation_pairs, make_controlnet_validator)
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import drop_caption, pick_caption
 from training_utils.errors import UsageError
@@ -366,6 +367,17 @@ def vae_mean(monkeypatch):
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mean)
+
+
+def test_conditioning_latents_encode_the_image_the_transformer_pipelines_hand_their_vae(tiny):
+    """The training data's conditioning pixels are in [0, 1] (`ImageWithConditioningTransform`, the ControlNet
+    convention); the SD3 and FLUX.1 ControlNet pipelines, and the Control pipelines, hand their VAE the image in
+    [-1, 1] (their `VaeImageProcessor` normalises)."""
+    image = Image.open(conditioning(tiny, 0)).convert("RGB")
+    ours = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+    encoded = conditioning_latents(SimpleNamespace(encode=lambda pixels: pixels), ours)
+    theirs = VaeImageProcessor().preprocess(image, height=image.height, width=image.width)
+    assert torch.allclose(encoded, theirs, atol=1e-6)
 
 
 def test_sd3_controlnet_is_fed_what_its_pipeline_feeds_it(tiny, vae_mean):

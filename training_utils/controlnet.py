@@ -184,6 +184,14 @@ def cast_residuals_to_denoiser_dtype(denoiser, args, kwargs):
     return args, kwargs
 
 
+def conditioning_latents(frozen, conditioning_pixels):
+    """The VAE's latents of a batch of conditioning images (``conditioning_pixels`` in [0, 1], the ControlNet
+    convention of `data.images.ImageWithConditioningTransform`), before the VAE's scaling: encoded now by
+    ``frozen`` (a `data.frozen_encoders.FrozenEncoders`) from [-1, 1], as the transformer ControlNet and Control
+    pipelines' image processors hand them to the VAE, and sampled as those pipelines sample them."""
+    return frozen.encode(conditioning_pixels * 2 - 1)
+
+
 def make_controlnet_validator(args, pipe, accelerator, validation_pairs, **kwargs):
     """`make_validator` rendering each prompt with its conditioning image, which is shown beside the samples."""
     prompts, conditioning_images = zip(*validation_pairs) if validation_pairs else ([], [])
