@@ -155,6 +155,12 @@ class ModelExport(Export):
             with torch.device("meta"):
                 module = model_from_config(import_class(spec["class_module"], spec["class_name"]), spec["config"])
             expected = module.state_dict()
+            # The buffers saved beside the weights (SD3's positional embedding) train not, and FSDP2 leaves them
+            # whole: the live model's, where the export has it.
+            if self.trained is not None:
+                live = dict(self.trained[component].named_buffers())
+                state = {**{name: live[name].detach().cpu() for name in expected.keys() - state.keys()
+                            if name in live}, **state}
             missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
             if missing or unexpected:
                 raise ValueError(f"{component}: the tensors do not cover {spec['class_name']}'s state dict "
