@@ -6,7 +6,7 @@ from enum import Enum
 
 import pytest
 import torch
-from diffusers import ControlNetModel, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import ControlNetModel, SD3Transformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 from transformers import CLIPTextModel
 
@@ -118,6 +118,22 @@ def test_a_model_checkpoint_from_tensors_is_the_same_folder_and_draws_no_random_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["unet"]
     read = export.read_checkpoint(tmp_path)
     assert read.keys() == tensors.keys() and all(torch.equal(read[name], tensors[name]) for name in tensors)
+
+
+def test_a_model_written_from_its_description_gets_the_buffers_saved_beside_its_weights(tiny, tmp_path):
+    # SD3's positional embedding is saved with the weights but never trains: a post-hoc synthesis (or a sharded
+    # checkpoint) has the trained tensors only, and the model writes it as its config makes it, drawing no random
+    # numbers.
+    transformer = SD3Transformer2DModel.from_pretrained(tiny["sd3"] / "transformer")
+    export = export_from_description(ModelExport.of({"transformer": transformer}).description())
+    tensors = {name: tensor + 1 for name, tensor in trainable_parameters({"transformer": transformer}).items()}
+    assert "transformer.pos_embed.pos_embed" not in tensors
+    state = torch.get_rng_state()
+    export.write(tensors, tmp_path)
+    assert torch.equal(torch.get_rng_state(), state)
+    written = SD3Transformer2DModel.from_pretrained(tmp_path).state_dict()
+    assert torch.equal(written["pos_embed.pos_embed"], transformer.state_dict()["pos_embed.pos_embed"])
+    assert all(torch.equal(written[name.partition(".")[2]], tensor) for name, tensor in tensors.items())
 
 
 def test_tensors_export_writes_the_tensors_as_they_are(tmp_path):
