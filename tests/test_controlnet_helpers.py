@@ -12,26 +12,27 @@ import torch
 from diffusers import (ControlNetModel, FluxControlNetPipeline, SD3ControlNetModel, StableDiffusion3ControlNetPipeline,
                        StableDiffusion3Pipeline, StableDiffusionControlNetPipeline, StableDiffusionPipeline,
                        StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
+from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from safetensors.torch import load_file
 
 import training_utils.controlnet as controlnet_module
 from training_utils.args import training_parser
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_denoiser_dtype, check_controlnet_args,
-                                       conditioning_argument, controlnet_from_unet, controlnet_how_to_load,
-                                       dataset_columns, denoiser_name, load_controlnet_pipeline, load_validation_pairs,
-                                       make_controlnet_validator)
+                                       conditioning_argument, conditioning_latents, controlnet_from_unet,
+                                       controlnet_how_to_load, dataset_columns, denoiser_name, load_controlnet_pipeline,
+                                       load_validation_pairs, make_controlnet_validator)
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import drop_caption, pick_caption
 from training_utils.errors import UsageError
 
 
-def parse(tiny, output_dir, *flags, base="sd"):
+def parse(tiny, output_dir, *flags, base="sd", controlnet_class=ControlNetModel):
     parser = training_parser("test", tracker_project_name="test_project")
     add_controlnet_args(parser)
     args = parser.parse_args(list(map(str, ["--pretrained_model_name_or_path", tiny[base], "--output_dir", output_dir,
                                             *flags])))
-    check_controlnet_args(args)
+    check_controlnet_args(args, controlnet_class)
     return args
 
 
@@ -59,6 +60,13 @@ def test_a_folder_that_is_not_a_controlnet_is_a_usage_error(tiny, tmp_path):
     with pytest.raises(UsageError) as error:
         check_controlnet_args(args, SD3ControlNetModel)
     assert "expected a SD3ControlNetModel folder (with config.json)" in str(error.value)
+    # Another family's ControlNet, named by its config.
+    args.controlnet_model_name_or_path = str(tiny["controlnet"])
+    with pytest.raises(UsageError) as error:
+        check_controlnet_args(args, SD3ControlNetModel)
+    assert str(error.value).endswith("or a hub id; its config.json names 'ControlNetModel'")
+    args.controlnet_model_name_or_path = str(tiny["sd3_controlnet"])
+    check_controlnet_args(args, SD3ControlNetModel)
 
 
 def test_the_denoiser_and_the_conditioning_argument_are_the_pipelines_own():
@@ -202,7 +210,8 @@ def test_a_transformer_pipeline_gets_the_controlnet_its_from_denoiser_makes(tiny
     assert block.keys() == copied.keys() and all(torch.equal(block[key], copied[key]) for key in block)
     saved = tmp_path / "saved"
     pipe.controlnet.save_pretrained(saved)
-    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3")
+    args = parse(tiny, tmp_path, "--controlnet_model_name_or_path", saved, base="sd3",
+                 controlnet_class=SD3ControlNetModel)
     loaded = load_controlnet_pipeline(StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline, args,
                                       torch.bfloat16, controlnet_class=SD3ControlNetModel, from_denoiser=None)
     assert counted_loads[1:] == ["StableDiffusion3ControlNetPipeline"]
@@ -358,6 +367,17 @@ def vae_mean(monkeypatch):
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mean)
+
+
+def test_conditioning_latents_encode_the_image_the_transformer_pipelines_hand_their_vae(tiny):
+    """The training data's conditioning pixels are in [0, 1] (`ImageWithConditioningTransform`, the ControlNet
+    convention); the SD3 and FLUX.1 ControlNet pipelines, and the Control pipelines, hand their VAE the image in
+    [-1, 1] (their `VaeImageProcessor` normalises)."""
+    image = Image.open(conditioning(tiny, 0)).convert("RGB")
+    ours = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+    encoded = conditioning_latents(SimpleNamespace(encode=lambda pixels: pixels), ours)
+    theirs = VaeImageProcessor().preprocess(image, height=image.height, width=image.width)
+    assert torch.allclose(encoded, theirs, atol=1e-6)
 
 
 def test_sd3_controlnet_is_fed_what_its_pipeline_feeds_it(tiny, vae_mean):

@@ -6,7 +6,7 @@ from enum import Enum
 
 import pytest
 import torch
-from diffusers import ControlNetModel, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import ControlNetModel, SD3Transformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 from transformers import CLIPTextModel
 
@@ -120,6 +120,22 @@ def test_a_model_checkpoint_from_tensors_is_the_same_folder_and_draws_no_random_
     assert read.keys() == tensors.keys() and all(torch.equal(read[name], tensors[name]) for name in tensors)
 
 
+def test_a_model_written_from_its_description_gets_the_buffers_saved_beside_its_weights(tiny, tmp_path):
+    # SD3's positional embedding is saved with the weights but never trains: a post-hoc synthesis (or a sharded
+    # checkpoint) has the trained tensors only, and the model writes it as its config makes it, drawing no random
+    # numbers.
+    transformer = SD3Transformer2DModel.from_pretrained(tiny["sd3"] / "transformer")
+    export = export_from_description(ModelExport.of({"transformer": transformer}).description())
+    tensors = {name: tensor + 1 for name, tensor in trainable_parameters({"transformer": transformer}).items()}
+    assert "transformer.pos_embed.pos_embed" not in tensors
+    state = torch.get_rng_state()
+    export.write(tensors, tmp_path)
+    assert torch.equal(torch.get_rng_state(), state)
+    written = SD3Transformer2DModel.from_pretrained(tmp_path).state_dict()
+    assert torch.equal(written["pos_embed.pos_embed"], transformer.state_dict()["pos_embed.pos_embed"])
+    assert all(torch.equal(written[name.partition(".")[2]], tensor) for name, tensor in tensors.items())
+
+
 def test_tensors_export_writes_the_tensors_as_they_are(tmp_path):
     export = export_from_description(None)
     assert isinstance(export, TensorsExport) and export_from_description(export.description()).kind == "tensors"
@@ -135,3 +151,22 @@ def test_as_json_makes_configs_plain_and_deterministic():
 
     value = {"targets": {"to_v", "to_k"}, "kind": Kind.LORA, 1: (2, None), "path": torch.device("cpu")}
     assert as_json(value) == {"targets": ["to_k", "to_v"], "kind": "LORA", "1": [2, None], "path": "cpu"}
+
+
+def test_a_controlnet_written_from_its_parameters_gets_its_persistent_buffers_with_or_without_the_live_model(
+        tiny, tmp_path):
+    # SD3's ControlNet holds its fixed positional table as a buffer, which the trained tensors (a sharded run's
+    # parameters gathered whole) leave out: the model makes it as its config makes it.
+    from diffusers import SD3ControlNetModel
+
+    controlnet = SD3ControlNetModel.from_pretrained(tiny["sd3_controlnet"])
+    trained = {"controlnet": controlnet}
+    tensors = {name: tensor + 1 for name, tensor in trainable_parameters(trained).items()}
+    assert "controlnet.pos_embed.pos_embed" not in tensors
+    ModelExport.of(trained).write_checkpoint(tensors, tmp_path)
+    written = SD3ControlNetModel.from_pretrained(tmp_path / "controlnet")
+    assert torch.equal(written.pos_embed.pos_embed, controlnet.pos_embed.pos_embed)
+    assert torch.equal(written.controlnet_blocks[0].weight, controlnet.controlnet_blocks[0].weight + 1)
+    ModelExport(ModelExport.of(trained).configs).write_checkpoint(tensors, tmp_path / "again")
+    again = SD3ControlNetModel.from_pretrained(tmp_path / "again" / "controlnet")
+    assert torch.equal(again.pos_embed.pos_embed, controlnet.pos_embed.pos_embed)

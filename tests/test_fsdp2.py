@@ -13,7 +13,10 @@ The launches, in one module-scoped set (two at a time on CI's two cores):
   encoder sharded too (a Qwen3Model: the pipeline reads one of its hidden states);
 - text_encoder: two trained modules (SD's UNet LoRA and text-encoder LoRA, dreambooth), 2 steps with an EMA, a
   checkpoint at each, validating at the end; text_encoder DDP: the same job unsharded (without checkpoints or
-  validation), for the outputs to match.
+  validation), for the outputs to match;
+- sd3_full: a transformer family's full fine-tune (SD3's transformer and both CLIP encoders), 2 steps with an EMA, a
+  checkpoint at each: the trained models written whole, with the buffer saved beside their weights (SD3's positional
+  embedding, which FSDP2 leaves unsharded).
 
 A full fine-tune is launched sharded by the ControlNet's tests (beside a DDP run, and resumed) and text_to_image's.
 
@@ -28,7 +31,8 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint
-from diffusers import Flux2KleinPipeline, StableDiffusionPipeline, ZImagePipeline
+from diffusers import (Flux2KleinPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
+                       ZImagePipeline)
 from safetensors.torch import load_file
 
 from helpers import FSDP2, launch, launching, together
@@ -107,7 +111,8 @@ def runs(tiny, tmp_path_factory):
     """``{name: (output_dir, CompletedProcess)}`` of the launches the module docstring lists."""
     from helpers import EXAMPLES
     klein = EXAMPLES / "dreambooth/train_dreambooth_lora_flux2_klein.py"
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("klein", "klein_ddp", "z_image", "resumed", *PAIRED)}
+    folders = {name: tmp_path_factory.mktemp(name)
+               for name in ("klein", "klein_ddp", "z_image", "resumed", "sd3_full", *PAIRED)}
     wrapper = without_collectives_in_ema(klein, tmp_path_factory.mktemp("wrapper"))
     updates = tmp_path_factory.mktemp("ema_updates")
     z_image = ["--pretrained_model_name_or_path", tiny["z_image"], "--instance_data_dir", tiny["instance"],
@@ -116,6 +121,11 @@ def runs(tiny, tmp_path_factory):
                "--use_ema", "--ema_decay", 0.9, "--report_to", "none", "--validation_prompt", "a sks triangle",
                "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", 2,
                "--max_sequence_length", 32, "--fsdp_text_encoder"]
+    sd3_full = ["--pretrained_model_name_or_path", tiny["sd3"], "--instance_data_dir", tiny["instance"],
+                "--instance_prompt", PROMPT, "--output_dir", folders["sd3_full"], "--resolution", 32,
+                "--train_batch_size", 1, "--learning_rate", 1e-3, "--seed", 3, "--max_train_steps", 2,
+                "--checkpointing_steps", 1, "--train_text_encoder", "--use_ema", "--ema_decay", 0.9,
+                "--report_to", "none", "--max_sequence_length", 32]
 
     def two(script, args, env):
         return lambda: launch(script, *args, processes=2, env=env)
@@ -132,6 +142,7 @@ def runs(tiny, tmp_path_factory):
         "klein": klein_then_resumed,
         "klein_ddp": two(klein, klein_flags(tiny, folders["klein_ddp"]), {}),
         "z_image": two("dreambooth/train_dreambooth_lora_z_image.py", z_image, FSDP2),
+        "sd3_full": two("dreambooth/train_dreambooth_sd3.py", sd3_full, FSDP2),
         **{name: two(script, flags(tiny, folders[name], sharded), FSDP2 if sharded else {})
            for name, (script, flags, sharded) in PAIRED.items()}})
     print(f"FSDP2 launches: {time.monotonic() - started:.1f} s")
@@ -167,7 +178,10 @@ def test_each_process_holds_about_half_of_the_frozen_trained_and_ema_bytes(runs,
     ("z_image", {"ZImageTransformer2DModel": 1, "ZImageTransformerBlock": 4}),
     # The tiny SD UNet's blocks; with its text encoder's LoRA, that encoder is a unit too, and its 2 layers.
     ("text_encoder", {"UNet2DConditionModel": 1, "BasicTransformerBlock": 4, "CLIPTextModel": 1,
-                      "CLIPEncoderLayer": 2})])
+                      "CLIPEncoderLayer": 2}),
+    # The tiny SD3's 2 joint blocks, and its two CLIP encoders (trained whole) with their 2 layers each.
+    ("sd3_full", {"SD3Transformer2DModel": 1, "JointTransformerBlock": 2, "CLIPTextModelWithProjection": 2,
+                  "CLIPEncoderLayer": 4})])
 def test_each_repeated_block_of_the_model_is_a_unit_of_its_own(runs, name, blocks):
     line = re.search(r"FSDP2 units: (.*)", runs[name][1].stderr)
     assert line, runs[name][1].stderr[-3000:]
@@ -254,3 +268,18 @@ def test_validation_renders_while_sharded_the_post_hoc_sweep_too(runs):
                         ["a sks triangle"], num_images=1)
     for name in ("z_image", "text_encoder"):
         assert_validated_at(runs[name][0], [2], ("raw", "ema"), ["a sks triangle"], num_images=1)
+
+
+def test_a_sharded_full_fine_tune_writes_its_checkpoints_and_pipeline_whole_with_their_buffers(tiny, runs):
+    output_dir = runs["sd3_full"][0]
+    base = SD3Transformer2DModel.from_pretrained(tiny["sd3"] / "transformer").state_dict()
+    weights = {folder: SD3Transformer2DModel.from_pretrained(output_dir / folder / "transformer").state_dict()
+               for folder in ("checkpoint-1", "checkpoint-2", "checkpoint-2/ema", ".")}
+    for folder, state in weights.items():
+        assert state.keys() == base.keys(), folder
+        assert torch.equal(state["pos_embed.pos_embed"], base["pos_embed.pos_embed"]), folder
+    for folder in ("checkpoint-1", "checkpoint-2/ema"):
+        assert any(not torch.equal(weights["."][key], weights[folder][key]) for key in base), folder
+    assert all(torch.equal(weights["."][key], weights["checkpoint-2"][key]) for key in base)
+    pipe = StableDiffusion3Pipeline.from_pretrained(output_dir)
+    assert all(torch.equal(tensor, weights["."][key]) for key, tensor in pipe.transformer.state_dict().items())

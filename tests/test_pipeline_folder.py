@@ -61,6 +61,16 @@ def test_untrained_models_are_links_to_the_files_they_were_loaded_from_and_keep_
     assert_loads_as_in_memory(pipe, out)
 
 
+def test_a_file_of_the_hub_cache_a_symbolic_link_to_its_blob_is_linked_to_the_blob(base, tmp_path):
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    (base / VAE).rename(blob)
+    (base / VAE).symlink_to(blob)
+    out = tmp_path / "out"
+    assert save_pipeline(trained_pipe(base), out, trained=["unet"])["vae"] == "linked"
+    assert not (out / VAE).is_symlink() and os.path.samefile(out / VAE, blob)
+
+
 def test_a_model_that_differs_from_its_files_is_written_anew(base, tmp_path):
     pipe, out = trained_pipe(base), tmp_path / "out"
     with torch.no_grad():  # untrained, yet not what its files hold

@@ -1,6 +1,8 @@
 """Smoke tests: the transformer families' ControlNet scripts (SD3 and SD3.5, FLUX.1) end to end on the tiny fixtures,
 through ``accelerate launch``, all their runs launched together."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -8,10 +10,10 @@ from diffusers import (FluxControlNetModel, FluxControlNetPipeline, FluxPipeline
                        StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline)
 from PIL import Image
 
-from helpers import controlnet_flags, import_script, launch_together, launching
+from helpers import controlnet_flags, import_script, launch, launch_together, launching
 from training_utils.errors import UsageError
-from training_utils.testing import (assert_checkpoint_is_the_output, assert_model_folder_loads, assert_same_files,
-                                    assert_validated_at, differing_keys)
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_model_folder_loads, assert_resumes_exactly,
+                                    assert_same_files, assert_validated_at, differing_keys)
 
 SD3_SCRIPT, FLUX_SCRIPT = "controlnet/train_controlnet_sd3.py", "controlnet/train_controlnet_flux.py"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -31,6 +33,15 @@ def validation_flags(tiny, steps, images=(0, 1)):
             "--num_validation_images", 1, "--validation_inference_steps", 2, "--validation_steps", steps]
 
 
+STEPS = ["--max_train_steps", 4]
+
+
+def flux_flags(tiny, output_dir, *extra):
+    """4 steps of the tiny FLUX.1 [dev] with a ControlNet made from its first blocks, checkpoints every 2 steps."""
+    return controlnet_flags(tiny, "flux", output_dir, *STEPS, "--num_double_layers", 1, "--num_single_layers", 1,
+                            "--checkpointing_steps", 2, *extra)
+
+
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
@@ -43,17 +54,14 @@ def runs(tiny, tmp_path_factory):
       blocks (upstream's --num_double_layers/--num_single_layers), checkpoints every 2 steps.
     """
     root = tmp_path_factory.mktemp("runs")
-    steps = ["--max_train_steps", 4]
     results = launch_together({
-        "sd3": (SD3_SCRIPT, *controlnet_flags(tiny, "sd3", root / "sd3", *steps, *validation_flags(tiny, 2),
+        "sd3": (SD3_SCRIPT, *controlnet_flags(tiny, "sd3", root / "sd3", *STEPS, *validation_flags(tiny, 2),
                                               "--controlnet_model_name_or_path", tiny["sd3_controlnet"],
                                               "--checkpointing_steps", 2)),
-        "sd35": (SD3_SCRIPT, *controlnet_flags(tiny, "sd35", root / "sd35", *steps,
+        "sd35": (SD3_SCRIPT, *controlnet_flags(tiny, "sd35", root / "sd35", *STEPS,
                                                *validation_flags(tiny, 2, images=(5,)), "--ema_decay", 0,
                                                "--cache_latents", "--checkpointing_steps", 1000)),
-        "flux": (FLUX_SCRIPT, *controlnet_flags(tiny, "flux", root / "flux", *steps, *validation_flags(tiny, 2),
-                                                "--num_double_layers", 1, "--num_single_layers", 1,
-                                                "--checkpointing_steps", 2)),
+        "flux": (FLUX_SCRIPT, *flux_flags(tiny, root / "flux", *validation_flags(tiny, 2))),
     })
     return {name: (root / name, result) for name, result in results.items()}
 
@@ -112,6 +120,15 @@ def test_saved_controlnet_changes_a_fresh_pipelines_output(tiny, runs, name, ini
     assert np.array_equal(render(tiny, name, controlnet_class.from_pretrained(checkpoint / "controlnet")), trained)
 
 
+def test_resumes_to_the_uninterrupted_weights_without_validating(tiny, tmp_path, runs):
+    # The uninterrupted run validated at steps 2 and 4; the one resumed from its checkpoint-2 does not validate. Both
+    # sample the conditioning image's latents in every step, from the restored random state.
+    flux_dir, _ = runs["flux"]
+    assert_resumes_exactly(FLUX_SCRIPT, lambda output_dir: flux_flags(tiny, output_dir), flux_dir, tmp_path, 2,
+                           [WEIGHTS, f"ema/{WEIGHTS}"], launch=launch)
+    assert not (tmp_path / "validation").exists()
+
+
 def test_controlnets_made_from_the_transformer_copy_its_first_blocks(tiny, runs):
     sd35_dir, _ = runs["sd35"]
     transformer = StableDiffusion3Pipeline.from_pretrained(tiny["sd35"]).transformer
@@ -141,13 +158,23 @@ def test_controlnets_made_from_the_transformer_copy_its_first_blocks(tiny, runs)
     (SD3_SCRIPT, "sd3", ["--upcast_vae"], "--upcast_vae is not supported here: the VAE runs in"),
     (SD3_SCRIPT, "sd3", ["--controlnet_model_name_or_path", "MODEL"], "expected a SD3ControlNetModel folder"),
     (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "MODEL"], "expected a FluxControlNetModel folder"),
+    (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "SD3_CONTROLNET"],
+     "or a hub id; its config.json names 'SD3ControlNetModel'"),
+    (FLUX_SCRIPT, "flux", ["--controlnet_model_name_or_path", "XLABS"],
+     "expected an InstantX-style FluxControlNetModel, which reads the conditioning image's latents"),
     (FLUX_SCRIPT, "flux", ["--num_single_layers", -1], "--num_single_layers=-1: expected a count, 0 or more"),
     (FLUX_SCRIPT, "flux", ["--jsonl_for_train", "x.jsonl"], "--jsonl_for_train is not supported here: give the"),
 ])
 def test_bad_flags_are_usage_errors(tiny, tmp_path, script, model, flags, message):
-    flags = [str(tiny[model] if flag == "MODEL" else flag) for flag in flags]
+    # XLabs' layout: FLUX.1's ControlNet with a hint block (conditioning_embedding_channels) reading pixels.
+    xlabs = tmp_path / "xlabs"
+    xlabs.mkdir()
+    config = json.loads((tiny["flux_controlnet"] / "config.json").read_text())
+    (xlabs / "config.json").write_text(json.dumps({**config, "conditioning_embedding_channels": 16}))
+    replacements = {"MODEL": tiny[model], "SD3_CONTROLNET": tiny["sd3_controlnet"], "XLABS": xlabs}
+    flags = [str(replacements.get(flag, flag)) for flag in flags]
     with pytest.raises(UsageError) as error:
-        import_script(script).parse_args(list(map(str, controlnet_flags(tiny, model, tmp_path, *flags))))
+        import_script(script).parse_args(list(map(str, controlnet_flags(tiny, model, tmp_path / "out", *flags))))
     assert message in str(error.value)
 
 

@@ -23,7 +23,8 @@ from .adapters.config import adapter_config
 from .adapters.export import LoraExport, peft_saved_keys
 from .adapters.injection import linear_layers_named
 from .args import comma_separated
-from .controlnet import add_conditioning_image_args, make_controlnet_validator
+# conditioning_latents: the Control scripts import it from here, with the rest of what they share.
+from .controlnet import add_conditioning_image_args, conditioning_latents, make_controlnet_validator  # noqa: F401
 from .errors import require
 from .outputs.hub import fine_tuned_how_to_load, how_to_load
 
@@ -135,14 +136,6 @@ def with_conditioning(noisy_latents, conditioning_latents):
     """The Control model's input: the noisy latents, then the conditioning image's latents (in the noisy latents'
     dtype), along the channels (dimension 1), as the Control pipelines concatenate them."""
     return torch.cat([noisy_latents, conditioning_latents.to(noisy_latents.dtype)], dim=1)
-
-
-def conditioning_latents(frozen, conditioning_pixels):
-    """The VAE's latents of a batch of conditioning images (``conditioning_pixels`` in [0, 1], the ControlNet
-    convention of `data.images.ImageWithConditioningTransform`), before the VAE's scaling: encoded now by
-    ``frozen`` (a `data.frozen_encoders.FrozenEncoders`) from [-1, 1], as the pipeline's image processor hands
-    them to the VAE, and sampled as the pipeline samples them."""
-    return frozen.encode(conditioning_pixels * 2 - 1)
 
 
 def make_control_validator(args, pipe, accelerator, validation_pairs, **kwargs):

@@ -10,6 +10,7 @@ script.
 """
 
 import inspect
+import json
 import math
 from pathlib import Path
 
@@ -67,10 +68,23 @@ def add_conditioning_args(group):
 
 
 def check_controlnet_args(args, controlnet_class=ControlNetModel):
+    """A local ``--controlnet_model_name_or_path`` is a folder of the script's ``controlnet_class`` (its config.json
+    names it), before anything loads. Returns that folder's configuration (None for a hub id or none), for a script's
+    own checks."""
     path = args.controlnet_model_name_or_path
-    if path and Path(path).exists():
-        require((Path(path) / "config.json").is_file(), "--controlnet_model_name_or_path", path,
-                f"a {controlnet_class.__name__} folder (with config.json) or a hub id")
+    if not path or not Path(path).exists():
+        return None
+    expected = f"a {controlnet_class.__name__} folder (with config.json) or a hub id"
+    config_file = Path(path) / "config.json"
+    require(config_file.is_file(), "--controlnet_model_name_or_path", path, expected)
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError:
+        config = None
+    class_name = config.get("_class_name") if isinstance(config, dict) else None
+    require(class_name == controlnet_class.__name__, "--controlnet_model_name_or_path", path,
+            f"{expected}; its config.json names {class_name!r}")
+    return config
 
 
 def dataset_columns(args):
@@ -168,6 +182,14 @@ def cast_residuals_to_denoiser_dtype(denoiser, args, kwargs):
         if kwargs.get(name) is not None:
             kwargs[name] = _cast(kwargs[name], denoiser.dtype)
     return args, kwargs
+
+
+def conditioning_latents(frozen, conditioning_pixels):
+    """The VAE's latents of a batch of conditioning images (``conditioning_pixels`` in [0, 1], the ControlNet
+    convention of `data.images.ImageWithConditioningTransform`), before the VAE's scaling: encoded now by
+    ``frozen`` (a `data.frozen_encoders.FrozenEncoders`) from [-1, 1], as the transformer ControlNet and Control
+    pipelines' image processors hand them to the VAE, and sampled as those pipelines sample them."""
+    return frozen.encode(conditioning_pixels * 2 - 1)
 
 
 def make_controlnet_validator(args, pipe, accelerator, validation_pairs, **kwargs):

@@ -31,8 +31,8 @@ from training_utils.accelerator import end_training, make_accelerator, prepare_t
 from training_utils.args import add_cache_args, check_args, fill_dependent_defaults, training_parser
 from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_denoiser_dtype, check_controlnet_args,
-                                       controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
-                                       load_validation_pairs, make_controlnet_validator)
+                                       conditioning_latents, controlnet_how_to_load, dataset_columns,
+                                       load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator)
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
                                           load_train_dataset, make_dataloader, pick_caption, stack_collate)
@@ -86,7 +86,10 @@ def parse_args(argv=None):
     check_args(args)
     flux.check_args(args)
     check_flow_matching_args(args)
-    check_controlnet_args(args, FluxControlNetModel)
+    controlnet_config = check_controlnet_args(args, FluxControlNetModel) or {}
+    require(controlnet_config.get("conditioning_embedding_channels") is None, "--controlnet_model_name_or_path",
+            args.controlnet_model_name_or_path, "an InstantX-style FluxControlNetModel, which reads the conditioning "
+            "image's latents (XLabs' reads its pixels through a hint block, which this script does not train)")
     require(args.num_double_layers >= 0, "--num_double_layers", args.num_double_layers, "a count, 0 or more")
     require(args.num_single_layers >= 0, "--num_single_layers", args.num_single_layers, "a count, 0 or more")
     fill_dependent_defaults(args)
@@ -191,7 +194,7 @@ def main(args, run):
             text = flux.text_inputs(prompt_rows(batch["prompt"]))
             inputs = flux.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
             # The ControlNet turns the conditioning image into a residual for each of the frozen transformer's blocks.
-            conditioning = frozen.encode(batch["conditioning_pixel_values"])
+            conditioning = conditioning_latents(frozen, batch["conditioning_pixel_values"])
             block_samples, single_block_samples = models["controlnet"](
                 **flux.controlnet_inputs(pipe, inputs, conditioning, settings), return_dict=False)
             output = transformer(**inputs, controlnet_block_samples=block_samples,

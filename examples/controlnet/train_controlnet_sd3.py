@@ -29,8 +29,8 @@ from training_utils.accelerator import end_training, make_accelerator, prepare_t
 from training_utils.args import add_cache_args, check_args, fill_dependent_defaults, training_parser
 from training_utils.compile import compile_repeated_blocks
 from training_utils.controlnet import (add_controlnet_args, cast_residuals_to_denoiser_dtype, check_controlnet_args,
-                                       controlnet_how_to_load, dataset_columns, load_controlnet_pipeline,
-                                       load_validation_pairs, make_controlnet_validator)
+                                       conditioning_latents, controlnet_how_to_load, dataset_columns,
+                                       load_controlnet_pipeline, load_validation_pairs, make_controlnet_validator)
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
                                           load_train_dataset, make_dataloader, pick_caption, stack_collate)
@@ -180,7 +180,7 @@ def main(args, run):
             text = sd3.text_inputs(prompt_rows(batch["prompt"]))
             inputs = sd3.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
             # The ControlNet turns the conditioning image into a residual for each of the frozen transformer's blocks.
-            conditioning = frozen.encode(batch["conditioning_pixel_values"])
+            conditioning = conditioning_latents(frozen, batch["conditioning_pixel_values"])
             block_samples = models["controlnet"](**sd3.controlnet_inputs(pipe, inputs, conditioning),
                                                  return_dict=False)[0]
             output = transformer(**inputs, block_controlnet_hidden_states=block_samples, return_dict=False)[0]

@@ -19,6 +19,7 @@ import importlib
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from safetensors.torch import load_file, save_file
 
 from ..errors import few
@@ -150,11 +151,14 @@ class ModelExport(Export):
     def _write(self, tensors, folder_of, directory):
         for component, state in by_component(tensors, self.configs).items():
             spec = self.configs[component]
-            # Made on the meta device: no weights initialised only to be replaced, and no random numbers drawn (a
-            # sharded run's checkpoint is written so mid-run, and the run must go on with the RNG as it was).
-            with torch.device("meta"):
+            # Its parameters made on the meta device: no weights initialised only to be replaced, and no random
+            # numbers drawn (a sharded run's checkpoint is written so mid-run, and the run must go on with the RNG as
+            # it was). Its buffers are made as its config makes them: those saved beside the weights (SD3's
+            # positional embedding) are not trained, and not among ``tensors``.
+            with init_empty_weights(include_buffers=False):
                 module = model_from_config(import_class(spec["class_module"], spec["class_name"]), spec["config"])
             expected = module.state_dict()
+            state = {**{name: tensor for name, tensor in expected.items() if not tensor.is_meta}, **state}
             missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
             if missing or unexpected:
                 raise ValueError(f"{component}: the tensors do not cover {spec['class_name']}'s state dict "

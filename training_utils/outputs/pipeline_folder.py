@@ -67,7 +67,7 @@ def link_or_copy(source, target):
     cache's files are); a copy where a link cannot be made (`CANNOT_LINK`: another device, ...). Returns "linked"
     or "copied"."""
     try:
-        os.link(source, target, follow_symlinks=True)
+        os.link(os.path.realpath(source), target)  # the file itself: a link to a symbolic link would be one
         return "linked"
     except OSError as error:
         if error.errno not in CANNOT_LINK:
