@@ -348,7 +348,10 @@ def memory_plan(pipe, trained, encoders):
         on_accelerator = trainable_bytes + (ema_bytes if args.ema_device != "cpu" else 0)
         training = (resident + on_accelerator + trainable_bytes + optimizer_bytes
                     + activations[bool(args.gradient_checkpointing)])
-        return max(training, resident + on_accelerator + encoding)
+        return {"training": training, "encoding": resident + on_accelerator + encoding}
+
+    def peak(base_scheme, blocks_to_swap):
+        return max(estimate(base_scheme, blocks_to_swap).values())
 
     components = {}
     for component, module in modules.items():
@@ -377,18 +380,20 @@ def memory_plan(pipe, trained, encoders):
         "gradient_checkpointing": bool(args.gradient_checkpointing),
         "repeated_blocks": len(blocks),
         "blocks_to_swap": blocks_to_swap,
-        "accelerator_peak_bytes_estimate": estimate(run_scheme, blocks_to_swap),
+        "accelerator_peak_bytes_estimate": peak(run_scheme, blocks_to_swap),
+        "accelerator_peak_bytes_estimate_by_phase": estimate(run_scheme, blocks_to_swap),
     }
     if args.gpu_memory_gb is not None:
         budget = args.gpu_memory_gb * GB
         plan["gpu_memory_gb"] = args.gpu_memory_gb
         plan["fits"] = plan["accelerator_peak_bytes_estimate"] <= budget
-        plan["smallest_fit"] = smallest_fit(estimate, run_scheme, len(blocks), budget)
+        swappable = len(blocks) if name in SWAPPED_COMPONENTS else 0
+        plan["smallest_fit"] = smallest_fit(peak, run_scheme, swappable, budget)
     return plan
 
 
 def smallest_fit(estimate, run_scheme, num_blocks, budget):
-    """The fewest blocks to swap whose ``estimate(scheme, blocks)`` fits ``budget``: first with the run's
+    """The fewest blocks to swap whose ``estimate(scheme, blocks)`` (a peak) fits ``budget``: first with the run's
     quantisation, then, for an unquantised run, with an int8 base; None where nothing fits."""
     for scheme in [run_scheme] + (["int8"] if run_scheme is None else []):
         for blocks_to_swap in range(num_blocks + 1):
