@@ -32,7 +32,7 @@ MISTRAL_SMALL_3_1 = {
 # Qwen2.5-VL 7B (Qwen-Image's text encoder) and its vision tower.
 QWEN2_5_VL_7B = {
     "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
                     "tie_word_embeddings": False},
     "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
                       "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
@@ -44,10 +44,10 @@ CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12
 CLIP_BIG_G = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
               "projection_dim": 1280, "vocab_size": 49408, "max_position_embeddings": 77}
 T5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
-          "feed_forward_proj": "gated-gelu"}
+          "feed_forward_proj": "gated-gelu", "is_gated_act": True, "dense_act_fn": "gelu_new"}
 UMT5_XXL = {**T5_XXL, "vocab_size": 256384}
 LLAMA_3_1_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False}
 # FLUX.1's VAE (16 latent channels), which HiDream and Z-Image use.
 FLUX1_VAE = {"block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 16,
              "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
@@ -105,7 +105,8 @@ def plain(value):
     return json.loads(json.dumps(value))
 
 
-# Keys that transformers derives from the layer count: the tiny fixture's would not match the real count.
+# Keys that transformers derives from the layer count: the tiny fixture's would not match the real count. (Other
+# derived keys, T5's gating and heads' widths, are written out in the configs above.)
 DERIVED = ("layer_types",)
 
 
