@@ -1,6 +1,9 @@
 """`training_utils.block_swap` (``--blocks_to_swap``): which blocks are found, that training with swapped blocks is
 bitwise that without, and that no more than the window of blocks is ever materialised, forward and backward."""
 
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import init_empty_weights
@@ -8,7 +11,8 @@ from diffusers import FluxTransformer2DModel
 from peft import LoraConfig
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from training_utils.block_swap import WINDOW, BlockSwap, repeated_blocks
+from training_utils.block_swap import WINDOW, BlockSwap, _inner_tensors, check_block_swap_args, repeated_blocks
+from training_utils.errors import UsageError
 
 
 def tiny_flux(int8=False):
@@ -96,8 +100,9 @@ def test_swapping_trains_bitwise_the_same(checkpointing, int8):
     assert swap.loaded == [] and swap.copies == {}  # the last forward pass (the render) put every block back
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_no_more_than_the_window_is_materialised(checkpointing):
+@pytest.mark.parametrize("checkpointing, int8", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "checkpointing", "int8_checkpointing"])
+def test_no_more_than_the_window_is_materialised(checkpointing, int8):
     """Each copy's storage is tracked by a weak reference: alive while anything (a parameter, a tensor autograd
     saved) holds it. Sampled whenever a linear layer runs (forward, and checkpointing's re-run) and before every node
     of the backward pass, the swapped blocks with a live copy never exceed the window; and each block has its weights
@@ -114,7 +119,8 @@ def test_no_more_than_the_window_is_materialised(checkpointing):
         fresh = index not in self.copies
         original_fetch(self, index)
         if fresh:
-            alive.setdefault(index, []).extend(StorageWeakRef(copy.untyped_storage()) for copy in self.copies[index][0])
+            alive.setdefault(index, []).extend(StorageWeakRef(tensor.untyped_storage()) for copy in self.copies[index][0]
+                                               for _, tensor in _inner_tensors(copy))
 
     def watch_linears(swap):
         for index, block in enumerate(swap.blocks):
@@ -122,7 +128,7 @@ def test_no_more_than_the_window_is_materialised(checkpointing):
                 if isinstance(layer, torch.nn.Linear):
                     def check(layer, inputs, index=index):
                         samples.append(len(materialised()))
-                        if layer.weight.is_meta:
+                        if layer.weight.is_meta:  # (never true of torchao's linear layers: see `tiny_flux`)
                             ran_without_weights.append(index)
                     layer.register_forward_pre_hook(check)
 
@@ -142,9 +148,114 @@ def test_no_more_than_the_window_is_materialised(checkpointing):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(BlockSwap, "_fetch", fetch)
     try:
-        train(5, checkpointing, steps=2, on_step=on_step)
+        train(5, checkpointing, steps=2, on_step=on_step, int8=int8)
     finally:
         monkeypatch.undo()
     assert samples and max(samples) <= WINDOW < 5
     assert ran_without_weights == []
     assert backward_blocks == set(range(5))
+
+
+# Every transformer family's tiny pipeline: (fixture, its render's keyword arguments, what prepares it to render).
+def families():
+    from test_train_dreambooth_transformers import FAMILIES
+
+    rows = []
+    for family in FAMILIES:
+        length = dict(zip(family.flags[::2], family.flags[1::2])).get("--max_sequence_length")
+        rows.append(pytest.param(family.name, {**family.render_kwargs,
+                                               **({"max_sequence_length": length} if length else {})},
+                                 family.prepare_render, id=family.name))
+    video = {"num_frames": 5, "max_sequence_length": 16, "guidance_scale": 1.0}
+    return [*rows, pytest.param("wan21", video, None, id="wan21"), pytest.param("wan22", video, None, id="wan22")]
+
+
+@pytest.mark.parametrize("fixture, render_kwargs, prepare", families())
+def test_every_transformer_family_swaps_bitwise_neutrally(tiny, fixture, render_kwargs, prepare):
+    """Each family's tiny transformer(s), an adapter on every linear layer of their blocks, all blocks swapped: the
+    gradients of a step on what the pipeline's sampling loop feeds the transformer, and the render, are bitwise
+    those without swapping."""
+    from diffusers import DiffusionPipeline
+
+    from training_utils.block_swap import SWAPPED_COMPONENTS
+    from training_utils.pipeline import from_pretrained
+
+    pipe = from_pretrained(DiffusionPipeline, tiny[fixture])
+    pipe.set_progress_bar_config(disable=True)
+    if prepare is not None:
+        prepare(pipe)
+    transformers = [getattr(pipe, name) for name in SWAPPED_COMPONENTS if getattr(pipe, name, None) is not None]
+    calls = []
+    for transformer in transformers:
+        transformer.requires_grad_(False)
+        blocks = repeated_blocks(transformer)
+        assert blocks, type(transformer).__name__
+        layers = [f"{name}.{layer}" for name, block in blocks for layer, module in block.named_modules()
+                  if isinstance(module, torch.nn.Linear)]
+        torch.manual_seed(0)
+        transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=layers))
+        transformer.register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append((module, args, kwargs)) if len(calls) < len(transformers) else
+            None, with_kwargs=True)
+
+    def render():
+        output = pipe(prompt="a photo of sks triangle", num_inference_steps=2, height=32, width=32,
+                      output_type="np", generator=torch.Generator().manual_seed(0), **render_kwargs)
+        return torch.from_numpy(output.frames if hasattr(output, "frames") else output.images)
+
+    def gradients():
+        for transformer, args, kwargs in calls:
+            output = transformer(*args, **kwargs)
+            sample = output[0] if isinstance(output, tuple) else output.sample
+            torch.stack([part.float().square().mean() for part in sample]).sum().backward()  # Z-Image's: a list
+        grads = {(id(transformer), name): parameter.grad.clone() for transformer in transformers
+                 for name, parameter in transformer.named_parameters() if parameter.grad is not None}
+        for transformer in transformers:
+            transformer.zero_grad(set_to_none=True)
+        return grads
+
+    expected_render = render()
+    expected = gradients()
+    for transformer in transformers:
+        BlockSwap(transformer, len(repeated_blocks(transformer)), "cpu")
+    assert torch.equal(render(), expected_render)
+    swapped = gradients()
+    assert swapped.keys() == expected.keys()
+    assert all(torch.equal(swapped[key], expected[key]) for key in expected)
+    assert any(grad.abs().sum() > 0 for grad in expected.values())
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (["--blocks_to_swap", -1], {}, "--blocks_to_swap=-1: expected a non-negative number of blocks"),
+    (["--blocks_to_swap", 1, "--torch_compile", "aot_eager"], {},
+     "--blocks_to_swap=1: expected no --torch_compile: a compiled block would recompile whenever swapping replaces "
+     "its weights"),
+    (["--blocks_to_swap", 1], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+     "--blocks_to_swap=1: expected no FSDP2 launch (accelerate launch --use_fsdp --fsdp_version 2): FSDP2 shards the "
+     "weights already; use one or the other"),
+    (["--use_8bit_adam"], {}, "--use_8bit_adam=True: expected bitsandbytes installed (pip install bitsandbytes)"),
+], ids=["negative", "compiled", "fsdp2", "8bit_adam_without_bitsandbytes"])
+def test_refused_in_one_line_before_anything_loads(tiny, tmp_path, monkeypatch, flags, env, message):
+    """(FLUX.1's table row refuses more blocks than the model has.)"""
+    from helpers import usage_error
+    from test_train_dreambooth_transformers import FAMILIES, common
+
+    if flags[0] == "--use_8bit_adam" and importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    flux = next(family for family in FAMILIES if family.name == "flux")
+    assert usage_error(flux.script, *common(tiny, flux, tmp_path / "out", *flags)) == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_without_a_transformer_is_refused(tiny):
+    args = SimpleNamespace(pretrained_model_name_or_path=str(tiny["sd"]), revision=None, torch_compile=None,
+                           blocks_to_swap=1)
+    with pytest.raises(UsageError, match=r"^--blocks_to_swap=1: expected a pipeline with a transformer$"):
+        check_block_swap_args(args)
+    args.pretrained_model_name_or_path = str(tiny["flux"])
+    check_block_swap_args(args)
+    args.blocks_to_swap = 4
+    with pytest.raises(UsageError, match=r"expected at most the 3 repeated blocks of FluxTransformer2DModel$"):
+        check_block_swap_args(args)

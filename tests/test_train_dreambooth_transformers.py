@@ -15,6 +15,8 @@ own unit test (``test_<family>.py``); here each script runs:
   an int8 base, other layers, ...), 3 steps;
 - resumed: the full run resumed from its checkpoint-4, checkpointing every step and keeping two.
 
+FLUX.1's full run swaps blocks (``--blocks_to_swap``), which its resumed run, without swapping, must not tell apart.
+
 A new family is one row. The template family (FLUX.2 [klein]) also trains each adapter beside LoRA (`ADAPTERS`), on an
 int8 base, compiled, with an EMA, validating and writing the ComfyUI layout.
 """

@@ -59,9 +59,9 @@ def repeated_blocks(model):
     """``[(qualified name, block)]``: ``model``'s repeated blocks, in the order they run (that of its module tree).
 
     The entries of the ``ModuleList``\\ s whose entries are of a class the model declares repeated
-    (`compile.repeated_block_classes`), if it declares any; else those of its longest ``ModuleList``\\ s of two or
-    more modules of one class. A list inside another's entries does not count. Empty for a model with no such
-    list."""
+    (`compile.repeated_block_classes`), if it declares any; else those of its longest ``ModuleList``\\ s of
+    modules of one class (HiDream's wrapped double- and single-stream blocks, SANA's, Lumina 2's ``layers``). A list
+    inside another's entries does not count. Empty for a model with no such list."""
     declared = repeated_block_classes(model)
 
     def lists(keep):
@@ -74,7 +74,7 @@ def repeated_blocks(model):
 
     chosen = lists(lambda blocks: all(type(block).__name__ in declared for block in blocks))
     if not chosen:
-        chosen = lists(lambda blocks: len(blocks) >= 2 and len({type(block) for block in blocks}) == 1)
+        chosen = lists(lambda blocks: len({type(block) for block in blocks}) == 1)
         longest = max((len(blocks) for _, blocks in chosen), default=0)
         chosen = [(name, blocks) for name, blocks in chosen if len(blocks) == longest]
     return [(f"{name}.{index}", block) for name, blocks in chosen for index, block in enumerate(blocks)]
@@ -173,7 +173,9 @@ class BlockSwap:
         if index in self.copies:
             return
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            copies = [master.to(self.device, non_blocking=self.stream is not None, copy=True)
+            # On the CPU (the tests' accelerator), a copy all the same: torchao's .to(copy=True) shares the storage.
+            copies = [master.clone() if master.device == self.device else
+                      master.to(self.device, non_blocking=self.stream is not None)
                       for _, _, master, _ in self.frozen[index]]
         self.copies[index] = (copies, self.stream.record_event() if self.stream is not None else None)
 
@@ -237,7 +239,7 @@ class BlockSwap:
         return swapped_forward
 
     def _pack(self, tensor):
-        if type(tensor) not in PLAIN or tensor.device != self.device:
+        if type(tensor) not in PLAIN or tensor.device.type != self.device.type:
             return tensor
         found = self.storages.get(_storage_key(tensor))
         if found is None:
@@ -251,7 +253,7 @@ class BlockSwap:
         self._use(index, -1)
         copy = self.copies[index][0][entry]
         source = copy if attribute is None else getattr(copy, attribute)
-        return torch.empty(0, dtype=dtype, device=self.device).set_(source.untyped_storage(), offset, size, stride)
+        return torch.empty(0, dtype=dtype, device=source.device).set_(source.untyped_storage(), offset, size, stride)
 
     def _apply_to_resident(self, index, block, fn, recurse=True):
         """A swapped block's ``_apply`` (what ``.to()`` calls): its placeholders stay as they are (the CPU copies
@@ -276,5 +278,4 @@ def swap_blocks(pipe, name, module, device):
     swap = BlockSwap(module, count, device)
     logger.info(f"--blocks_to_swap: the frozen weights of {count} of the {len(repeated_blocks(module))} blocks of "
                 f"{name} stay in CPU memory")
-    module.block_swap = swap
     return swap

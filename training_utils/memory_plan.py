@@ -16,7 +16,8 @@ block, bf16, flash attention, as Korthikanti et al. 2022 count a transformer lay
 each block's input plus one block recomputed), gradients (the trained fp32 tensors' size), and the peak:
 the larger of training (the resident frozen weights, less the swapped blocks but for their window, what trains,
 its gradients, optimizer state and EMA where they live on the accelerator, and the activations) and encoding (the
-resident weights and what trains, plus the frozen text encoders, or the VAE, while they run). GB is 10^9 bytes.
+resident weights and what trains, plus the frozen encoders, which `frozen_encoders.FrozenEncoders` brings to the
+accelerator together while they run, once, before training). GB is 10^9 bytes.
 """
 
 import argparse

@@ -5,7 +5,6 @@ import math
 import torch
 from diffusers.optimization import get_scheduler
 
-from .errors import UsageError
 
 
 def make_optimizer(args, parameters, num_processes):
@@ -24,10 +23,8 @@ def make_optimizer(args, parameters, num_processes):
     hyperparameters = dict(lr=learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                            weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
     if args.use_8bit_adam:
-        try:
-            import bitsandbytes
-        except ImportError:
-            raise UsageError("--use_8bit_adam", True, "bitsandbytes installed (pip install bitsandbytes)") from None
+        import bitsandbytes  # optional: `args.check_args` refuses --use_8bit_adam, before loading, where it is absent
+
         return bitsandbytes.optim.AdamW8bit(groups, **hyperparameters)
     return torch.optim.AdamW(groups, **hyperparameters, **adamw_implementation(list(parameters.values())))
 
