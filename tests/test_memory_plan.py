@@ -14,15 +14,21 @@ import runpy
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from accelerate import init_empty_weights
+from diffusers import Flux2Transformer2DModel
+from safetensors.torch import load_file
 
 from helpers import EXAMPLES, SUBPROCESS_ENV, import_script
+from training_utils.block_swap import repeated_blocks
 from training_utils.memory_plan import GB, make_plan, smallest_fit, tensor_bytes
 from training_utils.outputs.run_status import RunRecord
 
+LORA = "pytorch_lora_weights.safetensors"
 KLEIN = "dreambooth/train_dreambooth_lora_flux2_klein.py"
 SD = "dreambooth/train_dreambooth_lora.py"
 WAN = "video/train_text_to_video_lora_wan.py"
@@ -65,6 +71,7 @@ def plan_and_run(script, argv):
         for name in ("prepare_components", "make_optimizer", "make_ema", "make_posthoc_ema"):
             stack.enter_context(keeping(name, getattr(module, name)))
         module.main(module.parse_args(argv), RunRecord())
+    kept["output_dir"] = Path(argv[argv.index("--output_dir") + 1])
     return plan, kept
 
 
@@ -101,6 +108,17 @@ def test_an_int8_base_is_planned_at_its_quantised_size(planned_runs):
     assert transformer["bytes"] < transformer["parameters"] * 2 == text_encoder["bytes"] / text_encoder[
         "parameters"] * transformer["parameters"]
     assert plan["ema_device"] == "accelerator" and planned_runs["sd_text_encoder"][0]["ema_device"] == "cpu"
+
+
+def test_a_run_that_fits_trains_as_it_would_without_the_plan(tiny, planned_runs, tmp_path):
+    """The plan made first (``--gpu_memory_gb``), through the command line, leaves the run as it was: the same
+    adapter, bitwise, as the row's run without it."""
+    status, _, stderr = run_in_process(script_argv(tiny, tmp_path, "klein_int8", "--gpu_memory_gb", 1000))
+    assert status == 0, stderr[-2000:]
+    reference = load_file(planned_runs["klein_int8"][1]["output_dir"] / LORA)
+    adapter = load_file(tmp_path / "klein_int8" / LORA)
+    assert reference.keys() == adapter.keys() and reference
+    assert all(torch.equal(reference[name], tensor) for name, tensor in adapter.items())
 
 
 def test_checkpointing_saves_activations_and_video_counts_its_frames(planned_runs):
@@ -152,16 +170,25 @@ def test_the_plan_reads_no_weights_and_prints_json_alone(tiny, weightless, tmp_p
 def test_gpu_memory_names_the_smallest_swap_that_fits_and_stops_a_run_that_does_not(tiny, weightless, tmp_path):
     status, stdout, _ = run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan"))
     peak = json.loads(stdout)["accelerator_peak_bytes_estimate"]
-    # A budget just under the unswapped peak. The tiny klein's blocks differ in size (one double-stream block, two
-    # single): swapping any of them keeps a window of two resident, as much as they hold, so an int8 base fits first.
+    # A budget just under the unswapped peak. The tiny klein has three blocks; swapping one or two keeps them all in
+    # the window of two, so only swapping all three fits, before an int8 base is tried.
     status, stdout, _ = run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan",
                                                   "--gpu_memory_gb", (peak - 1) / GB))
     plan = json.loads(stdout)
     fit = plan["smallest_fit"]
-    assert status == 0 and not plan["fits"] and (fit["blocks_to_swap"], fit["quantize_base"]) == (0, "int8")
+    assert status == 0 and not plan["fits"] and (fit["blocks_to_swap"], fit["quantize_base"]) == (3, None)
     assert fit["accelerator_peak_bytes_estimate"] <= peak - 1
     assert run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan", "--gpu_memory_gb",
                                      peak / GB))[1].count('"fits": true') == 1
+    # Swapping all three blocks keeps the two consecutive ones that hold most (the double-stream block and the first
+    # single-stream one): the last single-stream block's weights leave the accelerator.
+    swapping = json.loads(run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan",
+                                                    "--blocks_to_swap", 3))[1])
+    with init_empty_weights():
+        transformer = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(weightless / "transformer"))
+    last = repeated_blocks(transformer)[-1][1]
+    assert swapping["blocks_to_swap"] == 3 and swapping["repeated_blocks"] == 3
+    assert peak - swapping["accelerator_peak_bytes_estimate"] == 4 * sum(p.numel() for p in last.parameters())  # fp32
     # A real run that does not fit stops in one line before loading (the weights are not there to load).
     status, stdout, stderr = run_in_process(klein_argv(tiny, weightless, tmp_path, "--gpu_memory_gb", 1e-6))
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]

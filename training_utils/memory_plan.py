@@ -14,7 +14,8 @@ before any weights load, when it does not fit, unless ``--ignore_memory_plan``.
 What is estimated, not counted: activations (`activation_units`: 34 bytes per token and channel of each repeated
 block, bf16, flash attention, as Korthikanti et al. 2022 count a transformer layer; with gradient checkpointing,
 each block's input plus one block recomputed), gradients (the trained fp32 tensors' size), and the peak:
-the larger of training (the resident frozen weights, less the swapped blocks but for their window, what trains,
+the larger of training (the resident frozen weights, less the swapped blocks but for their window: the two
+consecutive ones that hold most, what trains,
 its gradients, optimizer state and EMA where they live on the accelerator, and the activations) and encoding (the
 resident weights and what trains, plus the frozen encoders, which `frozen_encoders.FrozenEncoders` brings to the
 accelerator together while they run, once, before training). GB is 10^9 bytes.
@@ -344,7 +345,7 @@ def memory_plan(pipe, trained, encoders):
             if component in SWAPPED_COMPONENTS and blocks_to_swap:
                 swapped = [frozen_bytes(block, component, base_scheme)
                            for _, block in repeated_blocks(module)[:blocks_to_swap]]
-                held += -sum(swapped) + min(WINDOW, len(swapped)) * max(swapped)
+                held += -sum(swapped) + max(sum(swapped[index:index + WINDOW]) for index in range(len(swapped)))
             resident += held
         on_accelerator = trainable_bytes + (ema_bytes if args.ema_device != "cpu" else 0)
         training = (resident + on_accelerator + trainable_bytes + optimizer_bytes
