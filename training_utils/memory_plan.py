@@ -1,24 +1,25 @@
 """A memory plan before any weights load: what a run would hold on the accelerator, from its configs alone.
 
-With ``--print_memory_plan`` a script runs its own first steps (the pipeline, its adapters, `prepare_components`) on
-the meta device: `load_pipeline` builds every model of the pipeline from its config (`meta_pipeline`: accelerate's
-``init_empty_weights``, no weights file is read), the script adds its adapters as it always does, and
-`prepare_components` gives each tensor the dtype that the run would give it, then stops the script with the plan
-(`PlanReady`), which `outputs.run_status.run_script` prints as JSON on stdout, exiting 0. The plan's parameter,
-optimizer and EMA bytes are counted, not modelled: they are what the run allocates (tested on the tiny fixtures).
+With ``--print_memory_plan`` (the LoRA scripts' flag: `args.add_lora_args`) a script runs its own first steps on the
+meta device: `pipeline.load_pipeline` builds every model of the pipeline from its config (`meta_modules`: accelerate's
+``init_empty_weights``; no weights file is read, not even a header), the script adds its adapters as it always does,
+and `pipeline.prepare_components` gives each tensor the dtype the run would give it, then stops the script with the
+plan (`PlanReady`), which `outputs.run_status.run_script` prints as JSON on stdout, exiting 0; nothing is written.
 
-With ``--gpu_memory_gb G`` the plan also names the smallest ``--blocks_to_swap`` (and quantisation) whose estimated
-peak fits in G; a real run with G runs the plan first (the same steps, on the meta device) and stops in one line,
-before any weights load, when it does not fit, unless ``--ignore_memory_plan``.
+Counted, not modelled: each component's parameters and their bytes (an int8 base as torchao stores it), what trains,
+AdamW's state and the EMAs' shadows are what the run allocates (`tests/test_memory_plan.py` checks them against real
+runs of the tiny fixtures). Estimated: NF4 and float8 weights and 8-bit AdamW's state (`weight_bytes`,
+`optimizer_state_bytes`); activations (`activation_units`: 34 bytes per token and channel of each repeated block in
+bf16, with flash attention, as Korthikanti et al. 2022 count a transformer layer; with gradient checkpointing, each
+block's input plus one block recomputed); gradients (the trained fp32 tensors' size); and the peak, the larger of two
+phases. Training: the frozen weights on the accelerator, less the swapped blocks (``--blocks_to_swap``) but for their
+window (the two consecutive ones that hold most), what trains, its gradients, AdamW's state and the EMA where they live
+on the accelerator, and the activations. Encoding: the same frozen weights and what trains, plus the frozen encoders,
+which `data.frozen_encoders.FrozenEncoders` brings to the accelerator together while they run, once, before training.
 
-What is estimated, not counted: activations (`activation_units`: 34 bytes per token and channel of each repeated
-block, bf16, flash attention, as Korthikanti et al. 2022 count a transformer layer; with gradient checkpointing,
-each block's input plus one block recomputed), gradients (the trained fp32 tensors' size), and the peak:
-the larger of training (the resident frozen weights, less the swapped blocks but for their window: the two
-consecutive ones that hold most, what trains,
-its gradients, optimizer state and EMA where they live on the accelerator, and the activations) and encoding (the
-resident weights and what trains, plus the frozen encoders, which `frozen_encoders.FrozenEncoders` brings to the
-accelerator together while they run, once, before training). GB is 10^9 bytes.
+With ``--gpu_memory_gb G`` the plan also names the fewest blocks to swap (then an int8 base) whose peak fits in G
+(`smallest_fit`); a real run with G makes the plan first (`make_plan`: the same steps on the meta device) and stops
+in one line, before any weights load, when it does not fit, unless ``--ignore_memory_plan``. GB is 10^9 bytes.
 """
 
 import argparse
@@ -30,7 +31,7 @@ import torch
 from accelerate import init_empty_weights
 
 from .block_swap import SWAPPED_COMPONENTS, WINDOW, repeated_blocks
-from .errors import UsageError, require
+from .errors import UsageError, is_first_process, require
 from .quantization import scheme_of
 
 # Bytes of saved activations per token and channel of a transformer block in bf16 (Korthikanti et al. 2022, with
@@ -407,4 +408,6 @@ def smallest_fit(estimate, run_scheme, num_blocks, budget):
 
 
 def print_plan(plan):
-    print(json.dumps(plan, indent=1))
+    """The plan as JSON on stdout, from the first process only (each process of a launch plans alike)."""
+    if is_first_process():
+        print(json.dumps(plan, indent=1))
