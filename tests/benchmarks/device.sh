@@ -26,7 +26,7 @@ torch.cuda.is_available(), 'diffusers', diffusers.__version__)"
 # Each script shares --budget_s among what it runs (memory: starts no family after it; throughput: kills each
 # configuration at the end of its share); the outer timeout is the hard stop.
 if [ "$mode" = memory ]; then
-    timeout --kill-after=10 465 python -m tests.benchmarks.device_memory --budget_s 330 "$@"
+    timeout --kill-after=10 465 python -m tests.benchmarks.device_memory --budget_s 330 --steps 2 "$@"
 else
     timeout --kill-after=10 465 python -m tests.benchmarks.device_throughput --budget_s 430 "$@"
 fi

@@ -19,12 +19,13 @@ flags: the text encoders and the VAE do not run here, so the plan's encoding pha
 
 Each family's table rows and JSON are written as they complete (``<output_dir>/device_memory_<gpu>.{md,json}``);
 ``--budget_s`` stops starting new families once spent (those left are listed as skipped). A configuration that runs
-out of memory is a row saying so. ``--smoke`` runs the tiny fixtures' configs on the CPU at 32 px in fp32.
+out of memory is a row saying so. ``--smoke`` runs the tiny fixtures' configs on the CPU at 32 px in fp32, with 16 prompt tokens.
 """
 
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import statistics
 import tempfile
@@ -109,9 +110,11 @@ def swapped(transformer, count, device):
     return BlockSwap(transformer, count, device)
 
 
-def random_inputs(family, pipe, transformer, resolution, frames, batch_size, device, dtype, generator):
+def random_inputs(family, pipe, transformer, resolution, frames, batch_size, device, dtype, generator,
+                  text_tokens=TEXT_TOKENS):
     """The transformer's inputs at ``resolution`` (and ``frames``), as the family's ``model_inputs`` lays them out,
-    from random latents and prompt features of the shapes its encoders give."""
+    from random latents and prompt features of the shapes its encoders give (``text_tokens`` long; HiDream's T5 and
+    Llama features, 128, as its pipeline's default)."""
     config = transformer.config
     spatial, temporal, channels = vae_compression(pipe.vae)
     size = resolution // spatial
@@ -123,18 +126,18 @@ def random_inputs(family, pipe, transformer, resolution, frames, batch_size, dev
     module = FAMILY_MODULES[family]
     if module is flux2:
         latents = randn(batch_size, 4 * channels, size // 2, size // 2)
-        text = {"encoder_hidden_states": randn(batch_size, TEXT_TOKENS, config.joint_attention_dim),
-                "txt_ids": pipe._prepare_text_ids(torch.empty(batch_size, TEXT_TOKENS, 1)).to(device)}
+        text = {"encoder_hidden_states": randn(batch_size, text_tokens, config.joint_attention_dim),
+                "txt_ids": pipe._prepare_text_ids(torch.empty(batch_size, text_tokens, 1)).to(device)}
         inputs = flux2.model_inputs(pipe, latents, timesteps, text)
         if config.guidance_embeds:
             inputs["guidance"] = torch.full((batch_size,), 4.0, device=device)
         return inputs
     if module is qwen_image:
-        text = {"encoder_hidden_states": randn(batch_size, TEXT_TOKENS, config.joint_attention_dim),
+        text = {"encoder_hidden_states": randn(batch_size, text_tokens, config.joint_attention_dim),
                 "encoder_hidden_states_mask": None}
         return qwen_image.model_inputs(pipe, randn(batch_size, channels, 1, size, size), timesteps, text)
     if module is z_image:
-        text = {"cap_feats": [randn(TEXT_TOKENS, config.cap_feat_dim) for _ in range(batch_size)]}
+        text = {"cap_feats": [randn(text_tokens, config.cap_feat_dim) for _ in range(batch_size)]}
         return z_image.model_inputs(pipe, randn(batch_size, channels, size, size), timesteps, text)
     if module is hidream:
         t5, llama = config.caption_channels
@@ -143,7 +146,7 @@ def random_inputs(family, pipe, transformer, resolution, frames, batch_size, dev
                 "pooled_embeds": randn(batch_size, config.text_emb_dim)}
         return hidream.model_inputs(pipe, randn(batch_size, channels, size, size), timesteps, text)
     latent_frames = (frames - 1) // temporal + 1
-    text = {"encoder_hidden_states": randn(batch_size, TEXT_TOKENS, config.text_dim)}
+    text = {"encoder_hidden_states": randn(batch_size, text_tokens, config.text_dim)}
     return wan.model_inputs(pipe, randn(batch_size, channels, latent_frames, size, size), timesteps, text)
 
 
@@ -156,6 +159,9 @@ def output_loss(output):
 def measure(family, pipe, meta_transformer, scheme, blocks_to_swap, sizes, device, steps):
     """One configuration: ``{"step_seconds", "peak_bytes"}``."""
     weight_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gc.collect()  # what an earlier configuration (one out of memory, too) left
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     transformer = materialised(meta_transformer, device, weight_dtype, device)
     if scheme == "int8":
         quantise_base(transformer)
@@ -172,7 +178,7 @@ def measure(family, pipe, meta_transformer, scheme, blocks_to_swap, sizes, devic
     ema = make_ema(args, parameters, SimpleNamespace(device=device))
     generator = torch.Generator(device).manual_seed(0)
     inputs = random_inputs(family, pipe, transformer, sizes["resolution"], sizes["frames"], 1, device, weight_dtype,
-                           generator)
+                           generator, sizes["text_tokens"])
     autocast = (torch.autocast(device.type, dtype=weight_dtype) if weight_dtype != torch.float32
                 else contextlib.nullcontext())
     if device.type == "cuda":  # the peak of training, not of building, quantising and parking the model
@@ -260,7 +266,8 @@ def main(argv=None):
                               "frames": estimate["activations_bytes_estimate"]["frames"]}
                     try:
                         record.update(measure(family, pipe, meta_transformer, scheme, blocks_to_swap,
-                                              {"resolution": record["resolution"], "frames": record["frames"]},
+                                              {"resolution": record["resolution"], "frames": record["frames"],
+                                               "text_tokens": 16 if args.smoke else TEXT_TOKENS},
                                               device, args.steps), status="ok")
                     except torch.OutOfMemoryError:
                         record["status"] = "out of memory"
