@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 from accelerate import init_empty_weights
+from accelerate.state import AcceleratorState
 from diffusers import Flux2Transformer2DModel
 from safetensors.torch import load_file
 
@@ -54,9 +55,16 @@ def script_argv(tiny, tmp_path, row, *extra):
                                      "--output_dir", tmp_path / row, *COMMON, *flags, *extra)]
 
 
+def fresh_accelerate_state():
+    """Forget the accelerate state that an earlier run in this process left (its mixed precision, for one): every
+    `Accelerator` shares it, and each run here must make its own, as a process of its own would."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def plan_and_run(script, argv):
     """The plan of ``argv``, and what one real step with the same flags allocated."""
     module = import_script(script)
+    fresh_accelerate_state()
     plan = make_plan(module.main, module.parse_args(argv), RunRecord())
     kept = {}
 
@@ -70,6 +78,7 @@ def plan_and_run(script, argv):
     with contextlib.ExitStack() as stack:
         for name in ("prepare_components", "make_optimizer", "make_ema", "make_posthoc_ema"):
             stack.enter_context(keeping(name, getattr(module, name)))
+        fresh_accelerate_state()
         module.main(module.parse_args(argv), RunRecord())
     kept["output_dir"] = Path(argv[argv.index("--output_dir") + 1])
     return plan, kept
@@ -108,6 +117,8 @@ def test_an_int8_base_is_planned_at_its_quantised_size(planned_runs):
     assert transformer["bytes"] < transformer["parameters"] * 2 == text_encoder["bytes"] / text_encoder[
         "parameters"] * transformer["parameters"]
     assert plan["ema_device"] == "accelerator" and planned_runs["sd_text_encoder"][0]["ema_device"] == "cpu"
+    sd = planned_runs["sd_text_encoder"][0]
+    assert (transformer["dtype"], sd["components"]["unet"]["dtype"]) == ("bfloat16", "float32")  # no mixed precision
 
 
 def test_a_run_that_fits_trains_as_it_would_without_the_plan(tiny, planned_runs, tmp_path):
@@ -141,6 +152,7 @@ def run_in_process(argv):
     """``python examples/<KLEIN> argv`` in this process: its exit status, stdout and stderr."""
     path = EXAMPLES / KLEIN
     stdout, stderr = io.StringIO(), io.StringIO()
+    fresh_accelerate_state()
     with (mock.patch.object(sys, "argv", [str(path), *map(str, argv)]), contextlib.redirect_stdout(stdout),
           contextlib.redirect_stderr(stderr)):
         try:
@@ -185,7 +197,8 @@ def test_gpu_memory_names_the_smallest_swap_that_fits_and_stops_a_run_that_does_
     swapping = json.loads(run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan",
                                                     "--blocks_to_swap", 3))[1])
     with init_empty_weights():
-        transformer = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(weightless / "transformer"))
+        config = Flux2Transformer2DModel.load_config(weightless / "transformer")
+        transformer = Flux2Transformer2DModel.from_config(config)
     last = repeated_blocks(transformer)[-1][1]
     assert swapping["blocks_to_swap"] == 3 and swapping["repeated_blocks"] == 3
     assert peak - swapping["accelerator_peak_bytes_estimate"] == 4 * sum(p.numel() for p in last.parameters())  # fp32

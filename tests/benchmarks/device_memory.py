@@ -19,7 +19,8 @@ flags: the text encoders and the VAE do not run here, so the plan's encoding pha
 
 Each family's table rows and JSON are written as they complete (``<output_dir>/device_memory_<gpu>.{md,json}``);
 ``--budget_s`` stops starting new families once spent (those left are listed as skipped). A configuration that runs
-out of memory is a row saying so. ``--smoke`` runs the tiny fixtures' configs on the CPU at 32 px in fp32, with 16 prompt tokens.
+out of memory is a row saying so. ``--smoke`` runs the tiny fixtures' configs on the CPU at 32 px in fp32, with 16
+prompt tokens.
 """
 
 import argparse

@@ -109,7 +109,8 @@ def markdown(plans):
         encoders = sum(entry["bytes"] for name, entry in components.items() if name.startswith("text_encoder"))
         sizes = plans[family, None]["activations_bytes_estimate"]
         size = f"{sizes['frames']} frames at {sizes['resolution']}²" if model.video else f"{sizes['resolution']}²"
-        lines.append(f"| {model.title} ({size}) | {components['transformer']['parameters'] / 1e9:.1f}B | {gb(encoders)} "
+        parameters = components["transformer"]["parameters"]
+        lines.append(f"| {model.title} ({size}) | {parameters / 1e9:.1f}B | {gb(encoders)} "
                      f"| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
