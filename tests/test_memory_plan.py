@@ -20,7 +20,6 @@ from unittest import mock
 import pytest
 import torch
 from accelerate import init_empty_weights
-from accelerate.state import AcceleratorState
 from diffusers import Flux2Transformer2DModel
 from safetensors.torch import load_file
 
@@ -28,6 +27,8 @@ from helpers import EXAMPLES, SUBPROCESS_ENV, import_script
 from training_utils.block_swap import repeated_blocks
 from training_utils.memory_plan import GB, make_plan, smallest_fit, tensor_bytes
 from training_utils.outputs.run_status import RunRecord
+
+from tests.benchmarks.memory_plan_table import fresh_accelerate_state
 
 LORA = "pytorch_lora_weights.safetensors"
 KLEIN = "dreambooth/train_dreambooth_lora_flux2_klein.py"
@@ -53,12 +54,6 @@ def script_argv(tiny, tmp_path, row, *extra):
     data_flag = "--train_data_dir" if script == WAN else "--instance_data_dir"
     return [str(value) for value in ("--pretrained_model_name_or_path", tiny[model], data_flag, tiny[data],
                                      "--output_dir", tmp_path / row, *COMMON, *flags, *extra)]
-
-
-def fresh_accelerate_state():
-    """Forget the accelerate state that an earlier run in this process left (its mixed precision, for one): every
-    `Accelerator` shares it, and each run here must make its own, as a process of its own would."""
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def plan_and_run(script, argv):

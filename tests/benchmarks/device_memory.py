@@ -46,7 +46,7 @@ from training_utils.outputs.run_status import RunRecord
 from training_utils.quantization import follow_autocast
 from training_utils.testing.tiny import build
 
-from tests.benchmarks.memory_plan_table import import_script, plan_argv
+from tests.benchmarks.memory_plan_table import fresh_accelerate_state, import_script, plan_argv
 from tests.benchmarks.real_configs import FAMILIES, real_pipeline
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -68,6 +68,7 @@ def planned_transformer(model, argv):
         kept["pipe"], kept["trained"] = pipe, trained
         return original(pipe, trained, *args, **kwargs)
 
+    fresh_accelerate_state()
     with mock.patch.object(module, "prepare_components", keeping):
         plan = make_plan(module.main, module.parse_args(argv), RunRecord())
     return plan, kept["pipe"], kept["trained"]["transformer"]

@@ -17,6 +17,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from accelerate.state import AcceleratorState
+
 from training_utils.memory_plan import GB, make_plan
 from training_utils.outputs.run_status import RunRecord
 from training_utils.testing.tiny import build
@@ -56,9 +58,16 @@ def plan_argv(model, pipeline, tiny, output_dir, scheme, gpu_memory_gb=GPU_MEMOR
         "--gpu_memory_gb", gpu_memory_gb, *(["--quantize_base", scheme] if scheme else []), *extra]]
 
 
+def fresh_accelerate_state():
+    """Forget the accelerate state that an earlier run in this process left (its mixed precision, for one): every
+    `Accelerator` shares it, and each run made here must make its own, as a process of its own would."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def plan_of(model, argv):
     """The memory plan of ``model``'s script with ``argv``, made in this process."""
     module = import_script(model.script)
+    fresh_accelerate_state()
     return make_plan(module.main, module.parse_args(argv), RunRecord())
 
 
