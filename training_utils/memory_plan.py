@@ -133,7 +133,8 @@ def meta_modules(pipeline_class, path, revision=None, given=()):
     index = pipeline_class.load_config(path, revision=revision)
     modules = {}
     for name, value in index.items():
-        if name.startswith("_") or name in given or not isinstance(value, list) or None in value:
+        is_component = isinstance(value, list) and len(value) == 2 and all(isinstance(part, str) for part in value)
+        if name.startswith("_") or name in given or not is_component:  # a setting, or a component left out
             continue
         cls = model_class(*value)
         if cls is not None:
