@@ -203,6 +203,10 @@ def test_gpu_memory_names_the_smallest_swap_that_fits_and_stops_a_run_that_does_
     assert status == 2 and "Traceback" not in stderr and len(errors) == 1, stderr[-2000:]
     assert errors[0].startswith("error: --gpu_memory_gb=1e-06: expected a run that fits: its memory plan estimates")
     assert "nothing here fits it" in errors[0] and "--ignore_memory_plan" in errors[0]
+    # Told to, the same run goes on (here on the fixture with its weights, so that it can train).
+    status, _, stderr = run_in_process(klein_argv(tiny, tiny["flux2_klein"], tmp_path / "ignored", "--gpu_memory_gb",
+                                                  1e-6, "--ignore_memory_plan"))
+    assert status == 0 and (tmp_path / "ignored" / LORA).is_file(), stderr[-2000:]
 
 
 def test_the_smallest_fit_is_the_fewest_swapped_blocks_then_an_int8_base():
