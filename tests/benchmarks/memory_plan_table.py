@@ -133,6 +133,20 @@ counted as the run allocates them (`tests/test_memory_plan.py` checks them again
 activations and the peak are **estimates**, not yet checked on a GPU (`tests/benchmarks/device.sh memory` will
 measure them beside the plan; no GPU figure exists yet). What the plan counts: `training_utils/memory_plan.py`.
 
+```
+python examples/dreambooth/train_dreambooth_lora_qwen_image.py --pretrained_model_name_or_path ./Qwen-Image \
+  --instance_data_dir dog --instance_prompt "a photo of sks dog" --resolution 1024 --mixed_precision bf16 \
+  --gradient_checkpointing --use_ema --print_memory_plan --gpu_memory_gb 24
+```
+
+prints `components` (each with `parameters`, `bytes` at the run's dtype and quantisation, and `device`),
+`trainable_parameters`, `optimizer_state_bytes`, `ema_bytes`, `activations_bytes_estimate` (with and without
+gradient checkpointing, at the run's resolution, frame count and batch size), `blocks_to_swap`,
+`accelerator_peak_bytes_estimate` (and `…_by_phase`: training, encoding), and with `--gpu_memory_gb` whether it
+`fits` and the `smallest_fit` (`blocks_to_swap`, `quantize_base`, its peak), or `null` where nothing does. The
+memory plan flags are the LoRA scripts' (every script with an adapter); the full fine-tune and ControlNet scripts
+do not have them yet.
+
 **Estimates**, GB = 10⁹ bytes, of a rank-16 LoRA with an EMA, gradient checkpointing, batch 1, bf16, made by
 `python -m tests.benchmarks.memory_plan_table --write docs/memory.md` from the released configs
 (`tests/benchmarks/real_configs.py`). *Training*: the frozen weights on the accelerator (less the swapped blocks,
