@@ -297,6 +297,21 @@ def activation_bytes(units, batch_size, weight_dtype, checkpointing):
 
 # --- the plan -----------------------------------------------------------------------------------------------------
 
+def swapped_off(model, blocks_to_swap, frozen_bytes):
+    """What swapping ``model``'s first ``blocks_to_swap`` repeated blocks takes off the accelerator: their frozen
+    bytes (``frozen_bytes(block)``) but for the window's, the `block_swap.WINDOW` consecutive ones that hold most."""
+    swapped = [frozen_bytes(block) for _, block in repeated_blocks(model)[:blocks_to_swap]]
+    if not swapped:
+        return 0
+    return sum(swapped) - max(sum(swapped[index:index + WINDOW]) for index in range(len(swapped)))
+
+
+def training_bytes(resident, trainable_bytes, optimizer_bytes, ema_on_accelerator, activations):
+    """The training phase's peak: the ``resident`` frozen weights, what trains and its gradients (fp32, the same
+    size), the optimizer's state, the EMA where it is on the accelerator, and the activations."""
+    return resident + 2 * trainable_bytes + optimizer_bytes + ema_on_accelerator + activations
+
+
 def denoiser_name(pipe, trained):
     """The component that denoises (the one whose blocks swap): the trained transformer or UNet."""
     for name in ("transformer", "unet"):
@@ -344,14 +359,13 @@ def memory_plan(pipe, trained, encoders):
             if id(module) in encoder_ids:
                 encoding += held
                 continue
-            if component in SWAPPED_COMPONENTS and blocks_to_swap:
-                swapped = [frozen_bytes(block, component, base_scheme)
-                           for _, block in repeated_blocks(module)[:blocks_to_swap]]
-                held += -sum(swapped) + max(sum(swapped[index:index + WINDOW]) for index in range(len(swapped)))
+            if component in SWAPPED_COMPONENTS:
+                held -= swapped_off(module, blocks_to_swap, lambda block: frozen_bytes(block, component, base_scheme))
             resident += held
         on_accelerator = trainable_bytes + (ema_bytes if args.ema_device != "cpu" else 0)
-        training = (resident + on_accelerator + trainable_bytes + optimizer_bytes
-                    + activations[bool(args.gradient_checkpointing)])
+        training = training_bytes(resident, trainable_bytes, optimizer_bytes,
+                                  ema_bytes if args.ema_device != "cpu" else 0,
+                                  activations[bool(args.gradient_checkpointing)])
         return {"training": training, "encoding": resident + on_accelerator + encoding}
 
     def peak(base_scheme, blocks_to_swap):

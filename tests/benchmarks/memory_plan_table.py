@@ -17,13 +17,20 @@ import re
 import tempfile
 from pathlib import Path
 
+import diffusers
+import torch
+from accelerate import init_empty_weights
 from accelerate.state import AcceleratorState
 
-from training_utils.memory_plan import GB, make_plan
+from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
+from training_utils.block_swap import repeated_blocks
+from training_utils.memory_plan import (GB, TEXT_TOKENS, activation_bytes, hidden_size, make_plan,
+                                        optimizer_state_bytes, parameter_bytes, swapped_off, tensor_bytes,
+                                        training_bytes)
 from training_utils.outputs.run_status import RunRecord
 from training_utils.testing.tiny import build
 
-from tests.benchmarks.real_configs import FAMILIES, real_pipeline
+from tests.benchmarks.real_configs import FAMILIES, TRANSFORMER_ONLY, real_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GPU_MEMORY_GB = 24
@@ -87,6 +94,38 @@ def real_plans(work_dir, families=None, schemes=SCHEMES, **sizes):
     return plans
 
 
+def transformer_only_row(model, resolution=632, num_frames=49, rank=16, budget=GPU_MEMORY_GB * GB):
+    """A table row for a `real_configs.TransformerOnly` family: the training phase of the same LoRA run, planned with
+    `memory_plan`'s own pieces on its transformer alone (no text encoder, no pipeline), bf16 and int8."""
+    with init_empty_weights():
+        transformer = getattr(diffusers, model.class_name).from_config(model.config)
+    add_lora(transformer, rank, ATTENTION_PROJECTIONS)
+    for parameter in transformer.parameters():
+        parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(torch.bfloat16)
+    trained = [parameter for parameter in transformer.parameters() if parameter.requires_grad]
+    trainable = sum(tensor_bytes(parameter) for parameter in trained)
+    side = -(-resolution // model.spatial)
+    tokens = side * side * ((num_frames - 1) // model.temporal + 1) + TEXT_TOKENS
+    blocks = repeated_blocks(transformer)
+    activations = activation_bytes([(tokens, hidden_size(transformer.config))] * len(blocks), 1, torch.bfloat16, True)
+    cells = []
+    for scheme in SCHEMES:
+        def frozen(module):
+            return parameter_bytes(module, scheme) - sum(tensor_bytes(parameter) for parameter in module.parameters()
+                                                         if parameter.requires_grad)
+
+        def peak(blocks_to_swap):
+            resident = frozen(transformer) - swapped_off(transformer, blocks_to_swap, frozen)
+            return training_bytes(resident, trainable, optimizer_state_bytes(trained), trainable, activations)
+
+        fit = next((count for count in range(len(blocks) + 1) if peak(count) <= budget), None)
+        cells += [f"{gb(peak(0))} / –",
+                  "none fits" if fit is None else f"{fit} of {len(blocks)}: {gb(peak(fit))} (training)"]
+    parameters = sum(parameter.numel() for parameter in transformer.parameters())  # as the plans count (adapter too)
+    return (f"| {model.title} ({num_frames} frames at {resolution}², transformer only) | {parameters / 1e9:.1f}B "
+            f"| – | " + " | ".join(cells) + " |")
+
+
 def gb(value):
     return f"{value / GB:.1f}"
 
@@ -121,6 +160,7 @@ def markdown(plans):
         parameters = components["transformer"]["parameters"]
         lines.append(f"| {model.title} ({size}) | {parameters / 1e9:.1f}B | {gb(encoders)} "
                      f"| " + " | ".join(cells) + " |")
+    lines += [transformer_only_row(model) for model in TRANSFORMER_ONLY.values()]
     return "\n".join(lines)
 
 
@@ -154,7 +194,8 @@ but for two), the adapter, its gradients, AdamW's state, the EMA and the activat
 and the adapter while the text encoders run, once, before training (with `--feature_cache_dir` they run once ever;
 `--quantize_text_encoders` shrinks them). The fewest blocks swapped are the plan's answer for both phases, so a
 text encoder larger than the card leaves none that fits. LTX-2 and HunyuanVideo 1.5 have classes in diffusers
-0.42.1 but no training script here yet, so no plan.
+0.42.1 but no training script here yet: their rows plan the same LoRA (on the attention projections) on the
+transformer alone, the training phase only (no encoders, no prompt encoding).
 
 """
 

@@ -132,3 +132,24 @@ def real_pipeline(family, folder, tiny_folder):
         path = folder / component / "config.json"
         path.write_text(json.dumps(updated(json.loads(path.read_text()), real), indent=1))
     return folder
+
+
+@dataclass
+class TransformerOnly:
+    """A family with a diffusers transformer but no training script here: its transformer at real size, and its
+    VAE's compression (space, time), for a plan of the transformer alone."""
+
+    title: str
+    class_name: str
+    config: dict
+    spatial: int
+    temporal: int
+
+
+# diffusers 0.42.1's defaults are the released models': LTX-2's 19B audio-video transformer (its VAE: 32x in space,
+# 8x in time) and HunyuanVideo 1.5's 8.3B transformer (16x, 4x).
+TRANSFORMER_ONLY = {
+    "ltx2": TransformerOnly("LTX-2", "LTX2VideoTransformer3DModel", defaults_of("LTX2VideoTransformer3DModel"), 32, 8),
+    "hunyuan_video_15": TransformerOnly("HunyuanVideo 1.5", "HunyuanVideo15Transformer3DModel",
+                                        defaults_of("HunyuanVideo15Transformer3DModel"), 16, 4),
+}
