@@ -174,8 +174,8 @@ activations and the peak are **estimates**, not yet checked on a GPU (`tests/ben
 measure them beside the plan; no GPU figure exists yet). What the plan counts: `training_utils/memory_plan.py`.
 
 ```
-python examples/dreambooth/train_dreambooth_lora_qwen_image.py --pretrained_model_name_or_path ./Qwen-Image \
-  --instance_data_dir dog --instance_prompt "a photo of sks dog" --resolution 1024 --mixed_precision bf16 \
+python examples/dreambooth/train_dreambooth_lora_qwen_image.py --pretrained_model_name_or_path ./Qwen-Image \\
+  --instance_data_dir dog --instance_prompt "a photo of sks dog" --resolution 1024 --mixed_precision bf16 \\
   --gradient_checkpointing --use_ema --print_memory_plan --gpu_memory_gb 24
 ```
 
