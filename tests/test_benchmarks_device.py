@@ -1,8 +1,10 @@
-"""`tests/benchmarks/device_throughput.py` on tiny configs (``--smoke``): the GPU run cannot happen here, so its
-plumbing is checked here: both modes, the batch search, the NF4 skip, the table and its JSON."""
+"""`tests/benchmarks/device_throughput.py` and `device_memory.py` on tiny configs (``--smoke``): the GPU run cannot
+happen here, so their plumbing is checked here: both modes, the batch search, the NF4 skip; the memory benchmark's
+planned transformer materialised, quantised and swapped; the tables and their JSON."""
 
 import json
 
+from tests.benchmarks import device_memory
 from tests.benchmarks.device_throughput import COLUMNS, main
 
 QUICK = ["--smoke", "--inline", "--steps", "1", "--warmup", "0", "--large_batch_steps", "1", "--max_batch", "2"]
@@ -33,3 +35,15 @@ def test_sdxl_smoke_step(tmp_path):
                             "--output_dir", str(tmp_path)])
     assert [(record["batch"], record["status"]) for record in records] == [(1, "ok")]
 
+
+
+def test_memory_smoke_run_measures_each_base_and_swap_beside_the_plan(tmp_path):
+    records = device_memory.main(["--smoke", "--families", "wan_14b", "--steps", "1", "--output_dir", str(tmp_path)])
+    assert [(record["base"], record["blocks_to_swap"], record["status"]) for record in records] == [
+        ("none", 0, "ok"), ("none", 1, "ok"), ("int8", 0, "ok"), ("int8", 1, "ok")]
+    assert all(record["step_seconds"] > 0 and record["estimate_bytes"] > 0 for record in records)
+    # the int8 base's plan is smaller; on the CPU there is no accelerator peak to measure
+    assert records[2]["estimate_bytes"] < records[0]["estimate_bytes"] and records[0]["peak_bytes"] is None
+    rows = table_rows((tmp_path / "device_memory_cpu.md").read_text())
+    assert tuple(rows[0]) == device_memory.COLUMNS and len(rows) == 5
+    assert json.loads((tmp_path / "device_memory_cpu.json").read_text())["records"] == records

@@ -14,15 +14,23 @@ import runpy
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from accelerate import init_empty_weights
+from diffusers import Flux2Transformer2DModel
+from safetensors.torch import load_file
 
 from helpers import EXAMPLES, SUBPROCESS_ENV, import_script
+from training_utils.block_swap import repeated_blocks
 from training_utils.memory_plan import GB, make_plan, smallest_fit, tensor_bytes
 from training_utils.outputs.run_status import RunRecord
 
+from tests.benchmarks.memory_plan_table import fresh_accelerate_state
+
+LORA = "pytorch_lora_weights.safetensors"
 KLEIN = "dreambooth/train_dreambooth_lora_flux2_klein.py"
 SD = "dreambooth/train_dreambooth_lora.py"
 WAN = "video/train_text_to_video_lora_wan.py"
@@ -51,6 +59,7 @@ def script_argv(tiny, tmp_path, row, *extra):
 def plan_and_run(script, argv):
     """The plan of ``argv``, and what one real step with the same flags allocated."""
     module = import_script(script)
+    fresh_accelerate_state()
     plan = make_plan(module.main, module.parse_args(argv), RunRecord())
     kept = {}
 
@@ -64,7 +73,9 @@ def plan_and_run(script, argv):
     with contextlib.ExitStack() as stack:
         for name in ("prepare_components", "make_optimizer", "make_ema", "make_posthoc_ema"):
             stack.enter_context(keeping(name, getattr(module, name)))
+        fresh_accelerate_state()
         module.main(module.parse_args(argv), RunRecord())
+    kept["output_dir"] = Path(argv[argv.index("--output_dir") + 1])
     return plan, kept
 
 
@@ -101,6 +112,19 @@ def test_an_int8_base_is_planned_at_its_quantised_size(planned_runs):
     assert transformer["bytes"] < transformer["parameters"] * 2 == text_encoder["bytes"] / text_encoder[
         "parameters"] * transformer["parameters"]
     assert plan["ema_device"] == "accelerator" and planned_runs["sd_text_encoder"][0]["ema_device"] == "cpu"
+    sd = planned_runs["sd_text_encoder"][0]
+    assert (transformer["dtype"], sd["components"]["unet"]["dtype"]) == ("bfloat16", "float32")  # no mixed precision
+
+
+def test_a_run_that_fits_trains_as_it_would_without_the_plan(tiny, planned_runs, tmp_path):
+    """The plan made first (``--gpu_memory_gb``), through the command line, leaves the run as it was: the same
+    adapter, bitwise, as the row's run without it."""
+    status, _, stderr = run_in_process(script_argv(tiny, tmp_path, "klein_int8", "--gpu_memory_gb", 1000))
+    assert status == 0, stderr[-2000:]
+    reference = load_file(planned_runs["klein_int8"][1]["output_dir"] / LORA)
+    adapter = load_file(tmp_path / "klein_int8" / LORA)
+    assert reference.keys() == adapter.keys() and reference
+    assert all(torch.equal(reference[name], tensor) for name, tensor in adapter.items())
 
 
 def test_checkpointing_saves_activations_and_video_counts_its_frames(planned_runs):
@@ -123,6 +147,7 @@ def run_in_process(argv):
     """``python examples/<KLEIN> argv`` in this process: its exit status, stdout and stderr."""
     path = EXAMPLES / KLEIN
     stdout, stderr = io.StringIO(), io.StringIO()
+    fresh_accelerate_state()
     with (mock.patch.object(sys, "argv", [str(path), *map(str, argv)]), contextlib.redirect_stdout(stdout),
           contextlib.redirect_stderr(stderr)):
         try:
@@ -152,22 +177,36 @@ def test_the_plan_reads_no_weights_and_prints_json_alone(tiny, weightless, tmp_p
 def test_gpu_memory_names_the_smallest_swap_that_fits_and_stops_a_run_that_does_not(tiny, weightless, tmp_path):
     status, stdout, _ = run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan"))
     peak = json.loads(stdout)["accelerator_peak_bytes_estimate"]
-    # A budget just under the unswapped peak. The tiny klein's blocks differ in size (one double-stream block, two
-    # single): swapping any of them keeps a window of two resident, as much as they hold, so an int8 base fits first.
+    # A budget just under the unswapped peak. The tiny klein has three blocks; swapping one or two keeps them all in
+    # the window of two, so only swapping all three fits, before an int8 base is tried.
     status, stdout, _ = run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan",
                                                   "--gpu_memory_gb", (peak - 1) / GB))
     plan = json.loads(stdout)
     fit = plan["smallest_fit"]
-    assert status == 0 and not plan["fits"] and (fit["blocks_to_swap"], fit["quantize_base"]) == (0, "int8")
+    assert status == 0 and not plan["fits"] and (fit["blocks_to_swap"], fit["quantize_base"]) == (3, None)
     assert fit["accelerator_peak_bytes_estimate"] <= peak - 1
     assert run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan", "--gpu_memory_gb",
                                      peak / GB))[1].count('"fits": true') == 1
+    # Swapping all three blocks keeps the two consecutive ones that hold most (the double-stream block and the first
+    # single-stream one): the last single-stream block's weights leave the accelerator.
+    swapping = json.loads(run_in_process(klein_argv(tiny, weightless, tmp_path, "--print_memory_plan",
+                                                    "--blocks_to_swap", 3))[1])
+    with init_empty_weights():
+        config = Flux2Transformer2DModel.load_config(weightless / "transformer")
+        transformer = Flux2Transformer2DModel.from_config(config)
+    last = repeated_blocks(transformer)[-1][1]
+    assert swapping["blocks_to_swap"] == 3 and swapping["repeated_blocks"] == 3
+    assert peak - swapping["accelerator_peak_bytes_estimate"] == 4 * sum(p.numel() for p in last.parameters())  # fp32
     # A real run that does not fit stops in one line before loading (the weights are not there to load).
     status, stdout, stderr = run_in_process(klein_argv(tiny, weightless, tmp_path, "--gpu_memory_gb", 1e-6))
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert status == 2 and "Traceback" not in stderr and len(errors) == 1, stderr[-2000:]
     assert errors[0].startswith("error: --gpu_memory_gb=1e-06: expected a run that fits: its memory plan estimates")
     assert "nothing here fits it" in errors[0] and "--ignore_memory_plan" in errors[0]
+    # Told to, the same run goes on (here on the fixture with its weights, so that it can train).
+    status, _, stderr = run_in_process(klein_argv(tiny, tiny["flux2_klein"], tmp_path / "ignored", "--gpu_memory_gb",
+                                                  1e-6, "--ignore_memory_plan"))
+    assert status == 0 and (tmp_path / "ignored" / LORA).is_file(), stderr[-2000:]
 
 
 def test_the_smallest_fit_is_the_fewest_swapped_blocks_then_an_int8_base():

@@ -269,7 +269,8 @@ def check_args(args):
     follows the checks."""
     check_output_dir(args)
     # A memory plan reads no weights file, not even a header.
-    check_pretrained_path(args.pretrained_model_name_or_path, read_weights=not getattr(args, "print_memory_plan", False))
+    check_pretrained_path(args.pretrained_model_name_or_path,
+                          read_weights=not getattr(args, "print_memory_plan", False))
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
             "a positive multiple of 8")
     for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",

@@ -1,22 +1,25 @@
 """A memory plan before any weights load: what a run would hold on the accelerator, from its configs alone.
 
-With ``--print_memory_plan`` a script runs its own first steps (the pipeline, its adapters, `prepare_components`) on
-the meta device: `load_pipeline` builds every model of the pipeline from its config (`meta_pipeline`: accelerate's
-``init_empty_weights``, no weights file is read), the script adds its adapters as it always does, and
-`prepare_components` gives each tensor the dtype that the run would give it, then stops the script with the plan
-(`PlanReady`), which `outputs.run_status.run_script` prints as JSON on stdout, exiting 0. The plan's parameter,
-optimizer and EMA bytes are counted, not modelled: they are what the run allocates (tested on the tiny fixtures).
+With ``--print_memory_plan`` (the LoRA scripts' flag: `args.add_lora_args`) a script runs its own first steps on the
+meta device: `pipeline.load_pipeline` builds every model of the pipeline from its config (`meta_modules`: accelerate's
+``init_empty_weights``; no weights file is read, not even a header), the script adds its adapters as it always does,
+and `pipeline.prepare_components` gives each tensor the dtype the run would give it, then stops the script with the
+plan (`PlanReady`), which `outputs.run_status.run_script` prints as JSON on stdout, exiting 0; nothing is written.
 
-With ``--gpu_memory_gb G`` the plan also names the smallest ``--blocks_to_swap`` (and quantisation) whose estimated
-peak fits in G; a real run with G runs the plan first (the same steps, on the meta device) and stops in one line,
-before any weights load, when it does not fit, unless ``--ignore_memory_plan``.
+Counted, not modelled: each component's parameters and their bytes (an int8 base as torchao stores it), what trains,
+AdamW's state and the EMAs' shadows are what the run allocates (`tests/test_memory_plan.py` checks them against real
+runs of the tiny fixtures). Estimated: NF4 and float8 weights and 8-bit AdamW's state (`weight_bytes`,
+`optimizer_state_bytes`); activations (`activation_units`: 34 bytes per token and channel of each repeated block in
+bf16, with flash attention, as Korthikanti et al. 2022 count a transformer layer; with gradient checkpointing, each
+block's input plus one block recomputed); gradients (the trained fp32 tensors' size); and the peak, the larger of two
+phases. Training: the frozen weights on the accelerator, less the swapped blocks (``--blocks_to_swap``) but for their
+window (the two consecutive ones that hold most), what trains, its gradients, AdamW's state and the EMA where they live
+on the accelerator, and the activations. Encoding: the same frozen weights and what trains, plus the frozen encoders,
+which `data.frozen_encoders.FrozenEncoders` brings to the accelerator together while they run, once, before training.
 
-What is estimated, not counted: activations (`activation_units`: 34 bytes per token and channel of each repeated
-block, bf16, flash attention, as Korthikanti et al. 2022 count a transformer layer; with gradient checkpointing,
-each block's input plus one block recomputed), gradients (the trained fp32 tensors' size), and the peak:
-the larger of training (the resident frozen weights, less the swapped blocks but for their window, what trains,
-its gradients, optimizer state and EMA where they live on the accelerator, and the activations) and encoding (the
-resident weights and what trains, plus the frozen text encoders, or the VAE, while they run). GB is 10^9 bytes.
+With ``--gpu_memory_gb G`` the plan also names the fewest blocks to swap (then an int8 base) whose peak fits in G
+(`smallest_fit`); a real run with G makes the plan first (`make_plan`: the same steps on the meta device) and stops
+in one line, before any weights load, when it does not fit, unless ``--ignore_memory_plan``. GB is 10^9 bytes.
 """
 
 import argparse
@@ -28,7 +31,7 @@ import torch
 from accelerate import init_empty_weights
 
 from .block_swap import SWAPPED_COMPONENTS, WINDOW, repeated_blocks
-from .errors import UsageError, require
+from .errors import UsageError, is_first_process, require
 from .quantization import scheme_of
 
 # Bytes of saved activations per token and channel of a transformer block in bf16 (Korthikanti et al. 2022, with
@@ -130,7 +133,8 @@ def meta_modules(pipeline_class, path, revision=None, given=()):
     index = pipeline_class.load_config(path, revision=revision)
     modules = {}
     for name, value in index.items():
-        if name.startswith("_") or name in given or not isinstance(value, list) or None in value:
+        is_component = isinstance(value, list) and len(value) == 2 and all(isinstance(part, str) for part in value)
+        if name.startswith("_") or name in given or not is_component:  # a setting, or a component left out
             continue
         cls = model_class(*value)
         if cls is not None:
@@ -293,6 +297,21 @@ def activation_bytes(units, batch_size, weight_dtype, checkpointing):
 
 # --- the plan -----------------------------------------------------------------------------------------------------
 
+def swapped_off(model, blocks_to_swap, frozen_bytes):
+    """What swapping ``model``'s first ``blocks_to_swap`` repeated blocks takes off the accelerator: their frozen
+    bytes (``frozen_bytes(block)``) but for the window's, the `block_swap.WINDOW` consecutive ones that hold most."""
+    swapped = [frozen_bytes(block) for _, block in repeated_blocks(model)[:blocks_to_swap]]
+    if not swapped:
+        return 0
+    return sum(swapped) - max(sum(swapped[index:index + WINDOW]) for index in range(len(swapped)))
+
+
+def training_bytes(resident, trainable_bytes, optimizer_bytes, ema_on_accelerator, activations):
+    """The training phase's peak: the ``resident`` frozen weights, what trains and its gradients (fp32, the same
+    size), the optimizer's state, the EMA where it is on the accelerator, and the activations."""
+    return resident + 2 * trainable_bytes + optimizer_bytes + ema_on_accelerator + activations
+
+
 def denoiser_name(pipe, trained):
     """The component that denoises (the one whose blocks swap): the trained transformer or UNet."""
     for name in ("transformer", "unet"):
@@ -340,15 +359,17 @@ def memory_plan(pipe, trained, encoders):
             if id(module) in encoder_ids:
                 encoding += held
                 continue
-            if component in SWAPPED_COMPONENTS and blocks_to_swap:
-                swapped = [frozen_bytes(block, component, base_scheme)
-                           for _, block in repeated_blocks(module)[:blocks_to_swap]]
-                held += -sum(swapped) + min(WINDOW, len(swapped)) * max(swapped)
+            if component in SWAPPED_COMPONENTS:
+                held -= swapped_off(module, blocks_to_swap, lambda block: frozen_bytes(block, component, base_scheme))
             resident += held
         on_accelerator = trainable_bytes + (ema_bytes if args.ema_device != "cpu" else 0)
-        training = (resident + on_accelerator + trainable_bytes + optimizer_bytes
-                    + activations[bool(args.gradient_checkpointing)])
-        return max(training, resident + on_accelerator + encoding)
+        training = training_bytes(resident, trainable_bytes, optimizer_bytes,
+                                  ema_bytes if args.ema_device != "cpu" else 0,
+                                  activations[bool(args.gradient_checkpointing)])
+        return {"training": training, "encoding": resident + on_accelerator + encoding}
+
+    def peak(base_scheme, blocks_to_swap):
+        return max(estimate(base_scheme, blocks_to_swap).values())
 
     components = {}
     for component, module in modules.items():
@@ -377,18 +398,20 @@ def memory_plan(pipe, trained, encoders):
         "gradient_checkpointing": bool(args.gradient_checkpointing),
         "repeated_blocks": len(blocks),
         "blocks_to_swap": blocks_to_swap,
-        "accelerator_peak_bytes_estimate": estimate(run_scheme, blocks_to_swap),
+        "accelerator_peak_bytes_estimate": peak(run_scheme, blocks_to_swap),
+        "accelerator_peak_bytes_estimate_by_phase": estimate(run_scheme, blocks_to_swap),
     }
     if args.gpu_memory_gb is not None:
         budget = args.gpu_memory_gb * GB
         plan["gpu_memory_gb"] = args.gpu_memory_gb
         plan["fits"] = plan["accelerator_peak_bytes_estimate"] <= budget
-        plan["smallest_fit"] = smallest_fit(estimate, run_scheme, len(blocks), budget)
+        swappable = len(blocks) if name in SWAPPED_COMPONENTS else 0
+        plan["smallest_fit"] = smallest_fit(peak, run_scheme, swappable, budget)
     return plan
 
 
 def smallest_fit(estimate, run_scheme, num_blocks, budget):
-    """The fewest blocks to swap whose ``estimate(scheme, blocks)`` fits ``budget``: first with the run's
+    """The fewest blocks to swap whose ``estimate(scheme, blocks)`` (a peak) fits ``budget``: first with the run's
     quantisation, then, for an unquantised run, with an int8 base; None where nothing fits."""
     for scheme in [run_scheme] + (["int8"] if run_scheme is None else []):
         for blocks_to_swap in range(num_blocks + 1):
@@ -400,4 +423,6 @@ def smallest_fit(estimate, run_scheme, num_blocks, budget):
 
 
 def print_plan(plan):
-    print(json.dumps(plan, indent=1))
+    """The plan as JSON on stdout, from the first process only (each process of a launch plans alike)."""
+    if is_first_process():
+        print(json.dumps(plan, indent=1))

@@ -102,9 +102,10 @@ def prepare_components(pipe, trained, device, weight_dtype, encoders=()):
     if planned(pipe) is not None:
         for module in modules_of(pipe).values():
             trains = id(module) in {id(module) for module in trained.values()}
+            if not trains:
+                module.requires_grad_(False)
             for parameter in module.parameters():
-                parameter.data = parameter.data.float() if trains and parameter.requires_grad else \
-                    parameter.data.to(weight_dtype)
+                parameter.data = parameter.data.float() if parameter.requires_grad else parameter.data.to(weight_dtype)
         raise PlanReady(memory_plan(pipe, trained, encoders))
     trained_modules = {id(module) for module in trained.values()}
     left_on_cpu = {id(module) for module in encoders} - trained_modules
