@@ -220,3 +220,18 @@ def test_the_smallest_fit_is_the_fewest_swapped_blocks_then_an_int8_base():
     assert smallest_fit(estimate, "int8", 8, 7 * GB) == {"blocks_to_swap": 0, "quantize_base": "int8",
                                                          "accelerator_peak_bytes_estimate": 5 * GB}
     assert smallest_fit(estimate, None, 2, 3 * GB) is None
+
+
+def test_the_table_goes_into_its_own_section_of_the_page(tmp_path):
+    from tests.benchmarks.memory_plan_table import SECTION, write_section
+
+    page = tmp_path / "memory.md"
+    page.write_text("# Memory\n\n## Block swap\n\nswapping.\n")
+    write_section(page, "| old |")
+    write_section(page, "| new |")  # replaces its own section, keeps the others
+    text = page.read_text()
+    assert text.startswith("# Memory\n\n## Block swap\n\nswapping.\n\n" + SECTION + "\n")
+    assert text.count(SECTION) == 1 and "| new |" in text and "| old |" not in text
+    page.write_text(text + "\n## After\n\nkept.\n")
+    write_section(page, "| newer |")
+    assert page.read_text().endswith("| newer |\n\n## After\n\nkept.\n")
