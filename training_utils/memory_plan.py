@@ -198,11 +198,6 @@ def parameter_bytes(module, scheme=None):
     return total
 
 
-def shared_once(modules):
-    """``modules`` without repeats (one module may be two components, or a text encoder trained and frozen)."""
-    return list({id(module): module for module in modules}.values())
-
-
 def trained_parameters(trained):
     return [parameter for module in trained.values() for parameter in module.parameters() if parameter.requires_grad]
 
