@@ -202,7 +202,7 @@ def test_gpu_memory_names_the_smallest_swap_that_fits_and_stops_a_run_that_does_
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert status == 2 and "Traceback" not in stderr and len(errors) == 1, stderr[-2000:]
     assert errors[0].startswith("error: --gpu_memory_gb=1e-06: expected a run that fits: its memory plan estimates")
-    assert "nothing here fits it" in errors[0] and "--ignore_memory_plan" in errors[0]
+    assert "no --blocks_to_swap fits it, with or without an int8 base" in errors[0] and "--ignore_memory_plan" in errors[0]
     # Told to, the same run goes on (here on the fixture with its weights, so that it can train).
     status, _, stderr = run_in_process(klein_argv(tiny, tiny["flux2_klein"], tmp_path / "ignored", "--gpu_memory_gb",
                                                   1e-6, "--ignore_memory_plan"))
@@ -220,3 +220,18 @@ def test_the_smallest_fit_is_the_fewest_swapped_blocks_then_an_int8_base():
     assert smallest_fit(estimate, "int8", 8, 7 * GB) == {"blocks_to_swap": 0, "quantize_base": "int8",
                                                          "accelerator_peak_bytes_estimate": 5 * GB}
     assert smallest_fit(estimate, None, 2, 3 * GB) is None
+
+
+def test_the_table_goes_into_its_own_section_of_the_page(tmp_path):
+    from tests.benchmarks.memory_plan_table import SECTION, write_section
+
+    page = tmp_path / "memory.md"
+    page.write_text("# Memory\n\n## Block swap\n\nswapping.\n")
+    write_section(page, "| old |")
+    write_section(page, "| new |")  # replaces its own section, keeps the others
+    text = page.read_text()
+    assert text.startswith("# Memory\n\n## Block swap\n\nswapping.\n\n" + SECTION + "\n")
+    assert text.count(SECTION) == 1 and "| new |" in text and "| old |" not in text
+    page.write_text(text + "\n## After\n\nkept.\n")
+    write_section(page, "| newer |")
+    assert page.read_text().endswith("| newer |\n\n## After\n\nkept.\n")

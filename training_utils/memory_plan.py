@@ -95,7 +95,7 @@ def check_fits(plan):
     if plan["fits"]:
         return
     fit = plan["smallest_fit"]
-    advice = ("nothing here fits it: no block swap, no quantisation" if fit is None else
+    advice = ("no --blocks_to_swap fits it, with or without an int8 base" if fit is None else
               f"--blocks_to_swap {fit['blocks_to_swap']}"
               + (f" --quantize_base {fit['quantize_base']}" if fit["quantize_base"] else "")
               + f" would ({fit['accelerator_peak_bytes_estimate'] / GB:.1f} GB)")
@@ -196,11 +196,6 @@ def parameter_bytes(module, scheme=None):
             else:
                 total += tensor_bytes(parameter)
     return total
-
-
-def shared_once(modules):
-    """``modules`` without repeats (one module may be two components, or a text encoder trained and frozen)."""
-    return list({id(module): module for module in modules}.values())
 
 
 def trained_parameters(trained):

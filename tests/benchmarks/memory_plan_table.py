@@ -206,7 +206,8 @@ def write_section(page, table):
     text = page.read_text() if page.exists() else "# Memory\n"
     section = INTRO + table + "\n"
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    text = (pattern.sub(lambda found: section + ("\n" if found.end() < len(text) else ""), text) if pattern.search(text)
+            else text.rstrip("\n") + "\n\n" + section)
     page.write_text(text)
 
 
