@@ -97,3 +97,12 @@ def test_a_broken_link_a_missing_path_and_an_unknown_module_are_found(tmp_path):
     assert unresolved_dotted_paths(page) == [
         "training_utils.errors.no_such_name: training_utils.errors defines no no_such_name",
         "training_utils.no_such_module: training_utils defines no no_such_module"]
+
+
+def test_the_readme_shows_the_memory_plans_estimates_as_docs_memory_has_them():
+    """The README's estimate table is docs/memory.md's (which `tests.benchmarks.memory_plan_table` writes), not a copy
+    left behind when the plan changes."""
+    table = re.compile(r"^\| model \| transformer parameters .*?(?=\n\n|\Z)", re.S | re.M)
+    readme, memory = (table.search(page.read_text()) for page in (REPO / "README.md", REPO / "docs" / "memory.md"))
+    assert readme is not None and memory is not None
+    assert readme.group(0).rstrip() == memory.group(0).rstrip()
