@@ -55,19 +55,21 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=(), cap
     for each validation prompt its progress grid (each variant at every validated step) and the last validation's
     grid (every image of every variant).
 
+    ``base_model`` is None for a model trained from scratch.
+
     ``records`` are the last validation's log records (``Validator`` returns them); their image paths are
     relative to ``output_dir``, so the card's pictures show on the hub and on disk alike.
     """
     lines = [
         "---",
-        f"base_model: {base_model}",
+        *([f"base_model: {base_model}"] if base_model is not None else []),
         "library_name: diffusers",
         "tags: [diffusers, text-to-image, training_utils]",
         "---",
         "",
         f"# {title}",
         "",
-        f"Trained from `{base_model}`.",
+        f"Trained from `{base_model}`." if base_model is not None else "Trained from scratch.",
         "",
         "## How to load",
         "",
