@@ -112,25 +112,28 @@ def parse_args(argv=None):
     require(args.ddpm_num_steps is None or args.ddpm_num_steps > 0, "--ddpm_num_steps", args.ddpm_num_steps,
             "a positive integer")
     require(args.save_model_epochs > 0, "--save_model_epochs", args.save_model_epochs, "a positive integer")
+    unet_config(args)  # a config that cannot be read fails here
     fill_dependent_defaults(args)
     return args
 
 
-def fresh_pipeline(args):
-    """A ``DDPMPipeline`` of a fresh UNet (``--model_config_name_or_path``'s config, or `DEFAULT_UNET` at
-    ``--resolution``) and the noise schedule the DDPM flags give."""
+def unet_config(args):
+    """The fresh UNet's config: ``--model_config_name_or_path``'s, or `DEFAULT_UNET` at ``--resolution``."""
     if args.model_config_name_or_path is None:
-        config = {**DEFAULT_UNET, "sample_size": args.resolution}
-    else:
-        try:
-            config = UNet2DModel.load_config(args.model_config_name_or_path, cache_dir=args.cache_dir)
-        except (OSError, ValueError) as error:
-            raise UsageError("--model_config_name_or_path", args.model_config_name_or_path,
-                             f"a folder or hub id holding a UNet2DModel's config.json ({error})") from None
+        return {**DEFAULT_UNET, "sample_size": args.resolution}
+    try:
+        return UNet2DModel.load_config(args.model_config_name_or_path, cache_dir=args.cache_dir)
+    except (OSError, ValueError) as error:
+        raise UsageError("--model_config_name_or_path", args.model_config_name_or_path,
+                         f"a folder or hub id holding a UNet2DModel's config.json ({error})") from None
+
+
+def fresh_pipeline(args):
+    """A ``DDPMPipeline`` of a fresh UNet (`unet_config`) and the noise schedule the DDPM flags give."""
     scheduler = DDPMScheduler(num_train_timesteps=args.ddpm_num_steps or 1000,
                               beta_schedule=args.ddpm_beta_schedule or "linear",
                               prediction_type=args.prediction_type or "epsilon")
-    pipe = DDPMPipeline(UNet2DModel.from_config(config), scheduler)
+    pipe = DDPMPipeline(UNet2DModel.from_config(unet_config(args)), scheduler)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -92,7 +92,8 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=(), cap
                           " ".join(f"![{record['variant']}]({path})" for path in record["images"]), ""]
             elif record["grid"] not in shown_grids:
                 shown_grids.add(record["grid"])
-                lines += [f"*{record['prompt']}*: each variant over the run, then at the last step", "",
+                prompt = f"*{record['prompt']}*" if record["prompt"] else "Unconditional samples"
+                lines += [f"{prompt}: each variant over the run, then at the last step", "",
                           f"![progress]({record['progress']})", "", f"![step {record['step']}]({record['grid']})", ""]
     text = "\n".join(lines) + "\n"
     write_atomically(output_dir, lambda staging: Path(staging, "README.md").write_text(text))
