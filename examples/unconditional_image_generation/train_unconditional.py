@@ -95,11 +95,12 @@ def parse_args(argv=None):
                             "from (default: upstream's default UNet at --resolution)")
     model.add_argument("--ddpm_num_steps", type=int, default=None, help="the noise schedule's steps (default: 1000, "
                                                                          "or the pretrained pipeline's)")
-    model.add_argument("--ddpm_beta_schedule", default=None, choices=["linear", "scaled_linear", "squaredcos_cap_v2"],
+    model.add_argument("--ddpm_beta_schedule", default=None, choices=["linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"],
                        help="the noise schedule's betas (default: linear, or the pretrained pipeline's)")
     model.add_argument("--prediction_type", default=None, choices=["epsilon", "sample"],
                        help="what the UNet predicts: the noise, or the clean image, with the loss weighted by the "
                             "SNR (default: epsilon, or the pretrained pipeline's)")
+    parser.add_argument("--hub_private_repo", action="store_true", help="with --push_to_hub, create a private repo")
     parser.add_argument("--save_model_epochs", type=int, default=10,
                         help="also write the pipeline (and EMA) into --output_dir at the end of every N-th epoch")
     add_refused_args(parser, REFUSED)

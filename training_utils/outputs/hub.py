@@ -100,11 +100,13 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=(), cap
     return Path(output_dir) / "README.md"
 
 
-def push_to_hub(output_dir, hub_model_id, hub_token=None):
-    """Upload ``output_dir`` (without checkpoints) to ``hub_model_id``, creating the repo if needed."""
+def push_to_hub(output_dir, hub_model_id, hub_token=None, private=False):
+    """Upload ``output_dir`` (without checkpoints) to ``hub_model_id``, creating the repo if needed (``private``: as
+    a private one)."""
     from huggingface_hub import create_repo, upload_folder
 
-    repo_id = create_repo(hub_model_id or Path(output_dir).resolve().name, exist_ok=True, token=hub_token).repo_id
+    repo_id = create_repo(hub_model_id or Path(output_dir).resolve().name, exist_ok=True, token=hub_token,
+                          private=private).repo_id
     upload_folder(repo_id=repo_id, folder_path=output_dir, token=hub_token,
                   ignore_patterns=["checkpoint-*", f"{STAGING_PREFIX}*", "logs/*"])
     return repo_id
@@ -142,7 +144,7 @@ def finish_run(args, title, how_to_load, records, saved, what, captions=()):
     ("LoRA") to its written path."""
     write_model_card(args.output_dir, args.pretrained_model_name_or_path, title, how_to_load, records, captions)
     if args.push_to_hub:
-        push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
+        push_to_hub(args.output_dir, args.hub_model_id, args.hub_token, getattr(args, "hub_private_repo", False))
     for variant, path in saved.items():
         print(f"{variant} {what}: {path}")
     if records:
