@@ -49,10 +49,10 @@ def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
     prompt, as ``DDPMPipeline``'s) always validates: its one "prompt" is `UNCONDITIONAL`. ``kwargs`` are the script's
     own: ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``, ...."""
     prompts = args.validation_prompt if prompts is None else prompts
-    if is_unconditional(pipe):
-        prompts = [UNCONDITIONAL]
     if not prompts:
-        return None
+        if not is_unconditional(pipe):
+            return None
+        prompts = [UNCONDITIONAL]
     if args.num_validation_images == 0:
         if accelerator.is_main_process:
             logger.info("--num_validation_images 0: no validation images are rendered")
