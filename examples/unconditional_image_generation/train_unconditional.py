@@ -95,7 +95,8 @@ def parse_args(argv=None):
                             "from (default: upstream's default UNet at --resolution)")
     model.add_argument("--ddpm_num_steps", type=int, default=None, help="the noise schedule's steps (default: 1000, "
                                                                          "or the pretrained pipeline's)")
-    model.add_argument("--ddpm_beta_schedule", default=None, choices=["linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"],
+    model.add_argument("--ddpm_beta_schedule", default=None,
+                       choices=["linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"],
                        help="the noise schedule's betas (default: linear, or the pretrained pipeline's)")
     model.add_argument("--prediction_type", default=None, choices=["epsilon", "sample"],
                        help="what the UNet predicts: the noise, or the clean image, with the loss weighted by the "
