@@ -87,8 +87,9 @@ def parse_args(argv=None):
     parser.add_argument("--save_images_epochs", dest="validation_epochs", type=int,
                         help="upstream's --validation_epochs")
     parser.add_argument("--ema_max_decay", dest="ema_decay", type=float, help="upstream's --ema_decay")
-    parser.set_defaults(num_train_epochs=100, lr_scheduler="cosine", lr_warmup_steps=500, adam_beta1=0.95,
-                        adam_weight_decay=1e-6, ema_warmup=True, ema_power=3 / 4)
+    parser.set_defaults(num_train_epochs=100, train_batch_size=16, num_validation_images=16, output_dir="ddpm-model-64",
+                        lr_scheduler="cosine", lr_warmup_steps=500, adam_beta1=0.95, adam_weight_decay=1e-6,
+                        ema_warmup=True, ema_power=3 / 4)
     model = parser.add_argument_group("DDPM")
     model.add_argument("--model_config_name_or_path", default=None,
                        help="a UNet2DModel config (a folder or hub id holding config.json) to build the fresh UNet "
