@@ -80,7 +80,7 @@ def test_validates_raw_and_ema_at_the_end_of_each_epoch_and_the_final_step(runs)
     assert not np.array_equal(first[4, "raw"], first[4, "ema"])
 
 
-def test_prunes_nothing_and_resumes_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+def test_checkpoints_hold_the_outputs_and_resume_to_the_uninterrupted_weights(tiny, tmp_path, runs):
     fresh_dir, _ = runs["fresh"]
     assert checkpoint_names(fresh_dir) == ["checkpoint-2", "checkpoint-4"]
     assert checkpoint_weight_files(fresh_dir / "checkpoint-4") == {UNET, f"ema/{UNET}"}
