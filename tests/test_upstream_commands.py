@@ -60,6 +60,8 @@ SUBSTITUTES = {
     "DavyMorgan/tiny-controlnet-sd3": "sd3_controlnet",
     "DavyMorgan/tiny-controlnet-sd35": "sd35_controlnet",
     "hf-internal-testing/dummy_image_text_data": "shapes",  # image + text, as an imagefolder
+    "hf-internal-testing/dummy_image_class_data": "shapes_class",  # 6 images + a class label, as an imagefolder
+    "diffusers/ddpm_dummy": "ddpm_unet_config",  # a tiny UNet2DModel's config.json
     "hf-internal-testing/fill10": "shapes_controlnet",  # image + conditioning_image + text
     "hf-internal-testing/tiny-adapter": "sdxl_t2i_adapter",
     "docs/source/en/imgs": "instance",
@@ -156,6 +158,14 @@ def sdxl_dreambooth(source, flags, **expected):
                + " --instance_prompt photo --resolution 64 --train_batch_size 1 --gradient_accumulation_steps 1 "
                + flags + " --learning_rate 5.0e-04 --scale_lr --lr_scheduler constant --lr_warmup_steps 0 "
                "--output_dir {tmpdir}", **expected)
+
+
+def unconditional(flags, **expected):
+    """A run of upstream's unconditional tests: a fresh tiny DDPM UNet on their 6 class images, 64 px, 1 epoch by
+    default, rendering in 2 (or 1) DDPM steps."""
+    return Run("--dataset_name hf-internal-testing/dummy_image_class_data --model_config_name_or_path "
+               "diffusers/ddpm_dummy --resolution 64 --output_dir {tmpdir} --gradient_accumulation_steps 1 "
+               "--learning_rate 1e-3 --lr_warmup_steps 5 " + flags, **expected)
 
 
 def textual_inversion(model, flags, **expected):
@@ -521,6 +531,24 @@ UPSTREAM = [
                        "hf-internal-testing/tiny-hidream-i1-pipe", "double_stream_blocks.0.block.attn1.to_k",
                        extra=" ".join(f"--pretrained_{part}_4_name_or_path hf-internal-testing/tiny-random-"
                                       "LlamaForCausalLM" for part in ("text_encoder", "tokenizer"))),
+    # examples/unconditional_image_generation/test_unconditional.py, class TestUnconditional.
+    Upstream("unconditional_image_generation/test_unconditional.py::test_train_unconditional",
+             "unconditional_image_generation/train_unconditional.py", (
+                 unconditional("--train_batch_size 2 --num_epochs 1 --ddpm_num_inference_steps 2",
+                               files=(UNET, SCHEDULER)),)),
+    Upstream("unconditional_image_generation/test_unconditional.py::"
+             "test_unconditional_checkpointing_checkpoints_total_limit",
+             "unconditional_image_generation/train_unconditional.py", (
+                 unconditional("--train_batch_size 1 --num_epochs 1 --ddpm_num_inference_steps 2 "
+                               "--checkpointing_steps=2 --checkpoints_total_limit=2", checkpoints=checkpoints(4, 6)),)),
+    Upstream("unconditional_image_generation/test_unconditional.py::"
+             "test_unconditional_checkpointing_checkpoints_total_limit_removes_multiple_checkpoints",
+             "unconditional_image_generation/train_unconditional.py", (
+                 unconditional("--train_batch_size 1 --num_epochs 1 --ddpm_num_inference_steps 1 "
+                               "--checkpointing_steps=2", checkpoints=checkpoints(2, 4, 6)),
+                 unconditional("--train_batch_size 1 --num_epochs 2 --ddpm_num_inference_steps 1 "
+                               "--resume_from_checkpoint=checkpoint-6 --checkpointing_steps=2 "
+                               "--checkpoints_total_limit=2", checkpoints=checkpoints(10, 12), files=(UNET,)))),
     *textual_inversion_family("test_textual_inversion.py", "textual_inversion/textual_inversion.py", SD_TORCH,
                               "textual_inversion"),
     *textual_inversion_family("test_textual_inversion_sdxl.py", "textual_inversion/textual_inversion_sdxl.py",

@@ -215,3 +215,31 @@ def test_zero_images_asked_makes_no_validator_and_says_so_once(caplog):
     with caplog.at_level(logging.INFO, logger="training_utils.validation"):
         assert validation.make_validator(args, None, SimpleNamespace(is_main_process=True)) is None
     assert caplog.text.count("--num_validation_images 0: no validation images are rendered") == 1
+
+
+def test_an_unconditional_pipeline_validates_without_prompts_one_batch_each_seeded_and_side_effect_free(
+        tiny, accelerator, tmp_path):
+    from diffusers import DDPMPipeline
+
+    pipe = DDPMPipeline.from_pretrained(tiny["ddpm"])
+    pipe.set_progress_bar_config(disable=True)
+    args = SimpleNamespace(validation_prompt=None, num_validation_images=2, validation_inference_steps=2, seed=7,
+                           output_dir=tmp_path, validation_sigma_rels=None, validation_guidance_scale=None,
+                           validation_true_cfg_scale=None)
+    validator = validation.make_validator(args, pipe, accelerator)
+    assert validator.prompts == [validation.UNCONDITIONAL]
+    timesteps = pipe.scheduler.timesteps.clone()
+    torch.manual_seed(0)
+    expected_draw = torch.rand(1)
+    torch.manual_seed(0)
+    records = validator(1)
+    assert torch.equal(torch.rand(1), expected_draw)  # no global random state consumed
+    assert torch.equal(pipe.scheduler.timesteps, timesteps)  # the scheduler restored
+    assert [(record["variant"], record["prompt"], len(record["images"])) for record in records] == [("raw", "", 2)]
+    # Each image from its own seeded generator, as the pipeline renders a batch of them.
+    rendered = pipe(batch_size=2, num_inference_steps=2, output_type="np",
+                    generator=[torch.Generator().manual_seed(7 + i) for i in range(2)]).images
+    for path, image in zip(records[0]["images"], rendered):
+        assert np.abs(np.asarray(_open(tmp_path, path)).astype(int) - np.round(image * 255).astype(int)).max() <= 1
+    # A pipeline that takes prompts still makes no validator without them.
+    assert validation.make_validator(args, StableDiffusionPipeline.from_pretrained(tiny["sd"]), accelerator) is None

@@ -37,14 +37,17 @@ from .quantization import add_quantization_args, check_quantization_args
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512, interpolation="bilinear",
-                    tracker_project_name=None):
+                    tracker_project_name=None, optional_pretrained_model=None):
     """A parser with the flags every script shares; scripts add their own on top, and give the defaults that their
     upstream counterparts give (``tracker_project_name``: by default the script's file name). The upstream flags
-    that no script here carries (`NOT_CARRIED`) are refused with their reason."""
+    that no script here carries (`NOT_CARRIED`) are refused with their reason. A script that can start without a
+    pretrained pipeline (a model trained from scratch) says what ``--pretrained_model_name_or_path`` then is in
+    ``optional_pretrained_model`` (its help): the flag is optional there."""
     parser = TrainingArgumentParser(description=description, refused=NOT_CARRIED)
 
     model = parser.add_argument_group("model")
-    model.add_argument("--pretrained_model_name_or_path", required=True, help="diffusers pipeline folder or hub id")
+    model.add_argument("--pretrained_model_name_or_path", required=optional_pretrained_model is None,
+                       help=optional_pretrained_model or "diffusers pipeline folder or hub id")
     model.add_argument("--revision", default=None, help="hub revision of the pretrained pipeline")
     model.add_argument("--variant", default=None, help="weights variant to load, e.g. fp16")
 
@@ -269,8 +272,9 @@ def check_args(args):
     follows the checks."""
     check_output_dir(args)
     # A memory plan reads no weights file, not even a header.
-    check_pretrained_path(args.pretrained_model_name_or_path,
-                          read_weights=not getattr(args, "print_memory_plan", False))
+    if args.pretrained_model_name_or_path is not None:  # None only where the flag is optional (`training_parser`)
+        check_pretrained_path(args.pretrained_model_name_or_path,
+                              read_weights=not getattr(args, "print_memory_plan", False))
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
             "a positive multiple of 8")
     for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",

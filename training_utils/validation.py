@@ -8,6 +8,7 @@ ends with the same weights as the same run without it.
 """
 
 import contextlib
+import inspect
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -44,11 +45,14 @@ def validation_due(step, max_train_steps, validation_steps=None, validation_epoc
 
 def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
     """The `Validator` for ``--validation_prompt`` (or ``prompts``, when a script pairs them with more
-    inputs) and the validation flags, or None without prompts. ``kwargs`` are the script's own:
-    ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``, ...."""
+    inputs) and the validation flags, or None without prompts. An unconditional pipeline (one whose call takes no
+    prompt, as ``DDPMPipeline``'s) always validates: its one "prompt" is `UNCONDITIONAL`. ``kwargs`` are the script's
+    own: ``ema``, ``posthoc``, ``schedulers``, ``weight_dtype``, ``call_kwargs``, ``prompt_kwargs``, ...."""
     prompts = args.validation_prompt if prompts is None else prompts
     if not prompts:
-        return None
+        if not is_unconditional(pipe):
+            return None
+        prompts = [UNCONDITIONAL]
     if args.num_validation_images == 0:
         if accelerator.is_main_process:
             logger.info("--num_validation_images 0: no validation images are rendered")
@@ -57,6 +61,15 @@ def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
     return Validator(pipe, accelerator, args.output_dir, prompts, args.num_validation_images,
                      args.validation_inference_steps, args.seed, sigma_rels=args.validation_sigma_rels,
                      call_kwargs=call_kwargs, **kwargs)
+
+
+# The prompt that the log records and the grids name for the images of an unconditional pipeline.
+UNCONDITIONAL = ""
+
+
+def is_unconditional(pipe):
+    """Whether ``pipe`` renders without a prompt (its call takes none: ``DDPMPipeline``, ``DDIMPipeline``)."""
+    return "prompt" not in inspect.signature(pipe.__call__).parameters
 
 
 class Validator:
@@ -270,11 +283,14 @@ class Validator:
         autocast = (torch.autocast(device_type, dtype=self.weight_dtype) if self.weight_dtype != torch.float32
                     else contextlib.nullcontext())
         fork_devices = [self.accelerator.device] if device_type == "cuda" else []
-        count = {"num_videos_per_prompt" if self.video_fps else "num_images_per_prompt": self.num_images}
+        if is_unconditional(self.pipe):  # a batch of images, not images per prompt
+            inputs = {"batch_size": self.num_images}
+        else:
+            inputs = {"prompt": self.prompts[prompt_index],
+                      "num_videos_per_prompt" if self.video_fps else "num_images_per_prompt": self.num_images}
         with torch.random.fork_rng(devices=fork_devices), autocast, torch.no_grad():
             output = self.pipe(
-                prompt=self.prompts[prompt_index],
-                **count,
+                **inputs,
                 num_inference_steps=self.num_inference_steps,
                 generator=generators,
                 **self.call_kwargs,

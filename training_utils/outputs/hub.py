@@ -55,19 +55,21 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=(), cap
     for each validation prompt its progress grid (each variant at every validated step) and the last validation's
     grid (every image of every variant).
 
+    ``base_model`` is None for a model trained from scratch.
+
     ``records`` are the last validation's log records (``Validator`` returns them); their image paths are
     relative to ``output_dir``, so the card's pictures show on the hub and on disk alike.
     """
     lines = [
         "---",
-        f"base_model: {base_model}",
+        *([f"base_model: {base_model}"] if base_model is not None else []),
         "library_name: diffusers",
         "tags: [diffusers, text-to-image, training_utils]",
         "---",
         "",
         f"# {title}",
         "",
-        f"Trained from `{base_model}`.",
+        f"Trained from `{base_model}`." if base_model is not None else "Trained from scratch.",
         "",
         "## How to load",
         "",
@@ -90,18 +92,21 @@ def write_model_card(output_dir, base_model, title, how_to_load, records=(), cap
                           " ".join(f"![{record['variant']}]({path})" for path in record["images"]), ""]
             elif record["grid"] not in shown_grids:
                 shown_grids.add(record["grid"])
-                lines += [f"*{record['prompt']}*: each variant over the run, then at the last step", "",
+                prompt = f"*{record['prompt']}*" if record["prompt"] else "Unconditional samples"
+                lines += [f"{prompt}: each variant over the run, then at the last step", "",
                           f"![progress]({record['progress']})", "", f"![step {record['step']}]({record['grid']})", ""]
     text = "\n".join(lines) + "\n"
     write_atomically(output_dir, lambda staging: Path(staging, "README.md").write_text(text))
     return Path(output_dir) / "README.md"
 
 
-def push_to_hub(output_dir, hub_model_id, hub_token=None):
-    """Upload ``output_dir`` (without checkpoints) to ``hub_model_id``, creating the repo if needed."""
+def push_to_hub(output_dir, hub_model_id, hub_token=None, private=False):
+    """Upload ``output_dir`` (without checkpoints) to ``hub_model_id``, creating the repo if needed (``private``: as
+    a private one)."""
     from huggingface_hub import create_repo, upload_folder
 
-    repo_id = create_repo(hub_model_id or Path(output_dir).resolve().name, exist_ok=True, token=hub_token).repo_id
+    repo_id = create_repo(hub_model_id or Path(output_dir).resolve().name, exist_ok=True, token=hub_token,
+                          private=private).repo_id
     upload_folder(repo_id=repo_id, folder_path=output_dir, token=hub_token,
                   ignore_patterns=["checkpoint-*", f"{STAGING_PREFIX}*", "logs/*"])
     return repo_id
@@ -140,7 +145,7 @@ def finish_run(args, title, how_to_load, records, saved, what, captions=()):
     ("LoRA") to its written path."""
     write_model_card(args.output_dir, args.pretrained_model_name_or_path, title, how_to_load, records, captions)
     if args.push_to_hub:
-        push_to_hub(args.output_dir, args.hub_model_id, args.hub_token)
+        push_to_hub(args.output_dir, args.hub_model_id, args.hub_token, getattr(args, "hub_private_repo", False))
     for variant, path in saved.items():
         print(f"{variant} {what}: {path}")
     if records:
