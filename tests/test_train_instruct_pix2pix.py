@@ -1,12 +1,13 @@
-"""InstructPix2Pix (SD 1.x): the shared pieces (training_utils.instruct_pix2pix) checked against the pipeline, and the
-script end to end on the tiny fixtures, through ``accelerate launch``."""
+"""InstructPix2Pix (SD 1.x and SDXL): the shared pieces (training_utils.instruct_pix2pix) checked against the
+pipeline, and the scripts end to end on the tiny fixtures, through ``accelerate launch``."""
 
 import json
 
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionInstructPix2PixPipeline, UNet2DConditionModel
+from diffusers import (StableDiffusionInstructPix2PixPipeline, StableDiffusionXLInstructPix2PixPipeline,
+                       UNet2DConditionModel)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -16,6 +17,7 @@ from training_utils.testing import (assert_checkpoint_is_the_output, assert_resu
                                     checkpoint_names)
 
 SCRIPT = "instruct_pix2pix/train_instruct_pix2pix.py"
+SDXL_SCRIPT = "instruct_pix2pix/train_instruct_pix2pix_sdxl.py"
 UNET = "unet/diffusion_pytorch_model.safetensors"
 EMA_UNET = "ema/" + UNET
 PROMPT = "make the circle red"
@@ -51,14 +53,20 @@ def instruct_pix2pix_folder(tiny, path):
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
-    """``{name: output_dir}``, launched together: ``full`` (`full_flags`) from the text-to-image tiny SD, and
-    ``from_ip2p``, 2 steps from an InstructPix2Pix folder (its UNet already 8 channels wide)."""
+    """``{name: output_dir}``, launched together: ``full`` (`full_flags`) from the text-to-image tiny SD,
+    ``from_ip2p``, 2 steps from an InstructPix2Pix folder (its UNet already 8 channels wide), and ``sdxl``, the SDXL
+    script's 2 steps from the text-to-image tiny SDXL with an EMA, validating at the end (its original image given as
+    upstream's --val_image_url_or_path)."""
     root = tmp_path_factory.mktemp("runs")
     model = instruct_pix2pix_folder(tiny, root / "ip2p_model")
-    flags = {"full": full_flags(tiny, root / "full"),
-             "from_ip2p": common(tiny, root / "from_ip2p", "--max_train_steps", 2, model=model)}
-    together({name: lambda args=args: launch(SCRIPT, *args) for name, args in flags.items()})
-    return {"model": model, **{name: root / name for name in flags}}
+    launches = {"full": (SCRIPT, *full_flags(tiny, root / "full")),
+                "from_ip2p": (SCRIPT, *common(tiny, root / "from_ip2p", "--max_train_steps", 2, model=model)),
+                "sdxl": (SDXL_SCRIPT, *common(tiny, root / "sdxl", "--max_train_steps", 2, "--use_ema",
+                                              "--validation_prompt", PROMPT, "--val_image_url_or_path",
+                                              original(tiny), "--num_validation_images", 1,
+                                              "--validation_inference_steps", 2, model=tiny["sdxl"]))}
+    together({name: lambda arguments=arguments: launch(*arguments) for name, arguments in launches.items()})
+    return {"model": model, **{name: root / name for name in launches}}
 
 
 def unet_output(unet, seed=0):
@@ -108,6 +116,20 @@ def test_an_instruct_pix2pix_unet_trains_as_it_is(runs):
     assert not torch.equal(unet.conv_in.weight, base.conv_in.weight)
 
 
+def test_the_sdxl_output_is_an_instruct_pix2pix_pipeline_validated_beside_its_original(tiny, runs):
+    output_dir = runs["sdxl"]
+    pipe = StableDiffusionXLInstructPix2PixPipeline.from_pretrained(output_dir)
+    assert (pipe.unet.config.in_channels, pipe.unet.config.out_channels) == (8, 4)
+    base = StableDiffusionXLInstructPix2PixPipeline.from_pretrained(tiny["sdxl"]).unet
+    widen_conv_in(base)
+    assert pipe.unet.conv_in.weight[:, 4:].abs().sum() > 0
+    assert not torch.equal(pipe.unet.conv_in.weight, base.conv_in.weight)
+    assert UNet2DConditionModel.from_pretrained(output_dir / "ema" / "unet").config.in_channels == 8
+    assert_validated_at(output_dir, [2], variants=("raw", "ema"), prompts=[PROMPT], num_images=1)
+    assert (output_dir / "validation" / "conditioning-p00.png").is_file()
+    assert "StableDiffusionXLInstructPix2PixPipeline" in (output_dir / "README.md").read_text()
+
+
 def test_a_resumed_run_ends_as_the_straight_run(tiny, runs, tmp_path):
     # From checkpoint-2, with random flips and dropped conditioning drawn per sample, and the EMA: bit for bit. The
     # straight run validated, the resumed one never: validation leaves the weights, the EMA and the RNG untouched.
@@ -155,4 +177,9 @@ def test_a_url_and_a_bad_probability_stop_in_one_line(tiny, tmp_path):
     assert error == "error: --conditioning_dropout_prob=1.5: expected a probability in [0, 1]"
     error = usage_error(SCRIPT, *common(tiny, output_dir, "--original_image_column", "before"))
     assert error.startswith("error: --original_image_column='before': expected a column of the dataset")
+    error = usage_error(SDXL_SCRIPT, *common(tiny, output_dir, "--val_image_url_or_path", "http://example.com/a.png",
+                                             model=tiny["sdxl"]))
+    assert error.startswith("error: --val_image_url_or_path='http://example.com/a.png': expected a local image file")
+    assert usage_error(SDXL_SCRIPT, *common(tiny, output_dir, "--vae_precision", "fp32", model=tiny["sdxl"])) \
+        .startswith("error: --vae_precision")
     assert not output_dir.exists()

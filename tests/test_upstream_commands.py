@@ -636,7 +636,9 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                               "upstream has no test for its CogView4 Control script",
                           "flux-control/train_control_flux.py": "upstream has no test for its FLUX.1 Control scripts",
                           "flux-control/train_control_lora_flux.py":
-                              "upstream has no test for its FLUX.1 Control scripts"}
+                              "upstream has no test for its FLUX.1 Control scripts",
+                          "instruct_pix2pix/train_instruct_pix2pix_sdxl.py":
+                              "upstream has no test for its SDXL InstructPix2Pix script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

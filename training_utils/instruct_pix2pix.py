@@ -30,10 +30,11 @@ pipe = {pipeline_class}.from_pretrained("{output_dir}")
 """
 
 
-def add_instruct_pix2pix_args(parser):
+def add_instruct_pix2pix_args(parser, url_flag="--val_image_url"):
     """Upstream's flags: the dataset's columns (``--edited_image_column`` and ``--edit_prompt_column`` are the
     shared ``--image_column`` and ``--caption_column`` under upstream's names), the conditioning dropout, and the
-    validation's original images (``--validation_image``, or upstream's ``--val_image_url`` as a local file)."""
+    validation's original images (``--validation_image``, or upstream's ``url_flag``, ``--val_image_url`` or SDXL's
+    ``--val_image_url_or_path``, as a local file)."""
     group = parser.add_argument_group("InstructPix2Pix")
     group.add_argument("--original_image_column", default="input_image",
                        help="the column of the images before the edit")
@@ -47,8 +48,9 @@ def add_instruct_pix2pix_args(parser):
                             "both with it (for classifier-free guidance on each)")
     group.add_argument("--validation_image", nargs="+", default=None,
                        help="original images to edit: one per --validation_prompt, or one for all prompts")
-    group.add_argument("--val_image_url", default=None,
+    group.add_argument(url_flag, dest="val_image_url", default=None,
                        help="upstream's validation image: a local file here (added to --validation_image)")
+    parser.set_defaults(val_image_url_flag=url_flag)
 
 
 def check_instruct_pix2pix_args(args):
@@ -59,7 +61,7 @@ def check_instruct_pix2pix_args(args):
             "a probability in [0, 1]")
     if args.val_image_url is not None:
         if re.match(r"^[a-z][a-z0-9+.-]*://", args.val_image_url):
-            raise UsageError("--val_image_url", args.val_image_url,
+            raise UsageError(args.val_image_url_flag, args.val_image_url,
                              "a local image file: nothing is downloaded here (save the image and pass its path)")
         args.validation_image = [*(args.validation_image or []), args.val_image_url]
 
