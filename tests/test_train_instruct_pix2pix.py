@@ -54,13 +54,15 @@ def instruct_pix2pix_folder(tiny, path):
 @launching
 def runs(tiny, tmp_path_factory):
     """``{name: output_dir}``, launched together: ``full`` (`full_flags`) from the text-to-image tiny SD,
-    ``from_ip2p``, 2 steps from an InstructPix2Pix folder (its UNet already 8 channels wide), and ``sdxl``, the SDXL
+    ``from_ip2p``, 2 steps from an InstructPix2Pix folder (its UNet already 8 channels wide) with the edited images'
+    latents cached, and ``sdxl``, the SDXL
     script's 2 steps from the text-to-image tiny SDXL with an EMA, validating at the end (its original image given as
     upstream's --val_image_url_or_path)."""
     root = tmp_path_factory.mktemp("runs")
     model = instruct_pix2pix_folder(tiny, root / "ip2p_model")
     launches = {"full": (SCRIPT, *full_flags(tiny, root / "full")),
-                "from_ip2p": (SCRIPT, *common(tiny, root / "from_ip2p", "--max_train_steps", 2, model=model)),
+                "from_ip2p": (SCRIPT, *common(tiny, root / "from_ip2p", "--max_train_steps", 2, "--cache_latents",
+                                              "--conditioning_dropout_prob", 0.3, model=model)),
                 "sdxl": (SDXL_SCRIPT, *common(tiny, root / "sdxl", "--max_train_steps", 2, "--use_ema",
                                               "--validation_prompt", PROMPT, "--val_image_url_or_path",
                                               original(tiny), "--num_validation_images", 1,
