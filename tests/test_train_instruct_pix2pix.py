@@ -179,6 +179,8 @@ def test_a_url_and_a_bad_probability_stop_in_one_line(tiny, tmp_path):
     assert error == "error: --conditioning_dropout_prob=1.5: expected a probability in [0, 1]"
     error = usage_error(SCRIPT, *common(tiny, output_dir, "--original_image_column", "before"))
     assert error.startswith("error: --original_image_column='before': expected a column of the dataset")
+    error = usage_error(SCRIPT, *common(tiny, output_dir, "--validation_prompt", PROMPT))
+    assert error.startswith("error: --validation_image=[]: expected one conditioning image per --validation_prompt")
     error = usage_error(SDXL_SCRIPT, *common(tiny, output_dir, "--val_image_url_or_path", "http://example.com/a.png",
                                              model=tiny["sdxl"]))
     assert error.startswith("error: --val_image_url_or_path='http://example.com/a.png': expected a local image file")

@@ -17,7 +17,6 @@ import re
 import torch
 
 from .control import widen_input_layer
-from .controlnet import load_validation_pairs
 from .errors import UsageError, require
 from .outputs.hub import EMA_SWAP, how_to_load
 
@@ -72,11 +71,10 @@ def dataset_columns(args):
             "--caption_column": args.caption_column}
 
 
-def validation_pairs(args, size):
-    """``[(prompt, original image)]`` as `controlnet.load_validation_pairs` pairs them, each image resized to
-    ``size`` (``{"height", "width"}``): the pipeline renders at its image's size."""
-    return [(prompt, image.resize((size["width"], size["height"])))
-            for prompt, image in load_validation_pairs(args)]
+def at_size(pairs, size):
+    """``pairs`` (`controlnet.load_validation_pairs`' prompts and original images) with each image resized to
+    ``size`` (``{"height", "width"}``): the SD 1.x pipeline renders at its image's size."""
+    return [(prompt, image.resize((size["width"], size["height"]))) for prompt, image in pairs]
 
 
 def widen_conv_in(unet):

@@ -30,6 +30,7 @@ from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_
                                  training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.control import make_control_validator, with_conditioning
+from training_utils.controlnet import load_validation_pairs
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
                                           load_train_dataset, make_dataloader, pick_caption, stack_collate)
@@ -41,7 +42,7 @@ from training_utils.ema import make_ema
 from training_utils.families import sd
 from training_utils.instruct_pix2pix import (add_instruct_pix2pix_args, check_instruct_pix2pix_args,
                                             conditioning_dropped, dataset_columns, instruct_pix2pix_how_to_load,
-                                            original_image_latents, validation_pairs, widen_conv_in)
+                                            original_image_latents, at_size, widen_conv_in)
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.outputs.export import PipelineExport, save_with_ema
@@ -75,6 +76,7 @@ def parse_args(argv=None):
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
     dataset = load_train_dataset(args, dataset_columns(args))
+    validation_pairs = load_validation_pairs(args)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once, as InstructPix2Pix's, from a text-to-image folder or an InstructPix2Pix one. Its modules
@@ -138,10 +140,10 @@ def main(args, run):
     prompt_rows = cached_rows(embeddings, accelerator.device)
 
     # The pipeline renders at its original image's size: each --validation_image is resized to the validation size.
-    validator = make_control_validator(args, pipe, accelerator, validation_pairs(args, validation_size(args, shapes)),
-                                       ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                                       weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
-                                       call_kwargs=call_kwargs)
+    size = validation_size(args, shapes)
+    validator = make_control_validator(args, pipe, accelerator, at_size(validation_pairs, size), ema=ema,
+                                       posthoc=posthoc, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+                                       encoders_on_device=frozen.on_device, call_kwargs=call_kwargs)
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))

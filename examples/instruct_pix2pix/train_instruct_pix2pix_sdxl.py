@@ -32,6 +32,7 @@ from training_utils.args import (add_cache_args, add_diffusion_loss_args, check_
                                  training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.control import make_control_validator, with_conditioning
+from training_utils.controlnet import load_validation_pairs
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
                                           load_train_dataset, make_dataloader, pick_caption, stack_collate)
@@ -43,7 +44,7 @@ from training_utils.ema import make_ema
 from training_utils.families import sdxl
 from training_utils.instruct_pix2pix import (add_instruct_pix2pix_args, check_instruct_pix2pix_args,
                                             conditioning_dropped, dataset_columns, instruct_pix2pix_how_to_load,
-                                            original_image_latents, validation_pairs, widen_conv_in)
+                                            original_image_latents, at_size, widen_conv_in)
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.outputs.export import PipelineExport, save_with_ema
@@ -84,6 +85,7 @@ def parse_args(argv=None):
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load.
     dataset = load_train_dataset(args, dataset_columns(args))
+    validation_pairs = load_validation_pairs(args)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once, as InstructPix2Pix's, from a text-to-image folder or an InstructPix2Pix one (with the
@@ -92,7 +94,8 @@ def main(args, run):
     #    everywhere: training and validation.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     vae_replacement = sdxl.vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
-    pipe = load_pipeline(StableDiffusionXLInstructPix2PixPipeline, args, weight_dtype, trained_in_fp32=["unet"], **vae_replacement)
+    pipe = load_pipeline(StableDiffusionXLInstructPix2PixPipeline, args, weight_dtype, trained_in_fp32=["unet"],
+                         **vae_replacement)
     if args.pretrained_vae_model_name_or_path:
         accelerator.print(f"VAE: {args.pretrained_vae_model_name_or_path}")
     unet, text_encoders = pipe.unet, [pipe.text_encoder, pipe.text_encoder_2]
@@ -154,7 +157,7 @@ def main(args, run):
     prompt_rows = cached_rows(embeddings, accelerator.device)
 
     size = validation_size(args, shapes)
-    validator = make_control_validator(args, pipe, accelerator, validation_pairs(args, size), ema=ema,
+    validator = make_control_validator(args, pipe, accelerator, at_size(validation_pairs, size), ema=ema,
                                        posthoc=posthoc, schedulers=[noise_scheduler], weight_dtype=weight_dtype,
                                        encoders_on_device=frozen.on_device, call_kwargs={**size, **call_kwargs})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
