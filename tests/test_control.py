@@ -19,6 +19,7 @@ from training_utils.control import (ControlLoraExport, add_control_args, add_con
 from training_utils.controlnet import dataset_columns, load_validation_pairs
 from training_utils.errors import UsageError
 from training_utils.testing.tiny.flux import flux_components
+from training_utils.testing.tiny.parts import tiny_unet
 
 
 @pytest.fixture
@@ -76,6 +77,27 @@ def test_the_widened_model_starts_as_the_base_model_whatever_the_conditioning():
     with torch.no_grad():
         expected = base(**flux_inputs(base, latents), return_dict=False)[0]
         given = widened(**flux_inputs(widened, with_conditioning(latents, conditioning)), return_dict=False)[0]
+    torch.testing.assert_close(given, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_unet_conv_in_widens_as_instruct_pix2pix_widens_it_and_starts_as_the_base_unet():
+    base, widened = tiny_unet(), tiny_unet()
+    old = widened.conv_in
+    new = widen_input_layer(widened, "conv_in")
+    assert isinstance(new, torch.nn.Conv2d) and widened.conv_in is new
+    assert (new.in_channels, new.out_channels, new.kernel_size, new.padding) == (
+        2 * old.in_channels, old.out_channels, old.kernel_size, old.padding)
+    assert torch.equal(new.weight[:, :old.in_channels], old.weight)
+    assert torch.equal(new.weight[:, old.in_channels:], torch.zeros_like(old.weight))
+    assert torch.equal(new.bias, old.bias)
+    assert (widened.config.in_channels, widened.config.out_channels) == (8, 4)
+    assert type(widened).from_config(widened.config).conv_in.weight.shape == new.weight.shape
+    latents, conditioning = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
+    text = torch.randn(1, 3, base.config.cross_attention_dim)
+    with torch.no_grad():
+        expected = base(latents, 10, text, return_dict=False)[0]
+        given = widened(with_conditioning(latents, conditioning), 10, text, return_dict=False)[0]
+    assert given.shape == expected.shape
     torch.testing.assert_close(given, expected, rtol=1e-5, atol=1e-6)
 
 

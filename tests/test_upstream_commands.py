@@ -63,6 +63,8 @@ SUBSTITUTES = {
     "hf-internal-testing/dummy_image_class_data": "shapes_class",  # 6 images + a class label, as an imagefolder
     "diffusers/ddpm_dummy": "ddpm_unet_config",  # a tiny UNet2DModel's config.json
     "hf-internal-testing/fill10": "shapes_controlnet",  # image + conditioning_image + text
+    # input_image + edited_image + edit_prompt, as an imagefolder
+    "hf-internal-testing/instructpix2pix-10-samples": "shapes_instruct_pix2pix",
     "hf-internal-testing/tiny-adapter": "sdxl_t2i_adapter",
     "docs/source/en/imgs": "instance",
 }
@@ -321,6 +323,13 @@ def full_fine_tune_family(test_file, script, model):
     ]
 
 
+def instruct_pix2pix(flags, **expected):
+    """A run of upstream's InstructPix2Pix tests: tiny SD on their 10 edit samples, flipped, at seed 0."""
+    return Run("--pretrained_model_name_or_path=hf-internal-testing/tiny-stable-diffusion-torch "
+               "--dataset_name=hf-internal-testing/instructpix2pix-10-samples --resolution=64 --random_flip "
+               "--train_batch_size=1 --output_dir {tmpdir} --seed=0 " + flags, **expected)
+
+
 UPSTREAM = [
     # examples/text_to_image/test_text_to_image.py, classes TextToImage and TextToImageSDXL.
     Upstream("text_to_image/test_text_to_image.py::test_text_to_image", "text_to_image/train_text_to_image.py",
@@ -553,6 +562,16 @@ UPSTREAM = [
                               "textual_inversion"),
     *textual_inversion_family("test_textual_inversion_sdxl.py", "textual_inversion/textual_inversion_sdxl.py",
                               "hf-internal-testing/tiny-sdxl-pipe", "textual_inversion_sdxl"),
+    # examples/instruct_pix2pix/test_instruct_pix2pix.py: the total limit, and the limit removing two on resume.
+    Upstream("instruct_pix2pix/test_instruct_pix2pix.py::test_instruct_pix2pix_checkpointing_checkpoints_total_limit",
+             "instruct_pix2pix/train_instruct_pix2pix.py", (
+                 instruct_pix2pix("--max_train_steps=6 --checkpointing_steps=2 --checkpoints_total_limit=2",
+                                  checkpoints=checkpoints(4, 6), files=(UNET,)),)),
+    Upstream("instruct_pix2pix/test_instruct_pix2pix.py::test_instruct_pix2pix_checkpointing_checkpoints_total_limit_"
+             "removes_multiple_checkpoints", "instruct_pix2pix/train_instruct_pix2pix.py", (
+                 instruct_pix2pix("--max_train_steps=4 --checkpointing_steps=2", checkpoints=checkpoints(2, 4)),
+                 instruct_pix2pix("--max_train_steps=8 --checkpointing_steps=2 --resume_from_checkpoint=checkpoint-4 "
+                                  "--checkpoints_total_limit=2", checkpoints=checkpoints(6, 8), files=(UNET,)))),
 ]
 
 
@@ -645,7 +664,9 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                               "upstream has no test for its CogView4 Control script",
                           "flux-control/train_control_flux.py": "upstream has no test for its FLUX.1 Control scripts",
                           "flux-control/train_control_lora_flux.py":
-                              "upstream has no test for its FLUX.1 Control scripts"}
+                              "upstream has no test for its FLUX.1 Control scripts",
+                          "instruct_pix2pix/train_instruct_pix2pix_sdxl.py":
+                              "upstream has no test for its SDXL InstructPix2Pix script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

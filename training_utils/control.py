@@ -108,16 +108,21 @@ def control_lora_layers(model, lora_layers, input_layer):
 
 
 def widen_input_layer(model, layer_name):
-    """Give ``model``'s linear input layer ``layer_name`` twice its input features, for the conditioning latents
-    concatenated after the latents: the old weight's columns first, zeros after them, the bias as it was, in the
-    layer's dtype and on its device. The model's config says so (``in_channels`` doubled, ``out_channels`` kept), so
-    that ``from_pretrained`` rebuilds the widened model from a saved one. Returns the new layer."""
+    """Give ``model``'s input layer ``layer_name`` (a ``Linear``, as FLUX.1's ``x_embedder``, or a ``Conv2d``, as a
+    UNet's ``conv_in`` for InstructPix2Pix) twice its input features or channels, for the conditioning latents
+    concatenated after the latents: the old weight's input columns first, zeros after them, the bias as it was, in
+    the layer's dtype and on its device. The model's config says so (``in_channels`` doubled, ``out_channels`` kept),
+    so that ``from_pretrained`` rebuilds the widened model from a saved one. Returns the new layer."""
     old = model.get_submodule(layer_name)
-    new = torch.nn.Linear(old.in_features * 2, old.out_features, bias=old.bias is not None,
-                          dtype=old.weight.dtype, device=old.weight.device)
+    factory = dict(bias=old.bias is not None, dtype=old.weight.dtype, device=old.weight.device)
+    if isinstance(old, torch.nn.Conv2d):
+        new = torch.nn.Conv2d(old.in_channels * 2, old.out_channels, old.kernel_size, old.stride, old.padding,
+                              old.dilation, old.groups, padding_mode=old.padding_mode, **factory)
+    else:
+        new = torch.nn.Linear(old.in_features * 2, old.out_features, **factory)
     with torch.no_grad():
         new.weight.zero_()
-        new.weight[:, :old.in_features].copy_(old.weight)
+        new.weight[:, :old.weight.shape[1]].copy_(old.weight)
         if old.bias is not None:
             new.bias.copy_(old.bias)
     new.requires_grad_(old.weight.requires_grad)

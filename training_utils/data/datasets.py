@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 # How far past an unreadable sample to look for a readable one to take its place.
 SUBSTITUTE_SEARCH_LIMIT = 32
 # The flags naming a column of one image a row (an edit's --cond_image_column, which may hold lists, checks its own).
-IMAGE_COLUMN_FLAGS = {"--image_column", "--conditioning_image_column"}
+IMAGE_COLUMN_FLAGS = {"--image_column", "--conditioning_image_column",
+                      "--edited_image_column", "--original_image_column"}  # InstructPix2Pix's
 
 
 def load_train_dataset(args, columns):

@@ -24,7 +24,8 @@ CHECKPOINT_FORMAT = 3
 TRAJECTORY_FREE_FLAGS = {
     "output_dir", "overwrite_output_dir", "logging_dir", "report_to", "tracker_project_name", "push_to_hub",
     "hub_token", "hub_model_id",
-    "validation_prompt", "validation_image", "num_validation_images", "validation_steps", "validation_epochs",
+    "validation_prompt", "validation_image", "val_image_url", "num_validation_images", "validation_steps",
+    "validation_epochs",
     "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
     "validation_num_frames", "validation_fps",
     "checkpointing_steps", "checkpoints_total_limit",

@@ -207,10 +207,32 @@ def build_shapes_edit(path):
             metadata.write(json.dumps(row) + "\n")
 
 
+def build_shapes_instruct_pix2pix(path, num_images=6):
+    """An InstructPix2Pix dataset, an imagefolder: ``input_image`` (a shape), ``edited_image`` (the same shape at the
+    same place, recoloured) and ``edit_prompt`` ("make the circle blue"), upstream's columns."""
+    path = Path(path)
+    (path / "edited").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED + 4)
+    with open(path / "metadata.jsonl", "w") as metadata:
+        for index in range(num_images):
+            shape, background = rng.choice(SHAPES), rng.choice(sorted(BACKGROUNDS))
+            color, recolor = rng.sample(sorted(COLORS), 2)
+            state = rng.getstate()  # the edited shape sits where the original one does
+            original = draw_shape(shape, color, background, rng=rng)[0]
+            rng.setstate(state)
+            edited = draw_shape(shape, recolor, background, rng=rng)[0]
+            row = {"input_image_file_name": f"{index:04d}.png", "edited_image_file_name": f"edited/{index:04d}.png",
+                   "edit_prompt": f"make the {shape} {recolor}"}
+            original.save(path / row["input_image_file_name"])
+            edited.save(path / row["edited_image_file_name"])
+            metadata.write(json.dumps(row) + "\n")
+
+
 FIXTURES = {
     "shapes": build_shapes,
     "shapes_edit": build_shapes_edit,
     "shapes_controlnet": build_shapes_controlnet,
+    "shapes_instruct_pix2pix": build_shapes_instruct_pix2pix,
     "instance": build_instance,
     "shapes_mixed": build_shapes_mixed,
     "instance_mixed": build_instance_mixed,
