@@ -21,7 +21,8 @@ WEIGHTS_NAME = "pytorch_custom_diffusion_weights.safetensors"
 # The cross-attention projections that train, by --freeze_model (upstream's names: what stays trainable).
 PROJECTIONS = {"crossattn_kv": ("to_k", "to_v"), "crossattn": ("to_q", "to_k", "to_v", "to_out.0")}
 # A trained projection's parameter in the UNet, and its key in CustomDiffusionAttnProcessor's state dict.
-_UNET_KEY = re.compile(r"^(?P<attention>.+\.attn2)\.(?P<projection>to_[qkv]|to_out)(?P<index>\.0)?\.(?P<kind>weight|bias)$")
+_UNET_KEY = re.compile(r"^(?P<attention>.+\.attn2)\.(?P<projection>to_[qkv]|to_out)(?P<index>\.0)?"
+                       r"\.(?P<kind>weight|bias)$")
 _PROCESSOR_KEY = re.compile(r"^(?P<attention>.+\.attn2)\.processor\.(?P<projection>to_[qkv]|to_out)_custom_diffusion"
                             r"(?P<index>\.0)?\.(?P<kind>weight|bias)$")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 # Copied from examples/dreambooth/train_dreambooth_lora.py; tests/test_drift.py keeps what they share alike.
-"""Teach Stable Diffusion 1.x a subject (Custom Diffusion): the UNet's cross-attention K/V and a new modifier token train.
+"""Teach Stable Diffusion 1.x a subject (Custom Diffusion): its cross-attention K/V and a new modifier token train.
 
     accelerate launch train_custom_diffusion.py \\
       --pretrained_model_name_or_path=CompVis/stable-diffusion-v1-4 \\
