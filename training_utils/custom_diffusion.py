@@ -28,12 +28,21 @@ _PROCESSOR_KEY = re.compile(r"^(?P<attention>.+\.attn2)\.processor\.(?P<projecti
 
 
 def train_cross_attention(unet, freeze_model):
-    """Freeze ``unet`` but its cross-attention (``attn2``) projections that ``--freeze_model`` trains."""
+    """Freeze ``unet`` but its cross-attention (``attn2``) projections that ``--freeze_model`` trains. As in
+    ``CustomDiffusionAttnProcessor``, the prompt's first token (the start token) gets no gradient through the keys
+    and values: their rows of it are detached (`detach_first_token`); their values are unchanged."""
     unet.requires_grad_(False)
     for name, module in unet.named_modules():
         if name.endswith(".attn2"):
             for projection in PROJECTIONS[freeze_model]:
                 module.get_submodule(projection).requires_grad_(True)
+            for projection in (module.to_k, module.to_v):
+                projection.register_forward_hook(detach_first_token)
+
+
+def detach_first_token(module, inputs, output):
+    """A forward hook: ``output`` (batch, tokens, channels) with its first token's row cut from the graph."""
+    return torch.cat([output[:, :1].detach(), output[:, 1:]], dim=1)
 
 
 class CustomDiffusionExport(Export):

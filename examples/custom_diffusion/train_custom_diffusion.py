@@ -106,7 +106,7 @@ def main(args, run):
     tokenizers = load_tokenizers(args, ("tokenizer",))
     initializer_token = args.initializer_token.split("+")[0]
     if args.modifier_token is not None:
-        check_placeholder_token(tokenizers, args.modifier_token, 1, initializer_token)
+        check_placeholder_token(tokenizers, args.modifier_token, 1, initializer_token, token_flag="--modifier_token")
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train, render validation images and generate the class images. Prompts are
