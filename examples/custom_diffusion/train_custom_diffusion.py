@@ -18,7 +18,8 @@ Every other weight stays bitwise as it loaded: the token's rows are a parameter 
 (`training_utils.embeddings`). Missing class images are generated into ``--class_data_dir`` by the pipeline that
 trains, before training starts. Without a modifier token the frozen text encoder embeds the prompts once; with one,
 it runs in every step (the gradient reaches the token's rows through it). Images are resized and cropped as in every
-DreamBooth script here: upstream's random rescaling with a masked loss is not applied (as with its ``--noaug``).
+DreamBooth script here: upstream's random rescaling with a masked loss is not applied (as with its ``--noaug``). As
+upstream's, ``--scale_lr`` with prior preservation doubles the learning rate once more.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
@@ -162,6 +163,9 @@ def main(args, run):
 
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters, accelerator.num_processes)
+    if args.scale_lr and args.with_prior_preservation:  # upstream's: each batch holds as many class images again
+        for group in optimizer.param_groups:
+            group["lr"] *= 2
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
     if args.modifier_token is not None:  # through the wrapped encoder, so gradients sync; the token spelled out
