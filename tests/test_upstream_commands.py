@@ -203,6 +203,17 @@ DOCS_IMAGES = "--instance_data_dir docs/source/en/imgs"
 SD_TORCH = "hf-internal-testing/tiny-stable-diffusion-torch"  # upstream's DreamBooth tests' tiny SD
 CAPTIONED_DATA = "--dataset_name hf-internal-testing/dummy_image_text_data --caption_column text"
 
+CUSTOM_DIFFUSION = "custom_diffusion/train_custom_diffusion.py"
+NO_PICKLES = ("--no_safe_serialization is not supported here: every file is written as safetensors; nothing here "
+              "writes pickles")
+
+
+def custom_diffusion_checkpointing(flags):
+    """A run of upstream's Custom Diffusion checkpointing tests: tiny SD on their docs images, a <new1> token."""
+    return Run(f"--pretrained_model_name_or_path={SD_TORCH} --instance_data_dir=docs/source/en/imgs "
+               "--output_dir={tmpdir} --instance_prompt=<new1> --resolution=64 --train_batch_size=1 "
+               "--modifier_token=<new1> --dataloader_num_workers=0 --no_safe_serialization " + flags)
+
 
 def checkpoints(*steps):
     return tuple(f"checkpoint-{step}" for step in steps)
@@ -558,6 +569,21 @@ UPSTREAM = [
                  unconditional("--train_batch_size 1 --num_epochs 2 --ddpm_num_inference_steps 1 "
                                "--resume_from_checkpoint=checkpoint-6 --checkpointing_steps=2 "
                                "--checkpoints_total_limit=2", checkpoints=checkpoints(10, 12), files=(UNET,)))),
+    # examples/custom_diffusion/test_custom_diffusion.py: every run asks for pickles (--no_safe_serialization).
+    Upstream("custom_diffusion/test_custom_diffusion.py::test_custom_diffusion", CUSTOM_DIFFUSION, (
+        Run(f"--pretrained_model_name_or_path {SD_TORCH} {DOCS_IMAGES} --instance_prompt <new1> --resolution 64 "
+            "--train_batch_size 1 --gradient_accumulation_steps 1 --max_train_steps 2 --learning_rate 1.0e-05 "
+            "--scale_lr --lr_scheduler constant --lr_warmup_steps 0 --modifier_token <new1> --no_safe_serialization "
+            "--output_dir {tmpdir}"),), refused=NO_PICKLES),
+    Upstream("custom_diffusion/test_custom_diffusion.py::test_custom_diffusion_checkpointing_checkpoints_total_limit",
+             CUSTOM_DIFFUSION, (custom_diffusion_checkpointing("--max_train_steps=6 --checkpoints_total_limit=2 "
+                                                               "--checkpointing_steps=2"),), refused=NO_PICKLES),
+    Upstream("custom_diffusion/test_custom_diffusion.py::test_custom_diffusion_checkpointing_checkpoints_total_limit_"
+             "removes_multiple_checkpoints", CUSTOM_DIFFUSION, (
+                 custom_diffusion_checkpointing("--max_train_steps=4 --checkpointing_steps=2"),
+                 custom_diffusion_checkpointing("--max_train_steps=8 --checkpointing_steps=2 "
+                                                "--resume_from_checkpoint=checkpoint-4 --checkpoints_total_limit=2")),
+             refused=NO_PICKLES),
     *textual_inversion_family("test_textual_inversion.py", "textual_inversion/textual_inversion.py", SD_TORCH,
                               "textual_inversion"),
     *textual_inversion_family("test_textual_inversion_sdxl.py", "textual_inversion/textual_inversion_sdxl.py",

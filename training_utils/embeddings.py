@@ -99,14 +99,15 @@ def load_tokenizers(args, names):
                                                 revision=args.revision) for name in names}
 
 
-def check_placeholder_token(tokenizers, token, num_vectors, initializer_token):
+def check_placeholder_token(tokenizers, token, num_vectors, initializer_token, token_flag="--placeholder_token"):
     """Each tokenizer's id of ``initializer_token`` (by tokenizer name), after checking that the token's vectors
-    are new to every tokenizer and that the initialiser is one token of each."""
+    are new to every tokenizer (the error naming the token as ``token_flag``) and that the initialiser is one token
+    of each."""
     initializer_ids = {}
     for name, tokenizer in tokenizers.items():
         taken = [vector for vector in placeholder_tokens(token, num_vectors) if vector in tokenizer.get_vocab()]
         if taken:
-            raise UsageError("--placeholder_token", token, f"a token that {name} does not have already "
+            raise UsageError(token_flag, token, f"a token that {name} does not have already "
                              f"({', '.join(taken)} is one of its tokens)")
         ids = tokenizer.encode(initializer_token, add_special_tokens=False)
         if len(ids) != 1:

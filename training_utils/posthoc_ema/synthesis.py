@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from . import FORMAT_FILE, POSTHOC_FORMAT, Snapshot, read_snapshots
 from ..adapters.export import LoraExport, PeftExport
+from ..custom_diffusion import CustomDiffusionExport
 from ..embeddings import EmbeddingExport
 from ..names import SNAPSHOT_DIR
 from ..outputs.export import ModelExport, TensorsExport
@@ -24,7 +25,7 @@ from .profiles import sigma_rel_to_gamma, solve_posthoc_coefficients
 SYNTHESIS_FILE = "synthesis.json"
 # The exports a run's description may name, by kind.
 EXPORTS = {export.kind: export for export in (TensorsExport, LoraExport, PeftExport, ModelExport,
-                                              EmbeddingExport)}
+                                              EmbeddingExport, CustomDiffusionExport)}
 
 
 def export_from_description(description):
