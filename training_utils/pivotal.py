@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .adapters.export import LoraExport
 from .embeddings import NewTokens
 from .errors import UsageError, require
 from .outputs.export import Export
@@ -26,6 +27,12 @@ from .outputs.writing import verify_saved_tensors, write_atomically
 
 # The keys of upstream's embedding file, by text encoder (CLIP-L, then SDXL's CLIP-G).
 EMBEDDING_KEYS = ("clip_l", "clip_g")
+EMBEDDING_SUFFIX = "_emb.safetensors"
+
+
+def embedding_file(output_dir):
+    """Upstream's name of the embedding file: ``<output folder name>_emb.safetensors``."""
+    return f"{Path(output_dir).resolve().name}{EMBEDDING_SUFFIX}"
 
 
 def add_pivotal_args(parser):
@@ -162,8 +169,6 @@ class PivotalExport(Export):
 
     @classmethod
     def from_description(cls, description):
-        from .adapters.export import LoraExport  # the adapters' module imports outputs.export, as this one does
-
         return cls(LoraExport.from_description(description["lora"]), description["parameters"],
                    description["tokens"], description["embedding_file"])
 
@@ -178,7 +183,12 @@ class PivotalExport(Export):
         return path
 
     def read_checkpoint(self, directory):
-        rows = load_file(Path(directory) / self.embedding_file)
+        """The checkpoint's LoRA and rows; its embedding file is the one ``*_emb.safetensors`` there, whatever the
+        output folder that wrote it was called."""
+        files = sorted(Path(directory).glob(f"*{EMBEDDING_SUFFIX}"))
+        if len(files) != 1:
+            raise ValueError(f"{directory} holds {len(files)} *{EMBEDDING_SUFFIX} files, not one")
+        rows = load_file(files[0])
         return {**self.lora.read_checkpoint(directory),
                 **{name: rows[key] for key, name in zip(EMBEDDING_KEYS, self.parameters.values())}}
 

@@ -23,8 +23,6 @@ micro-conditioned on its own original size and crop, as SDXL was trained.
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
 
-from pathlib import Path
-
 from diffusers import StableDiffusionXLPipeline
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
@@ -53,7 +51,7 @@ from training_utils.outputs.hub import finish_run, how_to_load
 from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
 from training_utils.pivotal import (PivotalExport, PivotalTokens, TrainingStops, abstraction_tokens, add_pivotal_args,
-                                    check_new_tokens, check_pivotal_args, stop_step)
+                                    check_new_tokens, check_pivotal_args, embedding_file, stop_step)
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
@@ -142,7 +140,7 @@ def main(args, run):
         for embedding in tokens.embeddings.values():
             embedding.new_rows.requires_grad_(True)
         export = PivotalExport(export, tokens.parameter_names(trained), tokens.tokens,
-                               f"{Path(args.output_dir).name}_emb.safetensors", trained)
+                               embedding_file(args.output_dir), trained)
     parameters = trainable_parameters(trained)
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
