@@ -183,12 +183,14 @@ def main(args, run):
     # Validation's prompts name the abstractions as the training prompts do; it renders them spelled out.
     validation_prompts = ([tokens.replaced(prompt) for prompt in args.validation_prompt]
                           if tokens is not None and args.validation_prompt else None)
-    validator = make_validator(args, pipe, accelerator, prompts=validation_prompts, ema=ema, posthoc=posthoc, schedulers=[noise_scheduler],
-                               weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+    validator = make_validator(args, pipe, accelerator, prompts=validation_prompts, ema=ema, posthoc=posthoc,
+                               schedulers=[noise_scheduler], weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
+    # The new rows stop training after --train_text_encoder_ti_frac of the steps, the text encoders' adapters after
+    # --train_text_encoder_frac (upstream's pivot): from then on the optimizer leaves them bitwise as they are.
     stops = {}
     if tokens is not None:
         stops[stop_step(args.train_text_encoder_ti_frac, max_train_steps)] = [
