@@ -184,7 +184,8 @@ def main(args, run):
     validation_prompts = ([tokens.replaced(prompt) for prompt in args.validation_prompt]
                           if tokens is not None and args.validation_prompt else None)
     validator = make_validator(args, pipe, accelerator, prompts=validation_prompts, ema=ema, posthoc=posthoc,
-                               schedulers=[noise_scheduler], weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
+                               schedulers=[noise_scheduler], weight_dtype=weight_dtype,
+                               encoders_on_device=frozen.on_device,
                                call_kwargs={**validation_size(args, dataset.shapes), **call_kwargs})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
