@@ -1,18 +1,23 @@
-"""Smoke tests: the advanced (pivotal tuning) DreamBooth script for SDXL end to end on the tiny fixtures, through
-``accelerate launch``: 4 steps of two new tokens (``TOK`` = ``<s0><s1>``, started as "a dog"'s rows) in both text
+"""Smoke tests: the advanced (pivotal tuning) DreamBooth scripts end to end on the tiny fixtures, through
+``accelerate launch``, launched together:
+
+- sdxl: 4 steps of two new tokens (``TOK`` = ``<s0><s1>``, started as "a dog"'s rows) in both text
 encoders for the first half of the run, beside a LoRA on the UNet and both text encoders, with EMA, the kohya layout,
-checkpoints every 2 steps and validation at the end. The run is then resumed from its checkpoint-2, where the tokens'
-training stopped, and must end with bitwise the same files."""
+checkpoints every 2 steps and validation at the end; the run is then resumed from its checkpoint-2, where the
+tokens' training stopped, and must end with bitwise the same files;
+- sd15: 2 steps of two abstractions of a token each, at random, with prior preservation (2 class images generated),
+  the tokens training for the first step."""
 
 import pytest
 import torch
-from diffusers import StableDiffusionXLPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
 from helpers import launch, launch_together, launching
 from training_utils.testing import assert_resumes_exactly, assert_validated_at, checkpoint_names, differing_keys
 
 SCRIPT = "advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py"
+SD15_SCRIPT = "advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py"
 LORA, EMBEDDINGS = "pytorch_lora_weights.safetensors", "pivotal_emb.safetensors"  # upstream's <folder name>_emb
 TOKENS = ["<s0>", "<s1>"]
 VALIDATION_PROMPT = "TOK on a beach"
@@ -28,11 +33,23 @@ def flags(tiny, output_dir):
             "--validation_inference_steps", 2, "--validation_steps", 4, "--output_dir", output_dir]
 
 
+def sd15_flags(tiny, root):
+    return ["--pretrained_model_name_or_path", tiny["sd"], "--instance_data_dir", tiny["instance"],
+            "--instance_prompt", "a photo of TOK with SKS", "--train_text_encoder_ti", "--token_abstraction",
+            "TOK,SKS", "--num_new_tokens_per_abstraction", 1, "--train_text_encoder_ti_frac", 0.5,
+            "--with_prior_preservation", "--class_data_dir", root / "class", "--class_prompt", "a photo",
+            "--num_class_images", 2, "--resolution", 32, "--train_batch_size", 1, "--max_train_steps", 2,
+            "--checkpointing_steps", 1, "--learning_rate", 1e-2, "--text_encoder_lr", 5e-2, "--lr_warmup_steps", 0,
+            "--validation_prompt", "TOK and SKS", "--num_validation_images", 1, "--validation_inference_steps", 2,
+            "--output_dir", root / "sd15"]
+
+
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    launch_together({"pivotal": (SCRIPT, *flags(tiny, root / "pivotal"))})
+    launch_together({"pivotal": (SCRIPT, *flags(tiny, root / "pivotal")),
+                     "sd15": (SD15_SCRIPT, *sd15_flags(tiny, root))})
     return root
 
 
@@ -107,3 +124,22 @@ def test_a_run_resumed_where_the_tokens_stopped_ends_with_the_same_files(runs, t
     resumed.mkdir()
     assert_resumes_exactly(SCRIPT, lambda output_dir: flags(tiny, output_dir), runs / "pivotal", resumed, 2,
                            [LORA, EMBEDDINGS, f"ema/{LORA}", f"ema/{EMBEDDINGS}"], launch=launch)
+
+
+def test_sd15_trains_each_abstractions_token_for_the_first_step_and_the_stock_pipeline_loads_both(runs, tiny):
+    output_dir = runs / "sd15"
+    assert checkpoint_names(output_dir) == ["checkpoint-1", "checkpoint-2"]
+    assert_validated_at(output_dir, [2], variants=("raw",), prompts=["<s0> and <s1>"])
+    assert len(list((runs / "class").glob("*.png"))) == 2
+    file = "sd15_emb.safetensors"
+    rows = load_file(output_dir / file)
+    assert {key: value.shape for key, value in rows.items()} == {"clip_l": (2, 32)}
+    assert differing_keys(load_file(output_dir / "checkpoint-1" / file), rows) == []
+    assert differing_keys(load_file(output_dir / "checkpoint-1" / LORA), load_file(output_dir / LORA))
+    pipe = StableDiffusionPipeline.from_pretrained(tiny["sd"])
+    frozen = pipe.text_encoder.get_input_embeddings().weight.detach().clone()
+    pipe.load_lora_weights(output_dir)
+    pipe.load_textual_inversion(rows["clip_l"], token=["<s0>", "<s1>"], text_encoder=pipe.text_encoder,
+                                tokenizer=pipe.tokenizer)
+    weight = pipe.text_encoder.get_input_embeddings().weight
+    assert torch.equal(weight[:len(frozen)], frozen) and torch.equal(weight[len(frozen):], rows["clip_l"])
