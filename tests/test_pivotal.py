@@ -67,8 +67,8 @@ def test_the_tokens_start_as_the_concept_and_prompts_spell_the_abstractions_out(
 def test_a_stopped_parameter_stays_bitwise_under_adamw_with_weight_decay_while_the_others_go_on():
     torch.manual_seed(0)
     stopping, going = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
-    stops = TrainingStops({stop_step(0.5, 4): [stopping]})
     optimizer = torch.optim.AdamW([stopping, going], lr=0.1, weight_decay=0.1)
+    stops = TrainingStops(optimizer, {stop_step(0.5, 4): [stopping]})
     seen = []
     for step in range(4):
         stops.at(step)

@@ -5,15 +5,14 @@ files that load both.
 Each ``--token_abstraction`` (``TOK``) stands for ``--num_new_tokens_per_abstraction`` new tokens ``<s0><s1>``,
 numbered on across abstractions, as upstream names them; prompts name the abstraction and `PivotalTokens.replaced`
 spells it out. The embeddings stop training after ``--train_text_encoder_ti_frac`` of the optimizer steps (and a
-text encoder's LoRA after ``--train_text_encoder_frac``): `TrainingStops` drops their gradients from then on, so the
-optimizer leaves them bitwise as they were, also in a run resumed past the stop.
+text encoder's LoRA after ``--train_text_encoder_frac``): `TrainingStops` drops their gradients before each step
+from then on, so the optimizer leaves them bitwise as they were, also in a run resumed past the stop.
 
 `PivotalExport` writes the LoRA as `adapters.export.LoraExport` does (the UI layouts of ``--export_formats``
 included) and the new rows as ``<output folder name>_emb.safetensors``, keyed ``clip_l`` (and ``clip_g``): upstream's
 file, which its README loads with ``load_textual_inversion`` and the UIs load as an embedding.
 """
 
-import functools
 from pathlib import Path
 
 import torch
@@ -122,20 +121,21 @@ class PivotalTokens(NewTokens):
 
 
 class TrainingStops:
-    """Parameters that stop training after some optimizer steps (``{stop step: [parameters]}``): from the step
-    `at` names on, each one's gradient is dropped as it is accumulated, so that AdamW (which skips a parameter
-    without a gradient, its weight decay included) leaves it bitwise as it was. The stop depends only on the step, so
-    a resumed run stops where the run it resumes did."""
+    """Parameters that stop training after some optimizer steps (``{stop step: [parameters]}``): from the step `at`
+    names on, ``optimizer`` drops their gradients just before it steps (after any clipping and, in a multi-process
+    run, after the gradients are averaged), so that AdamW, which skips a parameter without a gradient (its weight
+    decay included), leaves them bitwise as they were, as upstream's learning rate of 0 does. The stop depends only
+    on the step, so a resumed run stops where the run it resumes did."""
 
-    def __init__(self, stops):
-        self.step = 0
-        for stop, parameters in stops.items():
-            for parameter in parameters:
-                parameter.register_post_accumulate_grad_hook(functools.partial(self._drop, stop))
+    def __init__(self, optimizer, stops):
+        self.step, self.stops = 0, {stop: list(parameters) for stop, parameters in stops.items()}
+        optimizer.register_step_pre_hook(self._drop)
 
-    def _drop(self, stop, parameter):
-        if self.step >= stop:
-            parameter.grad = None
+    def _drop(self, optimizer, args, kwargs):
+        for stop, parameters in self.stops.items():
+            if self.step >= stop:
+                for parameter in parameters:
+                    parameter.grad = None
 
     def at(self, step):
         """Say that the next gradients are those of optimizer step ``step + 1``."""

@@ -170,6 +170,17 @@ def main(args, run):
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
     optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
+    # The new rows stop training after --train_text_encoder_ti_frac of the steps, the text encoders' adapters after
+    # --train_text_encoder_frac (upstream's pivot): from then on the optimizer leaves them bitwise as they are.
+    stops = {}
+    if tokens is not None:
+        stops[stop_step(args.train_text_encoder_ti_frac, max_train_steps)] = [
+            parameters[name] for name in export.parameters.values()]
+    if args.train_text_encoder:
+        stops.setdefault(stop_step(args.train_text_encoder_frac, max_train_steps), []).extend(
+            parameter for name, parameter in parameters.items() if name.startswith("text_encoder")
+            and name not in getattr(export, "parameters", {}).values())
+    stops = TrainingStops(optimizer, stops)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
     if text_encoders_train:  # the step encodes its prompts through the wrapped encoders, so gradients sync
         def replaced(prompts):
@@ -190,17 +201,6 @@ def main(args, run):
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
-    # The new rows stop training after --train_text_encoder_ti_frac of the steps, the text encoders' adapters after
-    # --train_text_encoder_frac (upstream's pivot): from then on the optimizer leaves them bitwise as they are.
-    stops = {}
-    if tokens is not None:
-        stops[stop_step(args.train_text_encoder_ti_frac, max_train_steps)] = [
-            parameters[name] for name in export.parameters.values()]
-    if args.train_text_encoder:
-        stops.setdefault(stop_step(args.train_text_encoder_frac, max_train_steps), []).extend(
-            parameter for name, parameter in parameters.items() if name.startswith("text_encoder")
-            and name not in getattr(export, "parameters", {}).values())
-    stops = TrainingStops(stops)
 
     # 5. The loop: DreamBooth's denoising loss on the family's latents and conditioning (`sdxl`), each image on its
     # prompt's embedding and its own micro-conditioning (original size, crop, bucket); with prior preservation the
