@@ -13,7 +13,7 @@ import torch
 from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
-from helpers import launch, launch_together, launching
+from helpers import launch, launch_together, launching, usage_error
 from training_utils.testing import assert_resumes_exactly, assert_validated_at, checkpoint_names, differing_keys
 
 SCRIPT = "advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py"
@@ -143,3 +143,20 @@ def test_sd15_trains_each_abstractions_token_for_the_first_step_and_the_stock_pi
                                 tokenizer=pipe.tokenizer)
     weight = pipe.text_encoder.get_input_embeddings().weight
     assert torch.equal(weight[:len(frozen)], frozen) and torch.equal(weight[len(frozen):], rows["clip_l"])
+
+
+@pytest.mark.parametrize("script", [SCRIPT, SD15_SCRIPT])
+@pytest.mark.parametrize("extra, expected", [
+    (["--train_text_encoder_ti_frac", 0], "--train_text_encoder_ti_frac=0.0: expected a fraction in (0, 1]"),
+    (["--token_abstraction", "TOK,"], "--token_abstraction='TOK,': expected comma-separated non-empty words"),
+    (["--initializer_concept", " "], "--initializer_concept=' ': expected one or more words"),
+    (["--use_blora"], "--use_blora is not supported here"),
+])
+def test_bad_pivotal_flags_stop_in_one_line_before_anything_loads(tiny, tmp_path, script, extra, expected):
+    if script == SD15_SCRIPT and extra == ["--use_blora"]:
+        extra, expected = ["--pretrained_vae_model_name_or_path", "vae"], "--pretrained_vae_model_name_or_path is"
+    error = usage_error(script, "--pretrained_model_name_or_path", tiny["sd" if script == SD15_SCRIPT else "sdxl"],
+                        "--instance_data_dir", tiny["instance"], "--instance_prompt", "a photo of TOK",
+                        "--train_text_encoder_ti", "--output_dir", tmp_path / "out", *extra)
+    assert expected in error, error
+
