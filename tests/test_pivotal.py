@@ -105,3 +105,23 @@ def test_the_lora_and_the_rows_are_written_together_and_read_back_as_the_paramet
     assert described.description() == export.description()
     described.write({name: parameter.detach() + 1 for name, parameter in parameters.items()}, tmp_path / "synth")
     assert torch.equal(load_file(tmp_path / "synth" / "out_emb.safetensors")["clip_l"], rows["clip_l"] + 1)
+
+
+def test_while_they_train_the_new_rows_are_scaled_towards_the_vocabularys_scale_then_left_alone(tiny):
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
+    tokens = PivotalTokens(pipe, {"text_encoder": "tokenizer"}, {"TOK": ["<s0>", "<s1>"]}, seed=0)
+    rows = tokens.embeddings["text_encoder"].new_rows
+    with torch.no_grad():
+        rows.mul_(10)
+    vocabulary = tokens.embeddings["text_encoder"].frozen.weight.detach().float().std()
+    optimizer = torch.optim.SGD(tokens.parameters(), lr=0.0)
+    stops = TrainingStops(optimizer, {1: tokens.parameters()})
+    tokens.keep_scale(optimizer, stops)
+    before = rows.detach().clone()
+    optimizer.step()
+    assert torch.equal(rows.detach(), before * (vocabulary / before.std()) ** 0.1)
+    stops.at(1)
+    after = rows.detach().clone()
+    rows.grad = torch.ones_like(rows)
+    optimizer.step()
+    assert torch.equal(rows.detach(), after) and rows.grad is None

@@ -4,9 +4,11 @@ files that load both.
 
 Each ``--token_abstraction`` (``TOK``) stands for ``--num_new_tokens_per_abstraction`` new tokens ``<s0><s1>``,
 numbered on across abstractions, as upstream names them; prompts name the abstraction and `PivotalTokens.replaced`
-spells it out. The embeddings stop training after ``--train_text_encoder_ti_frac`` of the optimizer steps (and a
-text encoder's LoRA after ``--train_text_encoder_frac``): `TrainingStops` drops their gradients before each step
-from then on, so the optimizer leaves them bitwise as they were, also in a run resumed past the stop.
+spells it out. After each step their rows are scaled a little towards the vocabulary's scale
+(`PivotalTokens.keep_scale`, upstream's rule). The embeddings stop training after ``--train_text_encoder_ti_frac``
+of the optimizer steps (and a text encoder's LoRA after ``--train_text_encoder_frac``): `TrainingStops` drops their
+gradients before each step from then on, so the optimizer leaves them bitwise as they were (and `keep_scale` stops
+too), also in a run resumed past the stop.
 
 `PivotalExport` writes the LoRA as `adapters.export.LoraExport` does (the UI layouts of ``--export_formats``
 included) and the new rows as ``<output folder name>_emb.safetensors``, keyed ``clip_l`` (and ``clip_g``): upstream's
@@ -111,6 +113,27 @@ class PivotalTokens(NewTokens):
 
         super().__init__(pipe, tokenizers, tokens, initial_rows)
 
+    def keep_scale(self, optimizer, stops):
+        """After each step of ``optimizer`` while the new rows train (before `TrainingStops` ``stops`` stops them),
+        scale each text encoder's new rows by ``(std of its frozen rows / std of the new rows) ** 0.1``, as upstream
+        does after every step: the new rows drift back towards the scale of the vocabulary's."""
+        scales = {component: embedding.frozen.weight.detach().float().std()
+                  for component, embedding in self.embeddings.items()}
+
+        def rescale(optimizer, args, kwargs):
+            if stops.stopped(self.parameters()):
+                return
+            with torch.no_grad():
+                for component, embedding in self.embeddings.items():
+                    rows = embedding.new_rows
+                    rows.mul_((scales[component].to(rows.device) / rows.float().std()) ** 0.1)
+
+        optimizer.register_step_post_hook(rescale)
+
+    def parameters(self):
+        """The trained new rows, one parameter per text encoder."""
+        return [embedding.new_rows for embedding in self.embeddings.values()]
+
     def replaced(self, prompt):
         """``prompt`` with each abstraction spelled out as its tokens (``TOK`` -> ``<s0><s1>``); None stays None."""
         if prompt is None:
@@ -136,6 +159,11 @@ class TrainingStops:
             if self.step >= stop:
                 for parameter in parameters:
                     parameter.grad = None
+
+    def stopped(self, parameters):
+        """Whether every one of ``parameters`` has stopped training at the current step."""
+        stopped = {id(parameter) for stop, group in self.stops.items() if self.step >= stop for parameter in group}
+        return all(id(parameter) in stopped for parameter in parameters)
 
     def at(self, step):
         """Say that the next gradients are those of optimizer step ``step + 1``."""

@@ -181,6 +181,8 @@ def main(args, run):
             parameter for name, parameter in parameters.items() if name.startswith("text_encoder")
             and name not in getattr(export, "parameters", {}).values())
     stops = TrainingStops(optimizer, stops)
+    if tokens is not None:  # while they train, the new rows are kept near the vocabulary's scale, as upstream's are
+        tokens.keep_scale(optimizer, stops)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
     if text_encoders_train:  # the step encodes its prompts through the wrapped encoders, so gradients sync
         def replaced(prompts):
