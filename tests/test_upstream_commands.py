@@ -692,7 +692,11 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                           "flux-control/train_control_lora_flux.py":
                               "upstream has no test for its FLUX.1 Control scripts",
                           "instruct_pix2pix/train_instruct_pix2pix_sdxl.py":
-                              "upstream has no test for its SDXL InstructPix2Pix script"}
+                              "upstream has no test for its SDXL InstructPix2Pix script",
+                          "advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py":
+                              "upstream has tests only for its FLUX.1 advanced script",
+                          "advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py":
+                              "upstream has tests only for its FLUX.1 advanced script"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

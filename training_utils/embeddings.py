@@ -116,30 +116,50 @@ def check_placeholder_token(tokenizers, token, num_vectors, initializer_token, t
     return initializer_ids
 
 
-class TextualInversion:
-    """The placeholder token added to each text encoder of ``pipe`` that ``tokenizers`` names (text encoder component
-    name: its tokenizer's), its vectors starting as ``initializer_token``'s embedding (`check_placeholder_token`);
-    ``text_encoders`` are those modules, by component name, whose new rows train."""
+class NewTokens:
+    """New ``tokens`` added to each text encoder of ``pipe`` that ``tokenizers`` names (text encoder component name:
+    its tokenizer's), their rows a `NewTokenEmbedding` starting as ``initial_rows(tokenizer name, frozen embedding)``
+    (a ``(len(tokens), hidden size)`` tensor); ``text_encoders`` are those modules, by component name, whose new rows
+    train, and ``embeddings`` their `NewTokenEmbedding` modules."""
 
-    def __init__(self, pipe, tokenizers, token, num_vectors, initializer_token):
-        self.pipe, self.token = pipe, token
-        self.tokens = placeholder_tokens(token, num_vectors)
-        initializer_ids = check_placeholder_token({name: pipe.components[name] for name in tokenizers.values()},
-                                                  token, num_vectors, initializer_token)
+    def __init__(self, pipe, tokenizers, tokens, initial_rows):
+        self.pipe, self.tokens = pipe, list(tokens)
         self.text_encoders, self.embeddings = {}, {}
         for component, tokenizer_name in tokenizers.items():
             tokenizer, text_encoder = pipe.components[tokenizer_name], pipe.components[component]
             frozen = text_encoder.get_input_embeddings()
             added = tokenizer.add_tokens(self.tokens)
             ids = tokenizer.convert_tokens_to_ids(self.tokens)
-            if added != num_vectors or ids != list(range(frozen.num_embeddings, frozen.num_embeddings + added)):
+            if added != len(self.tokens) or ids != list(range(frozen.num_embeddings, frozen.num_embeddings + added)):
                 raise ValueError(f"{tokenizer_name} gave the new tokens ids {ids}, not the rows after {component}'s "
                                  f"{frozen.num_embeddings}")
-            initial = frozen.weight[initializer_ids[tokenizer_name]].float().expand(num_vectors, -1)
-            self.embeddings[component] = NewTokenEmbedding(frozen, initial)
+            self.embeddings[component] = NewTokenEmbedding(frozen, initial_rows(tokenizer_name, frozen))
             text_encoder.requires_grad_(False)
             text_encoder.set_input_embeddings(self.embeddings[component])
             self.text_encoders[component] = text_encoder
+
+    def parameter_names(self, trained):
+        """Each text encoder's name of its new rows among the trained parameters (``<component>.<path>.new_rows``),
+        by component name."""
+        names = {}
+        for component, embedding in self.embeddings.items():
+            path = next(name for name, module in trained[component].named_modules() if module is embedding)
+            names[component] = f"{component}.{path}.new_rows"
+        return names
+
+
+class TextualInversion(NewTokens):
+    """The placeholder token added to each text encoder of ``pipe`` that ``tokenizers`` names (text encoder component
+    name: its tokenizer's), its vectors starting as ``initializer_token``'s embedding (`check_placeholder_token`);
+    ``text_encoders`` are those modules, by component name, whose new rows train."""
+
+    def __init__(self, pipe, tokenizers, token, num_vectors, initializer_token):
+        self.token = token
+        initializer_ids = check_placeholder_token({name: pipe.components[name] for name in tokenizers.values()},
+                                                  token, num_vectors, initializer_token)
+        super().__init__(pipe, tokenizers, placeholder_tokens(token, num_vectors),
+                         lambda tokenizer_name, frozen: frozen.weight[initializer_ids[tokenizer_name]].float()
+                         .expand(num_vectors, -1))
 
     def spelled_out(self, prompts):
         """``prompts`` with the token's vectors spelled out, by the pipeline's own ``maybe_convert_prompt``."""
@@ -169,11 +189,7 @@ class TextualInversion:
 
     def export(self, trained):
         """The `EmbeddingExport` of the new rows, keyed by the trained components' parameter names."""
-        names = {}
-        for component, embedding in self.embeddings.items():
-            path = next(name for name, module in trained[component].named_modules() if module is embedding)
-            names[component] = f"{component}.{path}.new_rows"
-        return EmbeddingExport(self.token, names, trained)
+        return EmbeddingExport(self.token, self.parameter_names(trained), trained)
 
 
 class EmbeddingExport(Export):

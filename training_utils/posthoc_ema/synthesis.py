@@ -20,12 +20,13 @@ from ..custom_diffusion import CustomDiffusionExport
 from ..embeddings import EmbeddingExport
 from ..names import SNAPSHOT_DIR
 from ..outputs.export import ModelExport, TensorsExport
+from ..pivotal import PivotalExport
 from .profiles import sigma_rel_to_gamma, solve_posthoc_coefficients
 
 SYNTHESIS_FILE = "synthesis.json"
 # The exports a run's description may name, by kind.
 EXPORTS = {export.kind: export for export in (TensorsExport, LoraExport, PeftExport, ModelExport,
-                                              EmbeddingExport, CustomDiffusionExport)}
+                                              EmbeddingExport, CustomDiffusionExport, PivotalExport)}
 
 
 def export_from_description(description):
