@@ -35,7 +35,7 @@ from training_utils.ema import make_ema
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.outputs.export import PipelineExport, save_with_ema
-from training_utils.outputs.hub import fine_tuned_unet_how_to_load, finish_run
+from training_utils.outputs.hub import fine_tuned_how_to_load, finish_run
 from training_utils.outputs.run_status import run_script
 from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
@@ -144,8 +144,9 @@ def main(args, run):
     #    card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        finish_run(args, "Kandinsky 2.2 decoder fine-tune", fine_tuned_unet_how_to_load(args, pipe, ema),
-                   loop.records, saved, "UNet")
+        finish_run(args, "Kandinsky 2.2 decoder fine-tune", fine_tuned_how_to_load(
+            args, pipe, ema, "unet", kandinsky.FINE_TUNE_HOW_TO_LOAD,
+            prior_model=args.pretrained_prior_model_name_or_path), loop.records, saved, "UNet")
     end_training(accelerator)
 
 
