@@ -672,6 +672,10 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 
 # The scripts here whose upstream counterparts have no example test, and why.
 WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
+                          "kandinsky2_2/text_to_image/train_text_to_image_decoder.py":
+                              "upstream has no test for its Kandinsky 2.2 scripts",
+                          "kandinsky2_2/text_to_image/train_text_to_image_lora_decoder.py":
+                              "upstream has no test for its Kandinsky 2.2 scripts",
                           "dreambooth/train_dreambooth_lora_krea2.py": "upstream has no test for its Krea 2 script",
                           "dreambooth/train_dreambooth_lora_ideogram4.py":
                               "upstream has no test for its Ideogram 4 script",

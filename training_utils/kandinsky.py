@@ -24,20 +24,21 @@ pipe = AutoPipelineForText2Image.from_pretrained(
     "{output_dir}", **{{f"prior_{{name}}": component for name, component in prior.components.items()}})
 {swap_in_ema}image = pipe("{prompt}").images[0]
 """
-# The LoRA as upstream's README loads it: the UNet's attention processors.
+# The LoRA on the UNet (upstream's README calls ``pipe.unet.load_attn_procs``, which diffusers now keeps for Custom
+# Diffusion only; ``load_lora_adapter`` reads the same file).
 LORA_HOW_TO_LOAD = """
 from diffusers import AutoPipelineForText2Image
 
 pipe = AutoPipelineForText2Image.from_pretrained("{base_model}")
-pipe.unet.load_attn_procs("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
+pipe.unet.load_lora_adapter("{output_dir}", weight_name="pytorch_lora_weights.safetensors", prefix="unet")
+# or "{output_dir}/ema" for the EMA adapter
 image = pipe("{prompt}").images[0]
 """
 # The decoder UNet's attention layers that a LoRA adapts: upstream's LoRAAttnAddedKVProcessor's, the projections of
 # the queries, keys, values and output and of the image tokens' added keys and values.
 LORA_LAYERS = ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj"]
-# KandinskyV22Pipeline has no LoRA loader: the LoRA is written by SD's, whose file holds the UNet's adapter under
-# ``unet.``, which ``pipe.unet.load_attn_procs(output_dir)`` reads (upstream's ``unet.save_attn_procs`` writes the
-# same file name).
+# KandinskyV22Pipeline has no LoRA loader: the LoRA is written by SD's, whose file (upstream's file name) holds the
+# UNet's adapter under ``unet.``, which ``pipe.unet.load_lora_adapter(output_dir, prefix="unet")`` reads.
 LORA_WRITER = StableDiffusionPipeline
 NO_SPREAD = -30.0  # the log-variance of a distribution whose samples are its mean (exp(-15) is 3e-7)
 

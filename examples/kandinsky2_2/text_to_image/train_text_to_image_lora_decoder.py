@@ -11,11 +11,11 @@
 The decoder learns to render an image from its CLIP image embedding (the prior pipeline's image encoder on the
 training image), so no caption is read. The adapter covers the UNet's attention projections, the image tokens' added
 keys and values included (upstream's ``LoRAAttnAddedKVProcessor``). Writes ``pytorch_lora_weights.safetensors`` (and
-``ema/pytorch_lora_weights.safetensors``), which ``pipe.unet.load_attn_procs(output_dir)`` loads as upstream's README
-does; validation images of ``--validation_prompts`` rendered through
-``KandinskyV22CombinedPipeline`` (the frozen prior turns each prompt into an image embedding), checkpoints to resume
-from, and a model card. The MoVQ runs once per image before training with ``--cache_latents``; the image encoder runs
-in each step, on the accelerator.
+``ema/pytorch_lora_weights.safetensors``), which ``pipe.unet.load_lora_adapter(output_dir, weight_name=...,
+prefix="unet")`` loads (upstream's README's ``load_attn_procs`` now reads Custom Diffusion only); validation images
+of ``--validation_prompts`` rendered through ``KandinskyV22CombinedPipeline`` (the frozen prior turns each prompt into
+an image embedding), checkpoints to resume from, and a model card. The MoVQ runs once per image before training with
+``--cache_latents``; the image encoder runs in each step, on the accelerator.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
