@@ -94,6 +94,12 @@ def prediction(output, latents):
     return output[:, :latents.shape[1]]
 
 
+def prior_steps(validation_inference_steps):
+    """The prior's denoising steps when validation renders ``validation_inference_steps`` decoder steps: as many, but
+    at least 2 (the prior's ``UnCLIPScheduler`` divides by one less than its step count)."""
+    return max(2, validation_inference_steps)
+
+
 def combined_pipeline(decoder, prior):
     """``KandinskyV22CombinedPipeline`` of the live ``decoder`` and ``prior`` pipelines' modules (no weights read):
     validation renders prompts with it."""

@@ -112,11 +112,11 @@ def main(args, run):
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
 
+    prior_steps = kandinsky.prior_steps(args.validation_inference_steps)
     validator = make_validator(args, kandinsky.combined_pipeline(pipe, prior), accelerator, ema=ema, posthoc=posthoc,
                                schedulers=[noise_scheduler], weight_dtype=weight_dtype,
                                encoders_on_device=frozen.on_device,
-                               call_kwargs={**validation_size(args, shapes),
-                                            "prior_num_inference_steps": args.validation_inference_steps})
+                               call_kwargs={**validation_size(args, shapes), "prior_num_inference_steps": prior_steps})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
