@@ -76,3 +76,10 @@ def test_the_combined_pipeline_holds_the_live_modules_and_renders_prompts(decode
                       height=64, width=64,
                       generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert images.shape == (1, 3, 64, 64)
+
+
+def test_buckets_are_sizes_the_decoder_renders_as_given(decoder):
+    from training_utils.data.buckets import size_multiple
+
+    # The pipeline renders latents of ceil(side / 64) * 8: only multiples of 64 come out at their own size.
+    assert size_multiple(decoder) == 64

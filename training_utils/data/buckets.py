@@ -51,7 +51,8 @@ def size_multiple(pipe):
     """The multiple of which both sides of a training image must be for ``pipe``'s model: the VAE's downsampling
     times the UNet's (which halves at every down block but the last) or times the transformer's patch (a pipeline
     that packs 2×2 latents into one token, as FLUX.2, Qwen-Image and Z-Image do, says so in its image processor's
-    factor); and of 8, which the pipelines ask of a size they render, so that validation can render any bucket."""
+    factor; Kandinsky's MoVQ factor squared); and of 8, which the pipelines ask of a size they render, so that
+    validation can render any bucket."""
     model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     config = model.config
     if "down_block_types" in config:
@@ -61,6 +62,10 @@ def size_multiple(pipe):
         # image processor's factor; a video model's is (time, height, width).
         patch = config.get("patch_size") or config.get("all_patch_size") or 1
         model_factor = patch[-1] if isinstance(patch, (list, tuple)) else patch
+    if hasattr(pipe, "movq_scale_factor"):
+        # Kandinsky's pipelines render latents of ceil(side / factor²) * factor: a side it renders as given is a
+        # multiple of the MoVQ's factor squared.
+        return math.lcm(pipe.movq_scale_factor ** 2, pipe.movq_scale_factor * model_factor, 8)
     processor = getattr(pipe, "image_processor", None) or pipe.video_processor
     vae_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
     needed = max(processor.config.vae_scale_factor, vae_factor * model_factor)

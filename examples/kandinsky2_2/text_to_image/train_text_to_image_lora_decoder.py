@@ -31,7 +31,8 @@ from training_utils.args import (add_cache_args, add_diffusion_loss_args, add_lo
                                  check_pretrained_path, export_formats, fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.data.buckets import validation_size
-from training_utils.data.datasets import TrainDataset, load_train_dataset, make_dataloader, stack_collate
+from training_utils.data.datasets import (TrainDataset, dataset_shapes, load_train_dataset, make_dataloader,
+                                          stack_collate)
 from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform, read_image
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_noise, sample_timesteps
@@ -97,7 +98,7 @@ def main(args, run):
     frozen = FrozenEncoders(kandinsky.MoVQLatents(pipe.movq), [], transform, accelerator.device,
                             weight_dtype, cache_latents=args.cache_latents, cache_dir=args.feature_cache_dir,
                             offload=args.offload, seed=args.seed)
-    shapes = None
+    shapes = dataset_shapes(transform, dataset, args.image_column)
     examples = frozen.cache_dataset_images(dataset, args.image_column, shapes)
 
     def preprocess(example, generator):
