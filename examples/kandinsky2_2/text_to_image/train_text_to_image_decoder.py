@@ -38,15 +38,10 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.outputs.export import PipelineExport, save_with_ema
 from training_utils.outputs.hub import fine_tuned_how_to_load, finish_run
 from training_utils.outputs.run_status import run_script
-from training_utils.parser import add_refused_args
 from training_utils.pipeline import (load_pipeline, prepare_components, trainable_parameters, training_noise_scheduler,
                                      weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.validation import make_validator
-
-# The flags of upstream's script that this one does not carry, besides those no script here carries.
-REFUSED = {}
-
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], resolution=768, interpolation="bicubic",
@@ -57,7 +52,6 @@ def parse_args(argv=None):
                              "images (and which renders the validation prompts)")
     add_diffusion_loss_args(parser)
     add_cache_args(parser)
-    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     check_pretrained_path(args.pretrained_prior_model_name_or_path, "--pretrained_prior_model_name_or_path")
