@@ -14,7 +14,7 @@ hidden states and projected embedding and on the picture's original size and cro
 Writes a full pipeline holding the trained transformer to ``output_dir`` (``AmusedPipeline.from_pretrained`` loads
 it; the untouched models are hard-linked from the base) and, with ``--use_ema``, the EMA transformer to
 ``output_dir/ema/transformer``; with ``--use_lora``, ``pytorch_lora_weights.safetensors`` (and ``ema/``) instead,
-which ``pipe.transformer.load_lora_adapter(output_dir, prefix="transformer")`` loads. Validation images with
+which ``pipe.transformer.load_lora_adapter(output_dir, prefix="transformer", weight_name=...)`` loads. Validation images with
 ``validation/log.jsonl``, checkpoints to resume from, and a model card.
 """
 
@@ -75,7 +75,8 @@ from pathlib import Path
 from diffusers import AmusedPipeline
 
 pipe = AmusedPipeline.from_pretrained("{base_model}")
-pipe.transformer.load_lora_adapter("{output_dir}", prefix="transformer")  # or "{output_dir}/ema" for the EMA adapter
+# or "{output_dir}/ema" for the EMA adapter
+pipe.transformer.load_lora_adapter("{output_dir}", prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
 image = pipe("{prompt}").images[0]
 """
 
