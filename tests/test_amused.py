@@ -63,3 +63,11 @@ def test_lora_writer_keeps_the_adapter_config_in_the_file(tmp_path):
     with safe_open(tmp_path / "w.safetensors", "pt") as file:
         assert list(file.keys()) == ["transformer.layer.lora_A.weight"]
         assert '"transformer.lora_alpha": 4.0' in file.metadata()["lora_adapter_metadata"]
+
+
+def test_validation_renders_an_amused_pipeline_one_generator_a_call():
+    from diffusers import AmusedPipeline, StableDiffusionPipeline
+
+    from training_utils.validation import takes_generator_list
+
+    assert not takes_generator_list(AmusedPipeline) and takes_generator_list(StableDiffusionPipeline)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.loaders import AmusedLoraLoaderMixin
 
+from .data.images import IMAGE_EXTENSIONS
+
 IGNORED = -100  # the label of an unmasked token: no loss on it
 AESTHETIC_SCORE = 6.0  # the micro-conditioning's aesthetic score, in training as the pipeline's default
 
@@ -81,13 +83,13 @@ def process_image(image, size, generator):
 
 
 def instance_examples(args):
-    """Upstream's ``--instance_data_dir`` (each image captioned with its file name's stem) or ``--instance_data_image``
+    """Upstream's ``--instance_data_dir`` (each image file captioned with its file name's stem) or ``--instance_data_image``
     (one image, ``--train_batch_size`` times, captioned likewise) as ``[{"image": path, "prompt": str}]``."""
     if args.instance_data_image is not None:
         path = Path(args.instance_data_image)
         return [{"image": str(path), "prompt": path.stem}] * args.train_batch_size
     return [{"image": str(path), "prompt": path.stem} for path in sorted(Path(args.instance_data_dir).iterdir())
-            if path.is_file()]
+            if path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS]
 
 
 

@@ -69,7 +69,8 @@ UNCONDITIONAL = ""
 
 def takes_generator_list(pipe):
     """Whether ``pipe``'s call takes a list of generators, one per image (``AmusedPipeline``'s takes one)."""
-    return "list" in str(inspect.signature(pipe.__call__).parameters["generator"].annotation)
+    annotation = inspect.signature(pipe.__call__).parameters["generator"].annotation
+    return "list" in str(annotation)
 
 
 def is_unconditional(pipe):

@@ -14,8 +14,9 @@ hidden states and projected embedding and on the picture's original size and cro
 Writes a full pipeline holding the trained transformer to ``output_dir`` (``AmusedPipeline.from_pretrained`` loads
 it; the untouched models are hard-linked from the base) and, with ``--use_ema``, the EMA transformer to
 ``output_dir/ema/transformer``; with ``--use_lora``, ``pytorch_lora_weights.safetensors`` (and ``ema/``) instead,
-which ``pipe.transformer.load_lora_adapter(output_dir, prefix="transformer", weight_name=...)`` loads. Validation images with
-``validation/log.jsonl``, checkpoints to resume from, and a model card.
+which ``pipe.transformer.load_lora_adapter(output_dir, prefix="transformer", weight_name=...)`` loads
+(``AmusedPipeline`` has no ``load_lora_weights``; the file keeps ``--lora_alpha`` in its metadata). Validation images
+with ``validation/log.jsonl``, checkpoints to resume from, and a model card.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
@@ -76,7 +77,8 @@ from diffusers import AmusedPipeline
 
 pipe = AmusedPipeline.from_pretrained("{base_model}")
 # or "{output_dir}/ema" for the EMA adapter
-pipe.transformer.load_lora_adapter("{output_dir}", prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
+pipe.transformer.load_lora_adapter("{output_dir}", prefix="transformer",
+                                   weight_name="pytorch_lora_weights.safetensors")
 image = pipe("{prompt}").images[0]
 """
 
