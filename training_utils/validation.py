@@ -69,8 +69,8 @@ UNCONDITIONAL = ""
 
 def takes_generator_list(pipe):
     """Whether ``pipe``'s call takes a list of generators, one per image (``AmusedPipeline``'s takes one)."""
-    annotation = inspect.signature(pipe.__call__).parameters["generator"].annotation
-    return "list" in str(annotation)
+    generator = inspect.signature(pipe.__call__).parameters.get("generator")
+    return generator is None or "list" in str(generator.annotation)
 
 
 def is_unconditional(pipe):
