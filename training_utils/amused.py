@@ -14,6 +14,8 @@ from .data.images import IMAGE_EXTENSIONS
 
 IGNORED = -100  # the label of an unmasked token: no loss on it
 AESTHETIC_SCORE = 6.0  # the micro-conditioning's aesthetic score, in training as the pipeline's default
+# The transformer's parameters that train without weight decay, by a part of their names, as upstream's.
+NO_WEIGHT_DECAY = ("bias", "layer_norm.weight", "mlm_ln.weight", "embeddings.weight")
 
 
 def mask_token_id(transformer):

@@ -193,7 +193,7 @@ def main(args, run):
         TrainDataset(examples, preprocess, args.seed, args.repeats), args.train_batch_size,
         args.dataloader_num_workers, stack_collate, args.seed))
     max_train_steps, steps_per_epoch = training_length(args, len(dataloader))
-    optimizer = make_optimizer(args, parameters, accelerator.num_processes)
+    optimizer = make_optimizer(args, parameters, accelerator.num_processes, no_decay=amused.NO_WEIGHT_DECAY)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
 
