@@ -115,3 +115,7 @@ def test_refuses_a_second_source_and_what_it_does_not_carry_before_loading(tiny,
                                                       "--train_text_encoder")
     assert usage_error(SCRIPT, *common, "--instance_data_dir", tiny["instance"], "--min_masking_rate", 2).startswith(
         "error: --min_masking_rate=")
+    assert usage_error(SCRIPT, *common, "--instance_data_dataset", tiny["shapes"], "--image_key", "picture",
+                       "--prompt_key", "text").startswith("error: --image_key='picture': expected a column")
+    assert "--ema_update_after_step is not supported" in usage_error(SCRIPT, *common, "--instance_data_dir",
+                                                                     tiny["instance"], "--ema_update_after_step", 5)
