@@ -54,6 +54,15 @@ def test_the_text_encoders_take_their_own_learning_rate_and_weight_decay_where_s
     assert [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups] == [(1e-2, 1e-2)] * 2
 
 
+def test_parameters_named_as_no_decay_asks_train_without_weight_decay():
+    parameters = {name: torch.nn.Parameter(torch.ones(2)) for name in
+                  ("transformer.proj.weight", "transformer.proj.bias", "transformer.embeddings.weight")}
+    optimizer = make_optimizer(optimizer_args(), parameters, num_processes=1, no_decay=("bias", "embeddings.weight"))
+    assert [(group["params"], group["weight_decay"]) for group in optimizer.param_groups] == [
+        ([parameters["transformer.proj.weight"]], 1e-2),
+        ([parameters["transformer.proj.bias"], parameters["transformer.embeddings.weight"]], 0.0)]
+
+
 def train(parameters, optimizer, steps):
     for _ in range(steps):
         loss = sum((parameter.sin() ** 2).sum() for parameter in parameters)

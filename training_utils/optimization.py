@@ -7,15 +7,20 @@ from diffusers.optimization import get_scheduler
 
 
 
-def make_optimizer(args, parameters, num_processes):
+def make_optimizer(args, parameters, num_processes, no_decay=()):
     """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters`` (``{"<component>.<name>": parameter}``), with
     ``--scale_lr`` applied. The text encoders' parameters take ``--text_encoder_lr`` and
-    ``--adam_weight_decay_text_encoder`` where the script has them set (upstream's flags); else the others' own."""
+    ``--adam_weight_decay_text_encoder`` where the script has them set (upstream's flags); else the others' own.
+    Parameters whose names contain one of ``no_decay`` (e.g. ``"bias"``) train without weight decay."""
     learning_rate = args.learning_rate
     if args.scale_lr:
         learning_rate *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
     text_encoder = {name: parameter for name, parameter in parameters.items() if name.startswith("text_encoder")}
-    groups = [{"params": [parameter for name, parameter in parameters.items() if name not in text_encoder]}]
+    undecayed = {name for name in parameters if name not in text_encoder and any(part in name for part in no_decay)}
+    groups = [{"params": [parameter for name, parameter in parameters.items()
+                          if name not in text_encoder and name not in undecayed]}]
+    if undecayed:
+        groups.append({"params": [parameters[name] for name in parameters if name in undecayed], "weight_decay": 0.0})
     if text_encoder:
         groups.append({"params": list(text_encoder.values()),
                        "lr": getattr(args, "text_encoder_lr", None) or learning_rate,

@@ -67,6 +67,12 @@ def make_validator(args, pipe, accelerator, prompts=None, **kwargs):
 UNCONDITIONAL = ""
 
 
+def takes_generator_list(pipe):
+    """Whether ``pipe``'s call takes a list of generators, one per image (``AmusedPipeline``'s takes one)."""
+    generator = inspect.signature(pipe.__call__).parameters.get("generator")
+    return generator is None or "list" in str(generator.annotation)
+
+
 def is_unconditional(pipe):
     """Whether ``pipe`` renders without a prompt (its call takes none: ``DDPMPipeline``, ``DDIMPipeline``)."""
     return "prompt" not in inspect.signature(pipe.__call__).parameters
@@ -289,6 +295,10 @@ class Validator:
             inputs = {"prompt": self.prompts[prompt_index],
                       "num_videos_per_prompt" if self.video_fps else "num_images_per_prompt": self.num_images}
         with torch.random.fork_rng(devices=fork_devices), autocast, torch.no_grad():
+            if not takes_generator_list(self.pipe):  # one call per image, each with its own generator
+                return [image for generator in generators for image in self.pipe(
+                    **{**inputs, "num_images_per_prompt": 1}, num_inference_steps=self.num_inference_steps,
+                    generator=generator, **self.call_kwargs, **self.prompt_kwargs[prompt_index]).images]
             output = self.pipe(
                 **inputs,
                 num_inference_steps=self.num_inference_steps,
