@@ -19,14 +19,13 @@ line below.
 import argparse
 from pathlib import Path
 
-from . import (chroma, cogview4, data, ddpm, flux, flux2, flux2_dev, hidream, ideogram4, kandinsky_prior, krea2, lumina2,
-               qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, video, wan, z_image)
+from . import (chroma, cogview4, data, ddpm, flux, flux2, flux2_dev, hidream, ideogram4, krea2, lumina2, qwen_image,
+               qwen_image_edit, sana, sd, sd3, sdxl, video, wan, z_image)
 
 FIXTURES = {**sd.FIXTURES, **sdxl.FIXTURES, **sd3.FIXTURES, **flux.FIXTURES, **flux2.FIXTURES, **z_image.FIXTURES,
             **qwen_image.FIXTURES, **qwen_image_edit.FIXTURES, **chroma.FIXTURES, **flux2_dev.FIXTURES,
             **krea2.FIXTURES, **sana.FIXTURES, **lumina2.FIXTURES, **hidream.FIXTURES, **ideogram4.FIXTURES,
-            **wan.FIXTURES, **cogview4.FIXTURES, **ddpm.FIXTURES, **data.FIXTURES, **video.FIXTURES,
-            **kandinsky_prior.FIXTURES}
+            **wan.FIXTURES, **cogview4.FIXTURES, **ddpm.FIXTURES, **data.FIXTURES, **video.FIXTURES}
 
 
 def build(output_dir, names=None):
