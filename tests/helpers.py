@@ -28,8 +28,8 @@ from warm_runner import WarmServer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-# Every training script, by its path under examples/ (upstream's names: train_*.py, and the textual inversion ones).
-SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/*.py"))
+# Every training script, at any depth, by its path under examples/ (upstream's names: train_*.py, and the textual inversion ones).
+SCRIPTS = sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.rglob("*.py"))
 # The scripts import this checkout's training_utils, whatever else is installed.
 REPO_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 # Quiet, deterministic, offline subprocesses, as `training_utils.testing` launches them.

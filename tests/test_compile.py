@@ -140,7 +140,7 @@ def test_disabled_compiles_nothing_and_the_flag_parses():
     assert parser.parse_args(["--torch_compile", "aot_eager"]).torch_compile == "aot_eager"
 
 
-@pytest.mark.parametrize("script", sorted((REPO / "examples").glob("*/*.py")), ids=lambda path: path.stem)
+@pytest.mark.parametrize("script", sorted((REPO / "examples").rglob("*.py")), ids=lambda path: path.stem)
 def test_every_script_compiles_its_trained_model_after_its_last_change_and_before_accelerate_wraps_it(script):
     source = script.read_text()
     # At the top of main, or in a loop over the models that train (Wan 2.2's two experts).

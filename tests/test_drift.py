@@ -27,7 +27,7 @@ COMPOUND = (ast.For, ast.While, ast.If, ast.With, ast.FunctionDef)
 
 
 def scripts():
-    return sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.glob("*/*.py"))
+    return sorted(path.relative_to(EXAMPLES).as_posix() for path in EXAMPLES.rglob("*.py"))
 
 
 def template_of(script):

@@ -45,7 +45,7 @@ LAZY_IMPORTS = [("torch.utils.tensorboard", ["SummaryWriter"]), ("torchao", []),
 
 def preload():
     """Import what the example scripts import, and what they import once they run, without running any."""
-    for script in sorted(EXAMPLES.glob("*/*.py")):
+    for script in sorted(EXAMPLES.rglob("*.py")):
         spec = importlib.util.spec_from_file_location(f"preloaded_{script.stem}", script)
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
     for module, names in LAZY_IMPORTS:

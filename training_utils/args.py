@@ -37,16 +37,17 @@ from .quantization import add_quantization_args, check_quantization_args
 
 
 def training_parser(description, validation_inference_steps=30, resolution=512, interpolation="bilinear",
-                    tracker_project_name=None, optional_pretrained_model=None):
+                    tracker_project_name=None, optional_pretrained_model=None, pretrained_model_aliases=()):
     """A parser with the flags every script shares; scripts add their own on top, and give the defaults that their
     upstream counterparts give (``tracker_project_name``: by default the script's file name). The upstream flags
     that no script here carries (`NOT_CARRIED`) are refused with their reason. A script that can start without a
     pretrained pipeline (a model trained from scratch) says what ``--pretrained_model_name_or_path`` then is in
-    ``optional_pretrained_model`` (its help): the flag is optional there."""
+    ``optional_pretrained_model`` (its help): the flag is optional there. ``pretrained_model_aliases`` are upstream's
+    other names for ``--pretrained_model_name_or_path`` (Kandinsky's ``--pretrained_decoder_model_name_or_path``)."""
     parser = TrainingArgumentParser(description=description, refused=NOT_CARRIED)
 
     model = parser.add_argument_group("model")
-    model.add_argument("--pretrained_model_name_or_path", required=optional_pretrained_model is None,
+    model.add_argument("--pretrained_model_name_or_path", *pretrained_model_aliases, required=optional_pretrained_model is None,
                        help=optional_pretrained_model or "diffusers pipeline folder or hub id")
     model.add_argument("--revision", default=None, help="hub revision of the pretrained pipeline")
     model.add_argument("--variant", default=None, help="weights variant to load, e.g. fp16")
