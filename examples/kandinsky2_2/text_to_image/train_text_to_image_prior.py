@@ -20,7 +20,7 @@ and centre-crops every image (``--resolution`` is the validation size); ``--rand
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
 
 import torch
-from diffusers import KandinskyV22CombinedPipeline, KandinskyV22Pipeline, KandinskyV22PriorPipeline
+from diffusers import KandinskyV22Pipeline, KandinskyV22PriorPipeline
 from PIL import ImageOps
 
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
@@ -31,6 +31,7 @@ from training_utils.data.datasets import (TrainDataset, drop_caption, load_train
 from training_utils.data.images import read_image
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_timesteps
 from training_utils.ema import make_ema
+from training_utils.kandinsky import clip_pixels, combined_pipeline, image_embeddings
 from training_utils.loop import TrainingLoop
 from training_utils.optimization import make_lr_scheduler, make_optimizer, training_length
 from training_utils.outputs.export import PipelineExport, save_with_ema
@@ -41,8 +42,6 @@ from training_utils.pipeline import (from_pretrained, load_pipeline, prepare_com
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.validation import make_validator
 
-PRIOR = "kandinsky-community/kandinsky-2-2-prior"
-DECODER = "kandinsky-community/kandinsky-2-2-decoder"
 # The model card's loading code: the prior pipeline renders image embeddings, which the decoder turns into images.
 HOW_TO_LOAD = """
 from diffusers import {pipeline_class}, {model_class}, KandinskyV22Pipeline
@@ -57,10 +56,8 @@ image = decoder(image_embeds=image_embeds, negative_image_embeds=negative_image_
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], resolution=768, validation_inference_steps=25,
                              tracker_project_name="text2image-fine-tune",
-                             optional_pretrained_model=f"the prior pipeline (default {PRIOR})")
-    parser.add_argument("--pretrained_prior_model_name_or_path", dest="pretrained_model_name_or_path",
-                        default=PRIOR, help="the prior pipeline (upstream's name of --pretrained_model_name_or_path)")
-    parser.add_argument("--pretrained_decoder_model_name_or_path", default=DECODER,
+                             pretrained_model_aliases=["--pretrained_prior_model_name_or_path"])
+    parser.add_argument("--pretrained_decoder_model_name_or_path", required=True,
                         help="the decoder pipeline that renders validation images from the prior's embeddings")
     parser.add_argument("--snr_gamma", type=float, default=None, help="min-SNR loss weighting gamma (5.0 is usual)")
     args = parser.parse_args(argv)
@@ -80,11 +77,7 @@ def main(args, run):
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     pipe = load_pipeline(KandinskyV22PriorPipeline, args, weight_dtype, trained_in_fp32=["prior"])
     decoder = from_pretrained(KandinskyV22Pipeline, args.pretrained_decoder_model_name_or_path, dtype=weight_dtype)
-    render = KandinskyV22CombinedPipeline(
-        unet=decoder.unet, scheduler=decoder.scheduler, movq=decoder.movq, prior_prior=pipe.prior,
-        prior_image_encoder=pipe.image_encoder, prior_text_encoder=pipe.text_encoder, prior_tokenizer=pipe.tokenizer,
-        prior_scheduler=pipe.scheduler, prior_image_processor=pipe.image_processor)
-    render.set_progress_bar_config(disable=True)
+    render = combined_pipeline(decoder, pipe)
     prior = pipe.prior
     # The prior predicts the clean (normalised) image embedding, as its UnCLIP scheduler says ("sample").
     noise_scheduler = training_noise_scheduler(pipe)
@@ -111,7 +104,7 @@ def main(args, run):
         image = read_image(example[args.image_column])
         if args.random_flip and torch.rand((), generator=generator) < 0.5:
             image = ImageOps.mirror(image)
-        pixels = pipe.image_processor(images=image, return_tensors="pt").pixel_values[0]
+        pixels = clip_pixels(pipe, image)
         prompt = drop_caption(pick_caption(example[args.caption_column], generator), args.caption_dropout, generator)
         return {"pixels": pixels, "prompt": prompt}
 
@@ -140,9 +133,7 @@ def main(args, run):
         with accelerator.accumulate(*models.values()):
             with torch.no_grad():
                 text_embeds, hidden_states, mask = pipe._encode_prompt(batch["prompt"], accelerator.device, 1, False)
-                pixels = batch["pixels"].to(accelerator.device, weight_dtype)
-                image_embeds = pipe.image_encoder(pixels).image_embeds.float()
-                embeds = (image_embeds - prior.clip_mean) / prior.clip_std
+                embeds = (image_embeddings(pipe, batch["pixels"]).float() - prior.clip_mean) / prior.clip_std
             noise = torch.randn_like(embeds)
             timesteps = sample_timesteps(noise_scheduler, embeds.shape[0], embeds.device)
             output = models["prior"](noise_scheduler.add_noise(embeds, noise, timesteps), timestep=timesteps,
