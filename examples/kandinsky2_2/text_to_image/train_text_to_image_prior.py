@@ -88,8 +88,9 @@ def main(args, run):
     prior.requires_grad_(True)
     prior.clip_mean.requires_grad_(False)
     prior.clip_std.requires_grad_(False)
+    clip_stats = prior.clip_mean.data, prior.clip_std.data  # as loaded, in fp32: not through the half cast
     prepare_components(render, trained, accelerator.device, weight_dtype)
-    prior.clip_mean.data, prior.clip_std.data = prior.clip_mean.data.float(), prior.clip_std.data.float()
+    prior.clip_mean.data, prior.clip_std.data = (stat.to(accelerator.device) for stat in clip_stats)
     if args.gradient_checkpointing:
         prior.enable_gradient_checkpointing()
     compile_repeated_blocks(prior, args.torch_compile)
