@@ -137,7 +137,10 @@ def test_the_lora_resumes_to_the_uninterrupted_adapter(tiny, tmp_path, runs):
                            [ADAPTER, f"ema/{ADAPTER}"], launch=launch)
 
 
-def test_refuses_a_missing_decoder_before_loading(tiny, tmp_path):
+def test_refuses_a_missing_decoder_and_gradient_checkpointing_before_loading(tiny, tmp_path):
     message = usage_error(FULL, *common(tiny, tmp_path)[:2], "--train_data_dir", tiny["shapes"], "--output_dir",
                           tmp_path, "--pretrained_decoder_model_name_or_path", tmp_path / "none")
     assert message.startswith("error: --pretrained_decoder_model_name_or_path=")
+    for script in (FULL, LORA):
+        assert "PriorTransformer has no gradient checkpointing" in usage_error(
+            script, *common(tiny, tmp_path), "--gradient_checkpointing")

@@ -43,11 +43,16 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.outputs.export import save_with_ema
 from training_utils.outputs.hub import finish_run, how_to_load
 from training_utils.outputs.run_status import run_script
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (from_pretrained, load_pipeline, prepare_components, trainable_parameters,
                                      training_noise_scheduler, weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.quantization import quantization_config
 from training_utils.validation import make_validator
+
+# Flags every script here has that this one cannot honour.
+REFUSED = {"--gradient_checkpointing": "diffusers' PriorTransformer has no gradient checkpointing"}
+
 
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], resolution=768, validation_inference_steps=25,
@@ -56,6 +61,7 @@ def parse_args(argv=None):
                         help="the decoder pipeline that renders validation images from the prior's embeddings")
     add_lora_args(parser, KandinskyV22PriorPipeline)
     parser.add_argument("--snr_gamma", type=float, default=None, help="min-SNR loss weighting gamma (5.0 is usual)")
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     check_pretrained_path(args.pretrained_decoder_model_name_or_path, "--pretrained_decoder_model_name_or_path")
@@ -85,8 +91,6 @@ def main(args, run):
     trained = {"prior": prior}
     prepare_components(render, trained, accelerator.device, weight_dtype)
     clip_mean, clip_std = prior.clip_mean.float(), prior.clip_std.float()
-    if args.gradient_checkpointing:
-        prior.enable_gradient_checkpointing()
     compile_repeated_blocks(prior, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = adapter_export(type(pipe), trained, export_formats(args), lora_export=ModelLoraExport)

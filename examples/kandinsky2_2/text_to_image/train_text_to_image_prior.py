@@ -37,10 +37,14 @@ from training_utils.optimization import make_lr_scheduler, make_optimizer, train
 from training_utils.outputs.export import PipelineExport, save_with_ema
 from training_utils.outputs.hub import fine_tuned_how_to_load, finish_run
 from training_utils.outputs.run_status import run_script
+from training_utils.parser import add_refused_args
 from training_utils.pipeline import (from_pretrained, load_pipeline, prepare_components, trainable_parameters,
                                      training_noise_scheduler, weight_dtype_for)
 from training_utils.posthoc_ema import make_posthoc_ema
 from training_utils.validation import make_validator
+
+# Flags every script here has that this one cannot honour.
+REFUSED = {"--gradient_checkpointing": "diffusers' PriorTransformer has no gradient checkpointing"}
 
 # The model card's loading code: the prior pipeline renders image embeddings, which the decoder turns into images.
 HOW_TO_LOAD = """
@@ -60,6 +64,7 @@ def parse_args(argv=None):
     parser.add_argument("--pretrained_decoder_model_name_or_path", required=True,
                         help="the decoder pipeline that renders validation images from the prior's embeddings")
     parser.add_argument("--snr_gamma", type=float, default=None, help="min-SNR loss weighting gamma (5.0 is usual)")
+    add_refused_args(parser, REFUSED)
     args = parser.parse_args(argv)
     check_args(args)
     check_pretrained_path(args.pretrained_decoder_model_name_or_path, "--pretrained_decoder_model_name_or_path")
@@ -91,8 +96,6 @@ def main(args, run):
     clip_stats = prior.clip_mean.data, prior.clip_std.data  # as loaded, in fp32: not through the half cast
     prepare_components(render, trained, accelerator.device, weight_dtype)
     prior.clip_mean.data, prior.clip_std.data = (stat.to(accelerator.device) for stat in clip_stats)
-    if args.gradient_checkpointing:
-        prior.enable_gradient_checkpointing()
     compile_repeated_blocks(prior, args.torch_compile)
     parameters = trainable_parameters(trained)
     export = PipelineExport(pipe, trained)
