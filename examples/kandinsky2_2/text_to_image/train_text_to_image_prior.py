@@ -26,9 +26,11 @@ from PIL import ImageOps
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import check_args, check_pretrained_path, fill_dependent_defaults, training_parser
 from training_utils.compile import compile_repeated_blocks
-from training_utils.data.datasets import (TrainDataset, drop_caption, load_train_dataset, make_dataloader,
-                                          pick_caption, stack_collate)
+from training_utils.data.datasets import (TrainDataset, captions_with_empty, drop_caption, load_train_dataset,
+                                          make_dataloader, pick_caption, stack_collate)
+from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import read_image
+from training_utils.data.prompts import cached_rows
 from training_utils.diffusion import diffusion_loss, prediction_target, sample_timesteps
 from training_utils.ema import make_ema
 from training_utils.kandinsky import clip_pixels, combined_pipeline, image_embeddings
@@ -102,8 +104,17 @@ def main(args, run):
     ema = make_ema(args, parameters, accelerator)
     posthoc = make_posthoc_ema(args, parameters, accelerator, export)
 
-    # 4. Data: each image as the image encoder's processor makes it, with its caption. Optimizer, schedule,
-    #    accelerate; the loop resumes if asked.
+    # 4. Data: the frozen text encoder runs once, here, on each distinct caption (as the prior pipeline encodes a
+    #    prompt), then leaves the accelerator until validation; each image as the image encoder's processor makes it,
+    #    with its caption. Optimizer, schedule, accelerate; the loop resumes if asked.
+    frozen = FrozenEncoders(None, [pipe.text_encoder], None, accelerator.device, weight_dtype, seed=args.seed)
+
+    def encode_prompts(prompts):
+        return pipe._encode_prompt(prompts, accelerator.device, 1, False)
+
+    embeddings = frozen.text_embeddings(captions_with_empty(dataset[args.caption_column], args.caption_dropout),
+                                        encode_prompts, [pipe.tokenizer])
+
     def preprocess(example, generator):
         image = read_image(example[args.image_column])
         if args.random_flip and torch.rand((), generator=generator) < 0.5:
@@ -119,10 +130,12 @@ def main(args, run):
     optimizer = make_optimizer(args, parameters, accelerator.num_processes)
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
     models, optimizer, lr_scheduler = prepare_trained(accelerator, trained, optimizer, lr_scheduler)
+    prompt_rows = cached_rows(embeddings, accelerator.device)
 
     size = {"height": args.validation_height or args.resolution, "width": args.validation_width or args.resolution}
     validator = make_validator(args, render, accelerator, ema=ema, posthoc=posthoc,
                                schedulers=[noise_scheduler, pipe.scheduler], weight_dtype=weight_dtype,
+                               encoders_on_device=frozen.on_device,
                                call_kwargs={**size, "prior_num_inference_steps": args.validation_inference_steps})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
@@ -136,7 +149,7 @@ def main(args, run):
     for batch in loop:
         with accelerator.accumulate(*models.values()):
             with torch.no_grad():
-                text_embeds, hidden_states, mask = pipe._encode_prompt(batch["prompt"], accelerator.device, 1, False)
+                text_embeds, hidden_states, mask = (torch.stack(part) for part in zip(*prompt_rows(batch["prompt"])))
                 embeds = (image_embeddings(pipe, batch["pixels"]).float() - prior.clip_mean) / prior.clip_std
             noise = torch.randn_like(embeds)
             timesteps = sample_timesteps(noise_scheduler, embeds.shape[0], embeds.device)
