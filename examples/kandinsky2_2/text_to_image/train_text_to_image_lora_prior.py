@@ -16,7 +16,8 @@ normalised with the prior's ``clip_mean`` and ``clip_std``) from its caption's C
 ``KandinskyV22PriorPipeline`` (upstream's ``load_attn_procs`` loads only Custom Diffusion in current diffusers);
 validation images rendered through the prior and the decoder (``--pretrained_decoder_model_name_or_path``, frozen)
 with ``validation/log.jsonl``, checkpoints to resume from, and a model card. The image encoder's processor resizes
-and centre-crops every image (``--resolution`` is the validation size); ``--random_flip`` flips before it.
+and centre-crops every image (``--resolution`` is the validation size); ``--random_flip`` flips before it. The frozen
+text encoder runs once per distinct caption before training, the image encoder in every step.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)

@@ -14,7 +14,8 @@ pipeline holding the trained prior to ``output_dir`` (``KandinskyV22PriorPipelin
 the untouched encoders are linked, not copied) and, with ``--use_ema``, the EMA prior to ``output_dir/ema/prior``;
 validation images rendered through the prior and the decoder (``--pretrained_decoder_model_name_or_path``, frozen)
 with ``validation/log.jsonl``, checkpoints to resume from, and a model card. The image encoder's processor resizes
-and centre-crops every image (``--resolution`` is the validation size); ``--random_flip`` flips before it.
+and centre-crops every image (``--resolution`` is the validation size); ``--random_flip`` flips before it. The frozen
+text encoder runs once per distinct caption before training, the image encoder in every step.
 """
 
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
