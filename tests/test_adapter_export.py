@@ -211,3 +211,43 @@ def test_remove_adapter_name():
     assert remove_adapter_name("x.lora_magnitude_vector.default") == "x.lora_magnitude_vector"
     assert remove_adapter_name("x.lokr_w1.default") == "x.lokr_w1"
     assert remove_adapter_name("x.oft_R.default.weight") == "x.oft_R.weight"
+
+
+def test_model_lora_is_what_the_model_saves_and_loads_itself(tiny, tmp_path):
+    """`ModelLoraExport` (a LoRA on a model whose pipeline has no LoRA loader: Kandinsky 2.2's prior) writes what the
+    model's own ``save_lora_adapter`` writes, ``load_lora_adapter`` loads it bitwise, and a run's description
+    rebuilds the export."""
+    from diffusers import KandinskyV22PriorPipeline, PriorTransformer
+
+    from training_utils.adapters.export import ModelLoraExport
+
+    prior = PriorTransformer.from_pretrained(tiny["kandinsky22_prior"] / "prior")
+    add_lora(prior, rank=4, target_modules=ATTENTION_PROJECTIONS, alpha=8)
+    with torch.no_grad():
+        for name, parameter in prior.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(generator=torch.Generator().manual_seed(0))
+    export = adapter_export(KandinskyV22PriorPipeline, {"prior": prior}, lora_export=ModelLoraExport)
+    assert type(export) is ModelLoraExport and export.title == "LoRA"
+    written = export.write(trainable_parameters({"prior": prior}), tmp_path / "ours")
+    assert written == tmp_path / "ours" / LORA_WEIGHTS_NAME
+    prior.save_lora_adapter(tmp_path / "theirs")
+    ours, theirs = (safe_open(tmp_path / name / LORA_WEIGHTS_NAME, "pt") for name in ("ours", "theirs"))
+    assert set(ours.keys()) == set(theirs.keys())
+    for key in ours.keys():
+        assert torch.equal(ours.get_tensor(key), theirs.get_tensor(key)), key
+    ours_config, theirs_config = (json.loads(file.metadata()["lora_adapter_metadata"]) for file in (ours, theirs))
+    assert (ours_config["r"], ours_config["lora_alpha"]) == (theirs_config["r"], theirs_config["lora_alpha"]) == (4, 8)
+    assert sorted(ours_config["target_modules"]) == sorted(theirs_config["target_modules"])
+    fresh = PriorTransformer.from_pretrained(tiny["kandinsky22_prior"] / "prior")
+    fresh.load_lora_adapter(tmp_path / "ours", prefix=None, use_safetensors=True)
+    inputs = {"hidden_states": torch.randn(1, 32), "timestep": torch.tensor([5]),
+              "proj_embedding": torch.randn(1, 32), "encoder_hidden_states": torch.randn(1, 77, 32)}
+    with torch.no_grad():
+        assert torch.equal(fresh(**inputs)[0], prior(**inputs)[0])
+    rebuilt = export_from_description(export.description())
+    assert type(rebuilt) is ModelLoraExport
+    assert rebuilt.read_files(tmp_path / "ours").keys() == {f"prior.{key}" for key in ours.keys()}
+    assert 'pipe.prior.load_lora_adapter("out", prefix=None' in how_to_load(
+        export.loading_code, types.SimpleNamespace(pretrained_model_name_or_path="base", output_dir="out",
+                                                   validation_prompt=None), fresh)

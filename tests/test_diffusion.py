@@ -40,10 +40,17 @@ def test_v_prediction_target():
     assert not torch.allclose(target, noise)
 
 
+def test_sample_target_is_the_clean_latents():
+    latents, noise, _, timesteps = tensors()
+    assert torch.equal(prediction_target(scheduler("sample"), latents, noise, timesteps), latents)
+
+
 def test_unknown_prediction_type_raises():
     latents, noise, _, timesteps = tensors()
-    with pytest.raises(ValueError, match="sample"):
-        prediction_target(scheduler("sample"), latents, noise, timesteps)
+    noise_scheduler = scheduler()
+    noise_scheduler.register_to_config(prediction_type="flow")
+    with pytest.raises(ValueError, match="flow"):
+        prediction_target(noise_scheduler, latents, noise, timesteps)
 
 
 def test_snr_by_hand():
@@ -77,7 +84,9 @@ def hand_weighted_loss(prediction, target, noise_scheduler, timesteps, gamma):
     total = 0.0
     for i, t in enumerate(timesteps.tolist()):
         ratio = (alphas_cumprod[t] / (1 - alphas_cumprod[t])).item()
-        if noise_scheduler.config.prediction_type == "v_prediction":
+        if noise_scheduler.config.prediction_type == "sample":
+            weight = min(ratio, gamma)
+        elif noise_scheduler.config.prediction_type == "v_prediction":
             weight = min(ratio, gamma) / (ratio + 1)
         else:
             weight = min(ratio, gamma) / ratio
@@ -86,7 +95,7 @@ def hand_weighted_loss(prediction, target, noise_scheduler, timesteps, gamma):
     return total / len(timesteps)
 
 
-@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
 @pytest.mark.parametrize("gamma", [1.0, 5.0])
 def test_min_snr_loss_by_hand(prediction_type, gamma):
     latents, noise, prediction, timesteps = tensors(seed=3)

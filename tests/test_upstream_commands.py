@@ -701,7 +701,11 @@ WITHOUT_UPSTREAM_TESTS = {"amused/train_amused.py": "upstream has no test for it
                           "advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py":
                               "upstream has tests only for its FLUX.1 advanced script",
                           "advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py":
-                              "upstream has tests only for its FLUX.1 advanced script"}
+                              "upstream has tests only for its FLUX.1 advanced script",
+                          "kandinsky2_2/text_to_image/train_text_to_image_prior.py":
+                              "upstream has no tests for its Kandinsky 2.2 scripts",
+                          "kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py":
+                              "upstream has no tests for its Kandinsky 2.2 scripts"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

@@ -29,8 +29,11 @@ def sample_timesteps(noise_scheduler, batch_size, device):
 
 
 def prediction_target(noise_scheduler, latents, noise, timesteps):
-    """What the model predicts: the noise (epsilon) or the velocity (v-prediction)."""
+    """What the model predicts: the noise (epsilon), the velocity (v-prediction) or the clean sample (sample: the
+    Kandinsky prior's image embedding)."""
     prediction_type = noise_scheduler.config.prediction_type
+    if prediction_type == "sample":
+        return latents
     if prediction_type == "epsilon":
         return noise
     if prediction_type == "v_prediction":
@@ -48,12 +51,15 @@ def diffusion_loss(model_pred, target, noise_scheduler, timesteps, snr_gamma=Non
     """Mean squared error, optionally with min-SNR-gamma weighting (Hang et al., 2023).
 
     Per sample the weight is min(SNR, gamma) / SNR for epsilon and min(SNR, gamma) / (SNR + 1)
-    for v-prediction, which caps the weight of the easy, low-noise timesteps.
+    for v-prediction, which caps the weight of the easy, low-noise timesteps; a model that predicts the clean sample
+    weighs it min(SNR, gamma) (the formulation itself).
     """
     if snr_gamma is None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
     ratio = snr(noise_scheduler, timesteps)
     weights = torch.clamp(ratio, max=snr_gamma)
-    weights = weights / (ratio + 1 if noise_scheduler.config.prediction_type == "v_prediction" else ratio)
+    prediction_type = noise_scheduler.config.prediction_type
+    if prediction_type != "sample":
+        weights = weights / (ratio + 1 if prediction_type == "v_prediction" else ratio)
     per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=list(range(1, target.ndim)))
     return (per_sample * weights).mean()

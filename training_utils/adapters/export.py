@@ -13,19 +13,20 @@ fresh adapter into the asked layouts once, so that a layout that cannot hold it 
 """
 
 import inspect
+import json
 from pathlib import Path
 
 from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..errors import few
 from ..names import LORA_WEIGHTS_NAME, SAVED_AS
 from ..outputs.export import Export, as_json, by_component, import_class, importable_module
-from ..outputs.hub import LORA_HOW_TO_LOAD, PEFT_HOW_TO_LOAD
+from ..outputs.hub import LORA_HOW_TO_LOAD, MODEL_LORA_HOW_TO_LOAD, PEFT_HOW_TO_LOAD
 from ..outputs.writing import verify_saved_tensors, write_atomically
 from ..pipeline import trainable_parameters
 from .base_weights import live_base_weights, saved_base_weights
-from .convert import DIFFUSERS, convert_adapter, save_converted
+from .convert import DIFFUSERS, METADATA_KEY, convert_adapter, save_converted
 from .peft_files import read_peft_adapter, write_peft_adapter
 
 # The adapters that diffusers' load_lora_weights reads (peft's LoraConfig), and what every other one is called.
@@ -38,11 +39,11 @@ def converted_name(layout):
     return f"pytorch_lora_weights_{layout}.safetensors"
 
 
-def adapter_export(pipeline_class, trained, formats=(DIFFUSERS,), adapter_name="default"):
-    """The export of the adapters on ``trained`` ({component: module}): `LoraExport` for LoRA and DoRA,
-    `PeftExport` for the others."""
+def adapter_export(pipeline_class, trained, formats=(DIFFUSERS,), adapter_name="default", lora_export=None):
+    """The export of the adapters on ``trained`` ({component: module}): ``lora_export`` (by default `LoraExport`;
+    `ModelLoraExport` where the pipeline has no LoRA loader) for LoRA and DoRA, `PeftExport` for the others."""
     peft_types = {str(module.peft_config[adapter_name].peft_type.value) for module in trained.values()}
-    export_class = LoraExport if peft_types == {"LORA"} else PeftExport
+    export_class = (lora_export or LoraExport) if peft_types == {"LORA"} else PeftExport
     return export_class.of(pipeline_class, trained, formats, adapter_name)
 
 
@@ -252,6 +253,33 @@ class LoraExport(AdapterExport):
 
     def path(self, directory):
         return Path(directory) / LORA_WEIGHTS_NAME
+
+
+class ModelLoraExport(LoraExport):
+    """A LoRA on the one trained model of a pipeline that has no LoRA loader (Kandinsky 2.2's prior pipeline): one
+    ``pytorch_lora_weights.safetensors`` as the model's own ``save_lora_adapter`` writes it (peft's keys, no component
+    prefix, the config as metadata), which ``pipe.<component>.load_lora_adapter(directory, prefix=None,
+    use_safetensors=True)`` loads. No UI layouts."""
+
+    kind = "model_lora"
+
+    @classmethod
+    def check_component(cls, pipeline_class, component):
+        """Any component: the model loads its adapter itself."""
+
+    @property
+    def loading_code(self):
+        return MODEL_LORA_HOW_TO_LOAD.replace("{component}", next(iter(self.adapter_configs)))
+
+    def write_files(self, staging, layers):
+        ((component, tensors),) = layers.items()
+        metadata = {"format": "pt", METADATA_KEY: json.dumps(self.adapter_configs[component], indent=2,
+                                                             sort_keys=True)}
+        save_file(tensors, Path(staging) / LORA_WEIGHTS_NAME, metadata=metadata)
+
+    def read_files(self, directory):
+        (component,) = self.adapter_configs
+        return {f"{component}.{key}": tensor for key, tensor in load_file(self.path(directory)).items()}
 
 
 class PeftExport(AdapterExport):

@@ -17,6 +17,15 @@ pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
 pipe.load_lora_weights("{output_dir}")            # or "{output_dir}/ema" for the EMA adapter
 image = pipe("{prompt}").images[0]
 """
+# A LoRA that the trained model itself loads (`adapters.export.ModelLoraExport`): the export fills in {component}.
+MODEL_LORA_HOW_TO_LOAD = """
+from diffusers import {imports}
+
+pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
+pipe.{component}.load_lora_adapter("{output_dir}", prefix=None, use_safetensors=True)  # or "{output_dir}/ema"
+output = pipe("{prompt}")
+"""
+
 # LoKr, LoHa and OFT, in peft's own format: PeftModel.from_pretrained adds each component's adapter to the pipeline's
 # module in place. The export fills in {components} (`adapters.export.PeftExport.loading_code`).
 PEFT_HOW_TO_LOAD = """

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import FORMAT_FILE, POSTHOC_FORMAT, Snapshot, read_snapshots
-from ..adapters.export import LoraExport, PeftExport
+from ..adapters.export import LoraExport, ModelLoraExport, PeftExport
 from ..custom_diffusion import CustomDiffusionExport
 from ..embeddings import EmbeddingExport
 from ..names import SNAPSHOT_DIR
@@ -25,7 +25,7 @@ from .profiles import sigma_rel_to_gamma, solve_posthoc_coefficients
 
 SYNTHESIS_FILE = "synthesis.json"
 # The exports a run's description may name, by kind.
-EXPORTS = {export.kind: export for export in (TensorsExport, LoraExport, PeftExport, ModelExport,
+EXPORTS = {export.kind: export for export in (TensorsExport, LoraExport, ModelLoraExport, PeftExport, ModelExport,
                                               EmbeddingExport, CustomDiffusionExport, PivotalExport)}
 
 
