@@ -138,3 +138,28 @@ def test_the_loading_code_renders_with_lcm_scheduler_in_few_steps_without_guidan
         "pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)",
         'pipe.load_lora_weights("out")            # or "out/ema" for the EMA adapter']
     assert 'pipe("a cat", num_inference_steps=4, guidance_scale=1.0)' in code
+
+
+def test_adapters_disabled_makes_the_student_the_teacher_and_restores_it_even_on_error(tiny_sd_pipe):
+    from diffusers import UNet2DConditionModel
+
+    from training_utils.adapters.injection import ATTENTION_PROJECTIONS, add_lora
+
+    unet = UNet2DConditionModel.from_config(tiny_sd_pipe.unet.config)
+    unet.load_state_dict(tiny_sd_pipe.unet.state_dict())
+    add_lora(unet, 4, ATTENTION_PROJECTIONS)
+    with torch.no_grad():
+        for name, parameter in unet.named_parameters():
+            if "lora_B" in name:
+                parameter.fill_(0.1)
+    inputs = (torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([500]),
+              torch.randn(1, 4, unet.config.cross_attention_dim, generator=torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        student = unet(*inputs).sample
+        with lcm.adapters_disabled(unet):
+            teacher = unet(*inputs).sample
+        with pytest.raises(RuntimeError), lcm.adapters_disabled(unet):
+            raise RuntimeError
+        again = unet(*inputs).sample
+        assert torch.equal(teacher, tiny_sd_pipe.unet(*inputs).sample)
+    assert not torch.equal(student, teacher) and torch.equal(again, student)

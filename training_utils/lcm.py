@@ -11,10 +11,12 @@ matching what it maps the teacher's one DDIM step further along the guided proba
 - `sample_guidance_scales`: one guidance scale per sample, uniform in ``[w_min, w_max]`` (the LCM paper's CFG
   formulation, ``cond + w * (cond - uncond)``);
 - `consistency_loss`: l2 or pseudo-Huber;
+- `adapters_disabled`: the student's UNet as the teacher, its LoRA off;
 - `add_args`: the distillation flags, and upstream's names for flags every script here has;
 - `with_lcm_scheduler`: a model card's loading code, rendering as an LCM-LoRA renders.
 """
 
+import contextlib
 import re
 
 import torch
@@ -149,6 +151,16 @@ def sample_guidance_scales(batch_size, w_min, w_max, ndim, device, dtype):
 def guided(cond, uncond, w):
     """The LCM paper's classifier-free guidance: ``cond + w * (cond - uncond)``."""
     return cond + w * (cond - uncond)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """``model`` (a diffusers model with a peft adapter) without its adapters inside the block: the teacher."""
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
 
 
 def consistency_loss(prediction, target, loss_type="l2", huber_c=0.001):

@@ -197,12 +197,9 @@ def main(args, run):
                                                 args.timestep_scaling_factor)
             with torch.no_grad():
                 # The teacher (the LoRA disabled), guided: one DDIM step from t_{n+k} to t_n.
-                unet.disable_adapters()
-                try:
+                with lcm.adapters_disabled(unet):
                     teacher = [unet_output(student, noisy_latents, start_timesteps, conditioning)
                                for conditioning in (text, uncond)]
-                finally:
-                    unet.enable_adapters()
                 pred_x0, pred_noise = (
                     lcm.guided(*(predict(output, start_timesteps, noisy_latents, noise_scheduler) for output in teacher),
                                w)
