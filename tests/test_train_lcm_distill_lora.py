@@ -1,5 +1,6 @@
-"""Smoke tests: the LCM-LoRA distillation script (SDXL) end to end on the tiny fixtures, through ``accelerate
-launch``: the LoRA it writes loads into a stock pipeline next to LCMScheduler and changes its 4-step images."""
+"""Smoke tests: the LCM-LoRA distillation scripts (SDXL; SD 1.x from WebDataset shards) end to end on the tiny
+fixtures, through ``accelerate launch``: the LoRA each writes loads into a stock pipeline next to LCMScheduler and
+changes its 4-step images."""
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from training_utils.testing import (assert_checkpoint_is_the_output, assert_lora
                                     assert_resumes_exactly, assert_validated_at, checkpoint_names, read_log)
 
 SCRIPT = "consistency_distillation/train_lcm_distill_lora_sdxl.py"
+WDS_SCRIPT = "consistency_distillation/train_lcm_distill_lora_sd_wds.py"
 LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "a red circle on a white background"
 SEED = 3
@@ -26,6 +28,14 @@ def common(tiny, output_dir, *extra):
             "--seed", SEED, *extra]
 
 
+def wds(tiny, output_dir, *extra):
+    """The SD 1.x script on the tiny shards, named by a brace pattern, as `common` otherwise."""
+    return ["--pretrained_teacher_model", tiny["sd"], "--train_shards_path_or_url",
+            f"{tiny['shapes_wds']}/{{00000..00001}}.tar", "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--lora_rank", 4, "--use_ema", "--ema_decay", 0.9,
+            "--max_train_steps", 4, "--checkpointing_steps", 2, "--seed", SEED, "--cast_teacher_unet", *extra]
+
+
 @pytest.fixture(scope="module")
 @launching
 def runs(tiny, tmp_path_factory):
@@ -33,7 +43,8 @@ def runs(tiny, tmp_path_factory):
 
     - l2: `common`, validating one prompt every 2 steps (LCMScheduler, its default 4 steps);
     - huber: `common` with the pseudo-Huber loss, a 10-step DDIM solver and guidance scales in [1, 2], no
-      validation.
+      validation;
+    - wds: the SD 1.x script on the shards (`wds`), validating at the final step.
     """
     root = tmp_path_factory.mktemp("runs")
     launch_together({
@@ -41,8 +52,10 @@ def runs(tiny, tmp_path_factory):
                                "--validation_steps", 2)),
         "huber": (SCRIPT, *common(tiny, root / "huber", "--loss_type", "huber", "--huber_c", 0.01,
                                   "--num_ddim_timesteps", 10, "--w_min", 1, "--w_max", 2)),
+        "wds": (WDS_SCRIPT, *wds(tiny, root / "wds", "--validation_prompt", PROMPT, "--num_validation_images", 1,
+                                 "--validation_steps", 100)),
     })
-    return {name: root / name for name in ("l2", "huber")}
+    return {name: root / name for name in ("l2", "huber", "wds")}
 
 
 def use_lcm_scheduler(pipe):
@@ -50,13 +63,13 @@ def use_lcm_scheduler(pipe):
 
 
 def test_the_lcm_lora_and_its_ema_load_next_to_lcm_scheduler_and_change_its_4_step_images(tiny, runs):
-    for output_dir in runs.values():
+    for name, output_dir in runs.items():
         raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
         assert raw and all("lora" in key for key in raw) and raw.keys() == ema.keys()
         # Upstream's LCM-LoRA layers: attention, feed-forward and ResNet convolutions, time projections.
         assert any(".conv1." in key for key in raw) and any("time_emb_proj" in key for key in raw)
         assert any(not torch.equal(raw[key], ema[key]) for key in raw)
-        assert_lora_changes_pipeline_output(tiny["sdxl"], output_dir, output_dir / "ema", prompt=PROMPT,
+        assert_lora_changes_pipeline_output(tiny["sd" if name == "wds" else "sdxl"], output_dir, output_dir / "ema", prompt=PROMPT,
                                             num_inference_steps=4, prepare=use_lcm_scheduler, guidance_scale=1.0)
     assert any(not torch.equal(load_file(runs["l2"] / LORA)[key], tensor)
                for key, tensor in load_file(runs["huber"] / LORA).items())
@@ -101,3 +114,19 @@ def test_checkpoints_hold_the_output_and_resume_to_the_uninterrupted_weights(tin
 ])
 def test_bad_distillation_flags_stop_before_loading_in_one_line(tiny, tmp_path, flags, message):
     assert usage_error(SCRIPT, *common(tiny, tmp_path, *flags)) == message
+
+
+def test_the_shards_train_and_validate_as_a_dataset_does(tiny, runs):
+    output_dir = runs["wds"]
+    assert_validated_at(output_dir, [4], ("raw", "ema"), [PROMPT], num_images=1)
+    assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
+    card = (output_dir / "README.md").read_text()
+    assert "StableDiffusionPipeline.from_pretrained" in card and "LCMScheduler.from_config" in card
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset_name", "x"], "error: --dataset_name is not supported here: the data are WebDataset shards: "
+                              "--train_shards_path_or_url"),
+])
+def test_the_wds_scripts_flags_stop_before_loading_in_one_line(tiny, tmp_path, flags, message):
+    assert usage_error(WDS_SCRIPT, *wds(tiny, tmp_path, *flags)) == message

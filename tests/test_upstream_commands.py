@@ -715,7 +715,9 @@ WITHOUT_UPSTREAM_TESTS = {"dreambooth/train_dreambooth_lora_z_image.py": "upstre
                           "advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py":
                               "upstream has tests only for its FLUX.1 advanced script",
                           "advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py":
-                              "upstream has tests only for its FLUX.1 advanced script"}
+                              "upstream has tests only for its FLUX.1 advanced script",
+                          "consistency_distillation/train_lcm_distill_lora_sd_wds.py":
+                              "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

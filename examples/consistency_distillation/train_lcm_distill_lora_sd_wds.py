@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-# Copied from examples/consistency_distillation/train_lcm_distill_lora_sd.py; tests/test_drift.py keeps what they share alike.
+# Copied from examples/consistency_distillation/train_lcm_distill_lora_sdxl.py; tests/test_drift.py keeps what they share alike.
 """Distill a Stable Diffusion 1.x pipeline into an LCM-LoRA from WebDataset shards: a LoRA on its UNet that renders in
 2-8 steps with LCMScheduler.
 

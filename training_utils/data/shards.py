@@ -75,12 +75,13 @@ def load_shards(args):
 
     paths = shard_paths(args.train_shards_path_or_url)
     dataset = datasets.load_dataset("webdataset", data_files={"train": paths}, cache_dir=args.cache_dir)["train"]
+    found = ", ".join(name for name in dataset.column_names if not name.startswith("__"))
     for column, keys in (("image", IMAGE_KEYS), ("text", TEXT_KEYS)):
         present = [key for key in keys if key in dataset.column_names]
         if len(present) != 1:
             raise UsageError(FLAG, " ".join(args.train_shards_path_or_url),
                              f"samples with one {column} file each, of one type ({', '.join('.' + key for key in keys)}"
-                             f"; found {', '.join(name for name in dataset.column_names if not name.startswith('__'))})")
+                             f"; found {found})")
         dataset = dataset.rename_column(present[0], column)
     dataset = dataset.select_columns(["image", "text"])
     return checked_dataset(args, {"--image_column": "image", "--caption_column": "text"}, FLAG,
