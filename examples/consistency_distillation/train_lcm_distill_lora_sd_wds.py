@@ -74,6 +74,8 @@ LCM_LORA_LAYERS = ("to_q,to_k,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.ne
 # The flags of upstream's script that this one does not carry, besides those no script here carries.
 REFUSED = {"--vae_encode_batch_size": "the VAE encodes each training batch whole (or each image once, "
                                       "--cache_latents)",
+           "--pretrained_vae_model_name_or_path": "the VAE is the pipeline's own (--pretrained_teacher_model); a "
+                                                  "replacement VAE is carried by the SDXL scripts only",
            **dict.fromkeys(["--dataset_name", "--dataset_config_name", "--train_data_dir", "--image_column",
                             "--caption_column"], "the data are WebDataset shards: --train_shards_path_or_url")}
 
