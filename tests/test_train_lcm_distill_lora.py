@@ -69,7 +69,8 @@ def test_the_lcm_lora_and_its_ema_load_next_to_lcm_scheduler_and_change_its_4_st
         # Upstream's LCM-LoRA layers: attention, feed-forward and ResNet convolutions, time projections.
         assert any(".conv1." in key for key in raw) and any("time_emb_proj" in key for key in raw)
         assert any(not torch.equal(raw[key], ema[key]) for key in raw)
-        assert_lora_changes_pipeline_output(tiny["sd" if name == "wds" else "sdxl"], output_dir, output_dir / "ema", prompt=PROMPT,
+        base = tiny["sd" if name == "wds" else "sdxl"]
+        assert_lora_changes_pipeline_output(base, output_dir, output_dir / "ema", prompt=PROMPT,
                                             num_inference_steps=4, prepare=use_lcm_scheduler, guidance_scale=1.0)
     assert any(not torch.equal(load_file(runs["l2"] / LORA)[key], tensor)
                for key, tensor in load_file(runs["huber"] / LORA).items())

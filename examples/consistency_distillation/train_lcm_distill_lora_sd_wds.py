@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-# Copied from examples/consistency_distillation/train_lcm_distill_lora_sdxl.py; tests/test_drift.py keeps what they share alike.
+# Copied from examples/consistency_distillation/train_lcm_distill_lora_sdxl.py; tests/test_drift.py keeps what
+# they share alike.
 """Distill a Stable Diffusion 1.x pipeline into an LCM-LoRA from WebDataset shards: a LoRA on its UNet that renders in
 2-8 steps with LCMScheduler.
 
@@ -170,8 +171,8 @@ def main(args, run):
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
-    # 5. The loop: the consistency distillation loss on the family's latents and conditioning (`sd`); after each optimizer step the loop updates the EMA, checkpoints and
-    # validates when due (the final step included, once).
+    # 5. The loop: the consistency distillation loss on the family's latents and conditioning (`sd`); after each
+    # optimizer step the loop updates the EMA, checkpoints and validates when due (the final step included, once).
     student = models["unet"]
     student.train()
     for batch in loop:
@@ -199,8 +200,8 @@ def main(args, run):
                     teacher = [unet_output(student, noisy_latents, start_timesteps, conditioning)
                                for conditioning in (text, uncond)]
                 pred_x0, pred_noise = (
-                    lcm.guided(*(predict(output, start_timesteps, noisy_latents, noise_scheduler) for output in teacher),
-                               w)
+                    lcm.guided(*(predict(output, start_timesteps, noisy_latents, noise_scheduler)
+                                 for output in teacher), w)
                     for predict in (lcm.predicted_original_sample, lcm.predicted_noise))
                 x_prev = solver.step(pred_x0, pred_noise, index).to(noisy_latents.dtype)
                 # The target: the student's own consistency output at t_n (no separate target network, as upstream's
@@ -215,8 +216,8 @@ def main(args, run):
         saved = save_with_ema(export, args.output_dir, ema)
         how_to_load_text = lcm.with_lcm_scheduler(how_to_load(export.loading_code, args, pipe),
                                                   args.validation_inference_steps)
-        finish_run(args, f"LCM-LoRA distilled from Stable Diffusion ({export.title})", how_to_load_text, loop.records, saved,
-                   export.title)
+        finish_run(args, f"LCM-LoRA distilled from Stable Diffusion ({export.title})", how_to_load_text,
+                   loop.records, saved, export.title)
     end_training(accelerator)
 
 

@@ -201,8 +201,8 @@ def main(args, run):
                     teacher = [unet_output(student, noisy_latents, start_timesteps, conditioning)
                                for conditioning in (text, uncond)]
                 pred_x0, pred_noise = (
-                    lcm.guided(*(predict(output, start_timesteps, noisy_latents, noise_scheduler) for output in teacher),
-                               w)
+                    lcm.guided(*(predict(output, start_timesteps, noisy_latents, noise_scheduler)
+                                 for output in teacher), w)
                     for predict in (lcm.predicted_original_sample, lcm.predicted_noise))
                 x_prev = solver.step(pred_x0, pred_noise, index).to(noisy_latents.dtype)
                 # The target: the student's own consistency output at t_n (no separate target network, as upstream's
