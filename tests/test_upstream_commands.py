@@ -219,6 +219,17 @@ def checkpoints(*steps):
     return tuple(f"checkpoint-{step}" for step in steps)
 
 
+LCM_LORA_SDXL = "consistency_distillation/train_lcm_distill_lora_sdxl.py"
+
+
+def lcm_lora_sdxl(flags, **expected):
+    """A run of upstream's LCM-LoRA SDXL tests: tiny SDXL as the teacher on their image-text data, rank 4."""
+    return Run("--pretrained_teacher_model hf-internal-testing/tiny-stable-diffusion-xl-pipe "
+               "--dataset_name hf-internal-testing/dummy_image_text_data --resolution 64 --lora_rank 4 "
+               "--train_batch_size 1 --gradient_accumulation_steps 1 " + flags + " --learning_rate 5.0e-04 --scale_lr "
+               "--lr_scheduler constant --lr_warmup_steps 0 --output_dir {tmpdir}", **expected)
+
+
 def unprompted_family(test_file, family_name, script, model, layer, extra="", first_length=16, metadata=False):
     """The tests upstream's DreamBooth LoRA files for SANA, Lumina 2 and HiDream share, each run on an empty
     --instance_prompt at 32 px with --max_sequence_length 16 (``extra``: the flags each run adds, HiDream's Llama): a
@@ -598,6 +609,14 @@ UPSTREAM = [
                  instruct_pix2pix("--max_train_steps=4 --checkpointing_steps=2", checkpoints=checkpoints(2, 4)),
                  instruct_pix2pix("--max_train_steps=8 --checkpointing_steps=2 --resume_from_checkpoint=checkpoint-4 "
                                   "--checkpoints_total_limit=2", checkpoints=checkpoints(6, 8), files=(UNET,)))),
+    # examples/consistency_distillation/test_lcm_lora.py: a 2-step run, and checkpoints every 2 steps then a resume.
+    Upstream("consistency_distillation/test_lcm_lora.py::test_text_to_image_lcm_lora_sdxl", LCM_LORA_SDXL, (
+        lcm_lora_sdxl("--max_train_steps 2", files=(LORA,)),)),
+    Upstream("consistency_distillation/test_lcm_lora.py::test_text_to_image_lcm_lora_sdxl_checkpointing",
+             LCM_LORA_SDXL, (
+                 lcm_lora_sdxl("--max_train_steps 7 --checkpointing_steps 2", checkpoints=checkpoints(2, 4, 6)),
+                 lcm_lora_sdxl("--max_train_steps 9 --checkpointing_steps 2 --resume_from_checkpoint latest",
+                               checkpoints=checkpoints(2, 4, 6, 8), files=(LORA,)))),
 ]
 
 
@@ -705,7 +724,9 @@ WITHOUT_UPSTREAM_TESTS = {"amused/train_amused.py": "upstream has no test for it
                           "kandinsky2_2/text_to_image/train_text_to_image_prior.py":
                               "upstream has no tests for its Kandinsky 2.2 scripts",
                           "kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py":
-                              "upstream has no tests for its Kandinsky 2.2 scripts"}
+                              "upstream has no tests for its Kandinsky 2.2 scripts",
+                          "consistency_distillation/train_lcm_distill_lora_sd_wds.py":
+                              "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)"}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

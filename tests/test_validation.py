@@ -243,3 +243,24 @@ def test_an_unconditional_pipeline_validates_without_prompts_one_batch_each_seed
         assert np.abs(np.asarray(_open(tmp_path, path)).astype(int) - np.round(image * 255).astype(int)).max() <= 1
     # A pipeline that takes prompts still makes no validator without them.
     assert validation.make_validator(args, StableDiffusionPipeline.from_pretrained(tiny["sd"]), accelerator) is None
+
+
+def test_a_render_scheduler_renders_in_place_of_the_pipelines_only_while_validating(lora_pipe, accelerator, tmp_path):
+    from diffusers import LCMScheduler
+
+    pipe, _ = lora_pipe
+    own = pipe.scheduler
+    lcm_scheduler = LCMScheduler.from_config(own.config)
+    records = make_validator(pipe, accelerator, tmp_path / "lcm", render_scheduler=lcm_scheduler)(1)
+    assert pipe.scheduler is own and type(pipe.scheduler).__name__ in pipe.config["scheduler"]
+    assert lcm_scheduler.num_inference_steps is None  # its state restored too
+    rendered = np.asarray(_open(tmp_path / "lcm", records[0]["images"][0]))
+    pipe.scheduler = lcm_scheduler
+    try:
+        expected = pipe("a red circle", num_inference_steps=3, height=32, width=32, output_type="pil",
+                        generator=torch.Generator().manual_seed(7)).images[0]
+    finally:
+        pipe.scheduler = own
+    assert np.array_equal(rendered, np.asarray(expected))
+    own_records = make_validator(pipe, accelerator, tmp_path / "own")(1)
+    assert not np.array_equal(rendered, np.asarray(_open(tmp_path / "own", own_records[0]["images"][0])))

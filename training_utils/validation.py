@@ -104,8 +104,11 @@ class Validator:
     def __init__(self, pipe, accelerator, output_dir, prompts, num_images, num_inference_steps, seed,
                  ema=None, schedulers=(), weight_dtype=torch.float32, call_kwargs=None, prompt_kwargs=None,
                  conditioning_images=None, posthoc=None, sigma_rels=None, encoders_on_device=contextlib.nullcontext,
-                 video_fps=None, conditioning_label="conditioning"):
+                 video_fps=None, conditioning_label="conditioning", render_scheduler=None):
         self.pipe = pipe
+        # A scheduler that validation renders with in place of the pipeline's, swapped in only while it renders
+        # (an LCM-LoRA's LCMScheduler); protected like the others.
+        self.render_scheduler = render_scheduler
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.prompts = list(prompts)
@@ -113,7 +116,7 @@ class Validator:
         self.num_inference_steps = num_inference_steps
         self.seed = seed
         self.ema = ema
-        self.schedulers = list(schedulers)
+        self.schedulers = list(schedulers) + ([render_scheduler] if render_scheduler is not None else [])
         self.weight_dtype = weight_dtype
         self.call_kwargs = call_kwargs or {}
         self.prompt_kwargs = prompt_kwargs or [{} for _ in self.prompts]
@@ -128,6 +131,17 @@ class Validator:
         self.sigma_rels = list(sigma_rels or (posthoc.sigma_rels if posthoc is not None else ()))
         self.encoders_on_device = encoders_on_device
         self.video_fps = video_fps
+
+    @contextlib.contextmanager
+    def _render_scheduler_swapped_in(self):
+        """``render_scheduler`` as the pipeline's scheduler while validation renders (none: the pipeline's own)."""
+        own = self.pipe.scheduler
+        if self.render_scheduler is not None:
+            self.pipe.scheduler = self.render_scheduler
+        try:
+            yield
+        finally:
+            self.pipe.scheduler = own
 
     def _save_conditioning_images(self):
         """Each distinct conditioning image once (main process); returns each prompt's path (a list of them for a
@@ -210,7 +224,7 @@ class Validator:
                                                record["prompt"], images, step))
 
             with (preserved_state([self.pipe.scheduler, *self.schedulers], modules_of(self.pipe).values()),
-                  self.encoders_on_device()):
+                  self.encoders_on_device(), self._render_scheduler_swapped_in()):
                 # As a loaded pipeline renders: in training mode, some models compute otherwise (dropout, a LoRA's
                 # included) or lay their output out otherwise (HiDream's transformer).
                 for module in modules_of(self.pipe).values():

@@ -228,8 +228,37 @@ def build_shapes_instruct_pix2pix(path, num_images=6):
             metadata.write(json.dumps(row) + "\n")
 
 
+def build_shapes_wds(path, num_images=16, num_shards=2):
+    """The shapes as WebDataset tar shards (``00000.tar``, ...) laid out as LAION's, which upstream's LCM scripts
+    read: each sample a .jpg, its caption (.txt) and its metadata (.json: the original size) under one key."""
+    import io
+    import tarfile
+    import tempfile
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        build_shapes(folder, num_images=num_images)
+        rows = [json.loads(line) for line in (Path(folder) / "metadata.jsonl").read_text().splitlines()]
+        per_shard = -(-len(rows) // num_shards)
+        for shard in range(num_shards):
+            with tarfile.open(path / f"{shard:05d}.tar", "w") as tar:
+                for index, row in enumerate(rows[shard * per_shard:(shard + 1) * per_shard], shard * per_shard):
+                    image = Image.open(Path(folder) / row["file_name"]).convert("RGB")
+                    encoded = io.BytesIO()
+                    image.save(encoded, format="JPEG", quality=95)
+                    metadata = {"original_width": image.width, "original_height": image.height}
+                    for name, data in ((f"{index:06d}.jpg", encoded.getvalue()),
+                                       (f"{index:06d}.txt", row["text"].encode()),
+                                       (f"{index:06d}.json", json.dumps(metadata).encode())):
+                        info = tarfile.TarInfo(name)
+                        info.size, info.mtime = len(data), 0
+                        tar.addfile(info, io.BytesIO(data))
+
+
 FIXTURES = {
     "shapes": build_shapes,
+    "shapes_wds": build_shapes_wds,
     "shapes_edit": build_shapes_edit,
     "shapes_controlnet": build_shapes_controlnet,
     "shapes_instruct_pix2pix": build_shapes_instruct_pix2pix,

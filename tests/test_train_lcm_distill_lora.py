@@ -1,0 +1,133 @@
+"""Smoke tests: the LCM-LoRA distillation scripts (SDXL; SD 1.x from WebDataset shards) end to end on the tiny
+fixtures, through ``accelerate launch``: the LoRA each writes loads into a stock pipeline next to LCMScheduler and
+changes its 4-step images."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import LCMScheduler, StableDiffusionXLPipeline
+from PIL import Image
+from safetensors.torch import load_file
+
+from helpers import launch, launch_together, launching, usage_error
+from training_utils.testing import (assert_checkpoint_is_the_output, assert_lora_changes_pipeline_output,
+                                    assert_resumes_exactly, assert_validated_at, checkpoint_names, read_log)
+
+SCRIPT = "consistency_distillation/train_lcm_distill_lora_sdxl.py"
+WDS_SCRIPT = "consistency_distillation/train_lcm_distill_lora_sd_wds.py"
+LORA = "pytorch_lora_weights.safetensors"
+PROMPT = "a red circle on a white background"
+SEED = 3
+
+
+def common(tiny, output_dir, *extra):
+    """Upstream's spellings of the teacher and the rank; 4 steps of 2 images at 32 px, the EMA at decay 0.9."""
+    return ["--pretrained_teacher_model", tiny["sdxl"], "--train_data_dir", tiny["shapes"], "--output_dir",
+            output_dir, "--resolution", 32, "--train_batch_size", 2, "--learning_rate", 1e-3, "--lora_rank", 4,
+            "--random_flip", "--use_ema", "--ema_decay", 0.9, "--max_train_steps", 4, "--checkpointing_steps", 2,
+            "--seed", SEED, *extra]
+
+
+def wds(tiny, output_dir, *extra):
+    """The SD 1.x script on the tiny shards, named by a brace pattern, as `common` otherwise."""
+    return ["--pretrained_teacher_model", tiny["sd"], "--train_shards_path_or_url",
+            f"{tiny['shapes_wds']}/{{00000..00001}}.tar", "--output_dir", output_dir, "--resolution", 32,
+            "--train_batch_size", 2, "--learning_rate", 1e-3, "--lora_rank", 4, "--use_ema", "--ema_decay", 0.9,
+            "--max_train_steps", 4, "--checkpointing_steps", 2, "--seed", SEED, "--cast_teacher_unet", *extra]
+
+
+@pytest.fixture(scope="module")
+@launching
+def runs(tiny, tmp_path_factory):
+    """``{name: output_dir}`` of the runs, launched together:
+
+    - l2: `common`, validating one prompt every 2 steps (LCMScheduler, its default 4 steps);
+    - huber: `common` with the pseudo-Huber loss, a 10-step DDIM solver and guidance scales in [1, 2], no
+      validation;
+    - wds: the SD 1.x script on the shards (`wds`), validating at the final step.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    launch_together({
+        "l2": (SCRIPT, *common(tiny, root / "l2", "--validation_prompt", PROMPT, "--num_validation_images", 1,
+                               "--validation_steps", 2)),
+        "huber": (SCRIPT, *common(tiny, root / "huber", "--loss_type", "huber", "--huber_c", 0.01,
+                                  "--num_ddim_timesteps", 10, "--w_min", 1, "--w_max", 2)),
+        "wds": (WDS_SCRIPT, *wds(tiny, root / "wds", "--validation_prompt", PROMPT, "--num_validation_images", 1,
+                                 "--validation_steps", 100)),
+    })
+    return {name: root / name for name in ("l2", "huber", "wds")}
+
+
+def use_lcm_scheduler(pipe):
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+
+
+def test_the_lcm_lora_and_its_ema_load_next_to_lcm_scheduler_and_change_its_4_step_images(tiny, runs):
+    for name, output_dir in runs.items():
+        raw, ema = load_file(output_dir / LORA), load_file(output_dir / "ema" / LORA)
+        assert raw and all("lora" in key for key in raw) and raw.keys() == ema.keys()
+        # Upstream's LCM-LoRA layers: attention, feed-forward and ResNet convolutions, time projections.
+        assert any(".conv1." in key for key in raw) and any("time_emb_proj" in key for key in raw)
+        assert any(not torch.equal(raw[key], ema[key]) for key in raw)
+        base = tiny["sd" if name == "wds" else "sdxl"]
+        assert_lora_changes_pipeline_output(base, output_dir, output_dir / "ema", prompt=PROMPT,
+                                            num_inference_steps=4, prepare=use_lcm_scheduler, guidance_scale=1.0)
+    assert any(not torch.equal(load_file(runs["l2"] / LORA)[key], tensor)
+               for key, tensor in load_file(runs["huber"] / LORA).items())
+
+
+def test_validation_renders_what_a_stock_pipeline_renders_with_lcm_scheduler_in_4_steps(tiny, runs):
+    output_dir = runs["l2"]
+    log = assert_validated_at(output_dir, [2, 4], ("raw", "ema"), [PROMPT], num_images=1)
+    assert {record["guidance_scale"] for record in log} == {1.0}
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny["sdxl"])
+    pipe.set_progress_bar_config(disable=True)
+    use_lcm_scheduler(pipe)
+    for variant, lora_dir in (("raw", output_dir), ("ema", output_dir / "ema")):
+        pipe.load_lora_weights(lora_dir)
+        expected = pipe(PROMPT, num_inference_steps=4, guidance_scale=1.0, height=32, width=32,
+                        generator=torch.Generator().manual_seed(SEED)).images[0]
+        pipe.unload_lora_weights()
+        rendered = next(record for record in log if record["step"] == 4 and record["variant"] == variant)
+        difference = np.abs(np.asarray(Image.open(output_dir / rendered["images"][0])).astype(int)
+                            - np.asarray(expected).astype(int))
+        assert difference.max() <= 1, variant
+    card = (output_dir / "README.md").read_text()
+    assert "pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)" in card
+    assert "num_inference_steps=4, guidance_scale=1.0" in card
+    assert read_log(output_dir)[-1]["progress"] in card
+
+
+def test_checkpoints_hold_the_output_and_resume_to_the_uninterrupted_weights(tiny, tmp_path, runs):
+    output_dir = runs["l2"]
+    assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
+    assert_checkpoint_is_the_output(output_dir / "checkpoint-4", output_dir, [LORA, f"ema/{LORA}"])
+
+    # The uninterrupted run validated at step 2 (after writing checkpoint-2) and 4, the resumed one never.
+    assert_resumes_exactly(SCRIPT, lambda directory: common(tiny, directory), output_dir, tmp_path, 2,
+                           [LORA, f"ema/{LORA}"], launch=launch)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--w_min", 5, "--w_max", 1], "error: --w_max=1.0: expected at least --w_min (5.0)"),
+    (["--vae_encode_batch_size", 4], "error: --vae_encode_batch_size is not supported here: the VAE encodes each "
+                                     "training batch whole (or each image once, --cache_latents)"),
+])
+def test_bad_distillation_flags_stop_before_loading_in_one_line(tiny, tmp_path, flags, message):
+    assert usage_error(SCRIPT, *common(tiny, tmp_path, *flags)) == message
+
+
+def test_the_shards_train_and_validate_as_a_dataset_does(tiny, runs):
+    output_dir = runs["wds"]
+    assert_validated_at(output_dir, [4], ("raw", "ema"), [PROMPT], num_images=1)
+    assert checkpoint_names(output_dir) == ["checkpoint-2", "checkpoint-4"]
+    card = (output_dir / "README.md").read_text()
+    assert "StableDiffusionPipeline.from_pretrained" in card and "LCMScheduler.from_config" in card
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset_name", "x"], "error: --dataset_name is not supported here: the data are WebDataset shards: "
+                              "--train_shards_path_or_url"),
+])
+def test_the_wds_scripts_flags_stop_before_loading_in_one_line(tiny, tmp_path, flags, message):
+    assert usage_error(WDS_SCRIPT, *wds(tiny, tmp_path, *flags)) == message
