@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from training_utils.data.images import ImageTransform
-from training_utils.data.rendered_video import RenderedVideo, write_mp4
+from training_utils.data.rendered_video import RenderedVideo, video_frames, write_mp4
 from training_utils.data.video import (VideoTransform, add_video_args, check_image_to_video_clips, check_video_args,
                                        clip_sample, find_clips, frame_bucket, frame_indices, probe, read_frames)
 from training_utils.errors import UsageError
@@ -142,6 +142,30 @@ def test_a_rendered_video_is_written_as_a_decodable_mp4_and_a_frame_strip(tmp_pa
     assert strip.shape == (16, 5 * 24, 3) and np.array_equal(strip[:, 24:48], video.frames[1])
     decoded = np.asarray(read_frames(tmp_path / "v.mp4", [2])[0], dtype=np.int16)
     assert np.abs(decoded - video.frames[2]).mean() < 8  # H.264 is lossy
+
+
+def gradient_video(frames=3, height=4, width=6):
+    """A video whose every pixel differs from its neighbours': uint8 ``(frames, height, width, 3)``."""
+    values = np.arange(frames * height * width * 3).reshape(frames, height, width, 3)
+    return (values * 255 // values.max()).astype(np.uint8)
+
+
+def test_a_pipelines_frames_read_alike_whatever_its_output_type_and_never_as_one_value():
+    """``output_type="pil"`` (a list of PIL frames), ``"np"`` (floats in [0, 1], or uint8) and ``"pt"`` (``(frames,
+    3, height, width)`` floats) give the same frames: PIL frames read as floats once came out all white."""
+    from PIL import Image
+
+    expected = gradient_video()
+    floats = expected.astype(np.float32) / 255
+    kinds = {"pil": [Image.fromarray(frame) for frame in expected], "np": floats, "np uint8": expected,
+             "pt": torch.from_numpy(floats).permute(0, 3, 1, 2), "pil gray": [Image.fromarray(f[..., 0]) for f in expected]}
+    for kind, video in kinds.items():
+        frames = RenderedVideo(video, fps=8).frames
+        assert frames.dtype == np.uint8 and len(np.unique(frames)) > 1, kind
+        reference = np.repeat(expected[..., :1], 3, -1) if kind == "pil gray" else expected
+        assert np.array_equal(frames, reference), kind
+    with pytest.raises(ValueError, match="not \\(frames, height, width, channels\\)"):
+        video_frames(np.zeros((4, 6, 3)))
 
 
 def test_a_leading_byte_order_mark_leaves_metadata_and_sidecar_captions_of_clips(clips_dir, tmp_path):

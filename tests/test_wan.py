@@ -7,6 +7,7 @@ image-to-video script refuses a model or data it cannot train before any weights
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
@@ -248,3 +249,16 @@ def test_image_to_video_refuses_a_folder_of_still_images_before_anything_loads(s
         "expected clips of more than one frame for image-to-video: all 1 train at 1 frame (still images), so each "
         "sample's conditioning first frame would be its whole target and the model would learn to copy it")
     assert not (tmp_path / "out").exists()
+
+
+def test_validation_reads_the_same_frames_whatever_output_type_the_pipeline_renders(pipes):
+    """A Wan render as PIL frames, NumPy and tensors becomes one and the same video, not one value throughout."""
+    from training_utils.data.rendered_video import RenderedVideo
+
+    videos = {}
+    for output_type in ("np", "pil", "pt"):
+        frames = pipes["wan21"](PROMPTS[0], num_frames=5, height=16, width=16, num_inference_steps=2,
+                                generator=torch.Generator().manual_seed(0), output_type=output_type).frames[0]
+        videos[output_type] = RenderedVideo(frames, fps=16).frames
+    assert videos["np"].shape == (5, 16, 16, 3) and len(np.unique(videos["np"])) > 1
+    assert all(np.array_equal(video, videos["np"]) for video in videos.values())

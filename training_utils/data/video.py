@@ -23,7 +23,6 @@ from .captions import (captions_without_bom, check_captions, check_metadata, is_
 from .feature_store import Block, block_bytes, encode_once, encoders_on
 from .frozen_encoders import image_source, many, sample_latents
 from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, openable, read_image
-from .rendered_video import DEFAULT_FPS
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def add_video_args(parser, num_frames=81):
     group.add_argument("--video_column", default="video", help="the column of --dataset_name holding the videos")
     group.add_argument("--validation_num_frames", type=int, default=None,
                        help="frames per validation video (default: --num_frames)")
-    group.add_argument("--validation_fps", type=int, default=DEFAULT_FPS, help="frame rate of the validation mp4s")
+    group.add_argument("--validation_fps", type=int, default=16, help="frame rate of the validation mp4s")
     group.add_argument("--enable_vae_tiling", action="store_true",
                        help="the VAE encodes and decodes in overlapping tiles: validation videos at full size fit "
                             "where training fits (sides above 256 pixels are tiled)")
@@ -74,15 +73,17 @@ def is_still(source):
 
 
 def probe(source):
-    """``(frame count, frames a second, (width, height))`` of a video, or ``(1, None, size)`` of a still image;
-    raises one of `UNREADABLE_VIDEO_ERRORS` for a file that cannot be read."""
+    """``(frame count, frames a second, (width, height))`` of a video (its rate None where the file states none),
+    or ``(1, None, size)`` of a still image; raises one of `UNREADABLE_VIDEO_ERRORS` for a file that cannot be
+    read."""
     if is_still(source):
         return 1, None, read_image(source if isinstance(source, dict) else str(source)).size
     import av
 
     with av.open(openable(source)) as container:
         stream = container.streams.video[0]
-        fps = float(stream.average_rate or stream.guessed_rate or DEFAULT_FPS)
+        rate = stream.average_rate or stream.guessed_rate
+        fps = float(rate) if rate else None
         count = sum(1 for _ in container.decode(stream))
         return count, fps, (stream.codec_context.width, stream.codec_context.height)
 
