@@ -81,7 +81,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_flow_matching_args(args)
-    check_video_args(args)
+    check_video_args(args, wan.VIDEO)
     wan.check_args(args)
     wan.check_image_to_video_model(args)
     images = args.validation_image or []
@@ -93,8 +93,8 @@ def parse_args(argv=None):
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
-    clips = find_clips(args)
-    check_image_to_video_clips(clips, args)
+    clips = find_clips(args, wan.VIDEO)
+    check_image_to_video_clips(clips, args, wan.VIDEO)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own
@@ -166,7 +166,8 @@ def main(args, run):
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                video_fps=args.validation_fps,
                                call_kwargs={**validation_size(args, [shape[1:] for shape in shapes]),
-                                            "num_frames": num_frames, **call_kwargs})
+                                            "num_frames": num_frames, "output_type": wan.VIDEO.output_type,
+                                            **call_kwargs})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
@@ -193,7 +194,7 @@ def main(args, run):
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(VIDEO_LORA_HOW_TO_LOAD, args, pipe, num_frames=num_frames,
+        how_to_load_text = how_to_load(VIDEO_LORA_HOW_TO_LOAD, args, pipe, num_frames=num_frames, fps=wan.VIDEO.fps,
                                        load_lora=wan.load_adapter_lines(export, args.output_dir))
         finish_run(args, f"Image-to-video {export.title} (Wan)", how_to_load_text, loop.records, saved,
                    export.title)

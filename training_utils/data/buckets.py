@@ -62,7 +62,8 @@ def size_multiple(pipe):
         patch = config.get("patch_size") or config.get("all_patch_size") or 1
         model_factor = patch[-1] if isinstance(patch, (list, tuple)) else patch
     processor = getattr(pipe, "image_processor", None) or pipe.video_processor
-    vae_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
+    # A video pipeline's processor holds its VAE's spatial factor, whatever the pipeline calls it.
+    vae_factor = getattr(pipe, "vae_scale_factor", None) or processor.config.vae_scale_factor
     needed = max(processor.config.vae_scale_factor, vae_factor * model_factor)
     return math.lcm(needed, 8)
 

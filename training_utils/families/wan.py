@@ -28,7 +28,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from . import base
 from ..errors import require
 from ..flow_matching import sample_flow_matching_timesteps
-from .base import stacked
+from .base import VideoGeometry, stacked
 from .layout import Family, Rename
 
 BLOCKS = r"blocks\.(\d+)\."
@@ -50,6 +50,10 @@ COMFYUI_LAYOUT = (
 )
 FAMILY = Family("wan", "Wan", ("WanPipeline", "WanImageToVideoPipeline"), "transformer", {}, COMFYUI_LAYOUT)
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+# Wan 2.1 and 2.2 A14B: a VAE of 8× in space and 4× in time, 1×2×2 patches (``WanPipeline.check_inputs`` asks sides
+# of multiples of 16), 16 frames a second, frames as NumPy arrays (the pipeline's default). TI2V-5B's VAE is 16×
+# in space: its pipeline refuses sides off 32 at the first render.
+VIDEO = VideoGeometry(spatial=8, temporal=4, size_multiple=16, fps=16, output_type="np")
 call_kwargs = base.call_kwargs
 image_vae = base.image_vae
 normalized_latents = base.standardised_latents  # the video's latents (B, C, frames, H, W)
