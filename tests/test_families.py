@@ -16,7 +16,7 @@ from training_utils.families import (chroma, cogview4, flux, flux2, flux2_dev, f
                                      krea2, lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
 from training_utils.data.buckets import size_multiple
 from training_utils.families.base import VideoGeometry
-from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily
+from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily, VideoFamily
 from training_utils.families.registry import FAMILIES
 from training_utils.pipeline import from_pretrained
 
@@ -74,6 +74,20 @@ def family(request, tiny):
     pipe = from_pretrained(DiffusionPipeline, path, **components)
     assert type(pipe).__name__ in request.param.FAMILY.pipelines
     return request.param, pipe
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[1])
+def test_a_video_family_follows_the_video_protocol(module):
+    """A family stating a video geometry offers the video protocol (`protocol.VideoFamily`) with its signatures, so
+    that a video script's loop names no denoiser of its own; an image family offers none of it."""
+    video_only = functions_of(VideoFamily).keys() - functions_of(ImageFamily).keys()
+    assert isinstance(module, VideoFamily) == hasattr(module, "VIDEO") == hasattr(module, "DENOISERS")
+    assert all(hasattr(module, name) == hasattr(module, "VIDEO") for name in video_only), module.__name__
+    if hasattr(module, "VIDEO"):
+        assert isinstance(module.VIDEO, VideoGeometry) and isinstance(module.DENOISERS, tuple)
+        for name in video_only:
+            assert inspect.signature(getattr(module, name)).parameters.keys() == \
+                functions_of(VideoFamily)[name].keys(), (module.__name__, name)
 
 
 def test_a_video_familys_stated_geometry_is_its_pipelines(family):

@@ -79,7 +79,7 @@ def main(args, run):
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own
     #    encode_prompt does, with the same settings in training and validation; the noise levels are its sampler's.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
-    quantization = quantization_config(args, weight_dtype, base=["transformer", "transformer_2"],
+    quantization = quantization_config(args, weight_dtype, base=list(wan.DENOISERS),
                                        text_encoders=["text_encoder"])
     pipe = load_pipeline(WanPipeline, args, weight_dtype, quantization=quantization)
     noise_scheduler = wan.training_noise_scheduler(pipe)
@@ -88,9 +88,9 @@ def main(args, run):
     settings = wan.prompt_settings(pipe, args)
     call_kwargs = wan.call_kwargs(pipe, settings)
 
-    # 3. An adapter (--adapter) on each transformer that trains (Wan 2.2: the --train_expert experts); the EMA tracks
-    #    them.
-    trained = wan.trained_experts(pipe, args.train_expert)
+    # 3. An adapter (--adapter) on each denoiser that trains (the family's: Wan 2.2's --train_expert experts); the EMA
+    #    tracks them.
+    trained = wan.trained_denoisers(pipe, args)
     for transformer in trained.values():
         layers = linear_layers_named(transformer, comma_separated(args.lora_layers))
         add_adapter(transformer, adapter_config(args, layers))
@@ -144,19 +144,20 @@ def main(args, run):
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
-    # 5. The loop: flow matching on the video latents; each step trains the expert whose timesteps it draws (the one
-    # transformer of Wan 2.1). After each optimizer step the loop updates the EMA, checkpoints and validates when due.
+    # 5. The loop: flow matching on the video latents; each step trains the denoiser the family draws for it and its
+    # timesteps (Wan 2.2: an expert; Wan 2.1: the one transformer). After each optimizer step the loop updates the
+    # EMA, checkpoints and validates when due.
     for model in models.values():
         model.train()
     for batch in loop:
-        expert = wan.step_expert(pipe, noise_scheduler, trained, args.seed, loop.global_step)
+        denoiser = wan.step_denoiser(pipe, noise_scheduler, trained, args.seed, loop.global_step)
         with accelerator.accumulate(*models.values()):
             latents = wan.normalized_latents(pipe, clip_latents(frozen, batch["video"]))
             noise = torch.randn_like(latents)
-            timesteps, sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, expert)
+            timesteps, sigmas = wan.sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser)
             text = wan.text_inputs(prompt_rows(batch["prompt"]))
             inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
-            output = models[expert](**inputs, return_dict=False)[0]
+            output = models[denoiser](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(wan.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 
