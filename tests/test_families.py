@@ -85,6 +85,7 @@ def test_a_video_family_follows_the_video_protocol(module):
     assert all(hasattr(module, name) == hasattr(module, "VIDEO") for name in video_only), module.__name__
     if hasattr(module, "VIDEO"):
         assert isinstance(module.VIDEO, VideoGeometry) and isinstance(module.DENOISERS, tuple)
+        assert "frame_rate" in inspect.signature(module.model_inputs).parameters, module.__name__
         for name in video_only:
             assert inspect.signature(getattr(module, name)).parameters.keys() == \
                 functions_of(VideoFamily)[name].keys(), (module.__name__, name)

@@ -108,11 +108,17 @@ def test_a_folder_gives_clips_with_captions_from_metadata_or_sidecars_and_stills
         "03.mp4": ("a yellow circle on a black background", 5, (32, 32)),
         "still.png": ("a purple square on a white background", 1, (32, 32)),
     }
+    rates = {clip.name.split("/")[-1]: clip.fps for clip in clips}
+    assert rates == {"00.mp4": 8.0, "01.mp4": 8.0, "02.mp4": 8.0, "03.mp4": 8.0, "still.png": None}  # written at 8
     # Every other frame: the 7- and 6-frame clips give too few (left out, named in the log), the others 5.
     strided = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9, "--frame_stride", 2,
                                     "--skip_corrupt_images"), WAN)
     assert [(clip.name.split("/")[-1], clip.indices) for clip in strided] == [
         ("00.mp4", [0, 2, 4, 6, 8]), ("02.mp4", [0, 2, 4, 6, 8]), ("still.png", [0])]
+    assert [clip.fps for clip in strided] == [4.0, 4.0, None]  # the frame rate the model sees, for its conditioning
+    by_rate = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 5, "--frame_rate", 4,
+                                    "--skip_corrupt_images"), WAN)
+    assert {clip.fps for clip in by_rate} == {4.0, None}
 
 
 def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_loads(clips_dir, tmp_path):
@@ -198,7 +204,8 @@ def test_a_pipelines_frames_read_alike_whatever_its_output_type_and_never_as_one
     expected = gradient_video()
     floats = expected.astype(np.float32) / 255
     kinds = {"pil": [Image.fromarray(frame) for frame in expected], "np": floats, "np uint8": expected,
-             "pt": torch.from_numpy(floats).permute(0, 3, 1, 2), "pil gray": [Image.fromarray(f[..., 0]) for f in expected]}
+             "pt": torch.from_numpy(floats).permute(0, 3, 1, 2),
+             "pil gray": [Image.fromarray(frame[..., 0]) for frame in expected]}
     for kind, video in kinds.items():
         frames = RenderedVideo(video, fps=8).frames
         assert frames.dtype == np.uint8 and len(np.unique(frames)) > 1, kind

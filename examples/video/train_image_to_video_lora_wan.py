@@ -145,7 +145,7 @@ def main(args, run):
     def preprocess(index, generator):
         video, first_frame = clip_sample_with_first_frame(clips[index], transform, generator, cached[index])
         prompt = drop_caption(pick_caption(clips[index].caption, generator), args.caption_dropout, generator)
-        return {"video": video, "first_frame": first_frame, "prompt": prompt}
+        return {"video": video, "first_frame": first_frame, "prompt": prompt, "frame_rate": clips[index].fps}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(list(range(len(clips))), preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
@@ -186,7 +186,8 @@ def main(args, run):
             with encoders_on(accelerator.device, [pipe.vae]) if args.cache_latents or args.offload else nullcontext():
                 conditioning = wan.image_to_video_conditioning(pipe, batch["first_frame"], latents)
             text = wan.text_inputs(prompt_rows(batch["prompt"]))
-            inputs = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text, conditioning)
+            inputs = wan.image_to_video_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text, conditioning,
+                                               batch["frame_rate"])
             output = models[denoiser](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(wan.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)

@@ -122,7 +122,7 @@ def main(args, run):
     def preprocess(index, generator):
         video = clip_sample(clips[index], transform, generator, cached[index])
         prompt = drop_caption(pick_caption(clips[index].caption, generator), args.caption_dropout, generator)
-        return {"video": video, "prompt": prompt}
+        return {"video": video, "prompt": prompt, "frame_rate": clips[index].fps}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(list(range(len(clips))), preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
@@ -156,7 +156,7 @@ def main(args, run):
             noise = torch.randn_like(latents)
             timesteps, sigmas = wan.sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser)
             text = wan.text_inputs(prompt_rows(batch["prompt"]))
-            inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
+            inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text, batch["frame_rate"])
             output = models[denoiser](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(wan.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)

@@ -7,8 +7,9 @@ that needs it takes: nothing here knows a family. A clip trains at ``--num_frame
 at the longest count the VAE takes (``temporal·k + 1``) that it has: its frame bucket. A video too short to be one
 (fewer than the family's ``min_frames``) never trains as a still: it stops the run before anything loads. A clip
 is never padded or looped. A still image is a clip of one frame. Every batch holds clips of one (frames, height,
-width) shape (`datasets.TrainDataset`'s ``shapes``), so frame buckets and resolution buckets batch alike. A clip's frames start at its first frame; its crop and flip are drawn once per
-sample for all its frames, as an image's are.
+width) shape (`datasets.TrainDataset`'s ``shapes``), so frame buckets and resolution buckets batch alike. A clip's
+frames start at its first frame; its crop and flip are drawn once per sample for all its frames, as an image's are.
+A clip carries the frame rate of its sampled frames, which the family's ``model_inputs`` takes as ``frame_rate``.
 """
 
 import json
@@ -107,6 +108,14 @@ def frame_indices(count, fps, frame_rate=None, frame_stride=None):
     return list(range(0, count, frame_stride or 1))
 
 
+def sampled_rate(fps, frame_rate=None, frame_stride=None):
+    """The frames a second of frames sampled as `frame_indices` samples them from a video at ``fps``: ``frame_rate``,
+    or ``fps`` over the stride; None where the file states no rate."""
+    if not fps:
+        return None
+    return float(frame_rate) if frame_rate is not None else fps / (frame_stride or 1)
+
+
 def read_frames(source, indices):
     """The frames ``indices`` of a video (or a still image, index 0) as upright RGB PIL images."""
     if is_still(source):
@@ -127,13 +136,15 @@ def read_frames(source, indices):
 
 
 class Clip(NamedTuple):
-    """A training clip: its file (path or ``{"path", "bytes"}``), caption, the frames sampled from it, and its
-    original (width, height)."""
+    """A training clip: its file (path or ``{"path", "bytes"}``), caption, the frames sampled from it, its original
+    (width, height), and the frames a second of its sampled frames (`sampled_rate`; None for a still image or a file
+    stating no rate), which the family's ``model_inputs`` takes as ``frame_rate``."""
 
     source: object
     caption: object
     indices: list
     size: tuple
+    fps: object = None
 
     @property
     def name(self):
@@ -194,7 +205,8 @@ def find_clips(args, geometry):
         if not is_still(source) and len(indices) < geometry.min_frames:
             bad.append(f"{_name(source)} (too short: {len(indices)} frames sampled, {geometry.min_frames} needed)")
             continue
-        clips.append(Clip(source, caption, indices[:geometry.bucket(len(indices), args.num_frames)], size))
+        clips.append(Clip(source, caption, indices[:geometry.bucket(len(indices), args.num_frames)], size,
+                          sampled_rate(fps, args.frame_rate, args.frame_stride)))
     if bad and not args.skip_corrupt_images:
         raise UsageError(flag, value, f"readable videos of {geometry.min_frames} frames or more: {few(bad, 3)} "
                          "(--skip_corrupt_images leaves them out)")

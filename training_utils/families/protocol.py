@@ -15,8 +15,9 @@ from .base import VideoGeometry
 from .layout import Family
 
 # What a protocol function may take besides its parameters, and their defaults: the wrapped text encoders of a
-# family whose text encoders can train.
-OPTIONAL = {"encode_prompts": {"text_encoders": None}}
+# family whose text encoders can train; the clips' frames a second (one per sample, None where unknown), which a
+# video family's model may condition on (`VideoFamily`).
+OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"frame_rate": None}}
 
 
 @runtime_checkable
@@ -90,6 +91,10 @@ class VideoFamily(ImageFamily, Protocol):
 
     VIDEO: VideoGeometry  # its clips' geometry: `data.video` reads nothing else of the family
     DENOISERS: tuple  # the pipeline's components that denoise: the quantised base
+
+    @staticmethod
+    def model_inputs(pipe, noisy_latents, timesteps, text, frame_rate=None):
+        """All the model's keyword inputs, for clips of ``frame_rate`` frames a second (a list, one a sample)."""
 
     @staticmethod
     def trained_denoisers(pipe, args):

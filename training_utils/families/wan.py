@@ -102,9 +102,10 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0)}
 
 
-def model_inputs(pipe, noisy_latents, timesteps, text):
+def model_inputs(pipe, noisy_latents, timesteps, text, frame_rate=None):
     """All the transformer's inputs at ``timesteps`` as the sampling loop passes them: the latents, and the
-    timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents."""
+    timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents. Wan does not condition
+    on the clips' ``frame_rate``."""
     if not pipe.config.expand_timesteps:
         return {"hidden_states": noisy_latents, "timestep": timesteps, **text}
     frames, height, width = noisy_latents.shape[2:]
@@ -247,10 +248,10 @@ def image_to_video_conditioning(pipe, first_frames, latents):
     return {"condition": condition, "encoder_hidden_states_image": image_embeds}
 
 
-def image_to_video_inputs(pipe, noisy_latents, timesteps, text, conditioning):
+def image_to_video_inputs(pipe, noisy_latents, timesteps, text, conditioning, frame_rate=None):
     """The transformer's inputs for image-to-video: the noisy latents with the conditioning beside them on the
     channels, the timesteps, and the image embedding, as the pipeline's loop passes them."""
     hidden_states = torch.cat([noisy_latents, conditioning["condition"].to(noisy_latents.dtype)], dim=1)
-    return {**model_inputs(pipe, hidden_states, timesteps, text),
+    return {**model_inputs(pipe, hidden_states, timesteps, text, frame_rate),
             "encoder_hidden_states_image": conditioning["encoder_hidden_states_image"]}
 
