@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from diffusers import WanPipeline
 
 from training_utils.data.images import ImageTransform
 from training_utils.data.rendered_video import RenderedVideo, video_frames, write_mp4
@@ -38,7 +39,7 @@ def video_args(*argv, geometry=WAN):
     parser.add_argument("--caption_column", default="text")
     parser.add_argument("--max_train_samples", type=int)
     parser.add_argument("--skip_corrupt_images", action="store_true")
-    add_video_args(parser)
+    add_video_args(parser, WanPipeline)
     args = parser.parse_args(list(map(str, argv)))
     check_video_args(args, geometry)
     return args

@@ -70,7 +70,7 @@ LORA_LAYERS = "to_q,to_k,to_v,to_out.0"
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50, resolution=480)
     add_lora_args(parser, WanImageToVideoPipeline)
-    add_video_args(parser)
+    add_video_args(parser, WanImageToVideoPipeline)
     wan.add_args(parser)
     add_flow_matching_args(parser, weighting_scheme="none")
     add_lora_layers_arg(parser, LORA_LAYERS, "blocks.0.attn2.to_q")

@@ -12,6 +12,7 @@ frames start at its first frame; its crop and flip are drawn once per sample for
 A clip carries the frame rate of its sampled frames, which the family's ``model_inputs`` takes as ``frame_rate``.
 """
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -36,12 +37,15 @@ ONE_FRAME_WARNING_SHARE = 0.25
 UNREADABLE_VIDEO_ERRORS = (*UNREADABLE_IMAGE_ERRORS, ValueError, IndexError)
 
 
-def add_video_args(parser, num_frames=81):
-    """The video flags: frames per clip, their sampling, the dataset's video column, validation length."""
+def add_video_args(parser, pipeline_class):
+    """The video flags: frames per clip (by default what ``pipeline_class`` renders), their sampling, the dataset's
+    video column, validation length."""
+    num_frames = inspect.signature(pipeline_class.__call__).parameters["num_frames"].default
     group = parser.add_argument_group("video")
     group.add_argument("--num_frames", type=int, default=num_frames,
-                       help="frames per training clip, a count the VAE takes (the family's temporal factor times k, "
-                            "plus 1: 4k+1 for Wan); shorter clips train at the longest such count they have")
+                       help=f"frames per training clip (default: the pipeline's, {num_frames}), a count the VAE takes "
+                            "(the family's temporal factor times k, plus 1); shorter clips train at the longest such "
+                            "count they have")
     group.add_argument("--frame_rate", type=float, default=None,
                        help="sample each video at this many frames a second (default: every frame)")
     group.add_argument("--frame_stride", type=int, default=None, help="sample every N-th frame (default: 1)")
