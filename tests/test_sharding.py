@@ -163,7 +163,7 @@ def test_a_model_that_declares_only_repeated_blocks_is_sharded_per_block(clean_l
     """LTX-Video's transformer declares ``_repeated_blocks`` and no ``_no_split_modules``: its blocks are still FSDP2
     units (accelerate's wrap policy picks them), alone or among several trained modules; a model's own list wins."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from diffusers import LTXVideoTransformer3DModel, WanTransformer3DModel
+    from diffusers import ControlNetModel, LTXVideoTransformer3DModel, WanTransformer3DModel
 
     ltx = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
                                      cross_attention_dim=16, num_layers=2, caption_channels=16)
@@ -181,6 +181,7 @@ def test_a_model_that_declares_only_repeated_blocks_is_sharded_per_block(clean_l
     declare_unit_blocks(linear)
     assert unit_blocks(linear) == () and not hasattr(linear, "_no_split_modules")
     assert unit_blocks(WanTransformer3DModel) == ("WanTransformerBlock",)
+    assert unit_blocks(ControlNetModel) == ()  # declares neither: one unit, as before
 
 
 def test_accelerates_model_state_is_skipped_only_inside_and_only_sharded():

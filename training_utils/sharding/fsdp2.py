@@ -18,7 +18,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 
-from ..compile import repeated_block_classes
+from ..compile import declared_repeated_blocks
 from ..errors import UsageError
 
 FSDP2_LAUNCH = "accelerate launch --use_fsdp --fsdp_version 2"
@@ -57,9 +57,9 @@ def fsdp2_plugin():
 
 def unit_blocks(module):
     """The classes of ``module``'s blocks that FSDP2 shards as units of their own: its ``_no_split_modules``, or
-    where it declares none (LTX-Video's transformer declares only ``_repeated_blocks``) the blocks it repeats, as
-    `compile.repeated_block_classes` finds them."""
-    return tuple(getattr(module, "_no_split_modules", None) or repeated_block_classes(module))
+    where it declares none (LTX-Video's transformer declares only ``_repeated_blocks``) the blocks it declares
+    repeated (`compile.declared_repeated_blocks`; a model declaring neither, as ControlNet, stays one unit)."""
+    return tuple(getattr(module, "_no_split_modules", None) or declared_repeated_blocks(module))
 
 
 def declare_unit_blocks(module):
