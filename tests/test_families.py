@@ -14,7 +14,9 @@ from diffusers import DiffusionPipeline
 import training_utils.families
 from training_utils.families import (chroma, cogview4, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4,
                                      krea2, lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
-from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily
+from training_utils.data.buckets import size_multiple
+from training_utils.families.base import VideoGeometry
+from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily, VideoFamily
 from training_utils.families.registry import FAMILIES
 from training_utils.pipeline import from_pretrained
 
@@ -74,6 +76,37 @@ def family(request, tiny):
     return request.param, pipe
 
 
+@pytest.mark.parametrize("module", MODULES, ids=lambda module: module.__name__.rsplit(".", 1)[1])
+def test_a_video_family_follows_the_video_protocol(module):
+    """A family stating a video geometry offers the video protocol (`protocol.VideoFamily`) with its signatures, so
+    that a video script's loop names no denoiser of its own; an image family offers none of it."""
+    video_only = functions_of(VideoFamily).keys() - functions_of(ImageFamily).keys()
+    assert isinstance(module, VideoFamily) == hasattr(module, "VIDEO") == hasattr(module, "DENOISERS")
+    assert all(hasattr(module, name) == hasattr(module, "VIDEO") for name in video_only), module.__name__
+    if hasattr(module, "VIDEO"):
+        assert isinstance(module.VIDEO, VideoGeometry) and isinstance(module.DENOISERS, tuple)
+        assert "frame_rate" in inspect.signature(module.model_inputs).parameters, module.__name__
+        for name in video_only:
+            assert inspect.signature(getattr(module, name)).parameters.keys() == \
+                functions_of(VideoFamily)[name].keys(), (module.__name__, name)
+
+
+def test_a_video_familys_stated_geometry_is_its_pipelines(family):
+    """A video family's ``VIDEO`` is what its fixture's VAE and pipeline do: the shortest clip that is still a video
+    gives two latent frames, sides of ``size_multiple`` shrink by ``spatial`` into whole patches (as the buckets
+    find), and the pipeline's frames come as ``output_type`` unless asked otherwise."""
+    module, pipe = family
+    if not hasattr(module, "VIDEO"):
+        pytest.skip("not a video family")
+    video = module.VIDEO
+    assert isinstance(video, VideoGeometry) and size_multiple(pipe) == video.size_multiple
+    side = 2 * video.size_multiple
+    with torch.no_grad():
+        latents = module.image_vae(pipe).encode(torch.zeros(1, 3, video.min_frames, side, side)).latent_dist.mode()
+    assert latents.shape[2:] == (2, side // video.spatial, side // video.spatial)
+    assert inspect.signature(pipe.__call__).parameters["output_type"].default == video.output_type
+
+
 def test_rows_encoded_apart_batch_as_rows_encoded_together(family):
     """A prompt's row does not depend on the prompts it was encoded with (the cache encodes in chunks; a batch
     gathers rows from any of them)."""
@@ -94,7 +127,7 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
     arguments, the text's among them."""
     module, pipe = family
     images = torch.zeros(2, 3, 64, 96)  # two non-square images (sides SANA takes: multiples of 32)
-    if hasattr(pipe, "vae_scale_factor_temporal"):  # a video model's VAE takes clips: a frame axis after the channels
+    if hasattr(module, "VIDEO"):  # a video family's VAE takes clips: a frame axis after the channels
         images = images[:, :, None]
     settings = module.prompt_settings(pipe, default_args(module, shorter=True))  # any text serves here
     with torch.no_grad():

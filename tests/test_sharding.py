@@ -12,9 +12,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from training_utils.ema import EMA, tensors_swapped_in
 from training_utils.errors import UsageError
-from training_utils.sharding.fsdp2 import (TrainedModules, any_sharded, check_launch, describe_held_bytes,
-                                           enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes, local_part, local_tensor,
-                                           one_model_of, unsharded_class, whole_bytes, without_model_state)
+from training_utils.sharding.fsdp2 import (TrainedModules, any_sharded, check_launch, declare_unit_blocks,
+                                           describe_held_bytes, enable_fsdp2_on_cpu, fsdp2_plugin, held_bytes,
+                                           local_part, local_tensor, one_model_of, unit_blocks, unsharded_class,
+                                           whole_bytes, without_model_state)
 
 
 @pytest.fixture
@@ -156,6 +157,31 @@ def test_several_trained_modules_are_one_model_whose_units_are_each_module_and_i
     assert container._no_split_modules == ["Block", "Denoiser", "Linear"]
     with pytest.raises(TypeError, match="called one by one"):
         container()
+
+
+def test_a_model_that_declares_only_repeated_blocks_is_sharded_per_block(clean_launch):
+    """LTX-Video's transformer declares ``_repeated_blocks`` and no ``_no_split_modules``: its blocks are still FSDP2
+    units (accelerate's wrap policy picks them), alone or among several trained modules; a model's own list wins."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from diffusers import ControlNetModel, LTXVideoTransformer3DModel, WanTransformer3DModel
+
+    ltx = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
+                                     cross_attention_dim=16, num_layers=2, caption_channels=16)
+    assert ltx._no_split_modules is None and unit_blocks(ltx) == ("LTXVideoTransformerBlock",)
+    assert one_model_of({"transformer": ltx, "text_encoder": torch.nn.Linear(2, 2)})._no_split_modules == [
+        "LTXVideoTransformer3DModel", "LTXVideoTransformerBlock", "Linear"]
+    clean_launch.setenv("ACCELERATE_USE_FSDP", "true")
+    clean_launch.setenv("FSDP_VERSION", "2")
+    declare_unit_blocks(ltx)
+    policy = fsdp2_prepare_auto_wrap_policy(fsdp2_plugin(), ltx)
+    assert [name for name, module in ltx.named_modules() if policy(module)] == ["transformer_blocks.0",
+                                                                                "transformer_blocks.1"]
+    assert LTXVideoTransformer3DModel._no_split_modules is None  # the instance's list, not the class's
+    linear = torch.nn.Linear(2, 2)
+    declare_unit_blocks(linear)
+    assert unit_blocks(linear) == () and not hasattr(linear, "_no_split_modules")
+    assert unit_blocks(WanTransformer3DModel) == ("WanTransformerBlock",)
+    assert unit_blocks(ControlNetModel) == ()  # declares neither: one unit, as before
 
 
 def test_accelerates_model_state_is_skipped_only_inside_and_only_sharded():

@@ -8,13 +8,20 @@ import logging
 import numpy as np
 import pytest
 import torch
+from diffusers import WanPipeline
 
 from training_utils.data.images import ImageTransform
-from training_utils.data.rendered_video import RenderedVideo, write_mp4
+from training_utils.data.rendered_video import RenderedVideo, video_frames, write_mp4
 from training_utils.data.video import (VideoTransform, add_video_args, check_image_to_video_clips, check_video_args,
-                                       clip_sample, find_clips, frame_bucket, frame_indices, probe, read_frames)
+                                       clip_sample, find_clips, frame_indices, probe, read_frames)
 from training_utils.errors import UsageError
+from training_utils.families import wan
+from training_utils.families.base import VideoGeometry
 from training_utils.testing.tiny.video import build_moving_shapes, moving_shape
+
+WAN = wan.VIDEO
+# A family of another geometry, as LTX-Video's: 8× in time, 32× in space, 25 frames a second, PIL frames.
+EIGHT_IN_TIME = VideoGeometry(spatial=32, temporal=8, size_multiple=32, fps=25, output_type="pil")
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +31,17 @@ def clips_dir(tmp_path_factory):
     return folder
 
 
-def video_args(*argv):
+def video_args(*argv, geometry=WAN):
     parser = argparse.ArgumentParser()
+    parser.add_argument("--resolution", type=int, default=32)
     for flag in ("--train_data_dir", "--dataset_name", "--dataset_config_name", "--cache_dir"):
         parser.add_argument(flag)
     parser.add_argument("--caption_column", default="text")
     parser.add_argument("--max_train_samples", type=int)
     parser.add_argument("--skip_corrupt_images", action="store_true")
-    add_video_args(parser)
+    add_video_args(parser, WanPipeline)
     args = parser.parse_args(list(map(str, argv)))
-    check_video_args(args)
+    check_video_args(args, geometry)
     return args
 
 
@@ -42,7 +50,9 @@ def test_frames_are_sampled_by_stride_or_rate_and_bucketed_at_the_longest_count_
     assert frame_indices(12, 8.0, frame_stride=3) == [0, 3, 6, 9]
     assert frame_indices(12, 8.0, frame_rate=4) == [0, 2, 4, 6, 8, 10]
     assert frame_indices(9, 24.0, frame_rate=16) == [0, 1, 3, 4, 6, 7]  # the frame shown at each 1/16 s
-    assert [frame_bucket(count, 9) for count in (1, 4, 5, 6, 8, 9, 12, 81)] == [1, 1, 5, 5, 5, 9, 9, 9]
+    assert [WAN.bucket(count, 9) for count in (1, 4, 5, 6, 8, 9, 12, 81)] == [1, 1, 5, 5, 5, 9, 9, 9]
+    assert [EIGHT_IN_TIME.bucket(count, 17) for count in (1, 8, 9, 16, 17, 40)] == [1, 1, 9, 9, 17, 17]
+    assert (WAN.min_frames, EIGHT_IN_TIME.min_frames) == (5, 9)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -58,8 +68,39 @@ def test_bad_video_flags_fail_in_one_line(flags, message):
     assert str(error.value) == message
 
 
+@pytest.mark.parametrize("geometry, flags, message", [
+    (EIGHT_IN_TIME, ["--num_frames", 5], "--num_frames=5: expected a frame count the VAE takes: 8k+1 (1, 9, 17, ...)"),
+    (EIGHT_IN_TIME, ["--resolution", 48], "--resolution=48: expected a multiple of 32 (the VAE divides sides by 32, "
+                                          "and the pipeline takes whole patches)"),
+    (WAN, ["--resolution", 24], "--resolution=24: expected a multiple of 16 (the VAE divides sides by 8, and the "
+                                "pipeline takes whole patches)"),
+])
+def test_frame_counts_and_sizes_are_checked_against_the_familys_geometry(geometry, flags, message):
+    with pytest.raises(UsageError) as error:
+        video_args(*flags, geometry=geometry)
+    assert str(error.value) == message
+    assert video_args("--num_frames", 17, "--resolution", 64, geometry=EIGHT_IN_TIME).validation_fps == 25
+    assert video_args("--num_frames", 9).validation_fps == 16
+    assert video_args("--validation_fps", 30, geometry=EIGHT_IN_TIME).validation_fps == 30
+
+
+def test_clips_too_short_for_an_eight_frame_vae_are_refused_or_left_out_never_trained_as_stills(clips_dir, caplog):
+    """The 6- and 7-frame clips are videos for Wan (5-frame buckets) but not for a VAE 8× in time: they stop the run
+    in one line, or with --skip_corrupt_images are left out and counted; none trains at one frame."""
+    with pytest.raises(UsageError) as error:
+        find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9, geometry=EIGHT_IN_TIME), EIGHT_IN_TIME)
+    assert "expected readable videos of 9 frames or more: " in str(error.value)
+    assert f"{clips_dir / '01.mp4'} (too short: 7 frames sampled, 9 needed)" in str(error.value)
+    with caplog.at_level(logging.WARNING, logger="training_utils.data.video"):
+        clips = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 17, "--skip_corrupt_images",
+                                      geometry=EIGHT_IN_TIME), EIGHT_IN_TIME)
+    assert [(clip.name.split("/")[-1], len(clip.indices)) for clip in clips] == [
+        ("00.mp4", 9), ("02.mp4", 9), ("still.png", 1)]
+    assert caplog.messages[-1] == "2 of 5 files left out (--skip_corrupt_images)"
+
+
 def test_a_folder_gives_clips_with_captions_from_metadata_or_sidecars_and_stills_as_one_frame(clips_dir):
-    clips = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9))
+    clips = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9), WAN)
     found = {clip.name.split("/")[-1]: (clip.caption, len(clip.indices), clip.size) for clip in clips}
     assert found == {
         "00.mp4": ("a red circle on a white background", 9, (32, 32)),  # metadata.jsonl
@@ -68,11 +109,17 @@ def test_a_folder_gives_clips_with_captions_from_metadata_or_sidecars_and_stills
         "03.mp4": ("a yellow circle on a black background", 5, (32, 32)),
         "still.png": ("a purple square on a white background", 1, (32, 32)),
     }
+    rates = {clip.name.split("/")[-1]: clip.fps for clip in clips}
+    assert rates == {"00.mp4": 8.0, "01.mp4": 8.0, "02.mp4": 8.0, "03.mp4": 8.0, "still.png": None}  # written at 8
     # Every other frame: the 7- and 6-frame clips give too few (left out, named in the log), the others 5.
     strided = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9, "--frame_stride", 2,
-                                    "--skip_corrupt_images"))
+                                    "--skip_corrupt_images"), WAN)
     assert [(clip.name.split("/")[-1], clip.indices) for clip in strided] == [
         ("00.mp4", [0, 2, 4, 6, 8]), ("02.mp4", [0, 2, 4, 6, 8]), ("still.png", [0])]
+    assert [clip.fps for clip in strided] == [4.0, 4.0, None]  # the frame rate the model sees, for its conditioning
+    by_rate = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 5, "--frame_rate", 4,
+                                    "--skip_corrupt_images"), WAN)
+    assert {clip.fps for clip in by_rate} == {4.0, None}
 
 
 def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_loads(clips_dir, tmp_path):
@@ -87,37 +134,37 @@ def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_lo
     (folder / "short.txt").write_text("a short clip")
     (folder / "03.txt").write_text("a yellow circle")
     with pytest.raises(UsageError) as error:
-        find_clips(video_args("--train_data_dir", folder, "--num_frames", 9))
+        find_clips(video_args("--train_data_dir", folder, "--num_frames", 9), WAN)
     assert str(error.value).startswith(f"--train_data_dir={str(folder)!r}: expected readable videos of 5 frames or "
                                        f"more: {folder / 'broken.mp4'} (unreadable: ")
     assert f"{folder / 'short.mp4'} (too short: 3 frames sampled, 5 needed) (--skip_corrupt_images leaves them " \
            "out)" in str(error.value)
-    kept = find_clips(video_args("--train_data_dir", folder, "--num_frames", 9, "--skip_corrupt_images"))
+    kept = find_clips(video_args("--train_data_dir", folder, "--num_frames", 9, "--skip_corrupt_images"), WAN)
     assert [clip.name.split("/")[-1] for clip in kept] == ["00.mp4", "03.mp4"]
     (folder / "03.txt").unlink()
     with pytest.raises(UsageError) as error:
-        find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"))
+        find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"), WAN)
     assert str(error.value).endswith(f"a caption for every file, in metadata.jsonl or a sidecar .txt "
                                      f"({folder / '03.mp4'} have none)")
     (folder / "03.txt").write_bytes(b"a yellow \xff circle")  # Latin-1, as an old editor saves it
     with pytest.raises(UsageError, match=f"--train_data_dir={str(folder)!r}: expected UTF-8 caption files: "
                                          f"{folder / '03.txt'} is not"):
-        find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"))
+        find_clips(video_args("--train_data_dir", folder, "--skip_corrupt_images"), WAN)
 
 
 def test_a_dataset_folder_with_a_video_column_gives_its_clips(clips_dir, tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(
         json.dumps({"clip": str(clips_dir / name), "caption": f"clip {name}"}) + "\n" for name in ("00.mp4", "01.mp4")))
     clips = find_clips(video_args("--dataset_name", tmp_path, "--video_column", "clip", "--caption_column",
-                                  "caption", "--num_frames", 5))
+                                  "caption", "--num_frames", 5), WAN)
     assert [(clip.caption, len(clip.indices)) for clip in clips] == [("clip 00.mp4", 5), ("clip 01.mp4", 5)]
     with pytest.raises(UsageError) as error:
-        find_clips(video_args("--dataset_name", tmp_path, "--caption_column", "caption"))
+        find_clips(video_args("--dataset_name", tmp_path, "--caption_column", "caption"), WAN)
     assert str(error.value) == "--video_column='video': expected a column of the dataset: clip, caption"
 
 
 def test_every_frame_of_a_clip_is_laid_out_alike_and_cached_parameters_follow_the_same_flip(clips_dir):
-    clip = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 5))[0]
+    clip = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 5), WAN)[0]
     transform = VideoTransform(ImageTransform(16, center_crop=True, random_flip=True))
     assert transform.shape_of(clip) == (5, 16, 16)
     flips = []
@@ -144,6 +191,31 @@ def test_a_rendered_video_is_written_as_a_decodable_mp4_and_a_frame_strip(tmp_pa
     assert np.abs(decoded - video.frames[2]).mean() < 8  # H.264 is lossy
 
 
+def gradient_video(frames=3, height=4, width=6):
+    """A video whose every pixel differs from its neighbours': uint8 ``(frames, height, width, 3)``."""
+    values = np.arange(frames * height * width * 3).reshape(frames, height, width, 3)
+    return (values * 255 // values.max()).astype(np.uint8)
+
+
+def test_a_pipelines_frames_read_alike_whatever_its_output_type_and_never_as_one_value():
+    """``output_type="pil"`` (a list of PIL frames), ``"np"`` (floats in [0, 1], or uint8) and ``"pt"`` (``(frames,
+    3, height, width)`` floats) give the same frames: PIL frames read as floats once came out all white."""
+    from PIL import Image
+
+    expected = gradient_video()
+    floats = expected.astype(np.float32) / 255
+    kinds = {"pil": [Image.fromarray(frame) for frame in expected], "np": floats, "np uint8": expected,
+             "pt": torch.from_numpy(floats).permute(0, 3, 1, 2),
+             "pil gray": [Image.fromarray(frame[..., 0]) for frame in expected]}
+    for kind, video in kinds.items():
+        frames = RenderedVideo(video, fps=8).frames
+        assert frames.dtype == np.uint8 and len(np.unique(frames)) > 1, kind
+        reference = np.repeat(expected[..., :1], 3, -1) if kind == "pil gray" else expected
+        assert np.array_equal(frames, reference), kind
+    with pytest.raises(ValueError, match="not \\(frames, height, width, channels\\)"):
+        video_frames(np.zeros((4, 6, 3)))
+
+
 def test_a_leading_byte_order_mark_leaves_metadata_and_sidecar_captions_of_clips(clips_dir, tmp_path):
     folder = tmp_path / "bom"
     folder.mkdir()
@@ -151,7 +223,7 @@ def test_a_leading_byte_order_mark_leaves_metadata_and_sidecar_captions_of_clips
         (folder / name).write_bytes((clips_dir / name).read_bytes())
     (folder / "metadata.jsonl").write_text('{"file_name": "00.mp4", "text": "sks circle"}\n', encoding="utf-8-sig")
     (folder / "02.txt").write_text("sks triangle", encoding="utf-8-sig")
-    clips = find_clips(video_args("--train_data_dir", folder, "--num_frames", 9))
+    clips = find_clips(video_args("--train_data_dir", folder, "--num_frames", 9), WAN)
     assert [clip.caption for clip in clips] == ["sks circle", "sks triangle"]
 
 
@@ -162,20 +234,20 @@ def test_image_to_video_refuses_clips_of_one_frame_only_and_warns_of_many(clips_
         (stills / name).write_bytes((clips_dir / name).read_bytes())
     args = video_args("--train_data_dir", stills, "--num_frames", 9)
     with pytest.raises(UsageError) as error:
-        check_image_to_video_clips(find_clips(args), args)
+        check_image_to_video_clips(find_clips(args, WAN), args, WAN)
     assert str(error.value) == (
         f"--train_data_dir={str(stills)!r}: expected clips of more than one frame for image-to-video: all 1 train at "
         "1 frame (still images), so each sample's conditioning first frame would be its whole target and the model "
         "would learn to copy it")
     one_frame = video_args("--train_data_dir", clips_dir, "--num_frames", 1)
     with pytest.raises(UsageError, match="all 5 train at 1 frame \\(--num_frames=1\\)"):
-        check_image_to_video_clips(find_clips(one_frame), one_frame)
+        check_image_to_video_clips(find_clips(one_frame, WAN), one_frame, WAN)
     (stills / "00.mp4").write_bytes((clips_dir / "00.mp4").read_bytes())
     (stills / "00.txt").write_text("a red circle")
     with caplog.at_level(logging.WARNING, logger="training_utils.data.video"):
-        check_image_to_video_clips(find_clips(args), args)
+        check_image_to_video_clips(find_clips(args, WAN), args, WAN)
     assert caplog.messages == ["1 of 2 clips (50%) are one frame (still images): in those samples the image-to-video "
                                "model learns to copy its conditioning image"]
     caplog.clear()
-    check_image_to_video_clips(find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9)), args)
+    check_image_to_video_clips(find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9), WAN), args, WAN)
     assert caplog.messages == []  # one still among five clips

@@ -5,8 +5,10 @@ The central check: sampling with transformers that predict exactly the training 
 step by step and ends on the clean latents, each step in the expert that training gives that noise level. The
 image-to-video script refuses a model or data it cannot train before any weights load."""
 
+import argparse
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
@@ -120,19 +122,19 @@ def test_each_expert_trains_only_on_its_own_timesteps(pipes):
     args = parse("--weighting_scheme", "logit_normal")
     latents = torch.zeros(4096, 16, 1, 2, 2)
     boundary = pipe.config.boundary_ratio * 1000
-    high, high_sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, "transformer")
-    low, low_sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, "transformer_2")
+    high, high_sigmas = wan.sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, "transformer")
+    low, low_sigmas = wan.sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, "transformer_2")
     assert bool((high >= boundary).all()) and bool((low < boundary).all())
     assert high.unique().numel() > 10 and low.unique().numel() > 100  # spread over each range
     torch.testing.assert_close(high_sigmas.flatten(), high / 1000)
-    assert wan.trained_experts(pipe, "low").keys() == {"transformer_2"}
-    assert wan.trained_experts(pipe, None).keys() == {"transformer", "transformer_2"}
+    assert wan.trained_denoisers(pipe, argparse.Namespace(train_expert="low")).keys() == {"transformer_2"}
+    assert wan.trained_denoisers(pipe, argparse.Namespace(train_expert=None)).keys() == {"transformer", "transformer_2"}
     both = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}
-    chosen = [wan.step_expert(pipe, noise_scheduler, both, 0, step) for step in range(400)]
+    chosen = [wan.step_denoiser(pipe, noise_scheduler, both, 0, step) for step in range(400)]
     share = chosen.count("transformer") / len(chosen)
     expected = ranges_share = wan.expert_ranges(pipe, noise_scheduler)["transformer"][1] / 1000
     assert abs(share - expected) < 0.1 and ranges_share > 0
-    assert chosen == [wan.step_expert(pipe, noise_scheduler, both, 0, step) for step in range(400)]
+    assert chosen == [wan.step_denoiser(pipe, noise_scheduler, both, 0, step) for step in range(400)]
 
 
 def test_a_low_noise_expert_asked_of_a_one_transformer_pipeline_fails_in_one_line(tmp_path):
@@ -193,7 +195,7 @@ def test_the_comfyui_file_is_wans_original_layout_at_the_trained_strength(tmp_pa
 
 def test_two_experts_loras_are_written_apart_and_read_back_by_parameter(tmp_path):
     pipe = wan_pipeline(two_experts=True)
-    trained = wan.trained_experts(pipe, "both")
+    trained = wan.trained_denoisers(pipe, argparse.Namespace(train_expert="both"))
     for seed, transformer in enumerate(trained.values()):
         add_lora(transformer, 4, linear_layers_named(transformer, ["to_q"]))
         for name, parameter in transformer.named_parameters():
@@ -248,3 +250,16 @@ def test_image_to_video_refuses_a_folder_of_still_images_before_anything_loads(s
         "expected clips of more than one frame for image-to-video: all 1 train at 1 frame (still images), so each "
         "sample's conditioning first frame would be its whole target and the model would learn to copy it")
     assert not (tmp_path / "out").exists()
+
+
+def test_validation_reads_the_same_frames_whatever_output_type_the_pipeline_renders(pipes):
+    """A Wan render as PIL frames, NumPy and tensors becomes one and the same video, not one value throughout."""
+    from training_utils.data.rendered_video import RenderedVideo
+
+    videos = {}
+    for output_type in ("np", "pil", "pt"):
+        frames = pipes["wan21"](PROMPTS[0], num_frames=5, height=16, width=16, num_inference_steps=2,
+                                generator=torch.Generator().manual_seed(0), output_type=output_type).frames[0]
+        videos[output_type] = RenderedVideo(frames, fps=16).frames
+    assert videos["np"].shape == (5, 16, 16, 3) and len(np.unique(videos["np"])) > 1
+    assert all(np.array_equal(video, videos["np"]) for video in videos.values())

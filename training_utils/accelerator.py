@@ -16,7 +16,8 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 from .errors import UsageError
 from .memory_plan import planning
 from .outputs.folder import prepare_output_dir
-from .sharding.fsdp2 import check_launch, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs, one_model_of
+from .sharding.fsdp2 import (check_launch, declare_unit_blocks, enable_fsdp2_on_cpu, fsdp2_plugin, keep_recorded_outputs,
+                             one_model_of)
 
 
 def make_accelerator(args, run):
@@ -72,6 +73,8 @@ def prepare_trained(accelerator, trained, optimizer, lr_scheduler):
     DDP leaves the frozen weights alone: every process loaded the same ones, and broadcasting them when it wraps a
     module would fail on a quantised base (torchao's int8 tensors cannot be viewed as a flat buffer)."""
     if accelerator.is_fsdp2:
+        if len(trained) == 1:
+            declare_unit_blocks(next(iter(trained.values())))
         model = one_model_of(trained) if len(trained) > 1 else next(iter(trained.values()))
         _, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
         keep_recorded_outputs(trained)

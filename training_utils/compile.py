@@ -62,9 +62,14 @@ def add_compile_args(parser):
              "first validation take longer while they compile, every later one runs faster")
 
 
+def declared_repeated_blocks(model):
+    """The class names ``model`` declares repeated (diffusers' ``_repeated_blocks``), none where it declares none."""
+    return tuple(getattr(model, "_repeated_blocks", None) or ())
+
+
 def repeated_block_classes(model):
     """The class names of ``model``'s repeated blocks: its ``_repeated_blocks``, else `REPEATED_BLOCKS`'."""
-    return tuple(getattr(model, "_repeated_blocks", None) or REPEATED_BLOCKS.get(type(model).__name__, ()))
+    return declared_repeated_blocks(model) or REPEATED_BLOCKS.get(type(model).__name__, ())
 
 
 def compile_repeated_blocks(model, backend, fullgraph=False):

@@ -57,7 +57,7 @@ LORA_LAYERS = "to_q,to_k,to_v,to_out.0"
 def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50, resolution=480)
     add_lora_args(parser, WanPipeline)
-    add_video_args(parser)
+    add_video_args(parser, WanPipeline)
     wan.add_args(parser)
     add_flow_matching_args(parser, weighting_scheme="none")
     add_lora_layers_arg(parser, LORA_LAYERS, "blocks.0.attn2.to_q")
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_flow_matching_args(args)
-    check_video_args(args)
+    check_video_args(args, wan.VIDEO)
     wan.check_args(args)
     fill_dependent_defaults(args)
     return args
@@ -73,13 +73,13 @@ def parse_args(argv=None):
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
-    clips = find_clips(args)
+    clips = find_clips(args, wan.VIDEO)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own
     #    encode_prompt does, with the same settings in training and validation; the noise levels are its sampler's.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
-    quantization = quantization_config(args, weight_dtype, base=["transformer", "transformer_2"],
+    quantization = quantization_config(args, weight_dtype, base=list(wan.DENOISERS),
                                        text_encoders=["text_encoder"])
     pipe = load_pipeline(WanPipeline, args, weight_dtype, quantization=quantization)
     noise_scheduler = wan.training_noise_scheduler(pipe)
@@ -88,9 +88,9 @@ def main(args, run):
     settings = wan.prompt_settings(pipe, args)
     call_kwargs = wan.call_kwargs(pipe, settings)
 
-    # 3. An adapter (--adapter) on each transformer that trains (Wan 2.2: the --train_expert experts); the EMA tracks
-    #    them.
-    trained = wan.trained_experts(pipe, args.train_expert)
+    # 3. An adapter (--adapter) on each denoiser that trains (the family's: Wan 2.2's --train_expert experts); the EMA
+    #    tracks them.
+    trained = wan.trained_denoisers(pipe, args)
     for transformer in trained.values():
         layers = linear_layers_named(transformer, comma_separated(args.lora_layers))
         add_adapter(transformer, adapter_config(args, layers))
@@ -122,7 +122,7 @@ def main(args, run):
     def preprocess(index, generator):
         video = clip_sample(clips[index], transform, generator, cached[index])
         prompt = drop_caption(pick_caption(clips[index].caption, generator), args.caption_dropout, generator)
-        return {"video": video, "prompt": prompt}
+        return {"video": video, "prompt": prompt, "frame_rate": clips[index].fps}
 
     dataloader = accelerator.prepare(make_dataloader(
         TrainDataset(list(range(len(clips))), preprocess, args.seed, args.repeats, shapes), args.train_batch_size,
@@ -138,31 +138,33 @@ def main(args, run):
                                weight_dtype=weight_dtype, encoders_on_device=frozen.on_device,
                                video_fps=args.validation_fps,
                                call_kwargs={**validation_size(args, [shape[1:] for shape in shapes]),
-                                            "num_frames": num_frames, **call_kwargs})
+                                            "num_frames": num_frames, "output_type": wan.VIDEO.output_type,
+                                            **call_kwargs})
     loop = TrainingLoop(accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
                         steps_per_epoch, ema=ema, posthoc=posthoc, validator=validator)
     accelerator.init_trackers(args.tracker_project_name, config=tracker_config(args))
 
-    # 5. The loop: flow matching on the video latents; each step trains the expert whose timesteps it draws (the one
-    # transformer of Wan 2.1). After each optimizer step the loop updates the EMA, checkpoints and validates when due.
+    # 5. The loop: flow matching on the video latents; each step trains the denoiser the family draws for it and its
+    # timesteps (Wan 2.2: an expert; Wan 2.1: the one transformer). After each optimizer step the loop updates the
+    # EMA, checkpoints and validates when due.
     for model in models.values():
         model.train()
     for batch in loop:
-        expert = wan.step_expert(pipe, noise_scheduler, trained, args.seed, loop.global_step)
+        denoiser = wan.step_denoiser(pipe, noise_scheduler, trained, args.seed, loop.global_step)
         with accelerator.accumulate(*models.values()):
             latents = wan.normalized_latents(pipe, clip_latents(frozen, batch["video"]))
             noise = torch.randn_like(latents)
-            timesteps, sigmas = wan.sample_expert_timesteps(pipe, noise_scheduler, args, latents, expert)
+            timesteps, sigmas = wan.sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser)
             text = wan.text_inputs(prompt_rows(batch["prompt"]))
-            inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text)
-            output = models[expert](**inputs, return_dict=False)[0]
+            inputs = wan.model_inputs(pipe, add_noise(latents, noise, sigmas), timesteps, text, batch["frame_rate"])
+            output = models[denoiser](**inputs, return_dict=False)[0]
             loss = flow_matching_loss(wan.prediction(pipe, output, latents), latents, noise, sigmas, args)
             loop.backward_and_step(loss)
 
     # 6. Save raw and EMA adapters from memory, check the files against it, and write the model card.
     if accelerator.is_main_process:
         saved = save_with_ema(export, args.output_dir, ema)
-        how_to_load_text = how_to_load(VIDEO_LORA_HOW_TO_LOAD, args, pipe, num_frames=num_frames,
+        how_to_load_text = how_to_load(VIDEO_LORA_HOW_TO_LOAD, args, pipe, num_frames=num_frames, fps=wan.VIDEO.fps,
                                        load_lora=wan.load_adapter_lines(export, args.output_dir))
         finish_run(args, f"Text-to-video {export.title} (Wan)", how_to_load_text, loop.records, saved,
                    export.title)

@@ -67,7 +67,8 @@ def size_multiple(pipe):
         # multiple of the MoVQ's factor squared.
         return math.lcm(pipe.movq_scale_factor ** 2, pipe.movq_scale_factor * model_factor, 8)
     processor = getattr(pipe, "image_processor", None) or pipe.video_processor
-    vae_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
+    # A video pipeline's processor holds its VAE's spatial factor, whatever the pipeline calls it.
+    vae_factor = getattr(pipe, "vae_scale_factor", None) or processor.config.vae_scale_factor
     needed = max(processor.config.vae_scale_factor, vae_factor * model_factor)
     return math.lcm(needed, 8)
 

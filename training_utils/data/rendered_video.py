@@ -1,21 +1,38 @@
 """Videos as validation writes them: an mp4 with a PNG strip of its frames beside it (`RenderedVideo`), the strip
-being what grids and the model card show (`still`)."""
+being what grids and the model card show (`still`). A pipeline's video comes in whatever its ``output_type`` makes
+(`video_frames` reads them all alike)."""
 
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-# The frame rate of validation videos written by a pipeline that does not say (Wan renders 16 fps).
-DEFAULT_FPS = 16
+
+def video_frames(video):
+    """One video of a pipeline's ``.frames``, whatever its ``output_type`` made it, as uint8 ``(frames, height,
+    width, 3)``: a list of PIL images (``"pil"``), a NumPy array (``"np"``: ``(frames, height, width, 3)`` floats in
+    [0, 1], or uint8), or a tensor (``"pt"``: ``(frames, 3, height, width)`` in [0, 1])."""
+    if isinstance(video, (list, tuple)) and video and isinstance(video[0], Image.Image):
+        return np.stack([np.asarray(frame.convert("RGB")) for frame in video])
+    if hasattr(video, "detach"):  # a torch tensor, channels before the sides
+        video = video.detach().float().cpu().numpy()
+        if video.ndim == 4 and video.shape[1] in (1, 3) and video.shape[-1] not in (1, 3):
+            video = video.transpose(0, 2, 3, 1)
+    frames = np.asarray(video)
+    if frames.ndim != 4 or frames.shape[-1] not in (1, 3):
+        raise ValueError(f"a video of shape {frames.shape} is not (frames, height, width, channels)")
+    if frames.dtype != np.uint8:
+        frames = (np.clip(frames.astype(np.float32), 0, 1) * 255).round().astype(np.uint8)
+    return np.repeat(frames, 3, axis=-1) if frames.shape[-1] == 1 else frames
 
 
 class RenderedVideo:
-    """A validation video (``frames``: ``(frames, height, width, 3)`` in [0, 1]): saved as a PNG frame strip at
-    the path it is given, and as an mp4 beside it; `still` is the strip, which grids and the model card show."""
+    """A validation video (``frames``: one video of a pipeline's ``.frames``, read by `video_frames`) at ``fps``:
+    saved as a PNG frame strip at the path it is given, and as an mp4 beside it; `still` is the strip, which grids
+    and the model card show."""
 
-    def __init__(self, frames, fps=DEFAULT_FPS):
-        self.frames = (np.clip(np.asarray(frames, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
+    def __init__(self, frames, fps):
+        self.frames = video_frames(frames)
         self.fps = fps
 
     @property
@@ -30,7 +47,7 @@ class RenderedVideo:
         return self.still.convert(mode)
 
 
-def write_mp4(path, frames, fps=DEFAULT_FPS):
+def write_mp4(path, frames, fps):
     """``frames`` (uint8 ``(frames, height, width, 3)``) as an H.264 mp4 at ``fps`` (sides padded to even)."""
     import av
 

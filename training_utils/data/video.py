@@ -2,13 +2,17 @@
 frames sampled (`--frame_rate` or `--frame_stride`) and laid out (`VideoTransform`), and their latents cached per
 clip (`cache_clip_latents`). Validation writes its videos with `rendered_video`.
 
-A clip trains at ``--num_frames`` frames, or, when it has fewer, at the longest count the VAE takes (``4k + 1``)
-that it has: its frame bucket. A clip is never padded or looped. A still image is a clip of one frame. Every batch
-holds clips of one (frames, height, width) shape (`datasets.TrainDataset`'s ``shapes``), so frame buckets and
-resolution buckets batch alike. A clip's frames start at its first frame; its crop and flip are drawn once per
-sample for all its frames, as an image's are.
+What a family's clips may be is its module's ``VIDEO`` (`families.base.VideoGeometry`), which every function here
+that needs it takes: nothing here knows a family. A clip trains at ``--num_frames`` frames, or, when it has fewer,
+at the longest count the VAE takes (``temporal·k + 1``) that it has: its frame bucket. A video too short to be one
+(fewer than the family's ``min_frames``) never trains as a still: it stops the run before anything loads. A clip
+is never padded or looped. A still image is a clip of one frame. Every batch holds clips of one (frames, height,
+width) shape (`datasets.TrainDataset`'s ``shapes``), so frame buckets and resolution buckets batch alike. A clip's
+frames start at its first frame; its crop and flip are drawn once per sample for all its frames, as an image's are.
+A clip carries the frame rate of its sampled frames, which the family's ``model_inputs`` takes as ``frame_rate``.
 """
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -23,42 +27,52 @@ from .captions import (captions_without_bom, check_captions, check_metadata, is_
 from .feature_store import Block, block_bytes, encode_once, encoders_on
 from .frozen_encoders import image_source, many, sample_latents
 from .images import IMAGE_EXTENSIONS, UNREADABLE_IMAGE_ERRORS, openable, read_image
-from .rendered_video import DEFAULT_FPS
 
 logger = logging.getLogger(__name__)
 
 VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi"}
-# The fewest frames a video must give to train as a video (one latent frame past the first); fewer is "too short".
-MIN_VIDEO_FRAMES = 5
 # The share of one-frame clips (stills) in an image-to-video run from which it warns that they teach copying.
 ONE_FRAME_WARNING_SHARE = 0.25
 # What PyAV and PIL raise for missing, truncated or undecodable files.
 UNREADABLE_VIDEO_ERRORS = (*UNREADABLE_IMAGE_ERRORS, ValueError, IndexError)
 
 
-def add_video_args(parser, num_frames=81):
-    """The video flags: frames per clip, their sampling, the dataset's video column, validation length."""
+def add_video_args(parser, pipeline_class):
+    """The video flags: frames per clip (by default what ``pipeline_class`` renders), their sampling, the dataset's
+    video column, validation length."""
+    num_frames = inspect.signature(pipeline_class.__call__).parameters["num_frames"].default
     group = parser.add_argument_group("video")
     group.add_argument("--num_frames", type=int, default=num_frames,
-                       help="frames per training clip, a count the VAE takes (4k+1); shorter clips train at the "
-                            "longest such count they have")
+                       help=f"frames per training clip (default: the pipeline's, {num_frames}), a count the VAE takes "
+                            "(the family's temporal factor times k, plus 1); shorter clips train at the longest such "
+                            "count they have")
     group.add_argument("--frame_rate", type=float, default=None,
                        help="sample each video at this many frames a second (default: every frame)")
     group.add_argument("--frame_stride", type=int, default=None, help="sample every N-th frame (default: 1)")
     group.add_argument("--video_column", default="video", help="the column of --dataset_name holding the videos")
     group.add_argument("--validation_num_frames", type=int, default=None,
                        help="frames per validation video (default: --num_frames)")
-    group.add_argument("--validation_fps", type=int, default=DEFAULT_FPS, help="frame rate of the validation mp4s")
+    group.add_argument("--validation_fps", type=int, default=None,
+                       help="frame rate of the validation mp4s (default: the family's native rate)")
     group.add_argument("--enable_vae_tiling", action="store_true",
                        help="the VAE encodes and decodes in overlapping tiles: validation videos at full size fit "
                             "where training fits (sides above 256 pixels are tiled)")
 
 
-def check_video_args(args, temporal=4):
-    """Fail in one line on a bad video flag, before anything loads."""
+def check_video_args(args, geometry):
+    """Fail in one line on a bad video flag for a family of ``geometry`` (its ``VIDEO``), before anything loads: a
+    frame count its VAE does not take, a size off its multiple; unset, ``--validation_fps`` is its native rate."""
+    counts = ", ".join(map(str, geometry.frame_counts()))
     for flag, value in (("--num_frames", args.num_frames), ("--validation_num_frames", args.validation_num_frames)):
-        require(value is None or (value > 0 and value % temporal == 1), flag, value,
-                f"a frame count the VAE takes: {temporal}k+1 (1, {temporal + 1}, {2 * temporal + 1}, ...)")
+        require(value is None or geometry.takes(value), flag, value,
+                f"a frame count the VAE takes: {geometry.temporal}k+1 ({counts}, ...)")
+    for flag in ("--resolution", "--validation_height", "--validation_width"):
+        value = getattr(args, flag[2:], None)
+        require(value is None or value % geometry.size_multiple == 0, flag, value,
+                f"a multiple of {geometry.size_multiple} (the VAE divides sides by {geometry.spatial}, and the "
+                "pipeline takes whole patches)")
+    if args.validation_fps is None:
+        args.validation_fps = geometry.fps
     require(args.frame_rate is None or args.frame_rate > 0, "--frame_rate", args.frame_rate, "a positive number")
     require(args.frame_stride is None or args.frame_stride > 0, "--frame_stride", args.frame_stride,
             "a positive integer")
@@ -74,15 +88,17 @@ def is_still(source):
 
 
 def probe(source):
-    """``(frame count, frames a second, (width, height))`` of a video, or ``(1, None, size)`` of a still image;
-    raises one of `UNREADABLE_VIDEO_ERRORS` for a file that cannot be read."""
+    """``(frame count, frames a second, (width, height))`` of a video (its rate None where the file states none),
+    or ``(1, None, size)`` of a still image; raises one of `UNREADABLE_VIDEO_ERRORS` for a file that cannot be
+    read."""
     if is_still(source):
         return 1, None, read_image(source if isinstance(source, dict) else str(source)).size
     import av
 
     with av.open(openable(source)) as container:
         stream = container.streams.video[0]
-        fps = float(stream.average_rate or stream.guessed_rate or DEFAULT_FPS)
+        rate = stream.average_rate or stream.guessed_rate
+        fps = float(rate) if rate else None
         count = sum(1 for _ in container.decode(stream))
         return count, fps, (stream.codec_context.width, stream.codec_context.height)
 
@@ -96,10 +112,12 @@ def frame_indices(count, fps, frame_rate=None, frame_stride=None):
     return list(range(0, count, frame_stride or 1))
 
 
-def frame_bucket(available, num_frames, temporal=4):
-    """The frames a clip of ``available`` sampled frames trains at: ``num_frames``, or the longest ``4k + 1`` it
-    has."""
-    return min(num_frames, (available - 1) // temporal * temporal + 1)
+def sampled_rate(fps, frame_rate=None, frame_stride=None):
+    """The frames a second of frames sampled as `frame_indices` samples them from a video at ``fps``: ``frame_rate``,
+    or ``fps`` over the stride; None where the file states no rate."""
+    if not fps:
+        return None
+    return float(frame_rate) if frame_rate is not None else fps / (frame_stride or 1)
 
 
 def read_frames(source, indices):
@@ -122,13 +140,15 @@ def read_frames(source, indices):
 
 
 class Clip(NamedTuple):
-    """A training clip: its file (path or ``{"path", "bytes"}``), caption, the frames sampled from it, and its
-    original (width, height)."""
+    """A training clip: its file (path or ``{"path", "bytes"}``), caption, the frames sampled from it, its original
+    (width, height), and the frames a second of its sampled frames (`sampled_rate`; None for a still image or a file
+    stating no rate), which the family's ``model_inputs`` takes as ``frame_rate``."""
 
     source: object
     caption: object
     indices: list
     size: tuple
+    fps: object = None
 
     @property
     def name(self):
@@ -155,11 +175,13 @@ def _folder_rows(folder):
     return rows
 
 
-def find_clips(args, temporal=4):
+def find_clips(args, geometry):
     """The training clips of ``--train_data_dir`` (videos and still images, captions from ``metadata.jsonl`` or
     sidecar ``.txt`` files) or ``--dataset_name`` (``--video_column``, ``--caption_column``), each probed: a file
-    that cannot be read, or a video giving fewer than `MIN_VIDEO_FRAMES` frames, stops the run in one line naming
-    it, before any weights load (with ``--skip_corrupt_images``, a warning names them and they are left out)."""
+    that cannot be read, or a video giving fewer than the family's ``geometry.min_frames`` frames (too short to be
+    a video for its VAE), stops the run in one line naming it, before any weights load (with
+    ``--skip_corrupt_images``, a warning names them and they are left out). Each clip keeps the frames of its
+    bucket (``geometry.bucket``)."""
     if (args.dataset_name is None) == (args.train_data_dir is None):
         raise UsageError("--dataset_name/--train_data_dir", args.dataset_name or args.train_data_dir,
                          "exactly one of the two")
@@ -184,15 +206,18 @@ def find_clips(args, temporal=4):
             bad.append(f"{_name(source)} (unreadable: {type(error).__name__}: {error})")
             continue
         indices = frame_indices(count, fps, args.frame_rate, args.frame_stride)
-        if not is_still(source) and len(indices) < MIN_VIDEO_FRAMES:
-            bad.append(f"{_name(source)} (too short: {len(indices)} frames sampled, {MIN_VIDEO_FRAMES} needed)")
+        if not is_still(source) and len(indices) < geometry.min_frames:
+            bad.append(f"{_name(source)} (too short: {len(indices)} frames sampled, {geometry.min_frames} needed)")
             continue
-        clips.append(Clip(source, caption, indices[:frame_bucket(len(indices), args.num_frames, temporal)], size))
+        clips.append(Clip(source, caption, indices[:geometry.bucket(len(indices), args.num_frames)], size,
+                          sampled_rate(fps, args.frame_rate, args.frame_stride)))
     if bad and not args.skip_corrupt_images:
-        raise UsageError(flag, value, f"readable videos of {MIN_VIDEO_FRAMES} frames or more: {few(bad, 3)} "
+        raise UsageError(flag, value, f"readable videos of {geometry.min_frames} frames or more: {few(bad, 3)} "
                          "(--skip_corrupt_images leaves them out)")
     for line in bad:
         logger.warning(f"left out: {line}")
+    if bad:
+        logger.warning(f"{len(bad)} of {len(rows)} files left out (--skip_corrupt_images)")
     require(clips, flag, value, "at least one readable clip")
     return clips
 
@@ -202,12 +227,12 @@ def data_flag(args):
     return ("--train_data_dir", args.train_data_dir) if args.train_data_dir else ("--dataset_name", args.dataset_name)
 
 
-def check_image_to_video_clips(clips, args, temporal=4):
+def check_image_to_video_clips(clips, args, geometry):
     """Stop in one line if no clip trains at more than one latent frame (still images, or ``--num_frames 1``): the
     first frame conditions an image-to-video sample, so a one-latent-frame sample's target is its conditioning
     and the model learns to copy its image. Warn in one line when such clips are `ONE_FRAME_WARNING_SHARE` or more
     of them."""
-    one_frame = sum((len(clip.indices) - 1) // temporal == 0 for clip in clips)
+    one_frame = sum((len(clip.indices) - 1) // geometry.temporal == 0 for clip in clips)
     flag, value = data_flag(args)
     cause = "--num_frames=1" if args.num_frames == 1 else "still images"
     require(one_frame < len(clips), flag, value, f"clips of more than one frame for image-to-video: all {len(clips)} "

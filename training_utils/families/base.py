@@ -6,11 +6,48 @@ pulls in nothing else of the package.
 """
 
 import inspect
+from typing import NamedTuple
 
 import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
 from ..errors import UsageError, require
+
+
+class VideoGeometry(NamedTuple):
+    """What a video family's module states of its clips as ``VIDEO`` (the data layer reads nothing else of it):
+
+    - ``spatial``, ``temporal``: the VAE's compression in space and in time; a clip it takes has ``temporal·k + 1``
+      frames (`takes`), and the fewest that are still a video, one latent frame past the first, is `min_frames`;
+    - ``size_multiple``: what ``--resolution`` and each side of a render must be a multiple of (the VAE's spatial
+      factor times the transformer's patch, as the pipeline's ``check_inputs`` asks);
+    - ``fps``: the frame rate the model renders at natively (validation mp4s and the model card's code);
+    - ``output_type``: what validation asks the pipeline's ``.frames`` to be.
+    """
+
+    spatial: int
+    temporal: int
+    size_multiple: int
+    fps: int
+    output_type: str
+
+    @property
+    def min_frames(self):
+        """The fewest frames a clip needs to train as a video: two latent frames."""
+        return self.temporal + 1
+
+    def takes(self, frames):
+        """Whether the VAE takes a clip of ``frames`` frames (``temporal·k + 1``)."""
+        return frames > 0 and (frames - 1) % self.temporal == 0
+
+    def frame_counts(self, count=3):
+        """The first ``count`` frame counts the VAE takes, for messages: ``1, temporal + 1, ...``."""
+        return [k * self.temporal + 1 for k in range(count)]
+
+    def bucket(self, available, num_frames):
+        """The frames a clip of ``available`` sampled frames trains at: ``num_frames``, or the longest count the
+        VAE takes that it has."""
+        return min(num_frames, (available - 1) // self.temporal * self.temporal + 1)
 
 
 def add_max_sequence_length(group, help):

@@ -1,6 +1,7 @@
 """The family protocol: what every family module offers a training script, as ``typing.Protocol`` classes whose
 static methods are the module-level functions, with their signatures (`ImageFamily`; an edit model's, which takes
-reference images, `EditFamily`). The package's docstring maps what each function is for; `tests/test_families.py`
+reference images, `EditFamily`; a video model's, which states its clips' geometry and which of its denoisers train,
+`VideoFamily`). The package's docstring maps what each function is for; `tests/test_families.py`
 checks every family module against these.
 
 A function may take parameters besides the protocol's where `OPTIONAL` names them, with those defaults; an edit
@@ -10,11 +11,13 @@ Families with flags of their own offer both ``add_args(parser)`` and ``check_arg
 
 from typing import Protocol, runtime_checkable
 
+from .base import VideoGeometry
 from .layout import Family
 
 # What a protocol function may take besides its parameters, and their defaults: the wrapped text encoders of a
-# family whose text encoders can train.
-OPTIONAL = {"encode_prompts": {"text_encoders": None}}
+# family whose text encoders can train; the clips' frames a second (one per sample, None where unknown), which a
+# video family's model may condition on (`VideoFamily`).
+OPTIONAL = {"encode_prompts": {"text_encoders": None}, "model_inputs": {"frame_rate": None}}
 
 
 @runtime_checkable
@@ -79,3 +82,29 @@ class EditFamily(ImageFamily, Protocol):
     @staticmethod
     def reference_latents(pipe, parameters):
         """A batch's references as the pipeline encodes them, from their VAE latent distributions' parameters."""
+
+
+@runtime_checkable
+class VideoFamily(ImageFamily, Protocol):
+    """A family that trains a model to make videos: the geometry of its clips, and its denoisers (one transformer, or
+    experts that split the noise levels, as Wan 2.2's), so that a video script's loop names none of them."""
+
+    VIDEO: VideoGeometry  # its clips' geometry: `data.video` reads nothing else of the family
+    DENOISERS: tuple  # the pipeline's components that denoise: the quantised base
+
+    @staticmethod
+    def model_inputs(pipe, noisy_latents, timesteps, text, frame_rate=None):
+        """All the model's keyword inputs, for clips of ``frame_rate`` frames a second (a list, one a sample)."""
+
+    @staticmethod
+    def trained_denoisers(pipe, args):
+        """``{component: module}`` of the denoisers that train, as the flags choose them."""
+
+    @staticmethod
+    def step_denoiser(pipe, noise_scheduler, trained, seed, step):
+        """The component of ``trained`` that optimizer step ``step`` trains, the same on every process and after
+        resuming."""
+
+    @staticmethod
+    def sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser):
+        """``(timesteps, sigmas)`` of a batch, drawn from the noise levels ``denoiser`` takes."""

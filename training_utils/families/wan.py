@@ -15,8 +15,9 @@ The Wan transformer reads:
 It predicts the velocity (`prediction`). The training noise levels are those of the pipeline's sampler: flow
 matching with its ``flow_shift`` (`training_noise_scheduler`). Wan 2.2 A14B has two experts: ``transformer``
 denoises the timesteps at or above ``boundary_ratio × 1000``, ``transformer_2`` those below; ``--train_expert``
-trains a LoRA on one of them (`trained_experts`), drawing only its timesteps (`sample_expert_timesteps`), or on
-both, each optimizer step training one expert drawn with its share of the schedule (`step_expert`).
+trains a LoRA on one of them (`trained_denoisers`), drawing only its timesteps (`sample_denoiser_timesteps`), or on
+both, each optimizer step training one expert drawn with its share of the schedule (`step_denoiser`). These are
+the video protocol's (`protocol.VideoFamily`): the script's loop names no expert.
 """
 
 import json
@@ -28,7 +29,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from . import base
 from ..errors import require
 from ..flow_matching import sample_flow_matching_timesteps
-from .base import stacked
+from .base import VideoGeometry, stacked
 from .layout import Family, Rename
 
 BLOCKS = r"blocks\.(\d+)\."
@@ -50,6 +51,12 @@ COMFYUI_LAYOUT = (
 )
 FAMILY = Family("wan", "Wan", ("WanPipeline", "WanImageToVideoPipeline"), "transformer", {}, COMFYUI_LAYOUT)
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+# The components that denoise, quantised with --quantize_base (``transformer_2`` where the pipeline has one).
+DENOISERS = ("transformer", "transformer_2")
+# Wan 2.1 and 2.2 A14B: a VAE of 8× in space and 4× in time, 1×2×2 patches (``WanPipeline.check_inputs`` asks sides
+# of multiples of 16), 16 frames a second, frames as NumPy arrays (the pipeline's default). TI2V-5B's VAE is 16×
+# in space: its pipeline refuses sides off 32 at the first render.
+VIDEO = VideoGeometry(spatial=8, temporal=4, size_multiple=16, fps=16, output_type="np")
 call_kwargs = base.call_kwargs
 image_vae = base.image_vae
 normalized_latents = base.standardised_latents  # the video's latents (B, C, frames, H, W)
@@ -95,9 +102,10 @@ def text_inputs(rows):
     return {"encoder_hidden_states": stacked(rows, 0)}
 
 
-def model_inputs(pipe, noisy_latents, timesteps, text):
+def model_inputs(pipe, noisy_latents, timesteps, text, frame_rate=None):
     """All the transformer's inputs at ``timesteps`` as the sampling loop passes them: the latents, and the
-    timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents."""
+    timesteps per sample, or with ``expand_timesteps`` (TI2V) per token of 1×2×2 latents. Wan does not condition
+    on the clips' ``frame_rate``."""
     if not pipe.config.expand_timesteps:
         return {"hidden_states": noisy_latents, "timestep": timesteps, **text}
     frames, height, width = noisy_latents.shape[2:]
@@ -114,11 +122,12 @@ def training_noise_scheduler(pipe):
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.num_train_timesteps, shift=shift)
 
 
-def trained_experts(pipe, train_expert):
+def trained_denoisers(pipe, args):
     """``{component: transformer}`` of the experts that train: the one transformer, or the A14B's
     ``--train_expert`` (both by default)."""
     if pipe.transformer_2 is None:
         return {"transformer": pipe.transformer}
+    train_expert = args.train_expert
     names = list(EXPERTS.values()) if train_expert in (None, "both") else [EXPERTS[train_expert]]
     return {name: getattr(pipe, name) for name in names}
 
@@ -134,7 +143,7 @@ def expert_ranges(pipe, noise_scheduler):
     return {"transformer": (0, high), "transformer_2": (high, count)}
 
 
-def step_expert(pipe, noise_scheduler, trained, seed, step):
+def step_denoiser(pipe, noise_scheduler, trained, seed, step):
     """The expert that optimizer step ``step`` trains: the only one, or with both, one drawn from (seed, step) alone
     (the same on every process and after resuming) with the share of the schedule it denoises."""
     if len(trained) == 1:
@@ -146,10 +155,10 @@ def step_expert(pipe, noise_scheduler, trained, seed, step):
     return "transformer" if torch.rand((), generator=generator) < share else "transformer_2"
 
 
-def sample_expert_timesteps(pipe, noise_scheduler, args, latents, expert):
+def sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser):
     """``(timesteps, sigmas)`` as `flow_matching.sample_flow_matching_timesteps` draws them, squeezed into the
-    timesteps that ``expert`` denoises (the density keeps its shape there)."""
-    first, end = expert_ranges(pipe, noise_scheduler)[expert]
+    timesteps that the expert ``denoiser`` denoises (the density keeps its shape there)."""
+    first, end = expert_ranges(pipe, noise_scheduler)[denoiser]
     count = len(noise_scheduler.timesteps)
     if (first, end) == (0, count):
         return sample_flow_matching_timesteps(noise_scheduler, args, latents)
@@ -239,10 +248,10 @@ def image_to_video_conditioning(pipe, first_frames, latents):
     return {"condition": condition, "encoder_hidden_states_image": image_embeds}
 
 
-def image_to_video_inputs(pipe, noisy_latents, timesteps, text, conditioning):
+def image_to_video_inputs(pipe, noisy_latents, timesteps, text, conditioning, frame_rate=None):
     """The transformer's inputs for image-to-video: the noisy latents with the conditioning beside them on the
     channels, the timesteps, and the image embedding, as the pipeline's loop passes them."""
     hidden_states = torch.cat([noisy_latents, conditioning["condition"].to(noisy_latents.dtype)], dim=1)
-    return {**model_inputs(pipe, hidden_states, timesteps, text),
+    return {**model_inputs(pipe, hidden_states, timesteps, text, frame_rate),
             "encoder_hidden_states_image": conditioning["encoder_hidden_states_image"]}
 

@@ -4,7 +4,8 @@ tensor, and whole tensors gathered from the parts.
 
 ``accelerate launch --use_fsdp --fsdp_version 2`` (or a config file with ``fsdp_version: 2``) shards what trains:
 accelerate's ``prepare`` applies ``fully_shard`` per repeated block of the model (the blocks its
-``_no_split_modules`` name, unless the launch names others) and to the model itself, the frozen base included.
+``_no_split_modules`` name, or where it declares none the blocks it repeats, `unit_blocks`; unless the launch names
+others) and to the model itself, the frozen base included.
 accelerate's state treats several CPU processes as DDP whatever the launch asked; `enable_fsdp2_on_cpu` makes
 such a run take accelerate's FSDP2 path instead (the one a GPU run takes), so that tests and CI can run it.
 """
@@ -17,6 +18,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 
+from ..compile import declared_repeated_blocks
 from ..errors import UsageError
 
 FSDP2_LAUNCH = "accelerate launch --use_fsdp --fsdp_version 2"
@@ -53,6 +55,20 @@ def fsdp2_plugin():
     return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy)
 
 
+def unit_blocks(module):
+    """The classes of ``module``'s blocks that FSDP2 shards as units of their own: its ``_no_split_modules``, or
+    where it declares none (LTX-Video's transformer declares only ``_repeated_blocks``) the blocks it declares
+    repeated (`compile.declared_repeated_blocks`; a model declaring neither, as ControlNet, stays one unit)."""
+    return tuple(getattr(module, "_no_split_modules", None) or declared_repeated_blocks(module))
+
+
+def declare_unit_blocks(module):
+    """Give ``module`` (on the instance) the `unit_blocks` as ``_no_split_modules`` where it declares none, so that
+    accelerate's wrap policy, which reads only that list, shards it per block and not as one unit."""
+    if not getattr(module, "_no_split_modules", None) and unit_blocks(module):
+        module._no_split_modules = list(unit_blocks(module))
+
+
 class TrainedModules(torch.nn.ModuleDict):
     """Several trained modules as one model (`one_model_of`); never called itself (``fully_shard`` takes no container
     without a forward)."""
@@ -70,7 +86,7 @@ def one_model_of(trained):
     container = TrainedModules(trained)
     present = {type(submodule).__name__ for submodule in container.modules()}
     # A model's list may name classes of its relatives (transformers' CLIP text model names the vision embeddings).
-    blocks = {block for module in trained.values() for block in getattr(module, "_no_split_modules", None) or ()}
+    blocks = {block for module in trained.values() for block in unit_blocks(module)}
     container._no_split_modules = sorted({type(module).__name__ for module in trained.values()} | blocks & present)
     return container
 
