@@ -202,7 +202,8 @@ def test_gpu_memory_names_the_smallest_swap_that_fits_and_stops_a_run_that_does_
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert status == 2 and "Traceback" not in stderr and len(errors) == 1, stderr[-2000:]
     assert errors[0].startswith("error: --gpu_memory_gb=1e-06: expected a run that fits: its memory plan estimates")
-    assert "no --blocks_to_swap fits it, with or without an int8 base" in errors[0] and "--ignore_memory_plan" in errors[0]
+    assert "no --blocks_to_swap fits it, with or without an int8 base" in errors[0]
+    assert "--ignore_memory_plan" in errors[0]
     # Told to, the same run goes on (here on the fixture with its weights, so that it can train).
     status, _, stderr = run_in_process(klein_argv(tiny, tiny["flux2_klein"], tmp_path / "ignored", "--gpu_memory_gb",
                                                   1e-6, "--ignore_memory_plan"))
@@ -235,3 +236,16 @@ def test_the_table_goes_into_its_own_section_of_the_page(tmp_path):
     page.write_text(text + "\n## After\n\nkept.\n")
     write_section(page, "| newer |")
     assert page.read_text().endswith("| newer |\n\n## After\n\nkept.\n")
+
+
+def test_the_readmes_copy_of_the_table_is_replaced_in_place(tmp_path):
+    from tests.benchmarks.memory_plan_table import TABLE_START, replace_table
+
+    page = tmp_path / "README.md"
+    page.write_text(f"## Memory\n\nestimates:\n\n{TABLE_START} a |\n|---|\n| old |\n\n**GPU figures:** none.\n")
+    replace_table(page, f"{TABLE_START} a |\n|---|\n| new |")
+    assert page.read_text() == (f"## Memory\n\nestimates:\n\n{TABLE_START} a |\n|---|\n| new |\n\n"
+                                "**GPU figures:** none.\n")
+    page.write_text("no table")
+    with pytest.raises(ValueError, match="no memory plan table"):
+        replace_table(page, "| new |")

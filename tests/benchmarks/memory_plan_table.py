@@ -1,7 +1,8 @@
 """The memory plan's estimates for each family at its real size: the table of docs/memory.md's "## Memory plan".
 
     python -m tests.benchmarks.memory_plan_table                       # prints the table (a minute on a CPU)
-    python -m tests.benchmarks.memory_plan_table --write docs/memory.md   # and puts it in the page's section
+    python -m tests.benchmarks.memory_plan_table --write docs/memory.md   # and puts it in the page's section,
+                                                                         # and in the README's memory section
 
 Each family's script runs with ``--print_memory_plan`` (in this process, on the meta device: no weights exist) on a
 pipeline folder of its released configs (`real_configs.real_pipeline`), as a LoRA run would be launched: a rank-16
@@ -211,9 +212,25 @@ def write_section(page, table):
     page.write_text(text)
 
 
+# The table's first line, wherever a page shows it.
+TABLE_START = "| model | transformer parameters |"
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def replace_table(page, table):
+    """Put ``table`` in place of the table that ``page`` shows already (the README's copy of the section's)."""
+    page = Path(page)
+    pattern = re.compile(rf"^{re.escape(TABLE_START)}.*?(?=\n\n|\Z)", re.S | re.M)
+    text = page.read_text()
+    if not pattern.search(text):
+        raise ValueError(f"{page} shows no memory plan table to replace")
+    page.write_text(pattern.sub(lambda found: table, text, count=1))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", default=None, help="the page whose section to write (docs/memory.md)")
+    parser.add_argument("--write", default=None,
+                        help="the page whose section to write (docs/memory.md); the README's copy is replaced too")
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work_dir:
@@ -221,6 +238,7 @@ def main(argv=None):
     print(table)
     if args.write:
         write_section(args.write, table)
+        replace_table(README, table)
 
 
 if __name__ == "__main__":
