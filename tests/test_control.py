@@ -13,10 +13,10 @@ from PIL import Image
 
 from training_utils.args import add_lora_args, fill_dependent_defaults, training_parser
 from training_utils.control import (ControlLoraExport, add_control_args, add_control_lora_args,
-                                    check_control_lora_args, conditioning_latents, control_how_to_load,
-                                    control_lora_config, control_lora_layers, make_control_validator, norm_layer_names,
-                                    widen_input_layer, with_conditioning)
-from training_utils.controlnet import dataset_columns, load_validation_pairs
+                                    check_control_lora_args, control_how_to_load, control_lora_config,
+                                    control_lora_layers, make_control_validator, norm_layer_names, widen_input_layer,
+                                    with_conditioning)
+from training_utils.controlnet import conditioning_latents, dataset_columns, load_validation_pairs
 from training_utils.errors import UsageError
 from training_utils.testing.tiny.flux import flux_components
 from training_utils.testing.tiny.parts import tiny_unet

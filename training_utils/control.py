@@ -1,7 +1,7 @@
 """What every Control script shares, whatever the family (FLUX.1 Control, CogView4 Control).
 
 A Control model reads its conditioning image as more input channels: the image goes through the VAE as a target
-image does (`conditioning_latents`), and its latents are concatenated with the noisy latents along the channels
+image does (`controlnet.conditioning_latents`), and its latents are concatenated with the noisy latents along the channels
 (`with_conditioning`), as ``FluxControlPipeline`` and ``CogView4ControlPipeline`` concatenate them. The transformer's
 input layer (FLUX.1's ``x_embedder``, CogView4's ``patch_embed.proj``) takes twice the features: `widen_input_layer`
 adds the new columns as zeros, so the widened model starts as the base model, whatever the conditioning.
@@ -23,8 +23,7 @@ from .adapters.config import adapter_config
 from .adapters.export import LoraExport, peft_saved_keys
 from .adapters.injection import linear_layers_named
 from .args import comma_separated
-# conditioning_latents: the Control scripts import it from here, with the rest of what they share.
-from .controlnet import add_conditioning_image_args, conditioning_latents, make_controlnet_validator  # noqa: F401
+from .controlnet import add_conditioning_image_args, make_controlnet_validator
 from .errors import require
 from .outputs.hub import fine_tuned_how_to_load, how_to_load
 

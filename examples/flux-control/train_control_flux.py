@@ -30,9 +30,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxControlPipeline
 from training_utils.accelerator import end_training, make_accelerator, prepare_trained, tracker_config
 from training_utils.args import add_cache_args, check_args, fill_dependent_defaults, training_parser
 from training_utils.compile import compile_repeated_blocks
-from training_utils.control import (REFUSED, add_control_args, conditioning_latents, control_how_to_load,
-                                    make_control_validator, widen_input_layer, with_conditioning)
-from training_utils.controlnet import dataset_columns, load_validation_pairs
+from training_utils.control import (REFUSED, add_control_args, control_how_to_load, make_control_validator,
+                                    widen_input_layer, with_conditioning)
+from training_utils.controlnet import conditioning_latents, dataset_columns, load_validation_pairs
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
                                           load_train_dataset, make_dataloader, pick_caption, stack_collate)

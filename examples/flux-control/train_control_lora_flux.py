@@ -33,10 +33,10 @@ from training_utils.args import (add_cache_args, add_lora_args, add_lora_layers_
                                  fill_dependent_defaults, training_parser)
 from training_utils.compile import compile_repeated_blocks
 from training_utils.control import (REFUSED, ControlLoraExport, add_control_args, add_control_lora_args,
-                                    check_control_lora_args, conditioning_latents, control_how_to_load,
-                                    control_lora_config, control_lora_layers, make_control_validator,
-                                    train_norm_layers, widen_input_layer, with_conditioning)
-from training_utils.controlnet import dataset_columns, load_validation_pairs
+                                    check_control_lora_args, control_how_to_load, control_lora_config,
+                                    control_lora_layers, make_control_validator, train_norm_layers,
+                                    widen_input_layer, with_conditioning)
+from training_utils.controlnet import conditioning_latents, dataset_columns, load_validation_pairs
 from training_utils.data.buckets import validation_size
 from training_utils.data.datasets import (TrainDataset, captions_with_empty, dataset_shapes, drop_caption,
                                           load_train_dataset, make_dataloader, pick_caption, stack_collate)
