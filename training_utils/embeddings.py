@@ -99,16 +99,23 @@ def load_tokenizers(args, names):
                                                 revision=args.revision) for name in names}
 
 
+def require_new_tokens(tokenizers, tokens, flag, value, what):
+    """Stop in one line naming ``flag=value`` (``what``: "a token", "new tokens") if a tokenizer of ``tokenizers`` (by
+    name) has one of ``tokens`` already."""
+    for name, tokenizer in tokenizers.items():
+        taken = [token for token in tokens if token in tokenizer.get_vocab()]
+        if taken:
+            raise UsageError(flag, value, f"{what} that {name} does not have already ({', '.join(taken)} is one of its "
+                                          "tokens)")
+
+
 def check_placeholder_token(tokenizers, token, num_vectors, initializer_token, token_flag="--placeholder_token"):
     """Each tokenizer's id of ``initializer_token`` (by tokenizer name), after checking that the token's vectors
     are new to every tokenizer (the error naming the token as ``token_flag``) and that the initialiser is one token
     of each."""
+    require_new_tokens(tokenizers, placeholder_tokens(token, num_vectors), token_flag, token, "a token")
     initializer_ids = {}
     for name, tokenizer in tokenizers.items():
-        taken = [vector for vector in placeholder_tokens(token, num_vectors) if vector in tokenizer.get_vocab()]
-        if taken:
-            raise UsageError(token_flag, token, f"a token that {name} does not have already "
-                             f"({', '.join(taken)} is one of its tokens)")
         ids = tokenizer.encode(initializer_token, add_special_tokens=False)
         if len(ids) != 1:
             raise UsageError("--initializer_token", initializer_token, f"one token of {name}, not {len(ids)}")

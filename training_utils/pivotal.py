@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .adapters.export import LoraExport
-from .embeddings import NewTokens
+from .embeddings import NewTokens, require_new_tokens
 from .errors import UsageError, require
 from .outputs.export import Export
 from .outputs.writing import verify_saved_tensors, write_atomically
@@ -83,12 +83,9 @@ def abstraction_tokens(args, tokenizer):
 def check_new_tokens(tokenizers, abstractions, initializer_concept):
     """Stop, before any weights load, if a tokenizer has one of the new tokens already or makes nothing of the
     initializer concept."""
-    tokens = [token for group in abstractions.values() for token in group]
+    require_new_tokens(tokenizers, [token for group in abstractions.values() for token in group],
+                       "--token_abstraction", ",".join(abstractions), "new tokens")
     for name, tokenizer in tokenizers.items():
-        taken = [token for token in tokens if token in tokenizer.get_vocab()]
-        if taken:
-            raise UsageError("--token_abstraction", ",".join(abstractions),
-                             f"new tokens that {name} does not have already ({', '.join(taken)} is one of its tokens)")
         if initializer_concept is not None and not tokenizer.encode(initializer_concept, add_special_tokens=False):
             raise UsageError("--initializer_concept", initializer_concept, f"words that {name} makes tokens of")
 
