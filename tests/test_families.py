@@ -4,6 +4,7 @@ signatures, is registered, and its functions agree with each other on its tiny p
 What each family computes is its own test's (``test_<family>.py``: the pipeline's own encoding, and the sampling
 loop's inputs at the training noise levels); here, what any family must satisfy."""
 
+import argparse
 import inspect
 import pkgutil
 
@@ -92,13 +93,14 @@ def test_a_video_family_follows_the_video_protocol(module):
 
 
 def test_a_video_familys_stated_geometry_is_its_pipelines(family):
-    """A video family's ``VIDEO`` is what its fixture's VAE and pipeline do: the shortest clip that is still a video
-    gives two latent frames, sides of ``size_multiple`` shrink by ``spatial`` into whole patches (as the buckets
-    find), and the pipeline's frames come as ``output_type`` unless asked otherwise."""
+    """A video family's geometry (``video_geometry``, read from the fixture's folder) is what its fixture's VAE and
+    pipeline do: the shortest clip that is still a video gives two latent frames, sides of ``size_multiple`` shrink
+    by ``spatial`` into whole patches (as the buckets find), and the pipeline's frames come as ``output_type``
+    unless asked otherwise."""
     module, pipe = family
     if not hasattr(module, "VIDEO"):
         pytest.skip("not a video family")
-    video = module.VIDEO
+    video = module.video_geometry(argparse.Namespace(pretrained_model_name_or_path=pipe.name_or_path, revision=None))
     assert isinstance(video, VideoGeometry) and size_multiple(pipe) == video.size_multiple
     side = 2 * video.size_multiple
     with torch.no_grad():

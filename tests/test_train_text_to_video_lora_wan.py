@@ -5,7 +5,8 @@ together:
 - full: Wan 2.1, 4 steps with EMA, random flips, validating videos every 2 steps and at the end, checkpointing at
   step 2 (mid-epoch), the VAE off the accelerator between steps;
 - cached: the same 4 steps with --cache_latents on disk, neither validating nor checkpointing;
-- experts: Wan 2.2's two experts on an int8 base, with gradient checkpointing;
+- experts: Wan 2.2's two experts on an int8 base, with gradient checkpointing, in frame buckets 5 and 9 given,
+  sliding windows 3 frames apart;
 - resumed: the full run resumed from its checkpoint-2;
 - i2v: the image-to-video script on Wan 2.1 I2V-style (a CLIP image encoder), with cached latents, validating from
   the first clip's first frame at its last step; on two processes, sharded (FSDP2).
@@ -52,7 +53,8 @@ def runs(tiny, tmp_path_factory):
             root / "features")),
         "experts": functools.partial(launch, SCRIPT, *common(
             tiny, root / "experts", "--checkpointing_steps", 1000, "--quantize_base", "int8", "--mixed_precision",
-            "bf16", "--gradient_checkpointing", model="wan22")),
+            "bf16", "--gradient_checkpointing", "--frame_buckets", "5,9", "--frame_extraction", "slide",
+            "--frame_extraction_stride", 3, model="wan22")),
         # The video family's sharded launch: two processes, FSDP2.
         "i2v": functools.partial(launch, I2V_SCRIPT, *common(
             tiny, root / "i2v", "--checkpointing_steps", 1000, "--cache_latents", "--validation_prompt", PROMPT,
@@ -87,6 +89,15 @@ def test_clips_train_in_frame_buckets_never_padded(runs):
     _, result = runs["full"]
     for line in ("bucket 1x32x32 (frames x height x width): 1 image", "bucket 5x32x32 (frames x height x width): 2",
                  "bucket 9x32x32 (frames x height x width): 2"):
+        assert line in result.stderr, result.stderr[-3000:]
+
+
+def test_sliding_windows_of_the_given_frame_buckets_each_train_as_a_sample(runs):
+    """Buckets 5 and 9, windows 3 frames apart: the 9-frame clip gives one of 9, the 12-frame clip two (from frames
+    0 and 3), the 7- and 6-frame clips one of 5 each, the still one frame."""
+    _, result = runs["experts"]
+    for line in ("bucket 1x32x32 (frames x height x width): 1 image", "bucket 5x32x32 (frames x height x width): 2",
+                 "bucket 9x32x32 (frames x height x width): 3"):
         assert line in result.stderr, result.stderr[-3000:]
 
 

@@ -13,7 +13,8 @@ from diffusers import WanPipeline
 from training_utils.data.images import ImageTransform
 from training_utils.data.rendered_video import RenderedVideo, video_frames, write_mp4
 from training_utils.data.video import (VideoTransform, add_video_args, check_image_to_video_clips, check_video_args,
-                                       clip_sample, find_clips, frame_indices, probe, read_frames)
+                                       clip_sample, extract_windows, find_clips, frame_indices, probe, read_frames,
+                                       window_rate)
 from training_utils.errors import UsageError
 from training_utils.families import wan
 from training_utils.families.base import VideoGeometry
@@ -50,9 +51,22 @@ def test_frames_are_sampled_by_stride_or_rate_and_bucketed_at_the_longest_count_
     assert frame_indices(12, 8.0, frame_stride=3) == [0, 3, 6, 9]
     assert frame_indices(12, 8.0, frame_rate=4) == [0, 2, 4, 6, 8, 10]
     assert frame_indices(9, 24.0, frame_rate=16) == [0, 1, 3, 4, 6, 7]  # the frame shown at each 1/16 s
-    assert [WAN.bucket(count, 9) for count in (1, 4, 5, 6, 8, 9, 12, 81)] == [1, 1, 5, 5, 5, 9, 9, 9]
-    assert [EIGHT_IN_TIME.bucket(count, 17) for count in (1, 8, 9, 16, 17, 40)] == [1, 1, 9, 9, 17, 17]
+    assert (WAN.counts_up_to(17), WAN.counts_up_to(1)) == ([5, 9, 13, 17], [1])
+    assert EIGHT_IN_TIME.counts_up_to(33) == [9, 17, 25, 33]
     assert (WAN.min_frames, EIGHT_IN_TIME.min_frames) == (5, 9)
+
+
+def test_a_clip_gives_its_first_frames_frames_spread_over_it_or_every_window():
+    indices = list(range(0, 24, 2))  # every other frame of 24: 12 sampled frames
+    assert extract_windows(indices, 5) == [[0, 2, 4, 6, 8]]
+    assert extract_windows(indices, 5, "uniform") == [[0, 6, 12, 16, 22]]  # 11 / 4 steps of 2.75, rounded
+    assert extract_windows(indices, 12, "uniform") == [indices]
+    assert extract_windows(indices, 5, "slide") == [[0, 2, 4, 6, 8], [10, 12, 14, 16, 18]]  # the last 2 fill none
+    assert extract_windows(indices, 5, "slide", stride=3) == [indices[k:k + 5] for k in (0, 3, 6)]
+    assert extract_windows([0], 1, "slide") == [[0]]
+    assert window_rate(8.0, indices, [0, 2, 4, 6, 8]) == 8.0
+    assert window_rate(8.0, indices, [0, 6, 12, 16, 22]) == 8.0 * 4 / 11  # 5 frames over 11 sampled intervals
+    assert window_rate(None, indices, [0, 6]) is None
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -61,6 +75,13 @@ def test_frames_are_sampled_by_stride_or_rate_and_bucketed_at_the_longest_count_
                                      "(1, 5, 9, ...)"),
     (["--frame_stride", 0], "--frame_stride=0: expected a positive integer"),
     (["--frame_rate", -1], "--frame_rate=-1.0: expected a positive number"),
+    (["--frame_buckets", "9,10"], "--frame_buckets='9,10': expected a frame count the VAE takes: 4k+1 (1, 5, 9, ...); "
+                                  "10 is not"),
+    (["--frame_buckets", "9;17"], "--frame_buckets='9;17': expected frame counts separated by commas, such as 9,17,33"),
+    (["--frame_extraction_stride", 2], "--frame_extraction_stride=2: expected nothing unless --frame_extraction is "
+                                       "slide (windows a stride apart)"),
+    (["--frame_extraction", "slide", "--frame_extraction_stride", 0], "--frame_extraction_stride=0: expected a "
+                                                                      "positive integer"),
 ])
 def test_bad_video_flags_fail_in_one_line(flags, message):
     with pytest.raises(UsageError) as error:
@@ -120,6 +141,53 @@ def test_a_folder_gives_clips_with_captions_from_metadata_or_sidecars_and_stills
     by_rate = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 5, "--frame_rate", 4,
                                     "--skip_corrupt_images"), WAN)
     assert {clip.fps for clip in by_rate} == {4.0, None}
+
+
+def test_frame_buckets_cut_each_clip_to_the_longest_bucket_it_fills_and_refuse_shorter_ones(clips_dir):
+    """Clips of 9, 7, 12 and 6 frames and a still, in buckets 5 and 9 (of 4k+1: 1, 5, 9 are the VAE's); then
+    buckets 9 and 13, where the 7- and 6-frame clips fill none: named, never trained short or as stills."""
+    args = video_args("--train_data_dir", clips_dir, "--frame_buckets", "9,5")
+    assert (args.frame_buckets, args.validation_num_frames) == ([5, 9], 9)
+    clips = find_clips(args, WAN)
+    assert [(clip.name.split("/")[-1], len(clip.indices)) for clip in clips] == [
+        ("00.mp4", 9), ("01.mp4", 5), ("02.mp4", 9), ("03.mp4", 5), ("still.png", 1)]
+    with pytest.raises(UsageError) as error:
+        find_clips(video_args("--train_data_dir", clips_dir, "--frame_buckets", "9,13"), WAN)
+    assert "expected readable videos of 9 frames or more: " in str(error.value)
+    assert f"{clips_dir / '01.mp4'} (too short: 7 frames sampled, 9 needed)" in str(error.value)
+    kept = find_clips(video_args("--train_data_dir", clips_dir, "--frame_buckets", "9,13", "--skip_corrupt_images"),
+                      WAN)
+    assert [(clip.name.split("/")[-1], len(clip.indices)) for clip in kept] == [
+        ("00.mp4", 9), ("02.mp4", 9), ("still.png", 1)]
+
+
+def test_frame_extraction_spreads_or_slides_windows_over_long_clips_with_their_frame_rates(clips_dir):
+    """The 12-frame clip (8 frames a second) at 5 frames: its first 5, 5 spread over all 12 (at 8 · 4/11 frames a
+    second), or the windows starting at 0 and 5 (each a sample, captioned alike), or 3 apart."""
+    def extracted(*flags):
+        args = video_args("--train_data_dir", clips_dir, "--num_frames", 5, *flags)
+        return [(clip.indices, clip.fps, clip.caption) for clip in find_clips(args, WAN)
+                if clip.name.endswith("02.mp4")]
+
+    caption = "a green triangle on a gray background"
+    assert extracted() == [([0, 1, 2, 3, 4], 8.0, caption)]
+    assert extracted("--frame_extraction", "uniform") == [([0, 3, 6, 8, 11], 8.0 * 4 / 11, caption)]
+    assert extracted("--frame_extraction", "slide") == [([0, 1, 2, 3, 4], 8.0, caption),
+                                                        ([5, 6, 7, 8, 9], 8.0, caption)]
+    assert [indices[0] for indices, _, _ in extracted("--frame_extraction", "slide", "--frame_extraction_stride", 3)] \
+        == [0, 3, 6]
+    every_other = extracted("--frame_extraction", "uniform", "--frame_stride", 2, "--skip_corrupt_images")  # 6 at 4/s
+    assert every_other == [([0, 2, 6, 8, 10], 4.0 * 4 / 5, caption)]
+
+
+def test_a_family_that_takes_no_stills_names_them_before_anything_loads(clips_dir):
+    videos_only = WAN._replace(stills=False)
+    with pytest.raises(UsageError) as error:
+        find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9, geometry=videos_only), videos_only)
+    assert f"{clips_dir / 'still.png'} (a still image: this family trains on videos only)" in str(error.value)
+    clips = find_clips(video_args("--train_data_dir", clips_dir, "--num_frames", 9, "--skip_corrupt_images",
+                                  geometry=videos_only), videos_only)
+    assert [clip.name.split("/")[-1] for clip in clips] == ["00.mp4", "01.mp4", "02.mp4", "03.mp4"]
 
 
 def test_unreadable_too_short_and_uncaptioned_files_are_named_before_anything_loads(clips_dir, tmp_path):

@@ -78,7 +78,8 @@ def test_sampling_towards_the_training_target_follows_the_training_path_in_each_
     pipe = pipes[name]
     settings = wan.prompt_settings(pipe, parse("--max_sequence_length", 16))
     generator = torch.Generator().manual_seed(0)
-    vae_latents = torch.randn(1, 16, 3, 4, 4, generator=generator)  # 9 frames of 32x32 pixels
+    side = 32 // pipe.vae_scale_factor_spatial  # 4, or TI2V's 2
+    vae_latents = torch.randn(1, pipe.vae.config.z_dim, 3, side, side, generator=generator)  # 9 frames of 32x32
     latents = wan.normalized_latents(pipe, vae_latents)
     noise = torch.randn(latents.shape, generator=generator)
     target = velocity(latents, noise)
@@ -112,8 +113,8 @@ def test_sampling_towards_the_training_target_follows_the_training_path_in_each_
         assert first <= index < end, (component, float(timestep))
     if name == "wan22":
         assert {component for component, _ in calls} == {"transformer", "transformer_2"}
-    if name == "ti2v":  # one timestep per token of 1x2x2 patches: 3 frames of 2x2
-        assert calls[0][1]["timestep"].shape == (1, 12)
+    if name == "ti2v":  # one timestep per token of 1x2x2 patches: 3 frames of 1x1 (a 16x VAE's 2x2 latents)
+        assert calls[0][1]["timestep"].shape == (1, 3)
 
 
 def test_each_expert_trains_only_on_its_own_timesteps(pipes):
@@ -263,3 +264,18 @@ def test_validation_reads_the_same_frames_whatever_output_type_the_pipeline_rend
         videos[output_type] = RenderedVideo(frames, fps=16).frames
     assert videos["np"].shape == (5, 16, 16, 3) and len(np.unique(videos["np"])) > 1
     assert all(np.array_equal(video, videos["np"]) for video in videos.values())
+
+
+def test_the_geometry_is_the_pipelines_own_so_ti2v_sides_are_multiples_of_32_before_its_weights_load(saved, tmp_path):
+    """TI2V-5B's VAE is 16× in space: its config says so, and `video_geometry` reads it before anything loads; a
+    hub id that cannot be read yet keeps `VIDEO` until loading says why."""
+    def geometry(path):
+        return wan.video_geometry(argparse.Namespace(pretrained_model_name_or_path=str(path), revision=None))
+
+    assert geometry(saved["wan21"]) == wan.VIDEO
+    assert geometry(saved["ti2v"]) == wan.VIDEO._replace(spatial=16, size_multiple=32)
+    assert geometry(tmp_path / "missing") == wan.VIDEO
+    assert usage_error("video/train_text_to_video_lora_wan.py", "--pretrained_model_name_or_path", saved["ti2v"],
+                       "--train_data_dir", saved["clips"], "--output_dir", tmp_path / "out", "--resolution", 48,
+                       "--num_frames", 9) == ("error: --resolution=48: expected a multiple of 32 (the VAE divides "
+                                              "sides by 16, and the pipeline takes whole patches)")

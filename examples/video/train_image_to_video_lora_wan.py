@@ -81,7 +81,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_flow_matching_args(args)
-    check_video_args(args, wan.VIDEO)
+    check_video_args(args, wan.video_geometry(args))
     wan.check_args(args)
     wan.check_image_to_video_model(args)
     images = args.validation_image or []
@@ -93,8 +93,9 @@ def parse_args(argv=None):
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
-    clips = find_clips(args, wan.VIDEO)
-    check_image_to_video_clips(clips, args, wan.VIDEO)
+    geometry = wan.video_geometry(args)
+    clips = find_clips(args, geometry)
+    check_image_to_video_clips(clips, args, geometry)
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own

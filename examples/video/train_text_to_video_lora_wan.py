@@ -65,7 +65,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     check_flow_matching_args(args)
-    check_video_args(args, wan.VIDEO)
+    check_video_args(args, wan.video_geometry(args))
     wan.check_args(args)
     fill_dependent_defaults(args)
     return args
@@ -73,7 +73,7 @@ def parse_args(argv=None):
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
-    clips = find_clips(args, wan.VIDEO)
+    clips = find_clips(args, wan.video_geometry(args))
     accelerator = make_accelerator(args, run)
 
     # 2. The pipeline, once. Its modules train and render the validation videos. Prompts are encoded as its own

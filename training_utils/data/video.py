@@ -1,15 +1,20 @@
 """Videos as training reads them, with PyAV: clips found and checked before anything loads (`find_clips`), their
-frames sampled (`--frame_rate` or `--frame_stride`) and laid out (`VideoTransform`), and their latents cached per
-clip (`cache_clip_latents`). Validation writes its videos with `rendered_video`.
+frames sampled (`--frame_rate` or `--frame_stride`), cut to their frame bucket (`--frame_extraction`) and laid out
+(`VideoTransform`), and their latents cached per clip (`cache_clip_latents`). Validation writes its videos with
+`rendered_video`.
 
 What a family's clips may be is its module's ``VIDEO`` (`families.base.VideoGeometry`), which every function here
-that needs it takes: nothing here knows a family. A clip trains at ``--num_frames`` frames, or, when it has fewer,
-at the longest count the VAE takes (``temporal·k + 1``) that it has: its frame bucket. A video too short to be one
-(fewer than the family's ``min_frames``) never trains as a still: it stops the run before anything loads. A clip
-is never padded or looped. A still image is a clip of one frame. Every batch holds clips of one (frames, height,
-width) shape (`datasets.TrainDataset`'s ``shapes``), so frame buckets and resolution buckets batch alike. A clip's
-frames start at its first frame; its crop and flip are drawn once per sample for all its frames, as an image's are.
-A clip carries the frame rate of its sampled frames, which the family's ``model_inputs`` takes as ``frame_rate``.
+that needs it takes: nothing here knows a family. The frame counts a run trains at, its frame buckets, are
+``--frame_buckets`` (each a count the VAE takes, ``temporal·k + 1``) or, by default, every such count up to
+``--num_frames`` (`training_frame_counts`). A clip trains at the longest bucket its sampled frames fill; a video too
+short for the shortest (or for the family's ``min_frames``) never trains as a still: it stops the run before
+anything loads. A clip is never padded or looped. A still image is a clip of one frame, where the family takes
+stills. How a longer clip gives its bucket's frames is ``--frame_extraction`` (`extract_windows`): its first frames
+(``head``), frames spread over all of it (``uniform``), or every window of them (``slide``, each window a sample of
+its own). Every batch holds clips of one (frames, height, width) shape (`datasets.TrainDataset`'s ``shapes``), so
+frame buckets and resolution buckets batch alike. A clip's crop and flip are drawn once per sample for all its
+frames, as an image's are. A clip carries the frame rate of its frames, which the family's ``model_inputs`` takes
+as ``frame_rate``.
 """
 
 import inspect
@@ -33,6 +38,8 @@ logger = logging.getLogger(__name__)
 VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".gif", ".mkv", ".avi"}
 # The share of one-frame clips (stills) in an image-to-video run from which it warns that they teach copying.
 ONE_FRAME_WARNING_SHARE = 0.25
+# How a clip longer than its frame bucket gives the bucket's frames (`extract_windows`).
+EXTRACTIONS = ("head", "uniform", "slide")
 # What PyAV and PIL raise for missing, truncated or undecodable files.
 UNREADABLE_VIDEO_ERRORS = (*UNREADABLE_IMAGE_ERRORS, ValueError, IndexError)
 
@@ -49,9 +56,20 @@ def add_video_args(parser, pipeline_class):
     group.add_argument("--frame_rate", type=float, default=None,
                        help="sample each video at this many frames a second (default: every frame)")
     group.add_argument("--frame_stride", type=int, default=None, help="sample every N-th frame (default: 1)")
+    group.add_argument("--frame_buckets", default=None,
+                       help="the frame counts clips train at, comma-separated (e.g. 9,17,33), each a count the VAE "
+                            "takes; a clip trains at the longest it fills (default: every such count up to "
+                            "--num_frames)")
+    group.add_argument("--frame_extraction", choices=EXTRACTIONS, default="head",
+                       help="how a clip longer than its bucket gives the bucket's frames: head, its first frames; "
+                            "uniform, frames spread evenly from its first to its last (the whole clip, at a lower "
+                            "frame rate); slide, every window of them, each a sample of its own (default: head)")
+    group.add_argument("--frame_extraction_stride", type=int, default=None,
+                       help="with --frame_extraction slide, the sampled frames between one window's start and the "
+                            "next's (default: a window's length, so windows do not overlap)")
     group.add_argument("--video_column", default="video", help="the column of --dataset_name holding the videos")
     group.add_argument("--validation_num_frames", type=int, default=None,
-                       help="frames per validation video (default: --num_frames)")
+                       help="frames per validation video (default: --num_frames, or the longest of --frame_buckets)")
     group.add_argument("--validation_fps", type=int, default=None,
                        help="frame rate of the validation mp4s (default: the family's native rate)")
     group.add_argument("--enable_vae_tiling", action="store_true",
@@ -61,11 +79,25 @@ def add_video_args(parser, pipeline_class):
 
 def check_video_args(args, geometry):
     """Fail in one line on a bad video flag for a family of ``geometry`` (its ``VIDEO``), before anything loads: a
-    frame count its VAE does not take, a size off its multiple; unset, ``--validation_fps`` is its native rate."""
+    frame count its VAE does not take, a size off its multiple; ``--frame_buckets`` becomes a sorted list of counts;
+    unset, ``--validation_num_frames`` is the longest bucket given and ``--validation_fps`` the native rate."""
     counts = ", ".join(map(str, geometry.frame_counts()))
+    expected = f"a frame count the VAE takes: {geometry.temporal}k+1 ({counts}, ...)"
     for flag, value in (("--num_frames", args.num_frames), ("--validation_num_frames", args.validation_num_frames)):
-        require(value is None or geometry.takes(value), flag, value,
-                f"a frame count the VAE takes: {geometry.temporal}k+1 ({counts}, ...)")
+        require(value is None or geometry.takes(value), flag, value, expected)
+    if args.frame_buckets is not None:
+        buckets = args.frame_buckets.split(",")
+        require(all(bucket.strip().isdigit() for bucket in buckets), "--frame_buckets", args.frame_buckets,
+                "frame counts separated by commas, such as 9,17,33")
+        args.frame_buckets = sorted({int(bucket) for bucket in buckets})
+        wrong = [bucket for bucket in args.frame_buckets if not geometry.takes(bucket)]
+        require(not wrong, "--frame_buckets", ",".join(buckets), f"{expected}; {wrong[0] if wrong else ''} is not")
+        if args.validation_num_frames is None:
+            args.validation_num_frames = args.frame_buckets[-1]
+    require(args.frame_extraction_stride is None or args.frame_extraction == "slide", "--frame_extraction_stride",
+            args.frame_extraction_stride, "nothing unless --frame_extraction is slide (windows a stride apart)")
+    require(args.frame_extraction_stride is None or args.frame_extraction_stride > 0, "--frame_extraction_stride",
+            args.frame_extraction_stride, "a positive integer")
     for flag in ("--resolution", "--validation_height", "--validation_width"):
         value = getattr(args, flag[2:], None)
         require(value is None or value % geometry.size_multiple == 0, flag, value,
@@ -110,6 +142,39 @@ def frame_indices(count, fps, frame_rate=None, frame_stride=None):
         step = fps / frame_rate
         return [int(k * step + 1e-6) for k in range(int((count - 1) / step + 1e-6) + 1)]
     return list(range(0, count, frame_stride or 1))
+
+
+def training_frame_counts(args, geometry):
+    """The frame buckets: ``--frame_buckets``, or every count the VAE takes from a video's fewest frames up to
+    ``--num_frames`` (`VideoGeometry.counts_up_to`), shortest first."""
+    return args.frame_buckets or geometry.counts_up_to(args.num_frames)
+
+
+def extract_windows(indices, frames, extraction="head", stride=None):
+    """The frame windows, of ``frames`` frames each, that a clip of sampled frames ``indices`` trains on:
+
+    - ``head``: its first ``frames``;
+    - ``uniform``: ``frames`` spread evenly from its first to its last (the nearest sampled frame to each even
+      step), so the window spans the whole clip;
+    - ``slide``: every window of ``frames`` consecutive sampled frames starting ``stride`` apart (by default
+      ``frames``: windows side by side), the last frames that fill no window left out.
+    """
+    if extraction == "head" or frames == 1 or frames == len(indices):
+        return [indices[:frames]]
+    if extraction == "uniform":
+        span = len(indices) - 1
+        return [[indices[(2 * k * span + frames - 1) // (2 * (frames - 1))] for k in range(frames)]]
+    step = stride or frames
+    return [indices[start:start + frames] for start in range(0, len(indices) - frames + 1, step)]
+
+
+def window_rate(rate, indices, window):
+    """The frames a second of ``window``'s frames, taken from sampled frames ``indices`` at ``rate``: ``rate``, or
+    lower when the window spreads them over more of the clip (``uniform``)."""
+    if rate is None or len(window) < 2:
+        return rate
+    spanned = indices.index(window[-1]) - indices.index(window[0])
+    return rate * (len(window) - 1) / spanned
 
 
 def sampled_rate(fps, frame_rate=None, frame_stride=None):
@@ -178,10 +243,11 @@ def _folder_rows(folder):
 def find_clips(args, geometry):
     """The training clips of ``--train_data_dir`` (videos and still images, captions from ``metadata.jsonl`` or
     sidecar ``.txt`` files) or ``--dataset_name`` (``--video_column``, ``--caption_column``), each probed: a file
-    that cannot be read, or a video giving fewer than the family's ``geometry.min_frames`` frames (too short to be
-    a video for its VAE), stops the run in one line naming it, before any weights load (with
-    ``--skip_corrupt_images``, a warning names them and they are left out). Each clip keeps the frames of its
-    bucket (``geometry.bucket``)."""
+    that cannot be read, a video giving fewer frames than the shortest bucket (or than the family's
+    ``geometry.min_frames``: too short to be a video for its VAE), or a still image where the family takes none,
+    stops the run in one line naming it, before any weights load (with ``--skip_corrupt_images``, a warning names
+    them and they are left out). Each video gives the windows of its bucket's frames that ``--frame_extraction``
+    cuts (`extract_windows`), each a clip."""
     if (args.dataset_name is None) == (args.train_data_dir is None):
         raise UsageError("--dataset_name/--train_data_dir", args.dataset_name or args.train_data_dir,
                          "exactly one of the two")
@@ -198,6 +264,8 @@ def find_clips(args, geometry):
     if args.max_train_samples is not None:
         rows = rows[:args.max_train_samples]
     flag, value = data_flag(args)
+    buckets = training_frame_counts(args, geometry)
+    fewest = max(geometry.min_frames, buckets[0])
     clips, bad = [], []
     for source, caption in rows:
         try:
@@ -205,14 +273,23 @@ def find_clips(args, geometry):
         except UNREADABLE_VIDEO_ERRORS as error:
             bad.append(f"{_name(source)} (unreadable: {type(error).__name__}: {error})")
             continue
-        indices = frame_indices(count, fps, args.frame_rate, args.frame_stride)
-        if not is_still(source) and len(indices) < geometry.min_frames:
-            bad.append(f"{_name(source)} (too short: {len(indices)} frames sampled, {geometry.min_frames} needed)")
+        if is_still(source):
+            if geometry.stills:
+                clips.append(Clip(source, caption, [0], size))
+            else:
+                bad.append(f"{_name(source)} (a still image: this family trains on videos only)")
             continue
-        clips.append(Clip(source, caption, indices[:geometry.bucket(len(indices), args.num_frames)], size,
-                          sampled_rate(fps, args.frame_rate, args.frame_stride)))
+        indices = frame_indices(count, fps, args.frame_rate, args.frame_stride)
+        if len(indices) < fewest:
+            bad.append(f"{_name(source)} (too short: {len(indices)} frames sampled, {fewest} needed)")
+            continue
+        rate = sampled_rate(fps, args.frame_rate, args.frame_stride)
+        frames = max(bucket for bucket in buckets if bucket <= len(indices))
+        clips.extend(Clip(source, caption, window, size, window_rate(rate, indices, window))
+                     for window in extract_windows(indices, frames, args.frame_extraction,
+                                                   args.frame_extraction_stride))
     if bad and not args.skip_corrupt_images:
-        raise UsageError(flag, value, f"readable videos of {geometry.min_frames} frames or more: {few(bad, 3)} "
+        raise UsageError(flag, value, f"readable videos of {fewest} frames or more: {few(bad, 3)} "
                          "(--skip_corrupt_images leaves them out)")
     for line in bad:
         logger.warning(f"left out: {line}")

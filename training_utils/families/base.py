@@ -22,7 +22,9 @@ class VideoGeometry(NamedTuple):
     - ``size_multiple``: what ``--resolution`` and each side of a render must be a multiple of (the VAE's spatial
       factor times the transformer's patch, as the pipeline's ``check_inputs`` asks);
     - ``fps``: the frame rate the model renders at natively (validation mp4s and the model card's code);
-    - ``output_type``: what validation asks the pipeline's ``.frames`` to be.
+    - ``output_type``: what validation asks the pipeline's ``.frames`` to be;
+    - ``stills``: whether a still image trains as a one-frame clip beside the videos (a family whose model takes no
+      one-latent-frame input says False, and a still image in its data stops the run).
     """
 
     spatial: int
@@ -30,6 +32,7 @@ class VideoGeometry(NamedTuple):
     size_multiple: int
     fps: int
     output_type: str
+    stills: bool = True
 
     @property
     def min_frames(self):
@@ -44,10 +47,28 @@ class VideoGeometry(NamedTuple):
         """The first ``count`` frame counts the VAE takes, for messages: ``1, temporal + 1, ...``."""
         return [k * self.temporal + 1 for k in range(count)]
 
-    def bucket(self, available, num_frames):
-        """The frames a clip of ``available`` sampled frames trains at: ``num_frames``, or the longest count the
-        VAE takes that it has."""
-        return min(num_frames, (available - 1) // self.temporal * self.temporal + 1)
+    def counts_up_to(self, frames):
+        """Every count the VAE takes that is still a video, from `min_frames` to ``frames`` (or ``[frames]`` when
+        ``frames`` is shorter: one frame, by choice)."""
+        return list(range(self.min_frames, frames + 1, self.temporal)) or [frames]
+
+
+def fixed_geometry(video):
+    """`protocol.VideoFamily.video_geometry` of a family whose every pipeline has the geometry ``video``."""
+    def video_geometry(args):
+        return video
+
+    return video_geometry
+
+
+def component_config(model_class, args, subfolder):
+    """The config of ``--pretrained_model_name_or_path``'s ``subfolder`` model as a dict (a hub id's: its config
+    file alone), read with ``model_class.load_config`` before any weights load; empty where it cannot be read."""
+    try:
+        return dict(model_class.load_config(args.pretrained_model_name_or_path, subfolder=subfolder,
+                                            revision=getattr(args, "revision", None)))
+    except (OSError, ValueError):
+        return {}
 
 
 def add_max_sequence_length(group, help):

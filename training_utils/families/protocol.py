@@ -93,6 +93,11 @@ class VideoFamily(ImageFamily, Protocol):
     DENOISERS: tuple  # the pipeline's components that denoise: the quantised base
 
     @staticmethod
+    def video_geometry(args):
+        """The geometry of the pipeline ``args`` names, before any weights load: ``VIDEO``, or where a family's
+        pipelines differ (Wan TI2V's VAE, 16× in space), what its configs state."""
+
+    @staticmethod
     def model_inputs(pipe, noisy_latents, timesteps, text, frame_rate=None):
         """All the model's keyword inputs, for clips of ``frame_rate`` frames a second (a list, one a sample)."""
 

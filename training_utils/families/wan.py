@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
 from . import base
 from ..errors import require
@@ -55,8 +55,9 @@ EXPERTS = {"high": "transformer", "low": "transformer_2"}
 DENOISERS = ("transformer", "transformer_2")
 # Wan 2.1 and 2.2 A14B: a VAE of 8× in space and 4× in time, 1×2×2 patches (``WanPipeline.check_inputs`` asks sides
 # of multiples of 16), 16 frames a second, frames as NumPy arrays (the pipeline's default). TI2V-5B's VAE is 16×
-# in space: its pipeline refuses sides off 32 at the first render.
+# in space (`video_geometry` reads it from the VAE's config).
 VIDEO = VideoGeometry(spatial=8, temporal=4, size_multiple=16, fps=16, output_type="np")
+PATCH = 2  # the transformer's spatial patch, in every released Wan
 call_kwargs = base.call_kwargs
 image_vae = base.image_vae
 normalized_latents = base.standardised_latents  # the video's latents (B, C, frames, H, W)
@@ -80,6 +81,16 @@ def check_args(args):
         experts = json.loads(index.read_text()).get("transformer_2", [None])[0] is not None
         require(args.train_expert in (None, "high") or experts, "--train_expert", args.train_expert,
                 "high or nothing: the pipeline has one transformer, no low-noise expert (transformer_2)")
+
+
+def video_geometry(args):
+    """`VIDEO` with the compression the pipeline's VAE states in its config (``scale_factor_spatial`` and
+    ``scale_factor_temporal``), read before any weights load: TI2V-5B's VAE is 16× in space, so its sides are
+    multiples of 32. Where the config cannot be read, loading will say why; until then, `VIDEO`."""
+    config = base.component_config(AutoencoderKLWan, args, "vae")
+    spatial = config.get("scale_factor_spatial") or VIDEO.spatial
+    return VIDEO._replace(spatial=spatial, temporal=config.get("scale_factor_temporal") or VIDEO.temporal,
+                          size_multiple=spatial * PATCH)
 
 
 def prompt_settings(pipe, args):
