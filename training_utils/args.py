@@ -185,6 +185,15 @@ def add_lora_layers_arg(parser, default, example):
                              f"their names, e.g. {example})")
 
 
+def add_aliases(parser, aliases):
+    """Each ``{flag: alias}`` of ``aliases``: ``alias`` another spelling of ``parser``'s ``flag`` (upstream's name for
+    the same argument)."""
+    for flag, alias in aliases.items():
+        action = parser._option_string_actions[flag]
+        action.option_strings.append(alias)
+        parser._option_string_actions[alias] = action
+
+
 def comma_separated(value):
     """The names in a comma-separated flag value, stripped."""
     return [name.strip() for name in value.split(",")]

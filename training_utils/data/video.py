@@ -222,7 +222,8 @@ class Clip(NamedTuple):
 
 def _folder_rows(folder):
     """``[(path, caption or None)]`` of a folder of videos and images: captions from ``metadata.jsonl``
-    (``file_name``, ``text``) where it lists the file, else from a sidecar ``.txt`` beside it."""
+    (``file_name``, ``text``) where it lists the file, else from a sidecar ``.txt`` beside it, else, in upstream's
+    Cosmos layout (``videos/<name>.mp4`` beside ``metas/<name>.txt``), from its ``metas`` file."""
     captions = {}
     for metadata in sorted(folder.rglob("metadata.jsonl")):
         check_metadata(metadata, "--train_data_dir", str(folder), "text")
@@ -234,8 +235,9 @@ def _folder_rows(folder):
     for path in sorted(folder.rglob("*")):
         if path.suffix.lower() in VIDEO_EXTENSIONS | IMAGE_EXTENSIONS:
             caption = captions.get(path.resolve())
-            if caption is None:
-                caption = read_caption_file(path.with_suffix(".txt"), "--train_data_dir", str(folder))
+            for sidecar in (path.with_suffix(".txt"), path.parent.parent / "metas" / f"{path.stem}.txt"):
+                if caption is None:
+                    caption = read_caption_file(sidecar, "--train_data_dir", str(folder))
             rows.append((path, caption))
     return rows
 

@@ -61,6 +61,27 @@ def fixed_geometry(video):
     return video_geometry
 
 
+def only_transformer(pipe, args):
+    """`protocol.VideoFamily.trained_denoisers` of a family with one denoiser: ``{"transformer": pipe.transformer}``."""
+    return {"transformer": pipe.transformer}
+
+
+def only_denoiser(pipe, noise_scheduler, trained, seed, step):
+    """`protocol.VideoFamily.step_denoiser` of a family with one denoiser: every step trains it."""
+    return next(iter(trained))
+
+
+def load_adapter_lines(export, output_dir):
+    """The model card's lines that load the adapters of ``export`` (`adapters.export.adapter_export`) from
+    ``output_dir``: a LoRA or DoRA with ``load_lora_weights``, any other adapter with peft."""
+    if export.kind == "peft":
+        return "\n".join(["from peft import PeftModel",
+                          f'for component in {list(export.adapter_configs)}:  # or "{output_dir}/ema/" + component '
+                          "for the EMA adapter",
+                          f'    PeftModel.from_pretrained(getattr(pipe, component), "{output_dir}/" + component)'])
+    return f'pipe.load_lora_weights("{output_dir}")  # or "{output_dir}/ema" for the EMA adapter'
+
+
 def component_config(model_class, args, subfolder):
     """The config of ``--pretrained_model_name_or_path``'s ``subfolder`` model as a dict (a hub id's: its config
     file alone), read with ``model_class.load_config`` before any weights load; empty where it cannot be read."""

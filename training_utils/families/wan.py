@@ -181,20 +181,14 @@ def sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser):
 
 
 def load_adapter_lines(export, output_dir):
-    """The model card's lines that load the adapters of ``export`` (`adapter_export`) from ``output_dir``: a LoRA or
-    DoRA with ``load_lora_weights`` (a Wan 2.2 low-noise expert's into ``transformer_2``), any other adapter with
-    peft."""
+    """`base.load_adapter_lines`, with a Wan 2.2 low-noise expert's LoRA loaded into ``transformer_2``."""
     trained = list(export.adapter_configs)
-    if export.kind == "peft":
-        return "\n".join(["from peft import PeftModel",
-                          f'for component in {trained}:  # or "{output_dir}/ema/" + component for the EMA adapter',
-                          f'    PeftModel.from_pretrained(getattr(pipe, component), "{output_dir}/" + component)'])
+    if export.kind == "peft" or "transformer_2" not in trained:
+        return base.load_adapter_lines(export, output_dir)
     if trained == ["transformer_2"]:
         return f'pipe.load_lora_weights("{output_dir}", load_into_transformer_2=True)  # or "{output_dir}/ema"'
-    lines = [f'pipe.load_lora_weights("{output_dir}")  # or "{output_dir}/ema" for the EMA adapter']
-    if "transformer_2" in trained:
-        lines.append(f'pipe.load_lora_weights("{output_dir}/transformer_2", load_into_transformer_2=True)')
-    return "\n".join(lines)
+    return "\n".join([base.load_adapter_lines(export, output_dir),
+                      f'pipe.load_lora_weights("{output_dir}/transformer_2", load_into_transformer_2=True)'])
 
 
 # The first frame's mask beside the latents: one channel per frame of the VAE's 4-frame steps in time.

@@ -54,7 +54,7 @@ from diffusers.utils import export_to_video
 
 pipe = {pipeline_class}.from_pretrained("{base_model}"{load_options})
 {load_lora}
-video = pipe("{prompt}", num_frames={num_frames}).frames[0]
+video = pipe(prompt="{prompt}", num_frames={num_frames}).frames[0]
 export_to_video(video, "video.mp4", fps={fps})
 """
 
