@@ -726,7 +726,11 @@ WITHOUT_UPSTREAM_TESTS = {"amused/train_amused.py": "upstream has no test for it
                           "kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py":
                               "upstream has no tests for its Kandinsky 2.2 scripts",
                           "consistency_distillation/train_lcm_distill_lora_sd_wds.py":
-                              "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)"}
+                              "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)",
+                          **dict.fromkeys(["consistency_distillation/train_lcm_distill_lora_sdxl_wds.py",
+                                           "consistency_distillation/train_lcm_distill_sd_wds.py",
+                                           "consistency_distillation/train_lcm_distill_sdxl_wds.py"],
+                                          "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)")}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 
