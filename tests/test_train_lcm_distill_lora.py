@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from helpers import launch, launch_together, launching, usage_error
 from training_utils.testing import (assert_checkpoint_is_the_output, assert_lora_changes_pipeline_output,
-                                    assert_model_folder_loads, assert_resumes_exactly, assert_validated_at,
-                                    checkpoint_names, differing_keys, read_log)
+                                    assert_model_folder_loads, assert_resumes_exactly, assert_same_tensors,
+                                    assert_validated_at, checkpoint_names, differing_keys, read_log)
 
 SCRIPT = "consistency_distillation/train_lcm_distill_lora_sdxl.py"
 WDS_SCRIPT = "consistency_distillation/train_lcm_distill_lora_sd_wds.py"
@@ -65,7 +65,8 @@ def runs(tiny, tmp_path_factory):
     - wds: the SD 1.x script on the shards (`wds`), validating at the final step;
     - sdxl_wds: the SDXL script on the shards, 2 steps, micro-conditioned on fixed sizes and crops, no validation;
     - full_sd: the full SD 1.x distillation (`full`), validating one prompt every 2 steps, raw and EMA;
-    - full_sdxl: the full SDXL distillation, 2 steps with fixed sizes and crops, validating at the final step.
+    - full_sdxl: the full SDXL distillation, 2 steps with fixed sizes and crops, validating at the final step;
+    - full_sd_decay0: full_sd at EMA decay 0 (the target network the student itself), no validation.
     """
     root = tmp_path_factory.mktemp("runs")
     launch_together({
@@ -82,8 +83,9 @@ def runs(tiny, tmp_path_factory):
         "full_sdxl": (FULL_SCRIPTS["sdxl"], *full(tiny, "sdxl", root / "full_sdxl", "--max_train_steps", 2,
                                                   "--use_fix_crop_and_size", "--validation_prompt", PROMPT,
                                                   "--num_validation_images", 1)),
+        "full_sd_decay0": (FULL_SCRIPTS["sd"], *full(tiny, "sd", root / "full_sd_decay0", "--ema_decay", 0)),
     })
-    return {name: root / name for name in ("l2", "huber", "wds", "sdxl_wds", "full_sd", "full_sdxl")}
+    return {name: root / name for name in ("l2", "huber", "wds", "sdxl_wds", "full_sd", "full_sdxl", "full_sd_decay0")}
 
 
 LORA_RUNS = {"l2": "sdxl", "huber": "sdxl", "wds": "sd", "sdxl_wds": "sdxl"}
@@ -238,6 +240,14 @@ def test_full_checkpoints_hold_the_output_and_resume_to_the_uninterrupted_weight
     # The uninterrupted run validated at step 2 (after writing checkpoint-2) and 4, the resumed one never.
     assert_resumes_exactly(FULL_SCRIPTS["sd"], lambda directory: full(tiny, "sd", directory), output_dir, tmp_path,
                            2, [UNET, EMA_UNET], launch=launch)
+
+
+def test_the_target_network_is_the_ema_so_its_decay_changes_what_the_student_learns(runs):
+    # The EMA's first update copies the student: the targets first differ at step 3, where decay 0.9's EMA still
+    # holds some of step 1's weights and decay 0's is the student itself.
+    at_decay_0 = runs["full_sd_decay0"]
+    assert_same_tensors(load_file(at_decay_0 / EMA_UNET), load_file(at_decay_0 / UNET))
+    assert differing_keys(load_file(at_decay_0 / UNET), load_file(runs["full_sd"] / UNET))
 
 
 @pytest.mark.parametrize("script, flags, message", [

@@ -24,9 +24,10 @@ student is the same UNet with its LoRA, whose consistency output at the noisier 
 gradient: as upstream, no separate target network for an LCM-LoRA) at the teacher's step (``--loss_type l2|huber``).
 ``--use_ema`` keeps an EMA of the LoRA beside it, validated and saved as the raw one is.
 
-The frozen UNet (the teacher) and VAE run in the mixed-precision dtype (``--cast_teacher_unet`` is always so here); SDXL's own VAE overflows in fp16, so with
-``--mixed_precision fp16`` pass an fp16-safe one (as above) with ``--pretrained_vae_model_name_or_path``,
-or train in bf16. That VAE replaces the pipeline's, for training and validation alike.
+The frozen UNet (the teacher) and VAE run in the mixed-precision dtype (``--cast_teacher_unet`` is always so here);
+SDXL's own VAE overflows in fp16, so with ``--mixed_precision fp16`` pass an fp16-safe one (as above) with
+``--pretrained_vae_model_name_or_path``, or train in bf16. That VAE replaces the pipeline's, for training and
+validation alike.
 
 Frozen text encoders run once per distinct caption before training, not in every step; with
 ``--cache_latents`` the VAE encodes each image once too. Cached encoders leave the accelerator until validation.

@@ -109,9 +109,9 @@ def main(args, run):
     dataset = load_shards(args)
     accelerator = make_accelerator(args, run)
 
-    # 2. The pipeline, once (with the replacement VAE, if any), its UNet in fp32 until the student is copied from it. That UNet is the teacher; the
-    #    student takes its place in the pipeline, whose modules render validation images. The DDIM solver steps the
-    #    teacher on the training noise schedule's alphas.
+    # 2. The pipeline, once (with the replacement VAE, if any), its UNet in fp32 until the student is copied from it.
+    #    That UNet is the teacher; the student takes its place in the pipeline, whose modules render validation
+    #    images. The DDIM solver steps the teacher on the training noise schedule's alphas.
     weight_dtype = weight_dtype_for(accelerator.mixed_precision)
     vae_replacement = sdxl.vae_components(args.pretrained_vae_model_name_or_path, weight_dtype)
     pipe = load_pipeline(StableDiffusionXLPipeline, args, weight_dtype, trained_in_fp32=["unet"], **vae_replacement)
