@@ -163,3 +163,52 @@ def test_adapters_disabled_makes_the_student_the_teacher_and_restores_it_even_on
         again = unet(*inputs).sample
         assert torch.equal(teacher, tiny_sd_pipe.unet(*inputs).sample)
     assert not torch.equal(student, teacher) and torch.equal(again, student)
+
+
+def student_parser():
+    parser = training_parser("test")
+    lcm.add_student_args(parser)
+    lcm.add_args(parser)
+    return parser
+
+
+def test_a_full_distillation_keeps_its_ema_always_at_upstreams_decay_and_has_no_lora_rank():
+    args = student_parser().parse_args(["--pretrained_teacher_model", "model", "--teacher_revision", "main"])
+    assert (args.pretrained_model_name_or_path, args.revision) == ("model", "main")
+    assert (args.use_ema, args.ema_decay, args.unet_time_cond_proj_dim) == (True, 0.95, 256)
+    assert "--lora_rank" not in student_parser()._option_string_actions
+    args = student_parser().parse_args(["--pretrained_model_name_or_path", "m", "--unet_time_cond_proj_dim", "0"])
+    with pytest.raises(UsageError, match=r"^--unet_time_cond_proj_dim=0: expected a positive size$"):
+        lcm.check_args(args)
+
+
+def test_the_student_is_the_teacher_with_a_guidance_embedding_added(tiny_sd_pipe):
+    from diffusers import UNet2DConditionModel
+
+    teacher = tiny_sd_pipe.unet
+    assert teacher.config.time_cond_proj_dim is None
+    torch.manual_seed(0)
+    student = lcm.student_unet(teacher, 8)
+    assert type(student) is UNet2DConditionModel and student.config.time_cond_proj_dim == 8
+    weights, teacher_weights = student.state_dict(), teacher.state_dict()
+    assert weights.keys() - teacher_weights.keys() == {"time_embedding.cond_proj.weight"}
+    assert all(torch.equal(weights[name], tensor) for name, tensor in teacher_weights.items())
+    assert weights["time_embedding.cond_proj.weight"].abs().sum() > 0
+    # The embedding is the only difference: without it the student computes what the teacher does (to rounding: the
+    # CPU's kernels are not bitwise repeatable across modules here).
+    inputs = (torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([500]),
+              torch.randn(1, 4, teacher.config.cross_attention_dim, generator=torch.Generator().manual_seed(1)))
+    w_embedding = tiny_sd_pipe.get_guidance_scale_embedding(torch.tensor([4.0]), embedding_dim=8)
+    with torch.no_grad():
+        torch.testing.assert_close(student(*inputs).sample, teacher(*inputs).sample, rtol=0, atol=1e-5)
+        assert (student(*inputs, timestep_cond=w_embedding).sample - teacher(*inputs).sample).abs().max() > 1e-3
+    # A teacher that has the embedding already keeps its size, and the student all of its weights.
+    again = lcm.student_unet(student, 16)
+    assert again.config.time_cond_proj_dim == 8
+    assert all(torch.equal(again.state_dict()[name], tensor) for name, tensor in weights.items())
+
+
+def test_the_loading_code_of_a_distilled_unet_renders_at_its_guidance_scale():
+    code = lcm.with_lcm_scheduler(LORA_HOW_TO_LOAD.format(
+        imports="P", pipeline_class="P", base_model="base", load_options="", output_dir="out", prompt="a cat"), 4, 7.5)
+    assert 'pipe("a cat", num_inference_steps=4, guidance_scale=7.5)' in code

@@ -727,7 +727,11 @@ WITHOUT_UPSTREAM_TESTS = {"amused/train_amused.py": "upstream has no test for it
                               "upstream has no tests for its Kandinsky 2.2 scripts",
                           "consistency_distillation/train_lcm_distill_lora_sd_wds.py":
                               "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)",
-                          "cosmos/train_cosmos_predict25_lora.py": "upstream has no test for its Cosmos script"}
+                          "cosmos/train_cosmos_predict25_lora.py": "upstream has no test for its Cosmos script",
+                          **dict.fromkeys(["consistency_distillation/train_lcm_distill_lora_sdxl_wds.py",
+                                           "consistency_distillation/train_lcm_distill_sd_wds.py",
+                                           "consistency_distillation/train_lcm_distill_sdxl_wds.py"],
+                                          "upstream tests only its SDXL LCM-LoRA script (test_lcm_lora.py)")}
 # The flags each script's upstream counterpart adds to its parser (`UPSTREAM_FLAGS["source"]` says where from).
 UPSTREAM_FLAGS = json.loads((Path(__file__).with_name("upstream_flags.json")).read_text())
 

@@ -12,8 +12,10 @@ matching what it maps the teacher's one DDIM step further along the guided proba
   formulation, ``cond + w * (cond - uncond)``);
 - `consistency_loss`: l2 or pseudo-Huber;
 - `adapters_disabled`: the student's UNet as the teacher, its LoRA off;
-- `add_args`: the distillation flags, and upstream's names for flags every script here has;
-- `with_lcm_scheduler`: a model card's loading code, rendering as an LCM-LoRA renders.
+- `student_unet`: a full distillation's student, the teacher's UNet with a guidance-scale (w) embedding;
+- `add_args`: the distillation flags, and upstream's names for flags every script here has; `add_student_args`,
+  the full distillation's;
+- `with_lcm_scheduler`: a model card's loading code, rendering as an LCM (LoRA) renders.
 """
 
 import contextlib
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 def add_args(parser):
     """The distillation flags (upstream's names and defaults), and upstream's spellings of the pipeline and LoRA
     flags: the teacher is the pipeline (``--pretrained_teacher_model``, ``--teacher_revision``), ``--lora_rank`` is
-    ``--rank``, ``--interpolation_type`` is ``--image_interpolation_mode``."""
+    ``--rank`` (where the parser has it), ``--interpolation_type`` is ``--image_interpolation_mode``."""
     group = parser.add_argument_group("consistency distillation")
     group.add_argument("--w_min", type=float, default=3.0,
                        help="the smallest guidance scale sampled for the teacher (LCM's formulation: Imagen's minus 1)")
@@ -41,7 +43,17 @@ def add_args(parser):
     for flag, alias in (("--pretrained_model_name_or_path", "--pretrained_teacher_model"),
                         ("--revision", "--teacher_revision"), ("--rank", "--lora_rank"),
                         ("--image_interpolation_mode", "--interpolation_type")):
-        add_alias(parser, flag, alias)
+        if flag in parser._option_string_actions:  # a full distillation has no --rank
+            add_alias(parser, flag, alias)
+
+
+def add_student_args(parser):
+    """The full distillation's flags: the size of the student's guidance-scale embedding, and the EMA as its target
+    network, always kept, at upstream's decay (``--ema_decay`` 0.95)."""
+    parser.add_argument("--unet_time_cond_proj_dim", type=int, default=256,
+                        help="the size of the student UNet's guidance-scale embedding, where the teacher's UNet has "
+                             "none (its time_cond_proj_dim)")
+    parser.set_defaults(use_ema=True, ema_decay=0.95)
 
 
 def add_alias(parser, flag, alias):
@@ -61,6 +73,9 @@ def check_args(args, num_train_timesteps=None):
         require(args.num_ddim_timesteps <= num_train_timesteps, "--num_ddim_timesteps", args.num_ddim_timesteps,
                 f"at most the scheduler's {num_train_timesteps} training timesteps")
     require(args.huber_c > 0, "--huber_c", args.huber_c, "a positive number")
+    if hasattr(args, "unet_time_cond_proj_dim"):
+        require(args.unet_time_cond_proj_dim > 0, "--unet_time_cond_proj_dim", args.unet_time_cond_proj_dim,
+                "a positive size")
 
 
 def gathered(values, indices, ndim):
@@ -163,6 +178,20 @@ def adapters_disabled(model):
         model.enable_adapters()
 
 
+def student_unet(teacher, time_cond_proj_dim):
+    """A full distillation's student: ``teacher``'s UNet with a guidance-scale (w) embedding of ``time_cond_proj_dim``
+    (the teacher's own, where it has one), holding the teacher's weights (in fp32); the embedding's
+    projection, which the teacher lacks, starts as the model initialises it (from the seeded global generator)."""
+    embedding_dim = teacher.config.time_cond_proj_dim or time_cond_proj_dim
+    with torch.device(teacher.device):  # the meta device where the run only plans its memory
+        student = type(teacher).from_config(teacher.config, time_cond_proj_dim=embedding_dim)
+    missing, unexpected = student.load_state_dict(teacher.state_dict(), strict=False)
+    if unexpected or any(".cond_proj." not in name for name in missing):
+        raise ValueError(f"the student UNet does not hold the teacher's weights: missing {missing}, unexpected "
+                         f"{unexpected}")
+    return student
+
+
 def consistency_loss(prediction, target, loss_type="l2", huber_c=0.001):
     """The mean l2 or pseudo-Huber (``sqrt(d^2 + c^2) - c``) distance, in fp32."""
     prediction, target = prediction.float(), target.float()
@@ -171,12 +200,12 @@ def consistency_loss(prediction, target, loss_type="l2", huber_c=0.001):
     return torch.mean(torch.sqrt((prediction - target) ** 2 + huber_c ** 2) - huber_c)
 
 
-def with_lcm_scheduler(loading_code, num_inference_steps=4):
+def with_lcm_scheduler(loading_code, num_inference_steps=4, guidance_scale=1.0):
     """``loading_code`` (a model card's, `outputs.hub.how_to_load`) with the pipeline's scheduler replaced by an
-    LCMScheduler after loading, and the call rendering in ``num_inference_steps`` steps without classifier-free
-    guidance."""
+    LCMScheduler after loading, and the call rendering in ``num_inference_steps`` steps at ``guidance_scale`` (1: no
+    classifier-free guidance, as an LCM-LoRA renders; a distilled UNet takes the scale as its w embedding)."""
     code = loading_code.replace("from diffusers import ", "from diffusers import LCMScheduler, ", 1)
     code = re.sub(r"^(pipe = .*)$", r"\1\npipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)", code,
                   count=1, flags=re.M)
-    return re.sub(r"pipe\((\"[^\n]*?\")\)", rf"pipe(\1, num_inference_steps={num_inference_steps}, guidance_scale=1.0)",
-                  code, count=1)
+    call = rf"pipe(\1, num_inference_steps={num_inference_steps}, guidance_scale={guidance_scale})"
+    return re.sub(r"pipe\((\"[^\n]*?\")\)", call, code, count=1)
