@@ -49,10 +49,9 @@ from training_utils.data.frozen_encoders import FrozenEncoders
 from training_utils.data.images import ImageTransform, read_image
 from training_utils.data.prompts import cached_rows
 from training_utils.data.video import (VideoTransform, add_video_args, cache_clip_latents, check_image_to_video_clips,
-                                       check_video_args, clip_latents, clip_sample_with_first_frame, find_clips,
-                                       read_frames)
+                                       check_video_args, clip_latents, clip_sample_with_first_frame, read_frames)
 from training_utils.data.video_lists import (add_video_list_args, check_video_list_args, fill_video_list_args,
-                                             video_list_folder, with_id_token)
+                                             find_listed_clips, video_list_folder)
 from training_utils.ema import make_ema
 from training_utils.errors import require
 from training_utils.families import cogvideox
@@ -110,7 +109,7 @@ def parse_args(argv=None):
 
 def main(args, run):
     # 1. Everything that can be wrong with the input fails here, before any weights load: every clip is probed.
-    clips = with_id_token(find_clips(args, cogvideox.VIDEO), args.id_token)
+    clips = find_listed_clips(args, cogvideox.VIDEO)
     check_image_to_video_clips(clips, args, cogvideox.VIDEO)
     accelerator = make_accelerator(args, run)
 

@@ -6,7 +6,8 @@ holding a file of prompts and a file of video paths (relative to the folder), on
 
 The lists are checked before anything loads, then laid out as a folder of links to the videos with a sidecar caption
 each (`video_list_folder`), at a path that depends only on what the lists say, so that cached latents and resumed
-runs find the same clips; the user's folder is never written to.
+runs find the same clips; the user's folder is never written to. `find_listed_clips` finds the clips, its messages
+naming the lists' videos.
 """
 
 import argparse
@@ -15,7 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..errors import require
+from ..errors import UsageError, require
+from .video import find_clips
 
 
 RESHAPE_MODES = ("center", "random", "none")
@@ -100,25 +102,48 @@ def video_lists(args):
     return prompts, videos
 
 
-def video_list_folder(args):
-    """The clip folder of ``--instance_data_root``'s lists (`check_video_list_args` passed): a link to each video
-    beside a caption file, named by its place in the lists, under the temporary folder at a path named by the lists'
-    content. Each file is written whole (a link or caption is replaced, never half-written), so processes writing
-    it at once agree."""
+def video_list_layout(args):
+    """``(folder, [(link, video, prompt)])``: where `video_list_folder` lays out ``--instance_data_root``'s lists (a
+    temporary folder named by the lists' content) and what it puts there, a link to each video and its caption,
+    named by its place in the lists."""
     prompts, videos = video_lists(args)
     key = hashlib.blake2b("\n".join(f"{video.resolve()}\t{prompt}" for prompt, video in zip(prompts, videos))
                           .encode(), digest_size=8).hexdigest()
     folder = Path(tempfile.gettempdir()) / f"instance-data-{key}"
+    return folder, [(folder / f"{index:06d}{video.suffix.lower()}", video, prompt)
+                    for index, (prompt, video) in enumerate(zip(prompts, videos))]
+
+
+def video_list_folder(args):
+    """The clip folder of ``--instance_data_root``'s lists (`check_video_list_args` passed), laid out as
+    `video_list_layout` says. Each file is written whole (a link or caption is replaced, never half-written), so
+    processes writing it at once agree."""
+    folder, files = video_list_layout(args)
     folder.mkdir(exist_ok=True)
-    for index, (prompt, video) in enumerate(zip(prompts, videos)):
-        name = f"{index:06d}"
-        link, caption = folder / f"{name}{video.suffix.lower()}", folder / f"{name}.txt"
-        partial = folder / f".{name}.{os.getpid()}"
+    for link, video, prompt in files:
+        partial = folder / f".{link.stem}.{os.getpid()}"
         os.symlink(video.resolve(), partial)
         os.replace(partial, link)
         partial.write_text(prompt + "\n", encoding="utf-8")
-        os.replace(partial, caption)
+        os.replace(partial, link.with_suffix(".txt"))
     return str(folder)
+
+
+def find_listed_clips(args, geometry):
+    """`video.find_clips` with ``--id_token`` (`with_id_token`), whose messages about upstream's lists name
+    ``--instance_data_root`` and the listed videos, not the folder they are laid out in."""
+    try:
+        clips = find_clips(args, geometry)
+    except UsageError as error:
+        if args.instance_data_root is None or args.dataset_name is not None:
+            raise
+        folder, files = video_list_layout(args)
+        message = str(error).replace(f"--train_data_dir={str(folder)!r}",
+                                     f"--instance_data_root={args.instance_data_root!r}")
+        for link, video, _ in files:
+            message = message.replace(str(link), str(video))
+        raise UsageError(None, None, message) from None
+    return with_id_token(clips, args.id_token)
 
 
 def with_id_token(clips, id_token):

@@ -67,15 +67,28 @@ def add_args(parser):
 
 
 def check_args(args):
-    """Split each ``--validation_prompt`` (and ``--validation_image``, where the script has it) at
+    """Fail in one line on a validation length the pipeline does not render (`renders`), before anything loads, and
+    split each ``--validation_prompt`` (and ``--validation_image``, where the script has it) at
     ``--validation_prompt_separator``, as upstream reads its one string of prompts."""
     require(args.validation_prompt_separator, "--validation_prompt_separator", args.validation_prompt_separator,
             "a non-empty string")
+    frames = args.validation_num_frames or args.num_frames
+    flag = "--validation_num_frames" if args.validation_num_frames else "--num_frames"
+    require(not args.validation_prompt or renders(frames), flag, frames,
+            "a length the pipeline renders, 8k+1 (1, 9, 17, ..., 49): its VAE decodes an even count of latent "
+            "frames to 4 frames each (5 frames render as 8); --validation_num_frames sets it apart from training's")
     for name in ("validation_prompt", "validation_image"):
         values = getattr(args, name, None)
         if values:
             setattr(args, name, [part.strip() for value in values
                                  for part in value.split(args.validation_prompt_separator) if part.strip()])
+
+
+def renders(frames):
+    """Whether the pipelines render ``frames`` frames as asked: the VAE decodes an odd count of latent frames
+    (``(frames - 1) / 4 + 1``) to ``frames``, an even count to 4 each (1.5's pipelines sample an extra latent frame
+    where the count is odd, and drop it before decoding)."""
+    return (frames - 1) % (2 * VIDEO.temporal) == 0
 
 
 def prompt_settings(pipe, args):

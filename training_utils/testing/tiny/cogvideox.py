@@ -1,6 +1,10 @@
 """Tiny CogVideoX: text-to-video in CogVideoX 1.0's layout (rotary embeddings, 2×2 patches) and image-to-video in
 CogVideoX 1.5's (1×2×2 patches in time too, the ``ofs`` embedding, ``invert_scale_latents``), a T5 text encoder with
-an offline tokenizer, and a CogVideoX VAE of the released ratios (8× in space, 4× in time) with tiny channels."""
+an offline tokenizer, and a CogVideoX VAE of the released ratios (8× in space, 4× in time) with tiny channels; and the
+moving-shapes clips in upstream's data layout (a file of prompts, a file of video paths)."""
+
+import csv
+from pathlib import Path
 
 import torch
 
@@ -60,4 +64,28 @@ def build_cogvideox_i2v(path):
         scheduler=cogvideox_scheduler()).save_pretrained(path)
 
 
-FIXTURES = {"cogvideox": build_cogvideox, "cogvideox_i2v": build_cogvideox_i2v}
+
+
+def build_moving_shapes_lists(path):
+    """The moving-shapes clips (`video.CLIPS`) in upstream's CogVideoX layout: ``videos/NN.mp4``, listed one a line
+    in ``videos.txt`` (relative to the folder) beside their prompts in ``prompts.txt`` (blank lines between, which
+    upstream skips), and the same rows as a dataset, ``train.csv`` (columns ``video`` and ``text``)."""
+    from training_utils.data.rendered_video import write_mp4
+
+    from .video import CLIPS, moving_shape
+
+    path = Path(path)
+    (path / "videos").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for index, (shape, color, background, frames) in enumerate(CLIPS):
+        name = f"videos/{index:02d}.mp4"
+        write_mp4(path / name, moving_shape(shape, color, background, frames, seed=index), fps=8)
+        rows.append((name, f"a {color} {shape} on a {background} background"))
+    (path / "videos.txt").write_text("\n\n".join(name for name, _ in rows) + "\n")
+    (path / "prompts.txt").write_text("\n\n".join(prompt for _, prompt in rows) + "\n")
+    with open(path / "train.csv", "w", newline="") as table:
+        csv.writer(table).writerows([("video", "text"), *rows])
+
+
+FIXTURES = {"cogvideox": build_cogvideox, "cogvideox_i2v": build_cogvideox_i2v,
+            "moving_shapes_lists": build_moving_shapes_lists}
