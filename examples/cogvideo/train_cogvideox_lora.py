@@ -170,7 +170,7 @@ def main(args, run):
             output = models[denoiser](**inputs, return_dict=False)[0]
             predicted = noise_scheduler.get_velocity(cogvideox.prediction(pipe, output, latents), noisy_latents,
                                                      timesteps)
-            weights = 1 / (1 - noise_scheduler.alphas_cumprod.to(latents.device)[timesteps])
+            weights = 1 / (1 - noise_scheduler.alphas_cumprod.to(latents.device, torch.float32)[timesteps])
             loss = (weights.view(-1, 1, 1, 1, 1) * (predicted.float() - latents.float()) ** 2).mean()
             loop.backward_and_step(loss)
 

@@ -39,8 +39,8 @@ FAMILY = Family("cogvideox", "CogVideoX", ("CogVideoXPipeline", "CogVideoXImageT
 DENOISERS = ("transformer",)
 # A VAE of 8× in space and 4× in time, 2×2 patches (sides of multiples of 16; 1.5 also pairs latent frames, which
 # `normalized_latents` handles), 8 frames a second (CogVideoX 1.0, the pipelines' examples and upstream's --fps;
-# 1.5 renders at 16), frames as NumPy arrays.
-VIDEO = VideoGeometry(spatial=8, temporal=4, size_multiple=16, fps=8, output_type="np")
+# 1.5 renders at 16), frames as PIL images (the pipelines' default).
+VIDEO = VideoGeometry(spatial=8, temporal=4, size_multiple=16, fps=8, output_type="pil")
 # Upstream's image-to-video noise augmentation of the first frame: sigma = exp(N(mean, std)).
 IMAGE_NOISE_LOG_SIGMA = (-3.0, 0.5)
 call_kwargs = base.call_kwargs
