@@ -10,8 +10,10 @@ buckets of 9, 5 and 1 frames at ``--num_frames 9``), the runs launched together:
   joined by ``:::``), with cached latents, validating from an image at its last step.
 """
 
+import argparse
 import functools
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +22,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from helpers import import_script, launch, launch_together, launching, together, usage_error
-from training_utils.data.video import probe, read_frames
-from training_utils.data.video_lists import find_listed_clips
+from training_utils.data.video import Clip, probe, read_frames
+from training_utils.data.video_lists import fill_video_list_args, find_listed_clips, video_list_folder, with_id_token
+from training_utils.errors import UsageError
 from training_utils.families import cogvideox
 from training_utils.testing import assert_lora_changes_pipeline_output, assert_same_files, assert_validated_at
 
@@ -194,3 +197,30 @@ def test_the_image_to_video_script_refuses_a_text_to_video_model_and_upstreams_n
     error = usage_error(I2V_SCRIPT, *common(tiny, tmp_path / "out", *flags, "--nccl_timeout", 600,
                                             model="cogvideox_i2v"))
     assert "--nccl_timeout" in error and "600 seconds" in error
+
+
+def test_upstreams_lists_are_laid_out_once_by_their_content_and_never_in_the_users_folder(tiny):
+    lists = tiny["moving_shapes_lists"]
+    before = sorted(path.name for path in lists.rglob("*"))
+    args = argparse.Namespace(instance_data_root=str(lists), caption_column="prompts.txt", video_column="videos.txt")
+    folder = Path(video_list_folder(args))
+    assert video_list_folder(args) == str(folder)  # written again (another process), the same folder and files
+    assert sorted(path.name for path in lists.rglob("*")) == before
+    links = sorted(folder.glob("*.mp4"))
+    assert [link.resolve() for link in links] == [(lists / f"videos/{index:02d}.mp4").resolve() for index in range(4)]
+    assert links[1].with_suffix(".txt").read_text() == "a blue square on a black background\n"
+    assert not list(folder.glob(".*"))  # no partial file left behind
+
+
+def test_the_id_token_leads_every_caption_and_upstreams_sizes_become_the_shared_flags():
+    clips = [Clip("a.mp4", "a cat", [0], (32, 32)), Clip("b.mp4", ["a dog", "a puppy"], [0], (32, 32))]
+    assert [clip.caption for clip in with_id_token(clips, "sks")] == ["sks a cat", ["sks a dog", "sks a puppy"]]
+    assert with_id_token(clips, None) == clips
+    args = argparse.Namespace(skip_frames_start=0, skip_frames_end=0, height=32, width=64, validation_height=None,
+                              validation_width=None, video_reshape_mode="random", center_crop=True)
+    fill_video_list_args(args, cogvideox.VIDEO)
+    assert (args.aspect_ratio_buckets, args.validation_height, args.validation_width) == ([(32, 64)], 32, 64)
+    assert not args.center_crop
+    with pytest.raises(UsageError, match="--height/--width='32/None': expected both or neither"):
+        fill_video_list_args(argparse.Namespace(skip_frames_start=0, skip_frames_end=0, height=32, width=None),
+                             cogvideox.VIDEO)
