@@ -7,7 +7,8 @@ buckets of 9, 5 and 1 frames at ``--num_frames 9``), the runs launched together:
 - resumed: the full run resumed from its checkpoint-2;
 - i2v: the image-to-video script (CogVideoX 1.5's layout: pairs of latent frames) on upstream's data layout and
   flags (``--instance_data_root`` lists, ``--id_token``, ``--height``/``--width``, ``--max_num_frames``, prompts
-  joined by ``:::``), with cached latents, validating from an image at its last step.
+  joined by ``:::``), with cached latents, validating from an image at its last step; on two processes (laying out
+  the lists at once), sharded (FSDP2).
 """
 
 import argparse
@@ -21,7 +22,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from helpers import import_script, launch, launch_together, launching, together, usage_error
+from helpers import FSDP2, import_script, launch, launch_together, launching, together, usage_error
 from training_utils.data.video import Clip, probe, read_frames
 from training_utils.data.video_lists import fill_video_list_args, find_listed_clips, video_list_folder, with_id_token
 from training_utils.errors import UsageError
@@ -66,7 +67,7 @@ def runs(tiny, tmp_path_factory):
             "--validation_prompt", ":::".join(I2V_PROMPTS), "--validation_prompt_separator", ":::",
             "--validation_images", tiny["moving_shapes"] / "still.png", "--num_validation_videos", 1,
             "--validation_inference_steps", 2, "--validation_steps", 1000, "--fps", 16, "--guidance_scale", 1,
-            "--skip_frames_start", 0, "--skip_frames_end", 0, model="cogvideox_i2v")),
+            "--skip_frames_start", 0, "--skip_frames_end", 0, model="cogvideox_i2v"), processes=2, env=FSDP2),
     })
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
     results.update(launch_together({"resumed": (SCRIPT, *t2v(tiny, root / "resumed", "--checkpointing_steps", 1000,
@@ -113,7 +114,8 @@ def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_the_uninterrupted_one(
 
 def test_image_to_video_trains_on_upstreams_layout_and_validates_from_an_image(tiny, runs):
     output_dir, result = runs["i2v"]
-    # Upstream's lists (blank lines skipped): the four videos, in the 9- and 5-frame buckets.
+    assert "FSDP2 units: 1 CogVideoXTransformer3DModel, 1 CogVideoXPatchEmbed, 2 CogVideoXBlock" in result.stderr
+    # Upstream's lists (blank lines skipped): the four videos, in the 9- and 5-frame buckets (a batch each process).
     for line in ("bucket 5x32x32 (frames x height x width): 2", "bucket 9x32x32 (frames x height x width): 2"):
         assert line in result.stderr, result.stderr[-3000:]
     log = assert_validated_at(output_dir, [3], ("raw", "ema"), I2V_PROMPTS, num_images=1)
