@@ -67,7 +67,8 @@ def runs(tiny, tmp_path_factory):
             "--validation_prompt", ":::".join(I2V_PROMPTS), "--validation_prompt_separator", ":::",
             "--validation_images", tiny["moving_shapes"] / "still.png", "--num_validation_videos", 1,
             "--validation_inference_steps", 2, "--validation_steps", 1000, "--fps", 16, "--guidance_scale", 1,
-            "--skip_frames_start", 0, "--skip_frames_end", 0, model="cogvideox_i2v"), processes=2, env=FSDP2),
+            "--use_dynamic_cfg", "--enable_slicing", "--enable_tiling", "--skip_frames_start", 0, "--skip_frames_end",
+            0, model="cogvideox_i2v"), processes=2, env=FSDP2),
     })
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
     results.update(launch_together({"resumed": (SCRIPT, *t2v(tiny, root / "resumed", "--checkpointing_steps", 1000,
