@@ -691,6 +691,7 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
 
 # The scripts here whose upstream counterparts have no example test, and why.
 WITHOUT_UPSTREAM_TESTS = {"amused/train_amused.py": "upstream has no test for its aMUSEd script",
+                          "discrete_diffusion/train_llada2.py": "upstream has no test for its LLaDA2 script",
                           "dreambooth/train_dreambooth_lora_z_image.py": "upstream has no test for its Z-Image script",
                           "kandinsky2_2/text_to_image/train_text_to_image_decoder.py":
                               "upstream has no test for its Kandinsky 2.2 scripts",

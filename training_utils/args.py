@@ -277,14 +277,14 @@ def check_posthoc_args(args):
             "--ema_posthoc_snapshot_steps", args.ema_posthoc_snapshot_steps, "a positive integer")
 
 
-def check_args(args):
+def check_args(args, check_model=check_pretrained_path):
     """The checks every script shares. Call right after parsing, before anything loads; `fill_dependent_defaults`
-    follows the checks."""
+    follows the checks. ``check_model`` checks ``--pretrained_model_name_or_path`` (a pipeline folder or hub id; a
+    script loading another kind of folder gives its own check)."""
     check_output_dir(args)
     # A memory plan reads no weights file, not even a header.
     if args.pretrained_model_name_or_path is not None:  # None only where the flag is optional (`training_parser`)
-        check_pretrained_path(args.pretrained_model_name_or_path,
-                              read_weights=not getattr(args, "print_memory_plan", False))
+        check_model(args.pretrained_model_name_or_path, read_weights=not getattr(args, "print_memory_plan", False))
     require(args.resolution > 0 and args.resolution % 8 == 0, "--resolution", args.resolution,
             "a positive multiple of 8")
     for flag in ("train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",

@@ -28,6 +28,7 @@ TRAJECTORY_FREE_FLAGS = {
     "validation_epochs",
     "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
     "validation_num_frames", "validation_fps",
+    "validation_gen_length", "validation_temperature", "validation_use_chat_template",
     "checkpointing_steps", "checkpoints_total_limit",
     "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",
     "dataloader_num_workers", "feature_cache_dir", "offload", "cache_dir", "skip_corrupt_images",
