@@ -46,6 +46,16 @@ def test_new_token_embedding_reads_the_frozen_rows_then_the_new_ones_and_only_th
     assert [name for name, parameter in embedding.named_parameters() if parameter.requires_grad] == ["new_rows"]
 
 
+def test_new_token_embedding_over_padding_rows_reads_the_new_rows_from_the_tokenizers_next_id():
+    torch.manual_seed(0)
+    frozen = torch.nn.Embedding(6, 3)  # as T5's: rows past the tokenizer's 4 ids, never read
+    embedding = NewTokenEmbedding(frozen, torch.randn(2, 3), first_new=4)
+    ids = torch.tensor([[0, 3, 4, 5]])
+    whole = torch.cat([frozen.weight[:4], embedding.new_rows]).detach()
+    assert torch.equal(embedding(ids), torch.nn.functional.embedding(ids, whole))
+    assert torch.equal(embedding.weight, whole)
+
+
 def test_the_token_starts_as_its_initializer_and_a_step_with_weight_decay_changes_only_its_rows(tiny):
     pipe, inversion = inverted(tiny)
     text_encoder = pipe.text_encoder

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 import torch
-from diffusers import StableDiffusionXLPipeline
+from diffusers import FluxPipeline, StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
 from training_utils.adapters.export import adapter_export
@@ -125,3 +125,14 @@ def test_while_they_train_the_new_rows_are_scaled_towards_the_vocabularys_scale_
     rows.grad = torch.ones_like(rows)
     optimizer.step()
     assert torch.equal(rows.detach(), after) and rows.grad is None
+
+
+def test_with_clip_and_t5_the_concept_gives_as_many_tokens_as_the_tokenizer_that_makes_the_most(tiny):
+    pipe = FluxPipeline.from_pretrained(tiny["flux"])
+    concept = "a dog on a skateboard"
+    counts = [len(tokenizer.encode(concept, add_special_tokens=False)) for tokenizer in (pipe.tokenizer,
+                                                                                       pipe.tokenizer_2)]
+    assert counts[0] != counts[1]
+    assert abstraction_tokens(options("TOK", 1, concept), pipe.tokenizer, pipe.tokenizer_2) == {
+        "TOK": [f"<s{index}>" for index in range(max(counts))]}
+

@@ -88,7 +88,7 @@ class Run(NamedTuple):
 
     flags: str
     checkpoints: tuple = None  # the checkpoints in the folder after the run (upstream's assertion), if it checks
-    files: tuple = ()  # files the run must have written
+    files: tuple = ()  # files the run must have written ({tmpdir_name}: the run folder's name)
     remove_first: tuple = ()  # what the test deletes from the folder before this run
     # The end of the one line our script stops this run with, where it differs from upstream's on purpose (the test
     # ends there).
@@ -220,6 +220,9 @@ def checkpoints(*steps):
 
 
 LCM_LORA_SDXL = "consistency_distillation/train_lcm_distill_lora_sdxl.py"
+FLUX_ADVANCED = "advanced_diffusion_training/train_dreambooth_lora_flux_advanced.py"
+TINY_FLUX = "hf-internal-testing/tiny-flux-pipe"
+PIVOTAL_EMBEDDINGS = "{tmpdir_name}_emb.safetensors"  # upstream's embedding file, named after the output folder
 
 
 def lcm_lora_sdxl(flags, **expected):
@@ -617,6 +620,30 @@ UPSTREAM = [
                  lcm_lora_sdxl("--max_train_steps 7 --checkpointing_steps 2", checkpoints=checkpoints(2, 4, 6)),
                  lcm_lora_sdxl("--max_train_steps 9 --checkpointing_steps 2 --resume_from_checkpoint latest",
                                checkpoints=checkpoints(2, 4, 6, 8), files=(LORA,)))),
+    # examples/advanced_diffusion_training/test_dreambooth_lora_flux_advanced.py: upstream's FLUX.1 DreamBooth LoRA
+    # tests (but the one layer), and pivotal tuning in CLIP, then in CLIP and T5, writing <folder name>_emb.
+    *[Upstream(f"advanced_diffusion_training/test_dreambooth_lora_flux_advanced.py::{name}", FLUX_ADVANCED, runs)
+      for name, runs in (
+          ("test_dreambooth_lora_flux", (dreambooth(TINY_FLUX, "photo", "", files=(LORA,)),)),
+          ("test_dreambooth_lora_text_encoder_flux",
+           (dreambooth(TINY_FLUX, "photo", "--train_text_encoder", files=(LORA,)),)),
+          ("test_dreambooth_lora_pivotal_tuning_flux_clip",
+           (dreambooth(TINY_FLUX, "photo", "--train_text_encoder_ti", files=(LORA, PIVOTAL_EMBEDDINGS)),)),
+          ("test_dreambooth_lora_pivotal_tuning_flux_clip_t5",
+           (dreambooth(TINY_FLUX, "photo", "--train_text_encoder_ti --enable_t5_ti",
+                       files=(LORA, PIVOTAL_EMBEDDINGS)),)),
+          ("test_dreambooth_lora_latent_caching", (dreambooth(TINY_FLUX, "photo", "--cache_latents", files=(LORA,)),)),
+          ("test_dreambooth_lora_flux_checkpointing_checkpoints_total_limit",
+           (dreambooth_checkpointing(TINY_FLUX, "photo", "--max_train_steps=6 --checkpoints_total_limit=2 "
+                                     "--checkpointing_steps=2", checkpoints=checkpoints(4, 6)),)),
+          ("test_dreambooth_lora_flux_checkpointing_checkpoints_total_limit_removes_multiple_checkpoints", (
+              dreambooth_checkpointing(TINY_FLUX, "photo", "--max_train_steps=4 --checkpointing_steps=2",
+                                       checkpoints=checkpoints(2, 4)),
+              dreambooth_checkpointing(TINY_FLUX, "photo", "--max_train_steps=8 --checkpointing_steps=2 "
+                                       "--resume_from_checkpoint=checkpoint-4 --checkpoints_total_limit=2",
+                                       checkpoints=checkpoints(6, 8)))),
+          ("test_dreambooth_lora_with_metadata",
+           (dreambooth(TINY_FLUX, "photo", "--lora_alpha=8 --rank=4", files=(LORA,)),)))],
 ]
 
 
@@ -684,7 +711,8 @@ def run_upstream_test(upstream, fixtures, output_dir, launch=launch):
             return results
         if run.checkpoints is not None:
             assert checkpoint_names(output_dir) == list(run.checkpoints), (upstream.test, checkpoint_names(output_dir))
-        missing = [name for name in run.files if not (Path(output_dir) / name).is_file()]
+        missing = [name for name in run.files
+                   if not (Path(output_dir) / name.replace("{tmpdir_name}", Path(output_dir).name)).is_file()]
         assert not missing, f"{upstream.test}: no {missing} in {output_dir}"
     return results
 

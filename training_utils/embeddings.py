@@ -70,25 +70,28 @@ def placeholder_tokens(token, num_vectors):
 
 
 class NewTokenEmbedding(torch.nn.Module):
-    """An input embedding whose rows are the frozen ``frozen`` embedding's, followed by ``new_rows``, which train.
+    """An input embedding whose rows are the frozen ``frozen`` embedding's first ``first_new`` (all of them by
+    default), followed by ``new_rows``, which train.
 
-    The ids past the frozen rows read the new ones; the frozen matrix is neither copied nor concatenated."""
+    The ids from ``first_new`` on read the new ones; the frozen matrix is neither copied nor concatenated. (T5's
+    matrix has padding rows past its tokenizer's ids: the new tokens' ids, the tokenizer's next, take their places,
+    as ``load_textual_inversion``'s resize to the tokenizer's length gives them.)"""
 
-    def __init__(self, frozen, new_rows):
+    def __init__(self, frozen, new_rows, first_new=None):
         super().__init__()
         self.frozen = frozen.requires_grad_(False)
         self.new_rows = torch.nn.Parameter(new_rows.detach().clone())
+        self.first_new = frozen.num_embeddings if first_new is None else first_new
 
     @property
     def weight(self):
         """The whole matrix, as the text encoder's ``get_input_embeddings().weight`` has it."""
-        return torch.cat([self.frozen.weight, self.new_rows.to(self.frozen.weight.dtype)])
+        return torch.cat([self.frozen.weight[:self.first_new], self.new_rows.to(self.frozen.weight.dtype)])
 
     def forward(self, input_ids):
-        first_new = self.frozen.num_embeddings
-        is_new = (input_ids >= first_new).unsqueeze(-1)
-        old = self.frozen(input_ids.clamp(max=first_new - 1))
-        new = self.new_rows[(input_ids - first_new).clamp(min=0)].to(old.dtype)
+        is_new = (input_ids >= self.first_new).unsqueeze(-1)
+        old = self.frozen(input_ids.clamp(max=self.first_new - 1))
+        new = self.new_rows[(input_ids - self.first_new).clamp(min=0)].to(old.dtype)
         return torch.where(is_new, new, old)
 
 
@@ -134,13 +137,14 @@ class NewTokens:
         self.text_encoders, self.embeddings = {}, {}
         for component, tokenizer_name in tokenizers.items():
             tokenizer, text_encoder = pipe.components[tokenizer_name], pipe.components[component]
-            frozen = text_encoder.get_input_embeddings()
+            frozen, first_new = text_encoder.get_input_embeddings(), len(tokenizer)
             added = tokenizer.add_tokens(self.tokens)
             ids = tokenizer.convert_tokens_to_ids(self.tokens)
-            if added != len(self.tokens) or ids != list(range(frozen.num_embeddings, frozen.num_embeddings + added)):
-                raise ValueError(f"{tokenizer_name} gave the new tokens ids {ids}, not the rows after {component}'s "
-                                 f"{frozen.num_embeddings}")
-            self.embeddings[component] = NewTokenEmbedding(frozen, initial_rows(tokenizer_name, frozen))
+            if (added != len(self.tokens) or ids != list(range(first_new, first_new + added))
+                    or first_new > frozen.num_embeddings):
+                raise ValueError(f"{tokenizer_name} gave the new tokens ids {ids}, not the rows after its "
+                                 f"{first_new} tokens within {component}'s {frozen.num_embeddings}")
+            self.embeddings[component] = NewTokenEmbedding(frozen, initial_rows(tokenizer_name, frozen), first_new)
             text_encoder.requires_grad_(False)
             text_encoder.set_input_embeddings(self.embeddings[component])
             self.text_encoders[component] = text_encoder

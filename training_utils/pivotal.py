@@ -11,8 +11,9 @@ gradients before each step from then on, so the optimizer leaves them bitwise as
 too), also in a run resumed past the stop.
 
 `PivotalExport` writes the LoRA as `adapters.export.LoraExport` does (the UI layouts of ``--export_formats``
-included) and the new rows as ``<output folder name>_emb.safetensors``, keyed ``clip_l`` (and ``clip_g``): upstream's
-file, which its README loads with ``load_textual_inversion`` and the UIs load as an embedding.
+included) and the new rows as ``<output folder name>_emb.safetensors``, keyed ``clip_l`` (and SDXL's ``clip_g``, or
+FLUX.1's ``t5``): upstream's file, which its README loads with ``load_textual_inversion`` and the UIs load as an
+embedding.
 """
 
 from pathlib import Path
@@ -26,8 +27,9 @@ from .errors import UsageError, require
 from .outputs.export import Export
 from .outputs.writing import verify_saved_tensors, write_atomically
 
-# The keys of upstream's embedding file, by text encoder (CLIP-L, then SDXL's CLIP-G).
-EMBEDDING_KEYS = ("clip_l", "clip_g")
+# The keys of upstream's embedding file, by text encoder: SD's and SDXL's CLIP-L and CLIP-G; FLUX.1's CLIP-L and T5.
+EMBEDDING_KEYS = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
+FLUX_EMBEDDING_KEYS = {"text_encoder": "clip_l", "text_encoder_2": "t5"}
 EMBEDDING_SUFFIX = "_emb.safetensors"
 
 
@@ -70,12 +72,14 @@ def abstraction_list(token_abstraction):
     return "".join(token_abstraction.split()).split(",")
 
 
-def abstraction_tokens(args, tokenizer):
+def abstraction_tokens(args, *tokenizers):
     """``{abstraction: [its new tokens]}``, upstream's ``<s0>``, ``<s1>``, ... numbered on across abstractions; with
-    ``--initializer_concept``, as many tokens per abstraction as ``tokenizer`` makes of the concept."""
+    ``--initializer_concept``, as many tokens per abstraction as the ``tokenizers`` make of the concept (the most
+    of any, as upstream counts CLIP's and T5's)."""
     count = args.num_new_tokens_per_abstraction
     if args.initializer_concept is not None:
-        count = len(tokenizer.encode(args.initializer_concept, add_special_tokens=False))
+        count = max(len(tokenizer.encode(args.initializer_concept, add_special_tokens=False))
+                    for tokenizer in tokenizers)
     return {abstraction: [f"<s{index * count + offset}>" for offset in range(count)]
             for index, abstraction in enumerate(abstraction_list(args.token_abstraction))}
 
@@ -114,7 +118,7 @@ class PivotalTokens(NewTokens):
         """After each step of ``optimizer`` while the new rows train (before `TrainingStops` ``stops`` stops them),
         scale each text encoder's new rows by ``(std of its frozen rows / std of the new rows) ** 0.1``, as upstream
         does after every step: the new rows drift back towards the scale of the vocabulary's."""
-        scales = {component: embedding.frozen.weight.detach().float().std()
+        scales = {component: embedding.frozen.weight[:embedding.first_new].detach().float().std()
                   for component, embedding in self.embeddings.items()}
 
         def rescale(optimizer, args, kwargs):
@@ -176,13 +180,15 @@ class PivotalExport(Export):
     """The LoRA (``lora``, a `adapters.export.LoraExport` over the trained modules) and the new tokens' rows
     (``parameters``: each text encoder's component name to its trained parameter of the new rows), written
     together: ``pytorch_lora_weights.safetensors`` (and its UI layouts) and ``embedding_file``, keyed as upstream's
-    (`EMBEDDING_KEYS`), which ``load_textual_inversion`` and the UIs load."""
+    (``keys``, by component: `EMBEDDING_KEYS` or `FLUX_EMBEDDING_KEYS`), which ``load_textual_inversion`` and the UIs
+    load."""
 
     kind = "pivotal"
 
-    def __init__(self, lora, parameters, tokens, embedding_file, trained=None):
+    def __init__(self, lora, parameters, tokens, embedding_file, trained=None, keys=EMBEDDING_KEYS):
         super().__init__(trained)
         self.lora, self.parameters, self.tokens, self.embedding_file = lora, dict(parameters), tokens, embedding_file
+        self.keys = {component: keys[component] for component in self.parameters}
 
     @property
     def title(self):
@@ -190,19 +196,19 @@ class PivotalExport(Export):
 
     def description(self):
         return {"kind": self.kind, "lora": self.lora.description(), "parameters": self.parameters,
-                "tokens": self.tokens, "embedding_file": self.embedding_file}
+                "tokens": self.tokens, "embedding_file": self.embedding_file, "keys": self.keys}
 
     @classmethod
     def from_description(cls, description):
         return cls(LoraExport.from_description(description["lora"]), description["parameters"],
-                   description["tokens"], description["embedding_file"])
+                   description["tokens"], description["embedding_file"], keys=description["keys"])
 
     def write(self, tensors, directory):
         embedding_names = set(self.parameters.values())
         path = self.lora.write({name: tensor for name, tensor in tensors.items() if name not in embedding_names},
                                directory)
-        rows = {key: tensors[name].detach().float().cpu().contiguous()
-                for key, name in zip(EMBEDDING_KEYS, self.parameters.values())}
+        rows = {self.keys[component]: tensors[name].detach().float().cpu().contiguous()
+                for component, name in self.parameters.items()}
         write_atomically(directory, lambda staging: save_file(rows, Path(staging, self.embedding_file)))
         verify_saved_tensors(load_file(Path(directory) / self.embedding_file), rows, directory)
         return path
@@ -215,16 +221,16 @@ class PivotalExport(Export):
             raise ValueError(f"{directory} holds {len(files)} *{EMBEDDING_SUFFIX} files, not one")
         rows = load_file(files[0])
         return {**self.lora.read_checkpoint(directory),
-                **{name: rows[key] for key, name in zip(EMBEDDING_KEYS, self.parameters.values())}}
+                **{name: rows[self.keys[component]] for component, name in self.parameters.items()}}
 
     def loading_code(self, args, pipe, prompt):
         """The model card's code: the LoRA by ``load_lora_weights``, then the embeddings by
         ``load_textual_inversion`` into each text encoder, as upstream's README loads them."""
         pipeline_class = type(pipe).__name__
         tokenizers = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
-        loads = [f'pipe.load_textual_inversion(state_dict["{key}"], token={self.tokens!r}, '
+        loads = [f'pipe.load_textual_inversion(state_dict["{self.keys[component]}"], token={self.tokens!r}, '
                  f'text_encoder=pipe.{component}, tokenizer=pipe.{tokenizers[component]})'
-                 for key, component in zip(EMBEDDING_KEYS, self.parameters)]
+                 for component in self.parameters]
         return "\n".join([f"from diffusers import {pipeline_class}", "from safetensors.torch import load_file", "",
                           f'pipe = {pipeline_class}.from_pretrained("{args.pretrained_model_name_or_path}")',
                           f'pipe.load_lora_weights("{args.output_dir}")',

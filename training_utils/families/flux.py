@@ -6,7 +6,8 @@ The FLUX.1 transformer reads:
 - ``encoder_hidden_states``, ``pooled_projections`` and ``txt_ids``: what ``pipe.encode_prompt`` returns
   (`encode_prompts`): T5's hidden states, CLIP's pooled output, and the text tokens' position ids, one set for every
   prompt (unbatched); the prompt length is the pipeline's default unless ``--max_sequence_length`` says otherwise.
-  The CLIP encoder may train (a LoRA, ``--train_text_encoder``): its wrapped module is given to `encode_prompts`;
+  The CLIP encoder may train (a LoRA, ``--train_text_encoder``; or new tokens' rows, as T5's may): its wrapped module
+  is given to `encode_prompts`;
 - ``hidden_states`` and ``img_ids``: the VAE latents shifted and scaled by the VAE's configuration
   (`normalized_latents`), packed into a sequence of 2×2 patches, and their position ids (`model_inputs`);
 - ``timestep``: the scheduler's timestep over 1000;
@@ -95,12 +96,20 @@ def prompt_dependencies(pipe, settings):
 def encode_prompts(pipe, prompts, device, settings, text_encoders=None):
     """``(prompt_embeds, pooled_prompt_embeds, text_ids)`` as ``pipe.encode_prompt`` computes them, with the text
     ids (one set for all prompts there) given to each prompt, so that every part has a row per prompt; and where the
-    transformer embeds the guidance, each prompt's: the guidance scale, fp32, as the pipeline passes it. A CLIP
-    encoder given (``text_encoders["text_encoder"]``: the wrapped module, when it trains) replaces the pipeline's."""
-    clip_encoder = (text_encoders or {}).get("text_encoder", pipe.text_encoder)
+    transformer embeds the guidance, each prompt's: the guidance scale, fp32, as the pipeline passes it. A CLIP or T5
+    encoder given (``text_encoders["text_encoder"]``, ``["text_encoder_2"]``: the wrapped module, when it trains)
+    replaces the pipeline's, T5's tokens as ``pipe._get_t5_prompt_embeds`` makes them."""
+    text_encoders = text_encoders or {}
+    clip_encoder = text_encoders.get("text_encoder", pipe.text_encoder)
     clip_ids = tokenize(pipe.tokenizer, prompts).to(device)
     pooled = clip_encoder(clip_ids, output_hidden_states=False).pooler_output.to(pipe.text_encoder.dtype)
-    embeds = pipe._get_t5_prompt_embeds(prompts, max_sequence_length=settings["max_sequence_length"], device=device)
+    if "text_encoder_2" in text_encoders:
+        t5_ids = pipe.tokenizer_2(prompts, padding="max_length", max_length=settings["max_sequence_length"],
+                                  truncation=True, return_tensors="pt").input_ids.to(device)
+        embeds = text_encoders["text_encoder_2"](t5_ids, output_hidden_states=False)[0].to(pipe.text_encoder_2.dtype)
+    else:
+        embeds = pipe._get_t5_prompt_embeds(prompts, max_sequence_length=settings["max_sequence_length"],
+                                            device=device)
     text_ids = torch.zeros(len(prompts), embeds.shape[1], 3, device=device, dtype=pipe.text_encoder.dtype)
     if not pipe.transformer.config.guidance_embeds:
         return embeds, pooled, text_ids
