@@ -45,8 +45,8 @@ FAMILY = Family("ltx2", "LTX-2", ("LTX2Pipeline",), "transformer")
 DENOISERS = ("transformer",)
 # AutoencoderKLLTX2Video: 32× in space (4×4 patches and three halvings), 8× in time; the transformer's 1×1×1 patches
 # (``LTX2Pipeline.check_inputs`` asks sides of multiples of 32); 24 frames a second (the ``__call__``'s
-# ``frame_rate``); frames as NumPy arrays.
-VIDEO = VideoGeometry(spatial=32, temporal=8, size_multiple=32, fps=24, output_type="np")
+# ``frame_rate``); frames as PIL images (its ``output_type``).
+VIDEO = VideoGeometry(spatial=32, temporal=8, size_multiple=32, fps=24, output_type="pil")
 AUDIO_NOT_TRAINED = "LTX-2: the video stream trains; the audio stream is not trained (the clips' audio is not read)"
 call_kwargs = base.call_kwargs
 image_vae = base.image_vae
