@@ -44,10 +44,11 @@ EXTRACTIONS = ("head", "uniform", "slide")
 UNREADABLE_VIDEO_ERRORS = (*UNREADABLE_IMAGE_ERRORS, ValueError, IndexError)
 
 
-def add_video_args(parser, pipeline_class):
-    """The video flags: frames per clip (by default what ``pipeline_class`` renders), their sampling, the dataset's
-    video column, validation length."""
-    num_frames = inspect.signature(pipeline_class.__call__).parameters["num_frames"].default
+def add_video_args(parser, pipeline_class, num_frames=None):
+    """The video flags: frames per clip (by default what ``pipeline_class`` renders, or ``num_frames`` where its call
+    states none, as LTX-2's, which then renders a length of its own), their sampling, the dataset's video column,
+    validation length."""
+    num_frames = inspect.signature(pipeline_class.__call__).parameters["num_frames"].default or num_frames
     group = parser.add_argument_group("video")
     group.add_argument("--num_frames", type=int, default=num_frames,
                        help=f"frames per training clip (default: the pipeline's, {num_frames}), a count the VAE takes "
