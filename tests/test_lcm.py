@@ -161,7 +161,8 @@ def test_adapters_disabled_makes_the_student_the_teacher_and_restores_it_even_on
         with pytest.raises(RuntimeError), lcm.adapters_disabled(unet):
             raise RuntimeError
         again = unet(*inputs).sample
-        assert torch.equal(teacher, tiny_sd_pipe.unet(*inputs).sample)
+        # The stock UNet's weights are another copy: some CPUs round a last bit by the data's alignment.
+        torch.testing.assert_close(teacher, tiny_sd_pipe.unet(*inputs).sample, rtol=0, atol=1e-6)
     assert not torch.equal(student, teacher) and torch.equal(again, student)
 
 

@@ -40,11 +40,12 @@ def add_args(parser):
     group.add_argument("--timestep_scaling_factor", type=float, default=10.0,
                        help="the timestep scaling of the consistency boundary conditions (LCMScheduler's "
                             "timestep_scaling)")
-    for flag, alias in (("--pretrained_model_name_or_path", "--pretrained_teacher_model"),
-                        ("--revision", "--teacher_revision"), ("--rank", "--lora_rank"),
-                        ("--image_interpolation_mode", "--interpolation_type")):
-        if flag in parser._option_string_actions:  # a full distillation has no --rank
-            add_alias(parser, flag, alias)
+    from .args import add_aliases
+
+    aliases = {"--pretrained_model_name_or_path": "--pretrained_teacher_model", "--revision": "--teacher_revision",
+               "--rank": "--lora_rank", "--image_interpolation_mode": "--interpolation_type"}
+    # A full distillation has no --rank.
+    add_aliases(parser, {flag: alias for flag, alias in aliases.items() if flag in parser._option_string_actions})
 
 
 def add_student_args(parser):
@@ -54,13 +55,6 @@ def add_student_args(parser):
                         help="the size of the student UNet's guidance-scale embedding, where the teacher's UNet has "
                              "none (its time_cond_proj_dim)")
     parser.set_defaults(use_ema=True, ema_decay=0.95)
-
-
-def add_alias(parser, flag, alias):
-    """``alias`` as another spelling of ``parser``'s ``flag`` (the same argument)."""
-    action = parser._option_string_actions[flag]
-    action.option_strings.append(alias)
-    parser._option_string_actions[alias] = action
 
 
 def check_args(args, num_train_timesteps=None):
