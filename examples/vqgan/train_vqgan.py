@@ -23,6 +23,7 @@ networks, both optimizers and schedules and the EMA, to resume exactly; and a mo
 import training_utils  # noqa: F401  (first: filters what diffusers' imports log; training_utils.console)
 
 import copy
+import inspect
 from pathlib import Path
 
 import torch
@@ -132,7 +133,10 @@ def parse_args(argv=None):
     factor = 2 ** (len(config.get("block_out_channels", [64])) - 1)
     require(args.resolution % factor == 0, "--resolution", args.resolution,
             f"a multiple of {factor}, the VQModel's downsampling")
-    discriminator_config(args)
+    depth = discriminator_config(args).get("depth", inspect.signature(Discriminator).parameters["depth"].default)
+    require(args.resolution >= 2 ** (depth + 1), "--resolution", args.resolution,
+            f"at least {2 ** (depth + 1)}: the discriminator halves it {depth} times, down to 2 pixels at least "
+            f"(its instance norm needs more than one)")
     check_vgg_source(args.timm_model_backend)
     require(all(tap >= 0 for tap in vgg_taps(args.timm_model_layers, args.timm_model_offset)), "--timm_model_offset",
             args.timm_model_offset, "an offset that leaves every --timm_model_layers index non-negative")
