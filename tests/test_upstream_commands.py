@@ -348,6 +348,35 @@ def full_fine_tune_family(test_file, script, model):
     ]
 
 
+VQGAN = "vqgan/train_vqgan.py"
+# The config files upstream's VQ-GAN test writes, and the VGG its script downloads by default (named here, so that
+# the tiny one stands for it).
+VQGAN_FILES = {"vqmodel.json": "vqmodel_config", "discriminator.json": "vqgan_discriminator_config",
+               "vgg19": "vgg_tiny"}
+
+
+def vqgan(flags, **expected):
+    """A run of upstream's VQ-GAN tests: a fresh VQModel and discriminator of its test configs on their image-text
+    data at 32 px, our tiny VGG in place of timm's VGG19."""
+    return Run("--dataset_name hf-internal-testing/dummy_image_text_data --resolution 32 --image_column image "
+               "--train_batch_size 1 --gradient_accumulation_steps 1 --learning_rate 5.0e-04 --scale_lr "
+               "--lr_scheduler constant --lr_warmup_steps 0 --model_config_name_or_path vqmodel.json "
+               "--discriminator_config_name_or_path discriminator.json --timm_model_backend vgg19 " + flags,
+               **expected)
+
+
+def vqgan_checkpointing(ema=""):
+    """Upstream's VQ-GAN checkpointing test (``ema``: ``--use_ema``): checkpoints every 2 of 4 steps, checkpoint-2
+    deleted, then a resume from checkpoint-4 to step 6 checkpointing every step. Upstream's script checkpoints only
+    after a discriminator step (its test says so) and expects checkpoint-4 and 6; here every step is a step, and
+    checkpoint-5 is written too."""
+    return (vqgan(f"--max_train_steps 4 --checkpointing_steps=2 --output_dir {{tmpdir}} {ema} --seed=0",
+                  checkpoints=checkpoints(2, 4), files=(f"checkpoint-2/vqmodel/{CONTROLNET}", CONTROLNET)),
+            vqgan(f"--max_train_steps 6 --checkpointing_steps=1 --resume_from_checkpoint={{tmpdir}}/checkpoint-4 "
+                  f"--output_dir {{tmpdir}} {ema} --seed=0", remove_first=("checkpoint-2",),
+                  checkpoints=checkpoints(4, 5, 6), files=(CONTROLNET,)))
+
+
 def instruct_pix2pix(flags, **expected):
     """A run of upstream's InstructPix2Pix tests: tiny SD on their 10 edit samples, flipped, at seed 0."""
     return Run("--pretrained_model_name_or_path=hf-internal-testing/tiny-stable-diffusion-torch "
@@ -612,6 +641,25 @@ UPSTREAM = [
                  instruct_pix2pix("--max_train_steps=4 --checkpointing_steps=2", checkpoints=checkpoints(2, 4)),
                  instruct_pix2pix("--max_train_steps=8 --checkpointing_steps=2 --resume_from_checkpoint=checkpoint-4 "
                                   "--checkpoints_total_limit=2", checkpoints=checkpoints(6, 8), files=(UNET,)))),
+    # examples/vqgan/test_vqgan.py: a smoke run, checkpointing and resuming (with and without the EMA), the total
+    # limit, and the limit removing two on resume. The VQModel is written to the output folder itself, not to
+    # upstream's vqmodel/ (checkpoints keep it in vqmodel/, as upstream's); the discriminator to discriminator/.
+    Upstream("vqgan/test_vqgan.py::test_vqmodel", VQGAN, (vqgan(
+        "--max_train_steps 2 --output_dir {tmpdir}", files=(CONTROLNET, f"discriminator/{CONTROLNET}")),),
+             substitutes=VQGAN_FILES),
+    Upstream("vqgan/test_vqgan.py::test_vqmodel_checkpointing", VQGAN, vqgan_checkpointing(),
+             substitutes=VQGAN_FILES),
+    Upstream("vqgan/test_vqgan.py::test_vqmodel_checkpointing_use_ema", VQGAN, vqgan_checkpointing("--use_ema"),
+             substitutes=VQGAN_FILES),
+    Upstream("vqgan/test_vqgan.py::test_vqmodel_checkpointing_checkpoints_total_limit", VQGAN, (vqgan(
+        "--max_train_steps 6 --output_dir {tmpdir} --checkpointing_steps=2 --checkpoints_total_limit=2 --seed=0",
+        checkpoints=checkpoints(4, 6), files=(CONTROLNET,)),), substitutes=VQGAN_FILES),
+    Upstream("vqgan/test_vqgan.py::test_vqmodel_checkpointing_checkpoints_total_limit_removes_multiple_checkpoints",
+             VQGAN, (vqgan("--max_train_steps 4 --checkpointing_steps=2 --output_dir {tmpdir} --seed=0",
+                           checkpoints=checkpoints(2, 4)),
+                     vqgan("--max_train_steps 8 --output_dir {tmpdir} --checkpointing_steps=2 "
+                           "--resume_from_checkpoint={tmpdir}/checkpoint-4 --checkpoints_total_limit=2 --seed=0",
+                           checkpoints=checkpoints(6, 8), files=(CONTROLNET,))), substitutes=VQGAN_FILES),
     # examples/consistency_distillation/test_lcm_lora.py: a 2-step run, and checkpoints every 2 steps then a resume.
     Upstream("consistency_distillation/test_lcm_lora.py::test_text_to_image_lcm_lora_sdxl", LCM_LORA_SDXL, (
         lcm_lora_sdxl("--max_train_steps 2", files=(LORA,)),)),

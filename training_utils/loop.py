@@ -70,10 +70,12 @@ class TrainingLoop:
     when made, so build it after ``accelerator.prepare``; once the checkpoint is accepted the output folder is
     ``run``'s (`run_status.RunRecord.take_folder`), and ``run.last_step`` follows the steps. ``global_step`` is the
     number of completed optimizer steps; ``records`` holds the last validation's records as the model card shows them.
+    ``companions`` are modules that train beside the exported ones without being the run's output (a GAN's
+    discriminator): checkpoints hold them whole (`Checkpointer`).
     """
 
     def __init__(self, accelerator, args, run, dataloader, optimizer, lr_scheduler, export, max_train_steps,
-                 steps_per_epoch, ema=None, posthoc=None, validator=None):
+                 steps_per_epoch, ema=None, posthoc=None, validator=None, companions=None):
         self.accelerator = accelerator
         self.args = args
         self.run = run
@@ -107,7 +109,7 @@ class TrainingLoop:
         self._step_start = None
         self.checkpointer = Checkpointer(accelerator, args.output_dir, export, ema, args.checkpoints_total_limit,
                                          posthoc, trajectory_flags(args), args.resume_with_changed_args,
-                                         getattr(args, "spellings", None))
+                                         getattr(args, "spellings", None), companions)
         self.global_step = self.checkpointer.resume(args.resume_from_checkpoint)
         # Images skipped on all processes up to the last completed step, counting those before a resume;
         # the main process's own count starts from it, since the logged count is the sum over processes.
@@ -181,21 +183,24 @@ class TrainingLoop:
             self._progress.close()
             raise
 
-    def backward_and_step(self, loss):
+    def backward_and_step(self, loss, optimizer=None, lr_scheduler=None, parameters=None):
         """Backpropagate ``loss``, clip, step the optimizer and the lr schedule (accelerate holds the step
         back while accumulating), and after a completed optimizer step do what is due: logging, EMA
         updates, checkpoint, validation, preemption. Call inside ``accelerator.accumulate(...)``.
-        Returns True when an optimizer step completed."""
+        A run whose steps take turns between models, each with its own optimizer (a GAN's generator and
+        discriminator), gives the step's ``optimizer``, ``lr_scheduler`` and ``parameters`` (those clipped); by
+        default the loop's own. Returns True when an optimizer step completed."""
         with self._progress_closed_on_stop():
-            return self._backward_and_step(loss)
+            return self._backward_and_step(loss, optimizer or self.optimizer, lr_scheduler or self.lr_scheduler,
+                                           self.parameters if parameters is None else parameters)
 
-    def _backward_and_step(self, loss):
+    def _backward_and_step(self, loss, optimizer, lr_scheduler, parameters):
         self.accelerator.backward(loss)
         if self.accelerator.sync_gradients:
-            self.accelerator.clip_grad_norm_(self.parameters, self.args.max_grad_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad()
+            self.accelerator.clip_grad_norm_(parameters, self.args.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
         # Summed on the device and read once per optimizer step, not per micro-batch, so that the accelerator
         # need not be waited for (multi-process runs also reduce an unreadable-image flag per micro-batch).
         self._loss = self._loss + loss.detach().float() / self.args.gradient_accumulation_steps
@@ -214,7 +219,7 @@ class TrainingLoop:
             raise RunStopped(f"the loss is {loss} at step {step}; stopped before writing anything from these weights "
                              f"({kept})", NON_FINITE_EXIT_CODE, "non-finite loss")
         self.run.last_step = step
-        logs = {"train_loss": loss, "lr": self.lr_scheduler.get_last_lr()[0]}
+        logs = {"train_loss": loss, "lr": lr_scheduler.get_last_lr()[0]}
         if skipped_images:
             logs["skipped_images"] = skipped_images
         self.accelerator.log(logs, step=step)

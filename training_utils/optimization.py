@@ -7,12 +7,12 @@ from diffusers.optimization import get_scheduler
 
 
 
-def make_optimizer(args, parameters, num_processes, no_decay=()):
-    """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters`` (``{"<component>.<name>": parameter}``), with
-    ``--scale_lr`` applied. The text encoders' parameters take ``--text_encoder_lr`` and
+def make_optimizer(args, parameters, num_processes, no_decay=(), learning_rate=None):
+    """AdamW (or bitsandbytes' 8-bit AdamW) over ``parameters`` (``{"<component>.<name>": parameter}``), at
+    ``learning_rate`` (default ``--learning_rate``) with ``--scale_lr`` applied. The text encoders' parameters take ``--text_encoder_lr`` and
     ``--adam_weight_decay_text_encoder`` where the script has them set (upstream's flags); else the others' own.
     Parameters whose names contain one of ``no_decay`` (e.g. ``"bias"``) train without weight decay."""
-    learning_rate = args.learning_rate
+    learning_rate = learning_rate or args.learning_rate
     if args.scale_lr:
         learning_rate *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
     text_encoder = {name: parameter for name, parameter in parameters.items() if name.startswith("text_encoder")}
@@ -63,10 +63,10 @@ def training_length(args, num_batches):
     return args.max_train_steps or args.num_train_epochs * steps_per_epoch, steps_per_epoch
 
 
-def make_lr_scheduler(args, optimizer, max_train_steps, num_processes):
-    # accelerate steps a prepared scheduler once per process per optimizer step.
+def make_lr_scheduler(args, optimizer, max_train_steps, num_processes, schedule=None):
+    # accelerate steps a prepared scheduler once per process per optimizer step. ``schedule``: default --lr_scheduler.
     return get_scheduler(
-        args.lr_scheduler, optimizer=optimizer,
+        schedule or args.lr_scheduler, optimizer=optimizer,
         num_warmup_steps=args.lr_warmup_steps * num_processes,
         num_training_steps=max_train_steps * num_processes,
     )

@@ -159,7 +159,9 @@ def training_noise_scheduler(pipe, scheduler_class=DDPMScheduler, prediction_typ
 
 @contextlib.contextmanager
 def preserved_state(schedulers, modules):
-    """Restore the schedulers' attributes and every submodule's train/eval mode on exit."""
+    """Restore the schedulers' attributes (None where a pipeline has none) and every submodule's train/eval mode on
+    exit."""
+    schedulers = [scheduler for scheduler in schedulers if scheduler is not None]
     saved_schedulers = [copy.deepcopy(vars(scheduler)) for scheduler in schedulers]
     saved_modes = [(submodule, submodule.training) for module in modules for submodule in module.modules()]
     try:

@@ -27,7 +27,7 @@ TRAJECTORY_FREE_FLAGS = {
     "validation_prompt", "validation_image", "val_image_url", "num_validation_images", "validation_steps",
     "validation_epochs",
     "validation_inference_steps", "validation_height", "validation_width", "validation_sigma_rels",
-    "validation_num_frames", "validation_fps",
+    "validation_num_frames", "validation_fps", "validation_images",
     "validation_gen_length", "validation_temperature", "validation_use_chat_template",
     "checkpointing_steps", "checkpoints_total_limit",
     "resume_from_checkpoint", "resume_with_changed_args", "max_train_steps", "num_train_epochs",

@@ -41,7 +41,7 @@ from .checkpoint_folders import (CHECKPOINT_FORMAT, check_same_trained_tensors, 
                                  recorded_trajectory)
 from .manifest import write_manifest
 from .stop_signals import SIGNALS
-from .writing import failure_cause, give_normal_permissions
+from .writing import failure_cause, give_normal_permissions, save_model, saved_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,13 @@ class Checkpointer:
     ``export`` (`export.Export`) describes what the run trains and writes it as the final output does;
     ``ema`` is the `EMA` over its trained parameters and ``posthoc`` the `PostHocEMA`, or None. ``spellings``
     (`parser.ParsedArgs.spellings`) name a changed trajectory flag as the user typed it. Registers accelerate hooks
-    so ``save_state``/``load_state`` store these instead of whole models.
+    so ``save_state``/``load_state`` store these instead of whole models. ``companions`` (``{name: module}``) train
+    beside what ``export`` writes but are not the run's output (a GAN's discriminator): each is saved whole (its
+    buffers too) by ``save_pretrained`` into the checkpoint's ``<name>/`` and restored whole from it.
     """
 
     def __init__(self, accelerator, output_dir, export, ema=None, total_limit=None, posthoc=None,
-                 trajectory=None, allow_changed_trajectory=False, spellings=None):
+                 trajectory=None, allow_changed_trajectory=False, spellings=None, companions=None):
         self.accelerator = accelerator
         self.trajectory = trajectory or {}
         self.spellings = spellings or {}
@@ -76,6 +78,7 @@ class Checkpointer:
         self.parameters = trainable_parameters(export.trained)
         self.ema = ema
         self.posthoc = posthoc
+        self.companions = dict(companions or {})
         self.total_limit = total_limit
         self._saving_state = None
         self.loaded_state = None
@@ -245,6 +248,8 @@ class Checkpointer:
         if not self.accelerator.is_main_process:
             return
         self.export.save_checkpoint(output_dir)
+        for name, module in self.companions.items():
+            save_model(module, output_dir / name)
         state = dict(self._saving_state)
         if self.ema is not None:
             with self.ema.swapped_in():
@@ -300,6 +305,20 @@ class Checkpointer:
                 self.ema.load_state_dict({"shadows": shadows, "step": self.loaded_state["ema_step"]})
         if self.posthoc is not None:
             self.posthoc.load(input_dir / POSTHOC_FILE)
+        for name, module in self.companions.items():
+            self._load_companion(module, input_dir / name)
+
+    def _load_companion(self, module, folder):
+        """``module``'s whole state from ``folder``, as `_save_hook` wrote it; a checkpoint without it, or with other
+        tensors, is refused in one line."""
+        saved = saved_tensors(folder) if folder.is_dir() else {}
+        expected = module.state_dict()
+        if saved.keys() != expected.keys() or any(saved[key].shape != expected[key].shape for key in saved):
+            raise UsageError("--resume_from_checkpoint", str(folder),
+                             f"a checkpoint holding this run's {folder.name} whole (missing "
+                             f"{few(sorted(expected.keys() - saved.keys()), 3)}; unexpected "
+                             f"{few(sorted(saved.keys() - expected.keys()), 3)})")
+        module.load_state_dict(saved)
 
     def _checked(self, saved, where):
         """``saved`` if it holds exactly the trained parameters' names and shapes, else a one-line error."""
