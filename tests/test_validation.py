@@ -261,6 +261,8 @@ def test_a_render_scheduler_renders_in_place_of_the_pipelines_only_while_validat
                         generator=torch.Generator().manual_seed(7)).images[0]
     finally:
         pipe.scheduler = own
-    assert np.array_equal(rendered, np.asarray(expected))
+    # The same render, but some CPUs' kernels (seen on AMD EPYC) round a last bit by the data's alignment: a pixel
+    # level at most.
+    assert np.abs(rendered.astype(int) - np.asarray(expected).astype(int)).max() <= 1
     own_records = make_validator(pipe, accelerator, tmp_path / "own")(1)
     assert not np.array_equal(rendered, np.asarray(_open(tmp_path / "own", own_records[0]["images"][0])))
