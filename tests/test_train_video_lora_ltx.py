@@ -3,7 +3,9 @@
 6-frame clips are too short to be videos, left out with --skip_corrupt_images), the runs launched together:
 
 - full: 4 steps with EMA, validating 9-frame videos every 2 steps and at the end, checkpointing at step 2;
-- resumed: the full run resumed from its checkpoint-2.
+- resumed: the full run resumed from its checkpoint-2;
+- i2v: the image-to-video script, the stills left out too, validating from the first clip's first frame at its last
+  step.
 """
 
 import shutil
@@ -11,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from diffusers import LTXImageToVideoPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -19,6 +22,7 @@ from training_utils.data.video import probe
 from training_utils.testing import assert_lora_changes_pipeline_output, assert_same_files, assert_validated_at
 
 SCRIPT = "video/train_text_to_video_lora_ltx.py"
+I2V_SCRIPT = "video/train_image_to_video_lora_ltx.py"
 LORA = "pytorch_lora_weights.safetensors"
 PROMPT = "a red circle on a white background"
 
@@ -40,7 +44,10 @@ def full_run(tiny, output_dir, *extra):
 @launching
 def runs(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("ltx")
-    results = launch_together({"full": (SCRIPT, *full_run(tiny, root / "full", "--checkpointing_steps", 2))})
+    results = launch_together({
+        "full": (SCRIPT, *full_run(tiny, root / "full", "--checkpointing_steps", 2)),
+        "i2v": (I2V_SCRIPT, *full_run(tiny, root / "i2v", "--checkpointing_steps", 1000, "--validation_steps", 1000)),
+    })
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
     results.update(launch_together({"resumed": (SCRIPT, *common(
         tiny, root / "resumed", "--skip_corrupt_images", "--checkpointing_steps", 1000, "--resume_from_checkpoint",
@@ -94,3 +101,18 @@ def test_clips_too_short_for_the_vae_stop_the_run_naming_them(tiny, tmp_path):
     message = usage_error(SCRIPT, *common(tiny, tmp_path / "out"))
     assert message.startswith("error: --train_data_dir=") and "7 frames sampled, 9 needed" in message
     assert "6 frames sampled, 9 needed" in message and "(--skip_corrupt_images leaves them out)" in message
+
+
+def test_image_to_video_learns_the_frames_after_the_first_and_validates_from_an_image(tiny, runs, tmp_path):
+    output_dir, result = runs["i2v"]
+    assert "left out 1 one-frame clips (still images)" in result.stderr, result.stderr[-3000:]
+    log = assert_validated_at(output_dir, [4], ("raw", "ema"), [PROMPT], num_images=1)
+    assert probe(output_dir / log[0]["videos"][0])[0] == 9
+    first_frame = Image.open(output_dir / "validation" / "conditioning-p00.png")
+    assert first_frame.size == (32, 32)
+    assert "LTXImageToVideoPipeline" in (output_dir / "README.md").read_text()
+    # The released folder loads as either pipeline: the tiny one's copy, saved as the image-to-video one.
+    base = tmp_path / "ltx_i2v"
+    LTXImageToVideoPipeline.from_pretrained(tiny["ltx"]).save_pretrained(base)
+    assert_lora_changes_pipeline_output(base, output_dir, output_dir / "ema", prompt=PROMPT, atol=1e-7, num_frames=9,
+                                        max_sequence_length=16, guidance_scale=1.0, image=first_frame)
