@@ -116,3 +116,11 @@ def test_image_to_video_learns_the_frames_after_the_first_and_validates_from_an_
     LTXImageToVideoPipeline.from_pretrained(tiny["ltx"]).save_pretrained(base)
     assert_lora_changes_pipeline_output(base, output_dir, output_dir / "ema", prompt=PROMPT, atol=1e-7, num_frames=9,
                                         max_sequence_length=16, guidance_scale=1.0, image=first_frame)
+
+
+def test_a_validation_image_per_prompt_or_one_for_all_is_checked_before_anything_loads(tiny, tmp_path):
+    still = tiny["moving_shapes"] / "still.png"  # two images for three prompts
+    flags = ["--validation_prompt", "a", "b", "c", "--validation_image", still, still]
+    message = usage_error(I2V_SCRIPT, *common(tiny, tmp_path / "out", "--skip_corrupt_images", *flags))
+    assert message.startswith("error: --validation_image=[") and message.endswith(
+        "expected image files, one for every --validation_prompt or one for all")
