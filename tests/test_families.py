@@ -14,9 +14,8 @@ from diffusers import DiffusionPipeline
 
 import training_utils.families
 from training_utils.families import (chroma, cogvideox, cogview4, cosmos, flux, flux2, flux2_dev, flux_kontext,
-                                     hidream, ideogram4, krea2, ltx2, lumina2, qwen_image, qwen_image_edit, sana, sd,
-                                     sd3, sdxl, wan,
-                                     z_image)
+                                     hidream, ideogram4, krea2, ltx, ltx2, lumina2, qwen_image, qwen_image_edit, sana,
+                                     sd, sd3, sdxl, wan, z_image)
 from training_utils.data.buckets import size_multiple
 from training_utils.families.base import VideoGeometry
 from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily, VideoFamily
@@ -28,7 +27,7 @@ MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
            lumina2: "lumina2", hidream: "hidream", ideogram4: "ideogram4", wan: "wan21", flux_kontext: "flux_kontext",
            qwen_image_edit: "qwen_image_edit_plus", cogview4: "cogview4", cosmos: "cosmos_predict25",
-           cogvideox: "cogvideox", ltx2: "ltx2"}
+           cogvideox: "cogvideox", ltx2: "ltx2", ltx: "ltx"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 # Families whose rows are encoded at a shorter prompt length than their default in the test of rows: Ideogram 4's
 # default 2048 text positions through its encoder's 36 layers take most of a minute here.

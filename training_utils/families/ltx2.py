@@ -147,13 +147,10 @@ def training_noise_scheduler(pipe):
     return scheduler_from_pipeline(pipe, FlowMatchEulerDiscreteScheduler)
 
 
-def trained_denoisers(pipe, args):
-    """``{"transformer": transformer}``: LTX-2 has one."""
-    return {"transformer": pipe.transformer}
+trained_denoisers = base.only_transformer
 
 
-def step_denoiser(pipe, noise_scheduler, trained, seed, step):
-    return "transformer"
+step_denoiser = base.only_denoiser
 
 
 def sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser):
@@ -162,11 +159,4 @@ def sample_denoiser_timesteps(pipe, noise_scheduler, args, latents, denoiser):
     return sample_flow_matching_timesteps(noise_scheduler, args, latents)
 
 
-def load_adapter_lines(export, output_dir):
-    """The model card's lines that load the adapter of ``export`` from ``output_dir``: a LoRA or DoRA with
-    ``load_lora_weights``, any other adapter with peft."""
-    if export.kind == "peft":
-        return "\n".join(["from peft import PeftModel",
-                          f'PeftModel.from_pretrained(pipe.transformer, "{output_dir}/transformer")  '
-                          f'# or "{output_dir}/ema/transformer"'])
-    return f'pipe.load_lora_weights("{output_dir}")  # or "{output_dir}/ema" for the EMA adapter'
+load_adapter_lines = base.load_adapter_lines
