@@ -107,7 +107,8 @@ def test_a_too_short_clip_stops_the_run_or_is_left_out_never_trained_as_a_still(
     assert message.startswith("error: --train_data_dir=") and "short.mp4 (too short: 5 frames sampled, 9 needed)" \
         in message
     args = argparse.Namespace(train_data_dir=str(short_clip_data), dataset_name=None, max_train_samples=None,
-                              frame_rate=None, frame_stride=None, num_frames=17, skip_corrupt_images=True)
+                              frame_rate=None, frame_stride=None, num_frames=17, skip_corrupt_images=True,
+                              frame_buckets=None, frame_extraction="head", frame_extraction_stride=None)
     clips = find_clips(args, ltx2.VIDEO)
     assert sorted((clip.name.rsplit("/", 1)[1], len(clip.indices)) for clip in clips) == [
         ("00.mp4", 17), ("01.mp4", 9), ("02.mp4", 9), ("still.png", 1)]

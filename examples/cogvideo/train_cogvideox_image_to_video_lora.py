@@ -76,7 +76,7 @@ def parse_args(argv=None):
     parser = training_parser(__doc__.splitlines()[0], validation_inference_steps=50, resolution=480,
                              tracker_project_name="cogvideox-i2v-lora")
     add_lora_args(parser, CogVideoXImageToVideoPipeline)
-    add_video_args(parser, CogVideoXImageToVideoPipeline)
+    add_video_args(parser, CogVideoXImageToVideoPipeline, num_frames=49)  # upstream's --max_num_frames default
     add_video_list_args(parser, video_reshape_mode=None)
     cogvideox.add_args(parser)
     add_lora_layers_arg(parser, LORA_LAYERS, "transformer_blocks.0.attn1.to_q")
