@@ -12,8 +12,9 @@ import torch
 from diffusers import DiffusionPipeline
 
 import training_utils.families
-from training_utils.families import (chroma, cogview4, flux, flux2, flux2_dev, flux_kontext, hidream, ideogram4,
-                                     krea2, lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, wan, z_image)
+from training_utils.families import (chroma, cogview4, flux, flux2, flux2_dev, flux_kontext, hidream,
+                                     hunyuan_video15, ideogram4, krea2, lumina2, qwen_image, qwen_image_edit, sana,
+                                     sd, sd3, sdxl, wan, z_image)
 from training_utils.data.buckets import size_multiple
 from training_utils.families.base import VideoGeometry
 from training_utils.families.protocol import OPTIONAL, EditFamily, ImageFamily, VideoFamily
@@ -24,7 +25,7 @@ from training_utils.pipeline import from_pretrained
 MODULES = {sd: "sd", sdxl: "sdxl", sd3: "sd3", flux: "flux", flux2: "flux2_klein", z_image: "z_image",
            qwen_image: "qwen_image", chroma: "chroma", flux2_dev: "flux2_dev", krea2: "krea2", sana: "sana",
            lumina2: "lumina2", hidream: "hidream", ideogram4: "ideogram4", wan: "wan21", flux_kontext: "flux_kontext",
-           qwen_image_edit: "qwen_image_edit_plus", cogview4: "cogview4"}
+           qwen_image_edit: "qwen_image_edit_plus", cogview4: "cogview4", hunyuan_video15: "hunyuan_video15"}
 PROMPTS = ["a photo of sks triangle", "a purple triangle on a white background", ""]
 # Families whose rows are encoded at a shorter prompt length than their default in the test of rows: Ideogram 4's
 # default 2048 text positions through its encoder's 36 layers take most of a minute here.

@@ -8,7 +8,7 @@ and saved with ``save_pretrained``, so the scripts load it exactly as they load 
 
 Each family's pipelines are built in a module of their own (`sd`, `sdxl`, `sd3`, `flux` (with Kontext), `flux2`,
 `z_image`, `qwen_image`, `qwen_image_edit`, `chroma`, `flux2_dev`, `krea2`, `sana`, `lumina2`, `hidream`, `ideogram4`,
-`wan`, `cogview4`, `ddpm`: the unconditional DDPM, pixel space, `kandinsky2_2`: its decoder and prior, `amused`:
+`wan`, `hunyuan_video15`, `cogview4`, `ddpm`: the unconditional DDPM, pixel space, `kandinsky2_2`: its decoder and prior, `amused`:
 aMUSEd's masked tokens) from the shared building blocks of `parts` (offline tokenizers, text encoders, a VAE, a UNet);
 the datasets are `data`'s and `video`'s (and `ddpm`'s image classes).
 Two fixtures are not random: `sd`'s ``sd_pretrained``, a tiny SD 1.x trained on the shapes (by `pretrain`), and
@@ -20,13 +20,13 @@ line below.
 import argparse
 from pathlib import Path
 
-from . import (amused, chroma, cogview4, data, ddpm, flux, flux2, flux2_dev, hidream, ideogram4, kandinsky2_2, krea2,
-               lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, video, wan, z_image)
+from . import (amused, chroma, cogview4, data, ddpm, flux, flux2, flux2_dev, hidream, hunyuan_video15, ideogram4,
+               kandinsky2_2, krea2, lumina2, qwen_image, qwen_image_edit, sana, sd, sd3, sdxl, video, wan, z_image)
 
 FIXTURES = {**sd.FIXTURES, **sdxl.FIXTURES, **sd3.FIXTURES, **flux.FIXTURES, **flux2.FIXTURES, **z_image.FIXTURES,
             **qwen_image.FIXTURES, **qwen_image_edit.FIXTURES, **chroma.FIXTURES, **flux2_dev.FIXTURES,
             **krea2.FIXTURES, **sana.FIXTURES, **lumina2.FIXTURES, **hidream.FIXTURES, **ideogram4.FIXTURES,
-            **wan.FIXTURES, **cogview4.FIXTURES, **ddpm.FIXTURES, **kandinsky2_2.FIXTURES, **amused.FIXTURES,
+            **wan.FIXTURES, **hunyuan_video15.FIXTURES, **cogview4.FIXTURES, **ddpm.FIXTURES, **kandinsky2_2.FIXTURES, **amused.FIXTURES,
             **data.FIXTURES, **video.FIXTURES}
 
 
