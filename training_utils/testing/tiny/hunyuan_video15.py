@@ -66,7 +66,7 @@ def shared_components(task_type):
     return {**tiny_text_encoders(), "vae": tiny_hunyuan_video15_vae(),
             "transformer": tiny_hunyuan_video15_transformer(task_type),
             "scheduler": FlowMatchEulerDiscreteScheduler(shift=7.0),
-            "guider": ClassifierFreeGuidance(guidance_scale=6.0)}
+            "guider": ClassifierFreeGuidance(guidance_scale=1.0)}
 
 
 def hunyuan_video15_pipeline():
