@@ -147,6 +147,8 @@ def test_the_prediction_of_the_inputs_layout_is_read_in_the_latents_layout(famil
         batch, channels, height, width = model_input.shape
         model_input = -model_input.reshape(batch, channels, height // 2, 2, width // 2, 2).permute(
             0, 1, 2, 4, 3, 5).reshape(batch, channels, height * width // 4, 4)
+    if module is hunyuan_video15:  # its input carries a condition and its mask after the latents' channels
+        model_input = model_input[:, :latents.shape[1]]
     assert torch.equal(module.prediction(pipe, model_input, latents), latents)
 
 
