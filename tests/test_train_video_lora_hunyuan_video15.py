@@ -11,6 +11,7 @@ card says.
 """
 
 import functools
+import json
 import shutil
 
 import numpy as np
@@ -148,4 +149,31 @@ def test_a_clip_too_short_for_a_frame_bucket_is_named_before_anything_loads(tiny
     message = usage_error(SCRIPT, *args)
     assert message.startswith(f"error: --train_data_dir={str(data_dir)!r}: expected readable videos of 5 frames")
     assert f"{data_dir / 'short.mp4'} (too short: 3 frames sampled, 5 needed)" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    (SCRIPT, ["--validation_guidance_scale", 5], "--validation_guidance_scale=5.0: expected none: "
+     "HunyuanVideo15Pipeline takes its guidance from its guider component (guider/config.json's guidance_scale)"),
+    (I2V_SCRIPT, ["--validation_height", 32], "--validation_height/--validation_width='32/None': expected none: the "
+     "pipeline renders at the size its transformer's target_size picks for the validation image's aspect ratio"),
+])
+def test_validation_settings_the_pipelines_do_not_take_fail_in_one_line(tiny, tmp_path, script, flags, message):
+    model = "hunyuan_video15" if script == SCRIPT else "hunyuan_video15_i2v"
+    assert usage_error(script, *common(tiny, tmp_path / "out", *flags, model=model)) == f"error: {message}"
+
+
+def test_a_model_the_scripts_do_not_train_is_refused_before_anything_loads(tiny, tmp_path):
+    text_to_video = str(tiny["hunyuan_video15"])
+    message = usage_error(I2V_SCRIPT, *common(tiny, tmp_path / "out"))
+    assert message == (f"error: --pretrained_model_name_or_path={text_to_video!r}: expected a "
+                       "HunyuanVideo15ImageToVideoPipeline (it is a HunyuanVideo15Pipeline)")
+    distilled = tmp_path / "distilled"
+    shutil.copytree(text_to_video, distilled)
+    config_file = distilled / "transformer" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "use_meanflow": True}))
+    args = common(tiny, tmp_path / "out")
+    args[args.index("--pretrained_model_name_or_path") + 1] = distilled
+    assert usage_error(SCRIPT, *args).startswith(f"error: --pretrained_model_name_or_path={str(distilled)!r}: "
+                                                 "expected a transformer trained by flow matching (its use_meanflow")
     assert not (tmp_path / "out").exists()
