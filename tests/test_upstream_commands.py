@@ -789,6 +789,10 @@ WITHOUT_UPSTREAM_TESTS = {"amused/train_amused.py": "upstream has no test for it
                           "video/train_text_to_video_lora_ltx2.py": "upstream has no LTX-2 training script",
                           "video/train_image_to_video_lora_ltx.py": "upstream has no LTX-Video training script",
                           "video/train_text_to_video_lora_ltx.py": "upstream has no LTX-Video training script",
+                          "video/train_text_to_video_lora_hunyuan_video15.py":
+                              "upstream has no HunyuanVideo 1.5 training script",
+                          "video/train_image_to_video_lora_hunyuan_video15.py":
+                              "upstream has no HunyuanVideo 1.5 training script",
                           "dreambooth/train_dreambooth_lora_qwen_image_edit.py":
                               "upstream has no Qwen-Image-Edit script",
                           "controlnet/train_controlnet_z_image.py": "upstream has no Z-Image ControlNet script",
