@@ -149,7 +149,10 @@ def test_every_script_compiles_its_trained_model_after_its_last_change_and_befor
     model = call.group(1)
     # After its adapter, casting and gradient checkpointing; before DDP may wrap it.
     # (Gradient checkpointing where the script has it: Kandinsky's prior refuses --gradient_checkpointing.)
-    checkpointing = [] if '"--gradient_checkpointing":' in source else [f"{model}.enable_gradient_checkpointing()"]
+    # (A transformers model, LLaDA2's, names it gradient_checkpointing_enable.)
+    checkpointing = [] if '"--gradient_checkpointing":' in source else [
+        next((call for call in (f"{model}.enable_gradient_checkpointing()", f"{model}.gradient_checkpointing_enable()")
+              if call in source), f"{model}.enable_gradient_checkpointing()")]
     for before in ("prepare_components(", *checkpointing):
         assert source.index(before) < call.start(), (script.name, before)
     prepared = source.index("= prepare_trained(accelerator, trained, ")
