@@ -116,6 +116,12 @@ def max_sequence_length(pipe, args, method="encode_prompt"):
     return args.max_sequence_length or default
 
 
+def call_length_settings(pipe, args):
+    """What ``pipe.encode_prompt`` runs with everywhere, where the pipeline's ``__call__`` passes it a length of its
+    own: that ``max_sequence_length``, or ``--max_sequence_length``."""
+    return {"max_sequence_length": max_sequence_length(pipe, args, "__call__")}
+
+
 def prompt_length_settings(pipe, args):
     """What ``pipe.encode_prompt`` runs with, in training, validation and class images alike, where the prompt's
     length is all there is to set: ``--max_sequence_length``, or where unset the method's own default."""

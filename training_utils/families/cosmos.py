@@ -202,10 +202,7 @@ class PassThroughSafetyChecker:
         return video
 
 
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with everywhere: the ``max_sequence_length`` the pipeline's ``__call__``
-    passes it (512), or ``--max_sequence_length``."""
-    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__")}
+prompt_settings = base.call_length_settings  # the pipeline's 512 tokens by default
 
 
 def prompt_dependencies(pipe, settings):

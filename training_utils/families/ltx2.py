@@ -78,10 +78,7 @@ def check_args(args):
             args.max_sequence_length, f"a multiple of {registers} (the text connectors' learnable registers)")
 
 
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with everywhere: the ``max_sequence_length`` the pipeline's ``__call__``
-    passes it (1024), or ``--max_sequence_length``."""
-    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__")}
+prompt_settings = base.call_length_settings  # the pipeline's 1024 tokens by default
 
 
 def prompt_dependencies(pipe, settings):

@@ -93,10 +93,7 @@ def video_geometry(args):
                           size_multiple=spatial * PATCH)
 
 
-def prompt_settings(pipe, args):
-    """What ``pipe.encode_prompt`` runs with everywhere: the ``max_sequence_length`` the pipeline's ``__call__``
-    passes it (512), or ``--max_sequence_length``."""
-    return {"max_sequence_length": base.max_sequence_length(pipe, args, "__call__")}
+prompt_settings = base.call_length_settings  # the pipeline's 512 tokens by default
 
 
 def prompt_dependencies(pipe, settings):
