@@ -146,6 +146,17 @@ def stacked(rows, part):
     return torch.stack([row[part] for row in rows])
 
 
+def prompt_embeds(pipe, prompts, device, settings):
+    """``(prompt_embeds,)`` of ``pipe.encode_prompt``, one row per prompt (no negative prompt: that is
+    validation's)."""
+    return pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device, **settings)[:1]
+
+
+def embeds_text_inputs(rows):
+    """The model's text input for a batch whose rows are ``(prompt_embeds,)``."""
+    return {"encoder_hidden_states": stacked(rows, 0)}
+
+
 def masked_text_inputs(rows):
     """The transformer's text inputs for a batch whose rows are ``(embeddings, attention mask)``."""
     return {"encoder_hidden_states": stacked(rows, 0), "encoder_attention_mask": stacked(rows, 1)}

@@ -31,7 +31,7 @@ from diffusers import CogVideoXDPMScheduler
 
 from . import base
 from ..errors import require
-from .base import VideoGeometry, stacked
+from .base import VideoGeometry
 from .layout import Family
 
 # ComfyUI has no CogVideoX model of its own (its wrappers load diffusers' files): diffusers' layout only.
@@ -102,14 +102,10 @@ def prompt_dependencies(pipe, settings):
     return [encode_prompts, pipe.tokenizer, settings]
 
 
-def encode_prompts(pipe, prompts, device, settings):
-    """``(prompt_embeds,)`` of ``pipe.encode_prompt``, one row per prompt (no negative prompt: that is
-    validation's)."""
-    return pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device, **settings)[:1]
+encode_prompts = base.prompt_embeds
 
 
-def text_inputs(rows):
-    return {"encoder_hidden_states": stacked(rows, 0)}
+text_inputs = base.embeds_text_inputs
 
 
 def padded_to_patches(pipe, latents):

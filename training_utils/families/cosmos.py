@@ -27,7 +27,7 @@ from diffusers.models.transformers import transformer_cosmos
 
 from . import base
 from ..errors import require
-from .base import VideoGeometry, stacked
+from .base import VideoGeometry
 from .layout import Family
 
 FAMILY = Family("cosmos", "Cosmos Predict 2.5", ("Cosmos2_5_PredictBasePipeline",), "transformer")
@@ -217,8 +217,7 @@ def encode_prompts(pipe, prompts, device, settings):
     return (torch.where(empty[:, None, None], torch.zeros_like(embeds), embeds),)
 
 
-def text_inputs(rows):
-    return {"encoder_hidden_states": stacked(rows, 0)}
+text_inputs = base.embeds_text_inputs
 
 
 def training_noise_scheduler(pipe):

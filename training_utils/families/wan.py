@@ -29,7 +29,7 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from . import base
 from ..errors import require
 from ..flow_matching import sample_flow_matching_timesteps
-from .base import VideoGeometry, stacked
+from .base import VideoGeometry
 from .layout import Family, Rename
 
 BLOCKS = r"blocks\.(\d+)\."
@@ -100,14 +100,10 @@ def prompt_dependencies(pipe, settings):
     return [encode_prompts, pipe.tokenizer, settings]
 
 
-def encode_prompts(pipe, prompts, device, settings):
-    """``(prompt_embeds,)`` of ``pipe.encode_prompt``, one row per prompt (no negative prompt: that is
-    validation's)."""
-    return pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device, **settings)[:1]
+encode_prompts = base.prompt_embeds
 
 
-def text_inputs(rows):
-    return {"encoder_hidden_states": stacked(rows, 0)}
+text_inputs = base.embeds_text_inputs
 
 
 def model_inputs(pipe, noisy_latents, timesteps, text, frame_rate=None):
